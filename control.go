@@ -1,0 +1,357 @@
+package diffusionrouter
+
+import (
+	"cmp"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+// controlMux routes the endpoints the router answers itself, with the
+// shapes of the Python sglang-diffusion router and of miles' router API.
+// Every other path goes to a worker.
+func (h *Handler) controlMux() *http.ServeMux {
+	mux := http.NewServeMux()
+	routes := []struct {
+		pattern string
+		handler http.HandlerFunc
+	}{
+		{"GET /health", h.serveHealth},
+		{"GET /workers", h.serveWorkers},
+		{"POST /workers", h.admin(h.serveAddWorker)},
+		{"GET /workers/{id...}", h.serveWorker},
+		{"PUT /workers/{id...}", h.admin(h.serveUpdateWorker)},
+		{"DELETE /workers/{id...}", h.admin(h.serveDeleteWorker)},
+		{"POST /add_worker", h.admin(h.serveAddWorker)},
+		{"POST /remove_worker", h.admin(h.serveRemoveWorker)},
+		{"GET /list_workers", h.serveListWorkers},
+		{"GET /v1/models", h.serveModels},
+	}
+	paths := map[string]bool{}
+	for _, rt := range routes {
+		mux.HandleFunc(rt.pattern, rt.handler)
+		_, path, _ := strings.Cut(rt.pattern, " ")
+		paths[path] = true
+	}
+	// Any other method on a control path is refused here rather than sent
+	// to a worker that would not know the path either.
+	for path := range paths {
+		mux.HandleFunc(path, serveMethodNotAllowed)
+	}
+	return mux
+}
+
+func serveMethodNotAllowed(w http.ResponseWriter, r *http.Request) {
+	_ = writeError(w, http.StatusMethodNotAllowed, fmt.Sprintf("method %s is not allowed on %s", r.Method, r.URL.Path))
+}
+
+// admin wraps an endpoint that changes the fleet: only clients in
+// admin_allow, or with the admin token, may call it.
+func (h *Handler) admin(next http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if !h.trusted(r) {
+			h.logger.Warn("refused control call", zap.String("path", r.URL.Path), zap.String("client", clientIP(r)))
+			_ = writeError(w, http.StatusForbidden, "control endpoints need a client address in admin_allow or a valid admin token")
+			return
+		}
+		next(w, r)
+	}
+}
+
+// trusted reports whether r may change the fleet.
+func (h *Handler) trusted(r *http.Request) bool {
+	if h.token != "" {
+		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		if ok && subtle.ConstantTimeCompare([]byte(got), []byte(h.token)) == 1 {
+			return true
+		}
+	}
+	addr, err := netip.ParseAddr(clientIP(r))
+	if err != nil {
+		return false
+	}
+	addr = addr.Unmap()
+	for _, p := range h.allow {
+		if p.Contains(addr) {
+			return true
+		}
+	}
+	return false
+}
+
+// clientIP is the client address as Caddy determined it, which honours the
+// server's trusted_proxies setting.
+func clientIP(r *http.Request) string {
+	if ip, ok := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ok && ip != "" {
+		return ip
+	}
+	host, _, _ := strings.Cut(r.RemoteAddr, ":")
+	return host
+}
+
+// workerJSON is a worker as the Python router shows it, plus the state this
+// router adds.
+type workerJSON struct {
+	WorkerID            string   `json:"worker_id"`
+	DisplayID           string   `json:"display_id"`
+	URL                 string   `json:"url"`
+	ActiveRequests      int      `json:"active_requests"`
+	IsDead              bool     `json:"is_dead"`
+	IsSleeping          bool     `json:"is_sleeping"`
+	ConsecutiveFailures int      `json:"consecutive_failures"`
+	VideoSupport        *bool    `json:"video_support"`
+	State               string   `json:"state"`
+	Source              string   `json:"source"`
+	TaskTypes           []string `json:"task_types"`
+	RequestsServed      uint64   `json:"requests_served"`
+	Failures            uint64   `json:"failures"`
+}
+
+func newWorkerJSON(w WorkerInfo) workerJSON {
+	state := "serving"
+	switch {
+	case w.Dead:
+		state = "dead"
+	case w.Sleeping:
+		state = "sleeping"
+	}
+	source := "config"
+	if w.Registered {
+		source = "registered"
+	}
+	u, _ := url.Parse(w.URL)
+	return workerJSON{
+		WorkerID:            url.QueryEscape(w.URL),
+		DisplayID:           u.Host,
+		URL:                 w.URL,
+		ActiveRequests:      w.Inflight,
+		IsDead:              w.Dead,
+		IsSleeping:          w.Sleeping,
+		ConsecutiveFailures: w.ConsecFails,
+		VideoSupport:        w.VideoSupport,
+		State:               state,
+		Source:              source,
+		TaskTypes:           w.TaskTypes,
+		RequestsServed:      w.Served,
+		Failures:            w.Failures,
+	}
+}
+
+func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
+	var healthy, dead, sleeping int
+	workers := h.pool.snapshot()
+	for _, wk := range workers {
+		switch {
+		case wk.Dead:
+			dead++
+		case wk.Sleeping:
+			sleeping++
+		default:
+			healthy++
+		}
+	}
+	status, code := "healthy", http.StatusOK
+	if healthy == 0 {
+		status, code = "unhealthy", http.StatusServiceUnavailable
+	}
+	_ = writeJSON(w, code, map[string]any{
+		"status":           status,
+		"healthy_workers":  healthy,
+		"total_workers":    len(workers),
+		"dead_workers":     dead,
+		"sleeping_workers": sleeping,
+	})
+}
+
+func (h *Handler) serveWorkers(w http.ResponseWriter, _ *http.Request) {
+	workers := h.pool.snapshot()
+	out := make([]workerJSON, len(workers))
+	for i, wk := range workers {
+		out[i] = newWorkerJSON(wk)
+	}
+	_ = writeJSON(w, http.StatusOK, map[string]any{"workers": out})
+}
+
+func (h *Handler) serveListWorkers(w http.ResponseWriter, _ *http.Request) {
+	workers := h.pool.snapshot()
+	urls := make([]string, len(workers))
+	for i, wk := range workers {
+		urls[i] = wk.URL
+	}
+	_ = writeJSON(w, http.StatusOK, map[string]any{"urls": urls})
+}
+
+// serveAddWorker registers a worker named by ?url=, ?worker_url= or a JSON
+// body {"url"} / {"worker_url"}, and learns what it can generate.
+func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
+	raw, err := workerURLFrom(r)
+	if err != nil {
+		_ = writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	info, created, err := h.pool.register(raw)
+	if err != nil {
+		_ = writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if created {
+		h.logger.Info("worker registered", zap.String("worker", info.URL))
+		h.probe(r.Context(), info.URL)
+		info, _ = h.pool.worker(info.URL)
+	}
+	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker": newWorkerJSON(info)})
+}
+
+// workerURLFrom reads a worker URL from the query or the JSON body.
+func workerURLFrom(r *http.Request) (string, error) {
+	q := r.URL.Query()
+	if u := cmp.Or(q.Get("url"), q.Get("worker_url")); u != "" {
+		return u, nil
+	}
+	var body struct {
+		URL       string `json:"url"`
+		WorkerURL string `json:"worker_url"`
+	}
+	if err := decodeJSONBody(r, &body); err != nil {
+		return "", err
+	}
+	if u := cmp.Or(body.URL, body.WorkerURL); u != "" {
+		return u, nil
+	}
+	return "", errors.New("worker_url is required (use query ?url=... or JSON body)")
+}
+
+// maxControlBody bounds the JSON bodies of control calls.
+const maxControlBody = 1 << 20
+
+// decodeJSONBody decodes an optional JSON object body into v.
+func decodeJSONBody(r *http.Request, v any) error {
+	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
+	if err != nil {
+		return fmt.Errorf("reading body: %v", err)
+	}
+	if len(strings.TrimSpace(string(body))) == 0 {
+		return nil
+	}
+	if !json.Valid(body) {
+		return errors.New("Invalid JSON body")
+	}
+	if strings.TrimSpace(string(body))[0] != '{' {
+		return errors.New("Request body must be a JSON object")
+	}
+	if err := json.Unmarshal(body, v); err != nil {
+		return fmt.Errorf("invalid field: %v", err)
+	}
+	return nil
+}
+
+// workerFromPath finds the worker named by /workers/{id}, answering the
+// client itself when there is none.
+func (h *Handler) workerFromPath(w http.ResponseWriter, r *http.Request) (WorkerInfo, bool) {
+	u, err := normalizeWorkerURL(r.PathValue("id"))
+	if err != nil {
+		_ = writeError(w, http.StatusBadRequest, err.Error())
+		return WorkerInfo{}, false
+	}
+	info, ok := h.pool.worker(u)
+	if !ok {
+		_ = writeError(w, http.StatusNotFound, "Worker not found")
+	}
+	return info, ok
+}
+
+func (h *Handler) serveWorker(w http.ResponseWriter, r *http.Request) {
+	if info, ok := h.workerFromPath(w, r); ok {
+		_ = writeJSON(w, http.StatusOK, map[string]any{"worker": newWorkerJSON(info)})
+	}
+}
+
+// serveUpdateWorker takes {"is_dead": bool} to hold a worker back or let it
+// serve again, and {"refresh_video_support": true} to probe it anew.
+func (h *Handler) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
+	info, ok := h.workerFromPath(w, r)
+	if !ok {
+		return
+	}
+	var update map[string]json.RawMessage
+	if err := decodeJSONBody(r, &update); err != nil {
+		_ = writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	isDead, refresh, err := parseWorkerUpdate(update)
+	if err != nil {
+		_ = writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if isDead != nil {
+		info, _ = h.pool.setDead(info.URL, *isDead)
+		h.logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead))
+	}
+	if refresh {
+		h.probe(r.Context(), info.URL)
+		info, _ = h.pool.worker(info.URL)
+	}
+	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker": newWorkerJSON(info)})
+}
+
+// parseWorkerUpdate checks a PUT /workers/{id} body field by field, as the
+// Python router does.
+func parseWorkerUpdate(update map[string]json.RawMessage) (isDead *bool, refresh bool, err error) {
+	if len(update) == 0 {
+		return nil, false, errors.New("At least one field is required: is_dead, refresh_video_support")
+	}
+	for field, raw := range update {
+		var v bool
+		if json.Unmarshal(raw, &v) != nil {
+			return nil, false, fmt.Errorf("%s must be a boolean", field)
+		}
+		switch field {
+		case "is_dead":
+			isDead = &v
+		case "refresh_video_support":
+			refresh = v
+		default:
+			return nil, false, fmt.Errorf("Unsupported fields: %s", field)
+		}
+	}
+	return isDead, refresh, nil
+}
+
+func (h *Handler) serveDeleteWorker(w http.ResponseWriter, r *http.Request) {
+	if info, ok := h.workerFromPath(w, r); ok {
+		h.removeWorker(w, info.URL)
+	}
+}
+
+// serveRemoveWorker is miles' POST /remove_worker?url=.
+func (h *Handler) serveRemoveWorker(w http.ResponseWriter, r *http.Request) {
+	raw, err := workerURLFrom(r)
+	if err != nil {
+		_ = writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	u, err := normalizeWorkerURL(raw)
+	if err != nil {
+		_ = writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	h.removeWorker(w, u)
+}
+
+func (h *Handler) removeWorker(w http.ResponseWriter, workerURL string) {
+	if !h.pool.remove(workerURL) {
+		_ = writeError(w, http.StatusNotFound, "Worker not found")
+		return
+	}
+	h.logger.Info("worker removed", zap.String("worker", workerURL))
+	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker_id": url.QueryEscape(workerURL)})
+}

@@ -1,0 +1,384 @@
+// Package diffusionrouter turns Caddy into the front door of a diffusion
+// rollout cluster: it spreads image and video generation requests over
+// sglang-diffusion workers, keeps video job polls on the worker that made
+// the job, and answers the control API of the Python sglang-diffusion
+// router and of miles, so their clients work unchanged.
+//
+// Three modules share one named pool of workers, kept across config
+// reloads: the handler diffusion_router (control endpoints, request
+// bookkeeping), the reverse_proxy selection policy `diffusion` (which worker
+// serves) and the reverse_proxy upstream source `diffusion` (which workers
+// exist now). The Caddyfile directive diffusion_router expands into the
+// handler followed by Caddy's own reverse_proxy wired to both.
+package diffusionrouter
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"net/netip"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+func init() {
+	caddy.RegisterModule(Handler{})
+}
+
+// Defaults for options a config leaves out.
+const (
+	defaultPoolName = "default"
+	defaultMaxBody  = 64 << 20
+	probeTimeout    = 5 * time.Second
+	// reprobeInterval keeps an unreachable worker from being probed on
+	// every video request.
+	reprobeInterval = 5 * time.Second
+)
+
+// defaultAdminAllow trusts only the machine the router runs on.
+var defaultAdminAllow = []string{"127.0.0.0/8", "::1/128"}
+
+// Handler is the HTTP handler diffusion_router. It answers the control
+// endpoints (worker registration, health, model list) itself, and prepares
+// every other request for the reverse_proxy that follows it: a ticket that
+// says which workers may serve the request, a bounded request body, and
+// afterwards the release of the worker and a JSON error where the proxy
+// failed.
+type Handler struct {
+	// Pool names the worker pool shared with `lb_policy diffusion` and
+	// `dynamic diffusion`. Default: "default".
+	Pool string `json:"pool,omitempty"`
+
+	// Workers are the worker URLs the config lists. Workers can also join
+	// at run time through POST /workers.
+	Workers []string `json:"workers,omitempty"`
+
+	// Policy is the routing strategy: least_request (default),
+	// round_robin or random.
+	Policy string `json:"policy,omitempty"`
+
+	// MaxBody is the largest request body accepted, in bytes. Default 64 MiB.
+	MaxBody int64 `json:"max_body,omitempty"`
+
+	// AdminAllow lists the client networks (CIDR or single address) that
+	// may call the endpoints that change the fleet. Default: loopback.
+	AdminAllow []string `json:"admin_allow,omitempty"`
+
+	// AdminToken, when set, also admits a control call that carries
+	// "Authorization: Bearer <token>". Placeholders such as {env.VAR} are
+	// expanded when the config loads.
+	AdminToken string `json:"admin_token,omitempty"`
+
+	// UpstreamTimeout bounds a whole proxied exchange with a worker. Default:
+	// none, because a video can take many minutes.
+	UpstreamTimeout caddy.Duration `json:"upstream_timeout,omitempty"`
+
+	pool     *Pool
+	strategy strategy
+	allow    []netip.Prefix
+	token    string
+	control  *http.ServeMux
+	client   *http.Client
+	logger   *zap.Logger
+}
+
+// CaddyModule returns the Caddy module information.
+func (Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.diffusion_router",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+// Provision checks the options and attaches the handler to its pool. It
+// starts nothing and dials nobody, so `caddy validate` is free of effects.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+	if err := h.parseOptions(); err != nil {
+		return err
+	}
+	p, err := loadPool(h.Pool)
+	if err != nil {
+		return err
+	}
+	h.pool = p
+	h.pool.declare(h.Workers)
+	h.client = &http.Client{Timeout: probeTimeout}
+	h.control = h.controlMux()
+	return nil
+}
+
+// parseOptions fills in defaults and turns option strings into the values
+// the handler works with.
+func (h *Handler) parseOptions() error {
+	if h.Pool == "" {
+		h.Pool = defaultPoolName
+	}
+	if h.Policy == "" {
+		h.Policy = defaultStrategy
+	}
+	var ok bool
+	if h.strategy, ok = strategies[h.Policy]; !ok {
+		return fmt.Errorf("unknown policy %q (want one of %s)", h.Policy, strategyNames())
+	}
+	if h.MaxBody == 0 {
+		h.MaxBody = defaultMaxBody
+	}
+	if h.MaxBody < 0 {
+		return fmt.Errorf("max_body must be positive, got %d", h.MaxBody)
+	}
+	if h.UpstreamTimeout < 0 {
+		return fmt.Errorf("upstream_timeout must not be negative")
+	}
+	for i, raw := range h.Workers {
+		u, err := normalizeWorkerURL(raw)
+		if err != nil {
+			return fmt.Errorf("worker %q: %v", raw, err)
+		}
+		h.Workers[i] = u
+	}
+	allow := h.AdminAllow
+	if len(allow) == 0 {
+		allow = defaultAdminAllow
+	}
+	prefixes, err := parsePrefixes(allow)
+	if err != nil {
+		return err
+	}
+	h.allow = prefixes
+	if h.AdminToken != "" {
+		h.token = caddy.NewReplacer().ReplaceAll(h.AdminToken, "")
+		if h.token == "" {
+			return fmt.Errorf("admin_token %q expands to an empty token", h.AdminToken)
+		}
+	}
+	return nil
+}
+
+// parsePrefixes reads CIDRs and single addresses.
+func parsePrefixes(list []string) ([]netip.Prefix, error) {
+	out := make([]netip.Prefix, 0, len(list))
+	for _, s := range list {
+		if p, err := netip.ParsePrefix(s); err == nil {
+			out = append(out, p.Masked())
+			continue
+		}
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return nil, fmt.Errorf("admin_allow: %q is neither a CIDR nor an IP address", s)
+		}
+		out = append(out, netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()))
+	}
+	return out, nil
+}
+
+// Cleanup withdraws the config's workers and lets go of the pool.
+func (h *Handler) Cleanup() error {
+	if h.pool == nil {
+		return nil
+	}
+	h.pool.undeclare(h.Workers)
+	h.client.CloseIdleConnections()
+	releasePool(h.Pool)
+	return nil
+}
+
+// ServeHTTP answers control endpoints and sends everything else on to the
+// reverse_proxy that follows.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	if handler, pattern := h.control.Handler(r); pattern != "" {
+		handler.ServeHTTP(w, r)
+		return nil
+	}
+	return h.forward(w, r, next)
+}
+
+// forward proxies a request to a worker through next, holding a ticket that
+// the selection policy fills in, and releases the worker when the response
+// has been written.
+func (h *Handler) forward(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	t, status, msg := h.ticketFor(r)
+	if status != 0 {
+		return writeError(w, status, msg)
+	}
+	if status, msg := h.limitBody(w, r); status != 0 {
+		return writeError(w, status, msg)
+	}
+
+	ctx := withTicket(r.Context(), t)
+	if h.UpstreamTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
+		defer cancel()
+	}
+	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	videoCreate := r.Method == http.MethodPost && r.URL.Path == "/v1/videos"
+	if videoCreate {
+		rec.peekLimit = maxVideoResponsePeek
+	}
+
+	err := next.ServeHTTP(rec, r.WithContext(ctx))
+	h.pool.release(t, err == nil && rec.status != http.StatusBadGateway && rec.status != http.StatusServiceUnavailable)
+
+	if err == nil {
+		h.rememberVideoJob(r, t, rec, videoCreate)
+		return nil
+	}
+	if rec.status != 0 {
+		return err // the response has begun; Caddy logs the error
+	}
+	return h.proxyError(ctx, w, t, err)
+}
+
+// ticketFor works out which workers may serve r. A non-zero status means r
+// must be refused with that status and message.
+func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
+	t := &ticket{pool: h.pool, strategy: h.strategy, job: true}
+	id, isJobPath := videoJobID(r.URL.Path)
+	switch {
+	case isJobPath:
+		worker, ok := h.pool.videos.worker(id)
+		if !ok {
+			return nil, http.StatusNotFound, "Unknown video_id"
+		}
+		t.pin, t.job = worker, false
+	case r.URL.Path == "/v1/videos":
+		t.video = true
+		t.job = r.Method == http.MethodPost
+		h.probeUnknown(r.Context())
+		if !h.pool.hasVideoWorker() {
+			return nil, http.StatusBadRequest, "No video-capable workers available in current worker pool."
+		}
+	}
+	return t, 0, ""
+}
+
+// videoJobID returns the job id of /v1/videos/{id} and /v1/videos/{id}/content.
+func videoJobID(path string) (string, bool) {
+	rest, ok := strings.CutPrefix(path, "/v1/videos/")
+	if !ok {
+		return "", false
+	}
+	id, tail, _ := strings.Cut(rest, "/")
+	if id == "" || (tail != "" && tail != "content") {
+		return "", false
+	}
+	return id, true
+}
+
+// jsonBodies are the generation endpoints whose JSON bodies the router reads.
+var jsonBodies = map[string]bool{
+	"/v1/images/generations": true,
+	"/v1/diffusion/generate": true,
+	"/v1/videos":             true,
+	"/rollout/generate":      true,
+}
+
+// limitBody caps the request body at max_body and checks that JSON bodies
+// of generation endpoints are JSON, so a bad request fails here with a
+// clear message instead of on a worker. Multipart and binary bodies stream
+// through unread.
+func (h *Handler) limitBody(w http.ResponseWriter, r *http.Request) (int, string) {
+	if r.ContentLength > h.MaxBody {
+		return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
+	}
+	if r.Body == nil || r.Body == http.NoBody {
+		return 0, ""
+	}
+	r.Body = http.MaxBytesReader(w, r.Body, h.MaxBody)
+	if r.Method != http.MethodPost || !jsonBodies[r.URL.Path] || !isJSON(r.Header.Get("Content-Type")) {
+		return 0, ""
+	}
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		if isMaxBytes(err) {
+			return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
+		}
+		return http.StatusBadRequest, "reading request body: " + err.Error()
+	}
+	if !json.Valid(body) {
+		return http.StatusBadRequest, "Invalid JSON body"
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	return 0, ""
+}
+
+func tooLarge(limit int64) string {
+	return fmt.Sprintf("request body is larger than max_body (%d bytes)", limit)
+}
+
+// isJSON reports whether a Content-Type names JSON; a missing one counts,
+// as the workers' OpenAI-style APIs assume JSON.
+func isJSON(contentType string) bool {
+	if contentType == "" {
+		return true
+	}
+	mt, _, err := mime.ParseMediaType(contentType)
+	return err == nil && (mt == "application/json" || strings.HasSuffix(mt, "+json"))
+}
+
+// rememberVideoJob records which worker made a new video job, and forgets
+// a job that was deleted.
+func (h *Handler) rememberVideoJob(r *http.Request, t *ticket, rec *recorder, videoCreate bool) {
+	ok := rec.status >= 200 && rec.status < 300
+	switch {
+	case videoCreate && ok:
+		var job struct {
+			ID string `json:"id"`
+		}
+		if json.Unmarshal(rec.peek, &job) == nil && job.ID != "" {
+			h.pool.videos.remember(job.ID, t.servedBy)
+		}
+	case r.Method == http.MethodDelete && ok && t.pin != "":
+		id, _ := videoJobID(r.URL.Path)
+		h.pool.videos.forget(id)
+	}
+}
+
+// proxyError answers a request whose proxying failed before any response
+// was written, with a JSON error a client can act on.
+func (h *Handler) proxyError(ctx context.Context, w http.ResponseWriter, t *ticket, err error) error {
+	status := http.StatusBadGateway
+	if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.StatusCode != 0 {
+		status = he.StatusCode
+	}
+	var msg string
+	switch {
+	case status == 499:
+		return nil // the client went away; nobody reads an answer
+	case errors.Is(ctx.Err(), context.DeadlineExceeded):
+		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("worker did not answer within upstream_timeout (%s)", time.Duration(h.UpstreamTimeout))
+	case isMaxBytes(err):
+		status, msg = http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
+	case status == http.StatusServiceUnavailable && t.pin != "":
+		msg = fmt.Sprintf("Mapped worker %s is unavailable", t.pin)
+	case status == http.StatusServiceUnavailable:
+		msg = "No healthy workers available in the pool"
+	default:
+		msg = "Worker request failed: " + err.Error()
+	}
+	h.logger.Warn("proxying to worker failed", zap.Int("status", status), zap.Error(err))
+	return writeError(w, status, msg)
+}
+
+func isMaxBytes(err error) bool {
+	_, ok := errors.AsType[*http.MaxBytesError](err)
+	return ok
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)

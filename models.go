@@ -1,0 +1,152 @@
+package diffusionrouter
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// videoTaskTypes are the sglang-diffusion task types that make videos.
+var videoTaskTypes = []string{"T2V", "I2V", "TI2V"}
+
+func hasVideoTaskType(taskTypes []string) bool {
+	for _, t := range taskTypes {
+		if slices.Contains(videoTaskTypes, strings.ToUpper(t)) {
+			return true
+		}
+	}
+	return false
+}
+
+// hasVideoWorker reports whether a serving worker can make videos.
+func (p *Pool) hasVideoWorker() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, w := range p.workers {
+		if w.serving() && w.videoSupport != nil && *w.videoSupport {
+			return true
+		}
+	}
+	return false
+}
+
+// models is a worker's answer to GET /v1/models. Entries are kept whole so
+// the router's union passes every field on.
+type models struct {
+	Data []map[string]any `json:"data"`
+}
+
+func (m models) taskTypes() []string {
+	var out []string
+	for _, e := range m.Data {
+		if t, ok := e["task_type"].(string); ok && !slices.Contains(out, t) {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
+// fetchModels asks one worker for its model list.
+func (h *Handler) fetchModels(ctx context.Context, workerURL string) (models, error) {
+	var m models
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, workerURL+"/v1/models", nil)
+	if err != nil {
+		return m, err
+	}
+	resp, err := h.client.Do(req)
+	if err != nil {
+		return m, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return m, fmt.Errorf("status=%d", resp.StatusCode)
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&m); err != nil {
+		return m, fmt.Errorf("invalid models payload: %v", err)
+	}
+	return m, nil
+}
+
+// probe learns what one worker can generate from its /v1/models. A worker
+// that does not answer stays unknown and is asked again later.
+func (h *Handler) probe(ctx context.Context, workerURL string) {
+	m, err := h.fetchModels(ctx, workerURL)
+	if err != nil {
+		h.logger.Debug("capability probe failed", zap.String("worker", workerURL), zap.Error(err))
+		return
+	}
+	h.pool.setCapabilities(workerURL, m.taskTypes())
+}
+
+// probeUnknown probes, in parallel, the workers whose capabilities are not
+// known yet: the workers a config lists are probed on first need rather
+// than at provisioning, which must not dial out.
+func (h *Handler) probeUnknown(ctx context.Context) {
+	urls := h.pool.unprobed(time.Now(), reprobeInterval)
+	var wg sync.WaitGroup
+	for _, u := range urls {
+		wg.Go(func() { h.probe(ctx, u) })
+	}
+	wg.Wait()
+}
+
+// serveModels answers GET /v1/models with the union of the serving
+// workers' lists, deduplicated by model id.
+func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
+	var urls []string
+	for _, wk := range h.pool.snapshot() {
+		if !wk.Dead && !wk.Sleeping {
+			urls = append(urls, wk.URL)
+		}
+	}
+	if len(urls) == 0 {
+		_ = writeError(w, http.StatusServiceUnavailable, "No healthy workers available in the pool")
+		return
+	}
+	lists := make([]models, len(urls))
+	errs := make([]error, len(urls))
+	var wg sync.WaitGroup
+	for i, u := range urls {
+		wg.Go(func() { lists[i], errs[i] = h.fetchModels(r.Context(), u) })
+	}
+	wg.Wait()
+
+	merged := []map[string]any{}
+	seen := map[string]bool{}
+	details := map[string]string{}
+	for i, m := range lists {
+		if errs[i] != nil {
+			details[urls[i]] = errs[i].Error()
+			continue
+		}
+		h.pool.setCapabilities(urls[i], m.taskTypes())
+		for _, e := range m.Data {
+			if key := modelKey(e); !seen[key] {
+				seen[key] = true
+				merged = append(merged, e)
+			}
+		}
+	}
+	if len(details) == len(urls) {
+		_ = writeJSON(w, http.StatusBadGateway, map[string]any{"error": "Failed to fetch models from workers", "details": details})
+		return
+	}
+	_ = writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": merged})
+}
+
+// modelKey identifies a model entry: its id, or the whole entry when it
+// has none.
+func modelKey(e map[string]any) string {
+	if id, ok := e["id"].(string); ok && id != "" {
+		return id
+	}
+	b, _ := json.Marshal(e)
+	return string(b)
+}

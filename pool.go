@@ -1,0 +1,417 @@
+package diffusionrouter
+
+import (
+	"errors"
+	"net"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+)
+
+// pools holds every named pool across config reloads: a new config is
+// provisioned before the old one is cleaned up, so a pool that both use
+// keeps its workers (static and registered at run time) and their counters.
+var pools = caddy.NewUsagePool()
+
+// loadPool returns the pool with the given name, creating it on first use.
+// Every loadPool must be paired with a releasePool when the module is
+// cleaned up.
+func loadPool(name string) (*Pool, error) {
+	v, _, err := pools.LoadOrNew(name, func() (caddy.Destructor, error) {
+		return newPool(name), nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return v.(*Pool), nil
+}
+
+// releasePool drops one reference to the named pool; the last one frees it.
+func releasePool(name string) {
+	_, _ = pools.Delete(name)
+}
+
+// Pool is a named set of sglang-diffusion workers and their state. It is
+// shared by the handler, the selection policy and the upstream source that
+// name it. One mutex guards all worker state: a routing decision is a scan
+// over the workers, microseconds even for a large fleet.
+type Pool struct {
+	name string
+
+	mu       sync.Mutex
+	workers  []*Worker          // in order of joining
+	byDial   map[string]*Worker // one worker per dial address
+	declared map[string]int     // worker URL -> number of loaded configs listing it
+	next     int                // round-robin cursor
+
+	videos *videoJobs
+}
+
+func newPool(name string) *Pool {
+	return &Pool{
+		name:     name,
+		byDial:   make(map[string]*Worker),
+		declared: make(map[string]int),
+		videos:   newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
+	}
+}
+
+// Destruct implements caddy.Destructor; a pool holds no goroutines or
+// connections of its own, so there is nothing to stop.
+func (p *Pool) Destruct() error { return nil }
+
+// Worker is one sglang-diffusion server. Its fields are guarded by the
+// pool's mutex; read them through Pool.snapshot.
+type Worker struct {
+	url  string // normalized: scheme://host[:port]
+	dial string // host:port as reverse_proxy dials it
+
+	registered bool // joined at run time (POST /workers), not from a config
+	dead       bool // marked dead by an operator (PUT /workers/{id})
+	sleeping   bool
+
+	inflight     int
+	served       uint64
+	failures     uint64
+	consecFails  int
+	taskTypes    []string  // from the worker's /v1/models
+	videoSupport *bool     // nil until a probe answers
+	probedAt     time.Time // last capability probe attempt
+}
+
+// WorkerInfo is a copy of a worker's state, safe to read without the lock.
+type WorkerInfo struct {
+	URL          string
+	Dial         string
+	Registered   bool
+	Dead         bool
+	Sleeping     bool
+	Inflight     int
+	Served       uint64
+	Failures     uint64
+	ConsecFails  int
+	TaskTypes    []string
+	VideoSupport *bool
+}
+
+// serving reports whether the worker may be given new jobs.
+func (w *Worker) serving() bool { return !w.dead && !w.sleeping }
+
+func (w *Worker) info() WorkerInfo {
+	return WorkerInfo{
+		URL: w.url, Dial: w.dial, Registered: w.registered, Dead: w.dead,
+		Sleeping: w.sleeping, Inflight: w.inflight, Served: w.served,
+		Failures: w.failures, ConsecFails: w.consecFails,
+		TaskTypes: append([]string(nil), w.taskTypes...), VideoSupport: w.videoSupport,
+	}
+}
+
+// declare adds the workers a config lists. Declarations are counted so
+// that a reload (new config declares, then old config undeclares) keeps the
+// workers both list, and a failed reload undoes its own declarations.
+func (p *Pool) declare(urls []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, u := range urls {
+		p.declared[u]++
+		if p.find(u) == nil {
+			p.add(u)
+		}
+	}
+}
+
+// undeclare withdraws a config's workers; a worker no loaded config lists
+// and nobody registered at run time leaves the pool.
+func (p *Pool) undeclare(urls []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, u := range urls {
+		p.declared[u]--
+		if p.declared[u] > 0 {
+			continue
+		}
+		delete(p.declared, u)
+		if w := p.find(u); w != nil && !w.registered {
+			p.removeLocked(w)
+		}
+	}
+}
+
+// register adds a worker at run time. It reports whether the worker is new;
+// registering a known worker is a no-op apart from making it outlive the
+// configs that list it.
+func (p *Pool) register(rawURL string) (WorkerInfo, bool, error) {
+	u, err := normalizeWorkerURL(rawURL)
+	if err != nil {
+		return WorkerInfo{}, false, err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.find(u)
+	created := w == nil
+	if created {
+		w = p.add(u)
+	}
+	w.registered = true
+	return w.info(), created, nil
+}
+
+// remove takes a worker out of the pool. Requests already on it finish;
+// they hold the worker and release it when they end.
+func (p *Pool) remove(url string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.find(url)
+	if w == nil {
+		return false
+	}
+	p.removeLocked(w)
+	return true
+}
+
+func (p *Pool) add(u string) *Worker {
+	w := &Worker{url: u, dial: dialAddress(u)}
+	p.workers = append(p.workers, w)
+	p.byDial[w.dial] = w
+	return w
+}
+
+func (p *Pool) removeLocked(w *Worker) {
+	delete(p.byDial, w.dial)
+	for i, x := range p.workers {
+		if x == w {
+			p.workers = append(p.workers[:i:i], p.workers[i+1:]...)
+			break
+		}
+	}
+	p.videos.forgetWorker(w.url)
+}
+
+// setDead marks a worker dead (no new jobs) or alive again.
+func (p *Pool) setDead(url string, dead bool) (WorkerInfo, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.find(url)
+	if w == nil {
+		return WorkerInfo{}, false
+	}
+	w.dead = dead
+	return w.info(), true
+}
+
+// worker returns a copy of one worker's state.
+func (p *Pool) worker(url string) (WorkerInfo, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.find(url)
+	if w == nil {
+		return WorkerInfo{}, false
+	}
+	return w.info(), true
+}
+
+// snapshot returns a copy of every worker's state, in joining order.
+func (p *Pool) snapshot() []WorkerInfo {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]WorkerInfo, len(p.workers))
+	for i, w := range p.workers {
+		out[i] = w.info()
+	}
+	return out
+}
+
+// servingDials returns the dial addresses of the workers that may take new
+// jobs now, for reverse_proxy's dynamic upstreams.
+func (p *Pool) servingDials() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	dials := make([]string, 0, len(p.workers))
+	for _, w := range p.workers {
+		if w.serving() {
+			dials = append(dials, w.dial)
+		}
+	}
+	return dials
+}
+
+// setCapabilities records what a worker's /v1/models says it can do.
+func (p *Pool) setCapabilities(url string, taskTypes []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w := p.find(url); w != nil {
+		w.taskTypes = taskTypes
+		video := hasVideoTaskType(taskTypes)
+		w.videoSupport = &video
+	}
+}
+
+// unprobed returns the workers whose capabilities are unknown and were not
+// probed within the last interval, and marks them as being probed now.
+func (p *Pool) unprobed(now time.Time, interval time.Duration) []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var urls []string
+	for _, w := range p.workers {
+		if w.videoSupport == nil && now.Sub(w.probedAt) >= interval {
+			w.probedAt = now
+			urls = append(urls, w.url)
+		}
+	}
+	return urls
+}
+
+// find looks a worker up by URL; URLs that dial the same address name the
+// same worker (http://h and http://h:80).
+func (p *Pool) find(url string) *Worker {
+	return p.byDial[dialAddress(url)]
+}
+
+// dialAddress turns a normalized worker URL into the host:port reverse_proxy
+// dials, filling in the scheme's default port.
+func dialAddress(workerURL string) string {
+	u, err := url.Parse(workerURL)
+	if err != nil {
+		return workerURL
+	}
+	if u.Port() != "" {
+		return u.Host
+	}
+	port := "80"
+	if u.Scheme == "https" {
+		port = "443"
+	}
+	return net.JoinHostPort(u.Hostname(), port)
+}
+
+// blockedHosts are cloud metadata endpoints: registering them would let
+// anyone who can reach the router read instance credentials through it.
+var blockedHosts = map[string]bool{
+	"169.254.169.254":          true,
+	"metadata.google.internal": true,
+}
+
+// normalizeWorkerURL validates a worker URL as the Python router does and
+// returns it as scheme://host[:port], so one worker has one identity.
+func normalizeWorkerURL(raw string) (string, error) {
+	raw = strings.TrimSpace(raw)
+	if raw == "" {
+		return "", errors.New("worker_url cannot be empty")
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", errors.New("worker_url is not a valid URL")
+	}
+	switch {
+	case u.Scheme != "http" && u.Scheme != "https":
+		return "", errors.New("worker_url must start with http:// or https://")
+	case u.Host == "" || u.Hostname() == "":
+		return "", errors.New("worker_url must include host and port")
+	case u.User != nil:
+		return "", errors.New("worker_url must not include user credentials")
+	case u.RawQuery != "" || u.ForceQuery || u.Fragment != "":
+		return "", errors.New("worker_url must not include query or fragment")
+	case u.Path != "" && u.Path != "/":
+		return "", errors.New("worker_url path is not allowed")
+	}
+	host := strings.ToLower(u.Hostname())
+	if blockedHosts[host] {
+		return "", errors.New("worker_url host is blocked")
+	}
+	if ip := net.ParseIP(host); ip != nil && (ip.IsLinkLocalUnicast() || ip.IsLinkLocalMulticast()) {
+		return "", errors.New("link-local worker_url hosts are blocked")
+	}
+	if port := u.Port(); port != "" {
+		host = net.JoinHostPort(host, port)
+	} else if strings.Contains(host, ":") {
+		host = "[" + host + "]"
+	}
+	return u.Scheme + "://" + host, nil
+}
+
+// ticket is one request's claim on the pool, carried in the request context
+// from the handler to the selection policy and back. The policy fills in the
+// worker; the handler releases it when the response has ended.
+type ticket struct {
+	pool     *Pool
+	strategy strategy
+	pin      string // URL of the only worker that may serve (a video job's creator)
+	video    bool   // needs a video-capable worker
+	job      bool   // occupies the worker: counted in its in-flight jobs
+
+	worker   *Worker   // the worker holding the request now
+	servedBy string    // URL of the last worker chosen, kept after release
+	tried    []*Worker // workers a retry must avoid
+}
+
+// acquire chooses a worker for t among the available upstreams and claims
+// it. A ticket that already holds a worker is being retried after a failed
+// connection: that worker is released, counted as failed and avoided.
+func (p *Pool) acquire(t *ticket, upstreams []*reverseproxy.Upstream) *reverseproxy.Upstream {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if t.worker != nil {
+		t.tried = append(t.tried, t.worker)
+		p.releaseLocked(t, false)
+	}
+	cands := make([]*Worker, 0, len(upstreams))
+	ups := make([]*reverseproxy.Upstream, 0, len(upstreams))
+	for _, u := range upstreams {
+		if w := p.byDial[u.Dial]; w != nil && u.Available() && t.admits(w) {
+			cands = append(cands, w)
+			ups = append(ups, u)
+		}
+	}
+	if len(cands) == 0 {
+		return nil
+	}
+	i := t.strategy.pick(p, cands)
+	t.worker = cands[i]
+	t.servedBy = t.worker.url
+	if t.job {
+		t.worker.inflight++
+	}
+	return ups[i]
+}
+
+// admits reports whether w may serve the ticket's request.
+func (t *ticket) admits(w *Worker) bool {
+	if !w.serving() || slices.Contains(t.tried, w) {
+		return false
+	}
+	if t.pin != "" {
+		return w.url == t.pin
+	}
+	return !t.video || (w.videoSupport != nil && *w.videoSupport)
+}
+
+// release ends the ticket's claim on its worker, recording whether the
+// worker answered.
+func (p *Pool) release(t *ticket, ok bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.releaseLocked(t, ok)
+}
+
+func (p *Pool) releaseLocked(t *ticket, ok bool) {
+	w := t.worker
+	if w == nil {
+		return
+	}
+	t.worker = nil
+	if t.job {
+		w.inflight--
+	}
+	if ok {
+		w.served++
+		w.consecFails = 0
+		return
+	}
+	w.failures++
+	w.consecFails++
+}

@@ -1,0 +1,83 @@
+package diffusionrouter
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// maxVideoResponsePeek bounds how much of a video job's creation response
+// the router keeps to read the job id; the answer is a small JSON object.
+const maxVideoResponsePeek = 64 << 10
+
+type ticketKey struct{}
+
+// withTicket carries a ticket through reverse_proxy, whose request clone
+// keeps the context.
+func withTicket(ctx context.Context, t *ticket) context.Context {
+	return context.WithValue(ctx, ticketKey{}, t)
+}
+
+func ticketFrom(ctx context.Context) *ticket {
+	t, _ := ctx.Value(ticketKey{}).(*ticket)
+	return t
+}
+
+// writeJSON answers with v as JSON.
+func writeJSON(w http.ResponseWriter, status int, v any) error {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	return json.NewEncoder(w).Encode(v)
+}
+
+// writeError answers with the error shape of the Python router:
+// {"error": "..."}.
+func writeError(w http.ResponseWriter, status int, msg string) error {
+	return writeJSON(w, status, map[string]string{"error": msg})
+}
+
+// recorder notes the status of a proxied response and, when asked, keeps
+// its first bytes; everything else streams straight through.
+type recorder struct {
+	*caddyhttp.ResponseWriterWrapper
+	status    int
+	peekLimit int
+	peek      []byte
+}
+
+// WriteHeader records the final status; informational ones pass by.
+func (rec *recorder) WriteHeader(status int) {
+	if rec.status == 0 && status >= 200 {
+		rec.status = status
+	}
+	rec.ResponseWriterWrapper.WriteHeader(status)
+}
+
+// Write keeps up to peekLimit bytes of the body.
+func (rec *recorder) Write(b []byte) (int, error) {
+	if rec.status == 0 {
+		rec.status = http.StatusOK
+	}
+	if room := rec.peekLimit - len(rec.peek); room > 0 {
+		rec.peek = append(rec.peek, b[:min(room, len(b))]...)
+	}
+	return rec.ResponseWriterWrapper.Write(b)
+}
+
+// ReadFrom keeps the fast path of the underlying writer unless the body is
+// being peeked at.
+func (rec *recorder) ReadFrom(r io.Reader) (int64, error) {
+	if rec.peekLimit > 0 {
+		return io.Copy(writerOnly{rec}, r)
+	}
+	if rec.status == 0 {
+		rec.status = http.StatusOK
+	}
+	return rec.ResponseWriterWrapper.ReadFrom(r)
+}
+
+// writerOnly hides ReadFrom so io.Copy goes through Write.
+type writerOnly struct{ io.Writer }
