@@ -304,12 +304,11 @@ func normalizeWorkerURL(raw string) (string, error) {
 		return "", errors.New("worker_url cannot be empty")
 	}
 	u, err := url.Parse(raw)
-	if err != nil {
-		return "", errors.New("worker_url is not a valid URL")
-	}
 	switch {
-	case u.Scheme != "http" && u.Scheme != "https":
+	case err != nil && !strings.Contains(raw, "://"), err == nil && u.Scheme != "http" && u.Scheme != "https":
 		return "", errors.New("worker_url must start with http:// or https://")
+	case err != nil:
+		return "", errors.New("worker_url is not a valid URL")
 	case u.Host == "" || u.Hostname() == "":
 		return "", errors.New("worker_url must include host and port")
 	case u.User != nil:
