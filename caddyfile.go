@@ -37,6 +37,7 @@ const proxyRetries = 2
 // `reverse_proxy external` leaves the proxy out: the site's own
 // reverse_proxy, with `dynamic diffusion` and `lb_policy diffusion`, follows.
 func parseDirective(h httpcaddyfile.Helper) ([]httpcaddyfile.ConfigValue, error) {
+	h.Next() // the directive name, so that a matcher token comes next
 	matcher, err := h.ExtractMatcherSet()
 	if err != nil {
 		return nil, err

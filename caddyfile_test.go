@@ -1,0 +1,210 @@
+package diffusionrouter
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+)
+
+// adapt turns a site body into JSON config the way `caddy adapt` does.
+func adapt(t *testing.T, site string) (string, error) {
+	t.Helper()
+	cf := ":8080 {\n" + site + "\n}\n"
+	cfg, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(cf), map[string]any{"filename": "Caddyfile"})
+	return string(cfg), err
+}
+
+func TestCaddyfileShortFormExpands(t *testing.T) {
+	cfg, err := adapt(t, `diffusion_router {
+		workers http://127.0.0.1:30001 http://127.0.0.1:30002
+	}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		`{"handler":"diffusion_router","workers":["http://127.0.0.1:30001","http://127.0.0.1:30002"]}`,
+		`"dynamic_upstreams":{"source":"diffusion"}`,
+		`"selection_policy":{"policy":"diffusion"}`,
+		`"retries":2`,
+		`"flush_interval":-1`,
+	} {
+		if !strings.Contains(cfg, want) {
+			t.Errorf("adapted config lacks %s:\n%s", want, cfg)
+		}
+	}
+}
+
+func TestCaddyfileEveryOption(t *testing.T) {
+	cfg, err := adapt(t, `diffusion_router @gen rollout {
+		workers http://10.0.0.1:30000
+		workers https://10.0.0.2:30000
+		policy round_robin
+		max_body 8MiB
+		admin_allow 10.0.0.0/8 192.168.1.7
+		admin_token {env.ROUTER_TOKEN}
+		upstream_timeout 30m
+		reverse_proxy {
+			transport http {
+				dial_timeout 3s
+			}
+			header_up X-Rollout yes
+		}
+	}
+	@gen path /v1/*`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := handlerFrom(t, cfg)
+	want := Handler{
+		Pool:            "rollout",
+		Workers:         []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
+		Policy:          "round_robin",
+		MaxBody:         8 << 20,
+		AdminAllow:      []string{"10.0.0.0/8", "192.168.1.7"},
+		AdminToken:      "{env.ROUTER_TOKEN}",
+		UpstreamTimeout: caddy.Duration(30 * time.Minute),
+	}
+	got, _ := json.Marshal(h)
+	exp, _ := json.Marshal(want)
+	if string(got) != string(exp) {
+		t.Fatalf("handler = %s\nwant      %s", got, exp)
+	}
+	for _, want := range []string{
+		`"dial_timeout":3000000000`,
+		`"X-Rollout":["yes"]`,
+		`"dynamic_upstreams":{"pool":"rollout","source":"diffusion"}`,
+		`"selection_policy":{"policy":"diffusion","pool":"rollout"}`,
+		`"match":[{"path":["/v1/*"]}]`,
+	} {
+		if !strings.Contains(cfg, want) {
+			t.Errorf("adapted config lacks %s:\n%s", want, cfg)
+		}
+	}
+}
+
+func TestCaddyfileLongForm(t *testing.T) {
+	cfg, err := adapt(t, `route {
+		diffusion_router {
+			workers http://127.0.0.1:30001
+			reverse_proxy external
+		}
+		reverse_proxy {
+			dynamic diffusion
+			lb_policy diffusion
+		}
+	}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(cfg, `"handler":"reverse_proxy"`); n != 1 {
+		t.Fatalf("long form has %d reverse_proxy handlers; want only the user's:\n%s", n, cfg)
+	}
+	if !strings.Contains(cfg, `"dynamic_upstreams":{"source":"diffusion"}`) || !strings.Contains(cfg, `"selection_policy":{"policy":"diffusion"}`) {
+		t.Fatalf("explicit reverse_proxy not wired to the pool:\n%s", cfg)
+	}
+}
+
+func TestCaddyfileBadInputNamesLine(t *testing.T) {
+	cases := map[string]string{
+		"unknown option":       "frobnicate yes",
+		"bad worker":           "workers ftp://10.0.0.1",
+		"worker with path":     "workers http://10.0.0.1:1/v1",
+		"unknown policy":       "policy fastest",
+		"two policies":         "policy random round_robin",
+		"bad size":             "max_body lots",
+		"zero size":            "max_body 0",
+		"bad cidr":             "admin_allow 10.0.0.0/99",
+		"bad duration":         "upstream_timeout soon",
+		"negative duration":    "upstream_timeout -5s",
+		"missing value":        "admin_token",
+		"proxy sets upstreams": "reverse_proxy {\n to 10.0.0.1:1\n }",
+		"proxy sets policy":    "reverse_proxy {\n lb_policy first\n }",
+		"proxy with address":   "reverse_proxy 10.0.0.1:1",
+	}
+	for name, line := range cases {
+		t.Run(name, func(t *testing.T) {
+			_, err := adapt(t, "diffusion_router {\n"+line+"\n}")
+			if err == nil {
+				t.Fatalf("%q adapted without error", line)
+			}
+			if !strings.Contains(err.Error(), "Caddyfile:3") {
+				t.Fatalf("error %q does not name Caddyfile line 3", err)
+			}
+		})
+	}
+}
+
+func TestSelectorAndSourceCaddyfile(t *testing.T) {
+	for _, tc := range []struct {
+		tokens string
+		pool   string
+		ok     bool
+	}{
+		{"diffusion", "", true},
+		{"diffusion rollout", "rollout", true},
+		{"diffusion a b", "", false},
+		{"diffusion {\n strategy x\n}", "", false},
+	} {
+		var s Selector
+		err := s.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.tokens))
+		if (err == nil) != tc.ok || (tc.ok && s.Pool != tc.pool) {
+			t.Errorf("lb_policy %s: pool=%q err=%v", tc.tokens, s.Pool, err)
+		}
+		var u UpstreamSource
+		err = u.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.tokens))
+		if (err == nil) != tc.ok || (tc.ok && u.Pool != tc.pool) {
+			t.Errorf("dynamic %s: pool=%q err=%v", tc.tokens, u.Pool, err)
+		}
+	}
+}
+
+func TestProvisionRejectsBadJSONConfig(t *testing.T) {
+	for name, h := range map[string]Handler{
+		"policy":      {Policy: "fastest"},
+		"worker":      {Workers: []string{"http://169.254.169.254"}},
+		"allow":       {AdminAllow: []string{"nope"}},
+		"empty token": {AdminToken: "{env.DIFFUSION_ROUTER_UNSET_VAR}"},
+		"max body":    {MaxBody: -1},
+	} {
+		if err := h.parseOptions(); err == nil {
+			t.Errorf("%s: bad config accepted", name)
+		}
+	}
+}
+
+// handlerFrom digs the diffusion_router handler out of an adapted config.
+func handlerFrom(t *testing.T, cfg string) Handler {
+	t.Helper()
+	var config struct {
+		Apps struct {
+			HTTP struct {
+				Servers map[string]struct {
+					Routes []struct {
+						Handle []json.RawMessage `json:"handle"`
+					} `json:"routes"`
+				} `json:"servers"`
+			} `json:"http"`
+		} `json:"apps"`
+	}
+	if err := json.Unmarshal([]byte(cfg), &config); err != nil {
+		t.Fatal(err)
+	}
+	for _, srv := range config.Apps.HTTP.Servers {
+		for _, route := range srv.Routes {
+			for _, raw := range route.Handle {
+				var h Handler
+				if strings.Contains(string(raw), `"handler":"diffusion_router"`) && json.Unmarshal(raw, &h) == nil {
+					return h
+				}
+			}
+		}
+	}
+	t.Fatalf("no diffusion_router handler in %s", cfg)
+	return Handler{}
+}

@@ -1,0 +1,68 @@
+// Command fakeworker serves a fake sglang-diffusion worker, for demos and
+// benchmarks of the router without GPUs. It stops cleanly on SIGINT or
+// SIGTERM and exits with status 1 when a --crash-after fault kills it.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+)
+
+func main() {
+	if err := run(); err != nil {
+		log.Fatal(err)
+	}
+}
+
+func run() error {
+	host := flag.String("host", "127.0.0.1", "address to listen on")
+	port := flag.Int("port", 30000, "port to listen on")
+	var cfg fakeworker.Config
+	flag.StringVar(&cfg.Name, "name", "fake", "name reported in the X-Fake-Worker header and /server_info")
+	flag.StringVar(&cfg.ModelPath, "model-path", "fake/diffusion-model", "model path reported, and the initial weight version")
+	flag.StringVar(&cfg.TaskType, "task-type", "T2I", "T2I, I2I, TI2I (image) or T2V, I2V, TI2V (video)")
+	flag.Float64Var(&cfg.Speed, "speed", 1, "relative speed; service time = cost * unit-ms / speed")
+	flag.Float64Var(&cfg.UnitMs, "unit-ms", 100, "milliseconds per cost unit (one 1024x1024 image, one step)")
+	flag.IntVar(&cfg.ImageBytes, "image-bytes", 1024, "size in bytes of each fake image or video")
+	flag.Float64Var(&cfg.FailRate, "fail-rate", 0, "fraction of generation jobs answered 500")
+	flag.Int64Var(&cfg.Seed, "seed", 0, "seed for --fail-rate")
+	flag.BoolVar(&cfg.HealthFail, "health-fail", false, "answer /health with 503")
+	flag.DurationVar(&cfg.HealthDelay, "health-delay", 0, "delay before answering /health")
+	flag.IntVar(&cfg.HangAfter, "hang-after", 0, "after N finished jobs, later jobs hang (0 = never)")
+	flag.IntVar(&cfg.CrashAfter, "crash-after", 0, "after N finished jobs, the next job kills the worker (0 = never)")
+	flag.Parse()
+
+	ln, err := net.Listen("tcp", net.JoinHostPort(*host, strconv.Itoa(*port)))
+	if err != nil {
+		return err
+	}
+	w := fakeworker.New(cfg)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	go func() {
+		<-ctx.Done()
+		w.Close()
+	}()
+
+	log.Printf("fake sglang-diffusion worker %q (%s, %s) listening on http://%s", cfg.Name, cfg.ModelPath, cfg.TaskType, ln.Addr())
+	err = w.Serve(ln)
+	switch {
+	case !errors.Is(err, http.ErrServerClosed):
+		return err
+	case ctx.Err() == nil:
+		return fmt.Errorf("worker crashed after %d jobs (--crash-after)", cfg.CrashAfter)
+	}
+	log.Print("stopped")
+	return nil
+}

@@ -1,0 +1,229 @@
+package fakeworker
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"time"
+)
+
+// forever is the duration of a hung job: it ends only when the worker closes.
+const forever = time.Duration(-1)
+
+// slotQueue is the worker's single execution slot. Waiters get it strictly in
+// arrival order, as sglang's scheduler takes its requests; a waiter whose
+// client goes away leaves the queue without ever running.
+type slotQueue struct {
+	mu      sync.Mutex
+	busy    bool
+	waiters []chan struct{} // oldest first; empty while !busy
+}
+
+// acquire waits for the slot until ctx ends.
+func (q *slotQueue) acquire(ctx context.Context) error {
+	if ctx.Err() != nil {
+		return context.Cause(ctx)
+	}
+	q.mu.Lock()
+	if !q.busy {
+		q.busy = true
+		q.mu.Unlock()
+		return nil
+	}
+	turn := make(chan struct{})
+	q.waiters = append(q.waiters, turn)
+	q.mu.Unlock()
+
+	select {
+	case <-turn:
+		return nil
+	case <-ctx.Done():
+		q.leave(turn)
+		return context.Cause(ctx)
+	}
+}
+
+// leave takes a cancelled waiter out of the queue. If the slot reached it in
+// the meantime, it passes the slot on.
+func (q *slotQueue) leave(turn chan struct{}) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if i := slices.Index(q.waiters, turn); i >= 0 {
+		q.waiters = slices.Delete(q.waiters, i, i+1)
+		return
+	}
+	q.handOff()
+}
+
+func (q *slotQueue) release() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.handOff()
+}
+
+// handOff gives the slot to the oldest waiter, or frees it. q.mu is held.
+func (q *slotQueue) handOff() {
+	if len(q.waiters) == 0 {
+		q.busy = false
+		return
+	}
+	close(q.waiters[0])
+	q.waiters = q.waiters[1:]
+}
+
+// jobResult describes a generation job that completed.
+type jobResult struct {
+	version string        // weights the job ran with
+	elapsed time.Duration // service time
+}
+
+// runJob queues a generation job of the given cost and waits for its end. If
+// ctx ends while the job waits, the job is dropped; once it runs, it keeps the
+// worker busy for its whole service time whether or not anyone still waits
+// for it, as a GPU kernel would. onStart, if not nil, learns the planned
+// service time (forever for a hung job) when the job starts.
+func (w *Worker) runJob(ctx context.Context, cost float64, onStart func(time.Duration)) (jobResult, error) {
+	if err := w.acquire(ctx); err != nil {
+		return jobResult{}, err
+	}
+	hang, fail, version, err := w.admit()
+	if err != nil {
+		w.slot.release()
+		if errors.Is(err, errCrashed) {
+			w.crash()
+		}
+		return jobResult{}, err
+	}
+	d := w.serviceTime(cost)
+	if hang {
+		d = forever
+	}
+	if onStart != nil {
+		onStart(d)
+	}
+
+	var res jobResult
+	var completed bool
+	done := w.occupy(d, func(elapsed time.Duration, ok bool) {
+		res, completed = jobResult{version, elapsed}, ok
+		w.record(cost, elapsed, ok, fail)
+	})
+	if err := awaitDone(ctx, done); err != nil {
+		return jobResult{}, err
+	}
+	switch {
+	case !completed:
+		return jobResult{}, errClosed
+	case fail:
+		return jobResult{}, errInjected
+	}
+	return res, nil
+}
+
+// admit decides, when a job gets the slot, what becomes of it. Deciding here
+// rather than on arrival keeps faults and failures in FIFO order.
+func (w *Worker) admit() (hang, fail bool, version string, err error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	finished := w.stats.Jobs + w.stats.Failed
+	switch {
+	case w.asleep:
+		return false, false, "", errAsleep
+	case w.cfg.CrashAfter > 0 && finished >= w.cfg.CrashAfter:
+		return false, false, "", errCrashed
+	case w.cfg.HangAfter > 0 && finished >= w.cfg.HangAfter:
+		return true, false, w.version, nil
+	}
+	return false, w.rng.Float64() < w.cfg.FailRate, w.version, nil
+}
+
+func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.stats.Busy += elapsed
+	switch {
+	case !completed:
+	case failed:
+		w.stats.Failed++
+	default:
+		w.stats.Jobs++
+		w.stats.Cost += cost
+	}
+}
+
+// runControl queues an engine operation (weight update, sleep, wake,
+// checksum) that keeps the worker busy for d and then applies its effect
+// under w.mu, before the next job starts.
+func (w *Worker) runControl(ctx context.Context, d time.Duration, apply func()) error {
+	if err := w.acquire(ctx); err != nil {
+		return err
+	}
+	var completed bool
+	done := w.occupy(d, func(_ time.Duration, ok bool) {
+		completed = ok
+		if !ok {
+			return
+		}
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		apply()
+	})
+	if err := awaitDone(ctx, done); err != nil {
+		return err
+	}
+	if !completed {
+		return errClosed
+	}
+	return nil
+}
+
+// acquire waits for the slot until ctx ends or the worker closes.
+func (w *Worker) acquire(ctx context.Context) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stop := context.AfterFunc(w.life, func() { cancel(errClosed) })
+	defer stop()
+	return w.slot.acquire(ctx)
+}
+
+// occupy holds the slot, which the caller owns, for d in the background,
+// then calls finish and frees the slot. completed is false when the worker
+// closed first. The returned channel closes once the slot is free.
+func (w *Worker) occupy(d time.Duration, finish func(elapsed time.Duration, completed bool)) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer w.slot.release()
+		start := time.Now()
+		completed := w.sleep(d)
+		finish(time.Since(start), completed)
+	}()
+	return done
+}
+
+// sleep waits for d, or forever if d < 0, and reports false if the worker
+// closed first.
+func (w *Worker) sleep(d time.Duration) bool {
+	if d < 0 {
+		<-w.life.Done()
+		return false
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-w.life.Done():
+		return false
+	}
+}
+
+func awaitDone(ctx context.Context, done <-chan struct{}) error {
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
