@@ -137,7 +137,7 @@ func newWorkerJSON(w WorkerInfo) workerJSON {
 		IsDead:              w.Dead,
 		IsSleeping:          w.Sleeping,
 		ConsecutiveFailures: w.ConsecFails,
-		VideoSupport:        w.VideoSupport,
+		VideoSupport:        videoSupport(w.TaskTypes),
 		State:               state,
 		Source:              source,
 		TaskTypes:           w.TaskTypes,

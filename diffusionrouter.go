@@ -252,12 +252,14 @@ func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
 		}
 		t.pin, t.job = worker, false
 	case r.URL.Path == "/v1/videos":
-		t.video = true
+		t.task = videoTask
 		t.job = r.Method == http.MethodPost
 		h.probeUnknown(r.Context())
-		if !h.pool.hasVideoWorker() {
+		if !h.pool.canServe(videoTask) {
 			return nil, http.StatusBadRequest, "No video-capable workers available in current worker pool."
 		}
+	case strings.HasPrefix(r.URL.Path, "/v1/images/"):
+		t.task = imageTask
 	}
 	return t, 0, ""
 }
@@ -295,7 +297,7 @@ func (h *Handler) limitBody(w http.ResponseWriter, r *http.Request) (int, string
 		return 0, ""
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, h.MaxBody)
-	if r.Method != http.MethodPost || !jsonBodies[r.URL.Path] || !isJSON(r.Header.Get("Content-Type")) {
+	if r.Method != http.MethodPost || !jsonBodies[r.URL.Path] || isMultipart(r.Header.Get("Content-Type")) {
 		return 0, ""
 	}
 	body, err := io.ReadAll(r.Body)
@@ -317,14 +319,12 @@ func tooLarge(limit int64) string {
 	return fmt.Sprintf("request body is larger than max_body (%d bytes)", limit)
 }
 
-// isJSON reports whether a Content-Type names JSON; a missing one counts,
-// as the workers' OpenAI-style APIs assume JSON.
-func isJSON(contentType string) bool {
-	if contentType == "" {
-		return true
-	}
-	mt, _, err := mime.ParseMediaType(contentType)
-	return err == nil && (mt == "application/json" || strings.HasSuffix(mt, "+json"))
+// isMultipart reports whether a body is a form upload. The workers read
+// every other body of a generation endpoint as JSON, whatever the client
+// called it (curl -d says x-www-form-urlencoded).
+func isMultipart(contentType string) bool {
+	mt, _, _ := mime.ParseMediaType(contentType)
+	return strings.HasPrefix(mt, "multipart/")
 }
 
 // rememberVideoJob records which worker made a new video job, and forgets

@@ -13,24 +13,58 @@ import (
 	"go.uber.org/zap"
 )
 
-// videoTaskTypes are the sglang-diffusion task types that make videos.
-var videoTaskTypes = []string{"T2V", "I2V", "TI2V"}
+// taskKind is what a request needs a worker to generate.
+type taskKind int
 
-func hasVideoTaskType(taskTypes []string) bool {
+const (
+	anyTask   taskKind = iota // RL and other endpoints: whatever the model makes
+	imageTask                 // /v1/images/*
+	videoTask                 // /v1/videos
+)
+
+// sglang-diffusion task types, as /v1/models reports them.
+var (
+	imageTaskTypes = []string{"T2I", "I2I", "TI2I"}
+	videoTaskTypes = []string{"T2V", "I2V", "TI2V"}
+)
+
+func hasTaskType(taskTypes, kinds []string) bool {
 	for _, t := range taskTypes {
-		if slices.Contains(videoTaskTypes, strings.ToUpper(t)) {
+		if slices.Contains(kinds, strings.ToUpper(t)) {
 			return true
 		}
 	}
 	return false
 }
 
-// hasVideoWorker reports whether a serving worker can make videos.
-func (p *Pool) hasVideoWorker() bool {
+// can reports whether w may be given a request of kind k. A worker not yet
+// probed may take images (most workers make them) but not videos, which
+// only a worker known to be video-capable gets, as in the Python router.
+func (w *Worker) can(k taskKind) bool {
+	switch k {
+	case imageTask:
+		return w.taskTypes == nil || hasTaskType(w.taskTypes, imageTaskTypes)
+	case videoTask:
+		return hasTaskType(w.taskTypes, videoTaskTypes)
+	}
+	return true
+}
+
+// videoSupport is the Python router's video_support: null while unknown.
+func videoSupport(taskTypes []string) *bool {
+	if taskTypes == nil {
+		return nil
+	}
+	v := hasTaskType(taskTypes, videoTaskTypes)
+	return &v
+}
+
+// canServe reports whether a serving worker can take a request of kind k.
+func (p *Pool) canServe(k taskKind) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, w := range p.workers {
-		if w.serving() && w.videoSupport != nil && *w.videoSupport {
+		if w.serving() && w.can(k) {
 			return true
 		}
 	}

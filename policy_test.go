@@ -102,12 +102,19 @@ func TestSelectSkipsWorkersThatMayNotServe(t *testing.T) {
 	p.setCapabilities("http://b:1", []string{"T2I"})
 	p.setCapabilities("http://c:1", []string{"T2V"})
 
-	video := &ticket{pool: p, strategy: leastRequest{}, video: true, job: true}
+	video := &ticket{pool: p, strategy: leastRequest{}, task: videoTask, job: true}
 	for range 5 {
 		if u := p.acquire(video, upstreamsFor(dials...)); u == nil || u.Dial != "c:1" {
 			t.Fatalf("video job went to %v; want c:1, the only serving video worker", u)
 		}
 		p.release(video, true)
+	}
+	image := &ticket{pool: p, strategy: leastRequest{}, task: imageTask, job: true}
+	for range 5 {
+		if u := p.acquire(image, upstreamsFor(dials...)); u == nil || u.Dial != "b:1" {
+			t.Fatalf("image job went to %v; want b:1, the only serving image worker", u)
+		}
+		p.release(image, true)
 	}
 	pinned := &ticket{pool: p, strategy: leastRequest{}, pin: "http://b:1"}
 	if u := p.acquire(pinned, upstreamsFor(dials...)); u == nil || u.Dial != "b:1" {

@@ -79,9 +79,8 @@ type Worker struct {
 	served       uint64
 	failures     uint64
 	consecFails  int
-	taskTypes    []string  // from the worker's /v1/models
-	videoSupport *bool     // nil until a probe answers
-	probedAt     time.Time // last capability probe attempt
+	taskTypes   []string  // from the worker's /v1/models; nil until a probe answers
+	probedAt    time.Time // last capability probe attempt
 }
 
 // WorkerInfo is a copy of a worker's state, safe to read without the lock.
@@ -95,8 +94,7 @@ type WorkerInfo struct {
 	Served       uint64
 	Failures     uint64
 	ConsecFails  int
-	TaskTypes    []string
-	VideoSupport *bool
+	TaskTypes    []string // nil while unknown
 }
 
 // serving reports whether the worker may be given new jobs.
@@ -107,7 +105,7 @@ func (w *Worker) info() WorkerInfo {
 		URL: w.url, Dial: w.dial, Registered: w.registered, Dead: w.dead,
 		Sleeping: w.sleeping, Inflight: w.inflight, Served: w.served,
 		Failures: w.failures, ConsecFails: w.consecFails,
-		TaskTypes: append([]string(nil), w.taskTypes...), VideoSupport: w.videoSupport,
+		TaskTypes: slices.Clone(w.taskTypes),
 	}
 }
 
@@ -245,9 +243,7 @@ func (p *Pool) setCapabilities(url string, taskTypes []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if w := p.find(url); w != nil {
-		w.taskTypes = taskTypes
-		video := hasVideoTaskType(taskTypes)
-		w.videoSupport = &video
+		w.taskTypes = append([]string{}, taskTypes...)
 	}
 }
 
@@ -258,7 +254,7 @@ func (p *Pool) unprobed(now time.Time, interval time.Duration) []string {
 	defer p.mu.Unlock()
 	var urls []string
 	for _, w := range p.workers {
-		if w.videoSupport == nil && now.Sub(w.probedAt) >= interval {
+		if w.taskTypes == nil && now.Sub(w.probedAt) >= interval {
 			w.probedAt = now
 			urls = append(urls, w.url)
 		}
@@ -339,9 +335,9 @@ func normalizeWorkerURL(raw string) (string, error) {
 type ticket struct {
 	pool     *Pool
 	strategy strategy
-	pin      string // URL of the only worker that may serve (a video job's creator)
-	video    bool   // needs a video-capable worker
-	job      bool   // occupies the worker: counted in its in-flight jobs
+	pin      string   // URL of the only worker that may serve (a video job's creator)
+	task     taskKind // what the worker must be able to generate
+	job      bool     // occupies the worker: counted in its in-flight jobs
 
 	worker   *Worker   // the worker holding the request now
 	servedBy string    // URL of the last worker chosen, kept after release
@@ -386,7 +382,7 @@ func (t *ticket) admits(w *Worker) bool {
 	if t.pin != "" {
 		return w.url == t.pin
 	}
-	return !t.video || (w.videoSupport != nil && *w.videoSupport)
+	return w.can(t.task)
 }
 
 // release ends the ticket's claim on its worker, recording whether the
