@@ -310,17 +310,17 @@ func parseWorkerUpdate(update map[string]json.RawMessage) (isDead *bool, refresh
 		return nil, false, errors.New("At least one field is required: is_dead, refresh_video_support")
 	}
 	for field, raw := range update {
+		if field != "is_dead" && field != "refresh_video_support" {
+			return nil, false, fmt.Errorf("Unsupported fields: %s", field)
+		}
 		var v bool
 		if json.Unmarshal(raw, &v) != nil {
 			return nil, false, fmt.Errorf("%s must be a boolean", field)
 		}
-		switch field {
-		case "is_dead":
+		if field == "is_dead" {
 			isDead = &v
-		case "refresh_video_support":
+		} else {
 			refresh = v
-		default:
-			return nil, false, fmt.Errorf("Unsupported fields: %s", field)
 		}
 	}
 	return isDead, refresh, nil

@@ -39,9 +39,9 @@ const (
 	defaultPoolName = "default"
 	defaultMaxBody  = 64 << 20
 	probeTimeout    = 5 * time.Second
-	// reprobeInterval keeps an unreachable worker from being probed on
-	// every video request.
-	reprobeInterval = 5 * time.Second
+	// reprobeInterval keeps a worker that does not answer its probe from
+	// delaying more than one request in this long.
+	reprobeInterval = 30 * time.Second
 )
 
 // defaultAdminAllow trusts only the machine the router runs on.
@@ -195,8 +195,8 @@ func (h *Handler) Cleanup() error {
 // ServeHTTP answers control endpoints and sends everything else on to the
 // reverse_proxy that follows.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	if handler, pattern := h.control.Handler(r); pattern != "" {
-		handler.ServeHTTP(w, r)
+	if _, pattern := h.control.Handler(r); pattern != "" {
+		h.control.ServeHTTP(w, r) // sets the path values Handler does not
 		return nil
 	}
 	return h.forward(w, r, next)
@@ -260,6 +260,7 @@ func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
 		}
 	case strings.HasPrefix(r.URL.Path, "/v1/images/"):
 		t.task = imageTask
+		h.probeUnknown(r.Context())
 	}
 	return t, 0, ""
 }

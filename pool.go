@@ -75,26 +75,26 @@ type Worker struct {
 	dead       bool // marked dead by an operator (PUT /workers/{id})
 	sleeping   bool
 
-	inflight     int
-	served       uint64
-	failures     uint64
-	consecFails  int
+	inflight    int
+	served      uint64
+	failures    uint64
+	consecFails int
 	taskTypes   []string  // from the worker's /v1/models; nil until a probe answers
 	probedAt    time.Time // last capability probe attempt
 }
 
 // WorkerInfo is a copy of a worker's state, safe to read without the lock.
 type WorkerInfo struct {
-	URL          string
-	Dial         string
-	Registered   bool
-	Dead         bool
-	Sleeping     bool
-	Inflight     int
-	Served       uint64
-	Failures     uint64
-	ConsecFails  int
-	TaskTypes    []string // nil while unknown
+	URL         string
+	Dial        string
+	Registered  bool
+	Dead        bool
+	Sleeping    bool
+	Inflight    int
+	Served      uint64
+	Failures    uint64
+	ConsecFails int
+	TaskTypes   []string // nil while unknown
 }
 
 // serving reports whether the worker may be given new jobs.
