@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -561,5 +562,33 @@ func TestRegisteredWorkersSurviveReload(t *testing.T) {
 		if rp.header.Get("X-Fake-Worker") != "joined" {
 			t.Fatalf("served by %q", rp.header.Get("X-Fake-Worker"))
 		}
+	}
+}
+
+func TestValidateStartsNothing(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "w"})
+	cfgJSON, err := adaptSite(freePort(t), "diffusion_router validate-pool {\n workers "+urlsOf(ws)+"\n}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg caddy.Config
+	if err := json.Unmarshal(cfgJSON, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	before := runtime.NumGoroutine()
+	if err := caddy.Validate(&cfg); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if after := runtime.NumGoroutine(); after > before {
+		t.Fatalf("caddy validate left %d goroutines running (before %d)", after, before)
+	}
+	p, _ := loadPool("validate-pool")
+	defer releasePool("validate-pool")
+	if len(p.snapshot()) != 0 {
+		t.Fatal("validating a config left its pool behind")
 	}
 }
