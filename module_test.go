@@ -31,6 +31,8 @@ func TestMain(m *testing.M) {
 	for _, k := range []string{"HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME"} {
 		os.Setenv(k, dir)
 	}
+	// Caddy chose its storage folder from HOME before TestMain ran.
+	caddy.DefaultStorage.Path = caddy.AppDataDir()
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
