@@ -594,3 +594,27 @@ func TestValidateStartsNothing(t *testing.T) {
 		t.Fatal("validating a config left its pool behind")
 	}
 }
+
+func TestUpstreamTimeout(t *testing.T) {
+	// A 1024² 4-step job takes 40 s on this worker: far past the limit.
+	ws := startWorkers(t, fakeworker.Config{Name: "slow", UnitMs: 10_000})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n upstream_timeout 300ms\n}")
+	rp := r.post("/v1/images/generations", `{"prompt":"a cat","size":"1024x1024","num_inference_steps":4}`)
+	expectStatus(t, "slow worker", rp, 504)
+	if !strings.Contains(rp.errorText(t), "upstream_timeout") {
+		t.Fatalf("504 error: %s", rp.body)
+	}
+	if n := r.get("/workers").json(t)["workers"].([]any)[0].(map[string]any)["active_requests"]; n != 0.0 {
+		t.Fatalf("active_requests %v after the timeout", n)
+	}
+}
+
+func TestWorkerErrorsPassThrough(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "flaky", FailRate: 1})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	rp := r.post("/v1/images/generations", smallImage)
+	direct := do(t, "POST", ws[0].URL()+"/v1/images/generations", strings.NewReader(smallImage))
+	if rp.status != 500 || direct.status != 500 || rp.json(t)["detail"] != direct.json(t)["detail"] {
+		t.Fatalf("worker's 500 %s became %d %s", direct.body, rp.status, rp.body)
+	}
+}
