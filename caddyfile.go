@@ -96,11 +96,11 @@ func unmarshalProxy(h httpcaddyfile.Helper, d *caddyfile.Dispenser, rp *reversep
 // upstreams, the diffusion selection policy, retries on failed connections,
 // and responses streamed as they arrive.
 func wireProxy(rp *reverseproxy.Handler, pool string) {
-	rp.DynamicUpstreamsRaw = caddyconfig.JSONModuleObject(UpstreamSource{Pool: pool}, "source", "diffusion", nil)
+	rp.DynamicUpstreamsRaw = caddyconfig.JSONModuleObject(UpstreamSource{poolRef{Pool: pool}}, "source", "diffusion", nil)
 	if rp.LoadBalancing == nil {
 		rp.LoadBalancing = new(reverseproxy.LoadBalancing)
 	}
-	rp.LoadBalancing.SelectionPolicyRaw = caddyconfig.JSONModuleObject(Selector{Pool: pool}, "policy", "diffusion", nil)
+	rp.LoadBalancing.SelectionPolicyRaw = caddyconfig.JSONModuleObject(Selector{poolRef{Pool: pool}}, "policy", "diffusion", nil)
 	if rp.LoadBalancing.Retries == 0 {
 		rp.LoadBalancing.Retries = proxyRetries
 	}

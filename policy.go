@@ -80,11 +80,7 @@ func (randomPick) pick(_ *Pool, cands []*Worker) int { return rand.IntN(len(cand
 // sleeping, not video-capable for a video job, or not the worker that made
 // a video job being polled) are never chosen.
 type Selector struct {
-	// Pool names the worker pool; it must match the diffusion_router
-	// handler in front of the proxy. Default: "default".
-	Pool string `json:"pool,omitempty"`
-
-	pool *Pool
+	poolRef
 }
 
 // CaddyModule returns the Caddy module information.
@@ -93,22 +89,6 @@ func (Selector) CaddyModule() caddy.ModuleInfo {
 		ID:  "http.reverse_proxy.selection_policies.diffusion",
 		New: func() caddy.Module { return new(Selector) },
 	}
-}
-
-// Provision attaches the policy to its pool.
-func (s *Selector) Provision(caddy.Context) error {
-	if s.Pool == "" {
-		s.Pool = defaultPoolName
-	}
-	p, err := loadPool(s.Pool)
-	s.pool = p
-	return err
-}
-
-// Cleanup lets go of the pool.
-func (s *Selector) Cleanup() error {
-	releasePool(s.Pool)
-	return nil
 }
 
 // Select chooses a worker for r. A request that did not pass through
@@ -126,17 +106,7 @@ func (s *Selector) Select(upstreams reverseproxy.UpstreamPool, r *http.Request, 
 //
 //	lb_policy diffusion [<pool>]
 func (s *Selector) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // policy name
-	if d.NextArg() {
-		s.Pool = d.Val()
-	}
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	if d.NextBlock(0) {
-		return d.Errf("lb_policy diffusion takes no block; set options in diffusion_router")
-	}
-	return nil
+	return s.unmarshalPoolArg(d, "lb_policy diffusion")
 }
 
 // Interface guards

@@ -153,7 +153,7 @@ func TestRetryAvoidsFailedWorker(t *testing.T) {
 
 func TestSelectWithoutTicketUsesPool(t *testing.T) {
 	p, dials := poolOf(t, 2)
-	s := &Selector{pool: p}
+	s := &Selector{poolRef{pool: p}}
 	r := newRequest(t)
 	if u := s.Select(upstreamsFor(dials...), r, nil); u == nil {
 		t.Fatal("no worker chosen for a request without a ticket")

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 )
 
@@ -34,6 +35,47 @@ func loadPool(name string) (*Pool, error) {
 // releasePool drops one reference to the named pool; the last one frees it.
 func releasePool(name string) {
 	_, _ = pools.Delete(name)
+}
+
+// poolRef is a module's link to its named pool, for the reverse_proxy
+// modules that take the pool name as their only argument.
+type poolRef struct {
+	// Pool names the worker pool; it must match the diffusion_router
+	// handler's. Default: "default".
+	Pool string `json:"pool,omitempty"`
+
+	pool *Pool
+}
+
+// Provision attaches the module to its pool.
+func (r *poolRef) Provision(caddy.Context) error {
+	if r.Pool == "" {
+		r.Pool = defaultPoolName
+	}
+	p, err := loadPool(r.Pool)
+	r.pool = p
+	return err
+}
+
+// Cleanup lets go of the pool.
+func (r *poolRef) Cleanup() error {
+	releasePool(r.Pool)
+	return nil
+}
+
+// unmarshalPoolArg reads `<what> [<pool>]`, which takes no block.
+func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
+	d.Next() // module name
+	if d.NextArg() {
+		r.Pool = d.Val()
+	}
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	if d.NextBlock(0) {
+		return d.Errf("%s takes no block; set options in diffusion_router", what)
+	}
+	return nil
 }
 
 // Pool is a named set of sglang-diffusion workers and their state. It is

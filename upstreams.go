@@ -16,10 +16,7 @@ func init() {
 // it gives reverse_proxy the pool's serving workers on every request, so
 // workers registered at run time are used at once and removed ones never.
 type UpstreamSource struct {
-	// Pool names the worker pool. Default: "default".
-	Pool string `json:"pool,omitempty"`
-
-	pool *Pool
+	poolRef
 }
 
 // CaddyModule returns the Caddy module information.
@@ -28,22 +25,6 @@ func (UpstreamSource) CaddyModule() caddy.ModuleInfo {
 		ID:  "http.reverse_proxy.upstreams.diffusion",
 		New: func() caddy.Module { return new(UpstreamSource) },
 	}
-}
-
-// Provision attaches the source to its pool.
-func (s *UpstreamSource) Provision(caddy.Context) error {
-	if s.Pool == "" {
-		s.Pool = defaultPoolName
-	}
-	p, err := loadPool(s.Pool)
-	s.pool = p
-	return err
-}
-
-// Cleanup lets go of the pool.
-func (s *UpstreamSource) Cleanup() error {
-	releasePool(s.Pool)
-	return nil
 }
 
 // GetUpstreams returns one upstream per serving worker. They are new values
@@ -61,17 +42,7 @@ func (s *UpstreamSource) GetUpstreams(*http.Request) ([]*reverseproxy.Upstream, 
 //
 //	dynamic diffusion [<pool>]
 func (s *UpstreamSource) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // source name
-	if d.NextArg() {
-		s.Pool = d.Val()
-	}
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	if d.NextBlock(0) {
-		return d.Errf("dynamic diffusion takes no block; set options in diffusion_router")
-	}
-	return nil
+	return s.unmarshalPoolArg(d, "dynamic diffusion")
 }
 
 // Interface guards

@@ -26,22 +26,33 @@ type diffusionRequest struct {
 	genParams
 }
 
-// handleDiffusionGenerate serves sglang's native API, which returns the
-// first output as output_b64 plus, when asked, the denoising trajectory.
-func (w *Worker) handleDiffusionGenerate(rw http.ResponseWriter, r *http.Request) {
-	var req diffusionRequest
-	if err := decodePrompted(r, &req); err != nil {
+// runRL decodes one of the RL APIs' requests into req, whose generation
+// parameters are params and outputs, and runs it as a job. It answers the
+// client itself when that fails.
+func (w *Worker) runRL(rw http.ResponseWriter, r *http.Request, req interface{ hasPrompt() bool }, params *genParams, outputs **int) (shape, jobResult, bool) {
+	if err := decodePrompted(r, req); err != nil {
 		w.fail(rw, err)
-		return
+		return shape{}, jobResult{}, false
 	}
-	s, err := req.shape(w.defaultSize(), w.frames(req.NumFrames), outputsPerPrompt(req.NumOutputsPerPrompt, math.MaxInt))
+	s, err := params.shape(w.defaultSize(), w.frames(params.NumFrames), outputsPerPrompt(*outputs, math.MaxInt))
 	if err != nil {
 		w.fail(rw, err)
-		return
+		return shape{}, jobResult{}, false
 	}
 	res, err := w.runJob(r.Context(), s.cost(), nil)
 	if err != nil {
 		w.fail(rw, err)
+		return shape{}, jobResult{}, false
+	}
+	return s, res, true
+}
+
+// handleDiffusionGenerate serves sglang's native API, which returns the
+// first output as output_b64 plus, when asked, the denoising trajectory.
+func (w *Worker) handleDiffusionGenerate(rw http.ResponseWriter, r *http.Request) {
+	var req diffusionRequest
+	s, res, ok := w.runRL(rw, r, &req, &req.genParams, &req.NumOutputsPerPrompt)
+	if !ok {
 		return
 	}
 	format := "png"
@@ -105,18 +116,8 @@ type rolloutRequest struct {
 // output, tensors encoded as sglang encodes them.
 func (w *Worker) handleRollout(rw http.ResponseWriter, r *http.Request) {
 	var req rolloutRequest
-	if err := decodePrompted(r, &req); err != nil {
-		w.fail(rw, err)
-		return
-	}
-	s, err := req.shape(w.defaultSize(), w.frames(req.NumFrames), outputsPerPrompt(req.NumOutputsPerPrompt, math.MaxInt))
-	if err != nil {
-		w.fail(rw, err)
-		return
-	}
-	res, err := w.runJob(r.Context(), s.cost(), nil)
-	if err != nil {
-		w.fail(rw, err)
+	s, res, ok := w.runRL(rw, r, &req, &req.genParams, &req.NumOutputsPerPrompt)
+	if !ok {
 		return
 	}
 	body := appendMsgpack(nil, w.rolloutSamples(req, s, res))
