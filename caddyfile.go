@@ -2,6 +2,8 @@ package diffusionrouter
 
 import (
 	"encoding/json"
+	"math"
+	"strconv"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
@@ -113,7 +115,15 @@ func wireProxy(rp *reverseproxy.Handler, pool string) {
 //
 //	diffusion_router [<pool>] {
 //	    workers          <url...>
-//	    policy           least_request|round_robin|random
+//	    policy           least_work|least_request|round_robin|random
+//	    max_inflight     <n>|unlimited
+//	    queue_order      fifo|largest_first|smallest_first
+//	    queue_timeout    <duration>
+//	    max_queue        <n>
+//	    default_steps    <n>
+//	    default_size     <width>x<height>
+//	    default_frames   <n>
+//	    cfg_factor       <factor>
 //	    max_body         <size>
 //	    admin_allow      <cidr...>
 //	    admin_token      <token>
@@ -183,6 +193,73 @@ func (h *Handler) unmarshalOption(d *caddyfile.Dispenser) error {
 			return d.Errf("unknown policy %q (want one of %s)", v, strategyNames())
 		}
 		h.Policy = v
+	case "max_inflight":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		if v == "unlimited" {
+			h.MaxInflight = -1
+		} else if h.MaxInflight, err = positiveInt(d, opt, v); err != nil {
+			return err
+		}
+	case "queue_order":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		if _, ok := queueOrders[v]; !ok {
+			return d.Errf("unknown queue_order %q (want fifo, largest_first or smallest_first)", v)
+		}
+		h.QueueOrder = v
+	case "queue_timeout":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		dur, err := positiveDuration(d, opt, v)
+		h.QueueTimeout = dur
+		return err
+	case "max_queue":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		h.MaxQueue, err = positiveInt(d, opt, v)
+		return err
+	case "default_steps":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		h.DefaultSteps, err = positiveInt(d, opt, v)
+		return err
+	case "default_frames":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		h.DefaultFrames, err = positiveInt(d, opt, v)
+		return err
+	case "default_size":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		if _, _, err := parseSize(v); err != nil {
+			return d.Errf("default_size: %q is not WIDTHxHEIGHT like 1024x1024", v)
+		}
+		h.DefaultSize = v
+	case "cfg_factor":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		f, err := strconv.ParseFloat(v, 64)
+		if err != nil || f < 1 || math.IsInf(f, 0) {
+			return d.Errf("cfg_factor: %q is not a number of at least 1", v)
+		}
+		h.CFGFactor = f
 	case "max_body":
 		v, err := one()
 		if err != nil {
@@ -209,11 +286,9 @@ func (h *Handler) unmarshalOption(d *caddyfile.Dispenser) error {
 		if err != nil {
 			return err
 		}
-		dur, err := caddy.ParseDuration(v)
-		if err != nil || dur <= 0 {
-			return d.Errf("upstream_timeout: %q is not a positive duration like 10m", v)
-		}
-		h.UpstreamTimeout = caddy.Duration(dur)
+		dur, err := positiveDuration(d, opt, v)
+		h.UpstreamTimeout = dur
+		return err
 	default:
 		return d.Errf("unknown diffusion_router option %q (options: %s)", opt, strings.Join(optionNames, ", "))
 	}
@@ -221,7 +296,29 @@ func (h *Handler) unmarshalOption(d *caddyfile.Dispenser) error {
 }
 
 // optionNames lists the handler's Caddyfile options for error messages.
-var optionNames = []string{"workers", "policy", "max_body", "admin_allow", "admin_token", "upstream_timeout", "reverse_proxy"}
+var optionNames = []string{
+	"workers", "policy", "max_inflight", "queue_order", "queue_timeout", "max_queue",
+	"default_steps", "default_size", "default_frames", "cfg_factor",
+	"max_body", "admin_allow", "admin_token", "upstream_timeout", "reverse_proxy",
+}
+
+// positiveInt reads option opt's value v as a positive integer.
+func positiveInt(d *caddyfile.Dispenser, opt, v string) (int, error) {
+	n, err := strconv.Atoi(v)
+	if err != nil || n <= 0 {
+		return 0, d.Errf("%s: %q is not a positive whole number", opt, v)
+	}
+	return n, nil
+}
+
+// positiveDuration reads option opt's value v as a positive duration.
+func positiveDuration(d *caddyfile.Dispenser, opt, v string) (caddy.Duration, error) {
+	dur, err := caddy.ParseDuration(v)
+	if err != nil || dur <= 0 {
+		return 0, d.Errf("%s: %q is not a positive duration like 10m", opt, v)
+	}
+	return caddy.Duration(dur), nil
+}
 
 // Interface guards
 var _ caddyfile.Unmarshaler = (*Handler)(nil)

@@ -14,6 +14,7 @@ package diffusionrouter
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -22,6 +23,7 @@ import (
 	"mime"
 	"net/http"
 	"net/netip"
+	"strconv"
 	"strings"
 	"time"
 
@@ -62,9 +64,38 @@ type Handler struct {
 	// at run time through POST /workers.
 	Workers []string `json:"workers,omitempty"`
 
-	// Policy is the routing strategy: least_request (default),
+	// Policy is the routing strategy: least_work (default), least_request,
 	// round_robin or random.
 	Policy string `json:"policy,omitempty"`
+
+	// MaxInflight is how many jobs a worker is given at once; the rest wait
+	// in the pool's queue for the first worker that frees up. Default 1 for
+	// least_work (a sglang-diffusion worker runs one job at a time), no limit
+	// for the other policies; -1 means no limit.
+	MaxInflight int `json:"max_inflight,omitempty"`
+
+	// QueueOrder is which waiting job goes first: fifo (default),
+	// largest_first (the longest-processing-time rule, for batch makespan)
+	// or smallest_first.
+	QueueOrder string `json:"queue_order,omitempty"`
+
+	// QueueTimeout is the longest a job waits in the queue before a 503.
+	// Default: no limit beyond the client's own.
+	QueueTimeout caddy.Duration `json:"queue_timeout,omitempty"`
+
+	// MaxQueue is how many jobs may wait at once; beyond it 429. Default 10000.
+	MaxQueue int `json:"max_queue,omitempty"`
+
+	// DefaultSteps, DefaultSize and DefaultFrames cost the requests that
+	// leave num_inference_steps, size or a video's frame count out.
+	// Defaults 20, 1024x1024 and 96.
+	DefaultSteps  int    `json:"default_steps,omitempty"`
+	DefaultSize   string `json:"default_size,omitempty"`
+	DefaultFrames int    `json:"default_frames,omitempty"`
+
+	// CFGFactor multiplies the cost of a job that asks for classifier-free
+	// guidance (guidance_scale or true_cfg_scale above 1). Default 2.
+	CFGFactor float64 `json:"cfg_factor,omitempty"`
 
 	// MaxBody is the largest request body accepted, in bytes. Default 64 MiB.
 	MaxBody int64 `json:"max_body,omitempty"`
@@ -83,7 +114,8 @@ type Handler struct {
 	UpstreamTimeout caddy.Duration `json:"upstream_timeout,omitempty"`
 
 	pool     *Pool
-	strategy strategy
+	dispatch dispatchConfig
+	costs    costModel
 	allow    []netip.Prefix
 	token    string
 	control  *http.ServeMux
@@ -123,12 +155,11 @@ func (h *Handler) parseOptions() error {
 	if h.Pool == "" {
 		h.Pool = defaultPoolName
 	}
-	if h.Policy == "" {
-		h.Policy = defaultStrategy
+	if err := h.parseDispatch(); err != nil {
+		return err
 	}
-	var ok bool
-	if h.strategy, ok = strategies[h.Policy]; !ok {
-		return fmt.Errorf("unknown policy %q (want one of %s)", h.Policy, strategyNames())
+	if err := h.parseCosts(); err != nil {
+		return err
 	}
 	if h.MaxBody == 0 {
 		h.MaxBody = defaultMaxBody
@@ -160,6 +191,55 @@ func (h *Handler) parseOptions() error {
 		if h.token == "" {
 			return fmt.Errorf("admin_token %q expands to an empty token", h.AdminToken)
 		}
+	}
+	return nil
+}
+
+// Defaults of the queue options.
+const defaultMaxQueue = 10000
+
+// parseDispatch reads the routing and queue options.
+func (h *Handler) parseDispatch() error {
+	d := &h.dispatch
+	h.Policy = cmp.Or(h.Policy, defaultStrategy)
+	var ok bool
+	if d.strategy, ok = strategies[h.Policy]; !ok {
+		return fmt.Errorf("unknown policy %q (want one of %s)", h.Policy, strategyNames())
+	}
+	switch {
+	case h.MaxInflight > 0:
+		d.maxInflight = h.MaxInflight
+	case h.MaxInflight == 0 && h.Policy == "least_work":
+		d.maxInflight = 1
+	case h.MaxInflight < -1:
+		return fmt.Errorf("max_inflight must be positive or -1 (no limit), got %d", h.MaxInflight)
+	}
+	if d.order, ok = queueOrders[cmp.Or(h.QueueOrder, "fifo")]; !ok {
+		return fmt.Errorf("unknown queue_order %q (want fifo, largest_first or smallest_first)", h.QueueOrder)
+	}
+	if h.QueueTimeout < 0 {
+		return fmt.Errorf("queue_timeout must not be negative")
+	}
+	d.timeout = time.Duration(h.QueueTimeout)
+	if h.MaxQueue < 0 {
+		return fmt.Errorf("max_queue must be positive, got %d", h.MaxQueue)
+	}
+	d.maxQueue = cmp.Or(h.MaxQueue, defaultMaxQueue)
+	return nil
+}
+
+// parseCosts reads the cost model's defaults.
+func (h *Handler) parseCosts() error {
+	c := &h.costs
+	var err error
+	if c.width, c.height, err = parseSize(cmp.Or(h.DefaultSize, defaultSize)); err != nil {
+		return fmt.Errorf("default_size %q is not WIDTHxHEIGHT", h.DefaultSize)
+	}
+	c.steps = cmp.Or(h.DefaultSteps, defaultSteps)
+	c.frames = cmp.Or(h.DefaultFrames, defaultFrames)
+	c.cfgFactor = cmp.Or(h.CFGFactor, defaultCFGFactor)
+	if c.steps < 0 || c.frames < 0 || c.cfgFactor < 1 {
+		return fmt.Errorf("default_steps and default_frames must be positive and cfg_factor at least 1")
 	}
 	return nil
 }
@@ -202,15 +282,23 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	return h.forward(w, r, next)
 }
 
-// forward proxies a request to a worker through next, holding a ticket that
-// the selection policy fills in, and releases the worker when the response
-// has been written.
+// forward proxies a request to a worker through next. It first gets the
+// request a worker from the pool (a generation may wait in the pool's queue
+// for one), and releases that worker once the response has been written.
 func (h *Handler) forward(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	t, status, msg := h.ticketFor(r)
+	if status == 0 {
+		status, msg = h.readBody(w, r, t)
+	}
 	if status != 0 {
 		return writeError(w, status, msg)
 	}
-	if status, msg := h.limitBody(w, r); status != 0 {
+	if err := h.pool.acquire(r.Context(), t); err != nil {
+		if r.Context().Err() != nil {
+			return nil // the client left while waiting
+		}
+		status, msg := queueError(h.pool, t, err)
+		w.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
 		return writeError(w, status, msg)
 	}
 
@@ -227,7 +315,7 @@ func (h *Handler) forward(w http.ResponseWriter, r *http.Request, next caddyhttp
 	}
 
 	err := next.ServeHTTP(rec, r.WithContext(ctx))
-	h.pool.release(t, err == nil && rec.status != http.StatusBadGateway && rec.status != http.StatusServiceUnavailable)
+	h.pool.release(t, outcomeOf(r.Context(), err, rec.status))
 
 	if err == nil {
 		h.rememberVideoJob(r, t, rec, videoCreate)
@@ -239,10 +327,27 @@ func (h *Handler) forward(w http.ResponseWriter, r *http.Request, next caddyhttp
 	return h.proxyError(ctx, w, t, err)
 }
 
+// outcomeOf tells how the exchange with the worker ended, as evidence of
+// the worker's health.
+func outcomeOf(clientCtx context.Context, err error, status int) outcome {
+	switch {
+	case clientCtx.Err() != nil:
+		return abandoned
+	case err != nil, status == http.StatusBadGateway, status == http.StatusServiceUnavailable:
+		return failed
+	}
+	return succeeded
+}
+
+// retryAfter suggests when a refused job might find a worker, in seconds.
+func retryAfter(t *ticket) int {
+	return max(1, int(t.cfg.timeout.Seconds()))
+}
+
 // ticketFor works out which workers may serve r. A non-zero status means r
 // must be refused with that status and message.
 func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
-	t := &ticket{pool: h.pool, strategy: h.strategy, job: true}
+	t := &ticket{pool: h.pool, cfg: &h.dispatch}
 	id, isJobPath := videoJobID(r.URL.Path)
 	switch {
 	case isJobPath:
@@ -250,10 +355,9 @@ func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
 		if !ok {
 			return nil, http.StatusNotFound, "Unknown video_id"
 		}
-		t.pin, t.job = worker, false
+		t.pin = worker
 	case r.URL.Path == "/v1/videos":
 		t.task = videoTask
-		t.job = r.Method == http.MethodPost
 		h.probeUnknown(r.Context())
 		if !h.pool.canServe(videoTask) {
 			return nil, http.StatusBadRequest, "No video-capable workers available in current worker pool."
@@ -262,6 +366,7 @@ func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
 		t.task = imageTask
 		h.probeUnknown(r.Context())
 	}
+	t.job = r.Method == http.MethodPost && generationPaths[r.URL.Path]
 	return t, 0, ""
 }
 
@@ -278,27 +383,28 @@ func videoJobID(path string) (string, bool) {
 	return id, true
 }
 
-// jsonBodies are the generation endpoints whose JSON bodies the router reads.
-var jsonBodies = map[string]bool{
+// generationPaths are the endpoints whose POSTs are generation jobs: they
+// occupy a worker, so they are costed, take a slot and may wait for one.
+var generationPaths = map[string]bool{
 	"/v1/images/generations": true,
+	"/v1/images/edits":       true,
 	"/v1/diffusion/generate": true,
 	"/v1/videos":             true,
 	"/rollout/generate":      true,
 }
 
-// limitBody caps the request body at max_body and checks that JSON bodies
-// of generation endpoints are JSON, so a bad request fails here with a
-// clear message instead of on a worker. Multipart and binary bodies stream
-// through unread.
-func (h *Handler) limitBody(w http.ResponseWriter, r *http.Request) (int, string) {
+// readBody caps the request body at max_body. A generation's body is read
+// whole, once, to cost the job, so a bad one fails here with a message
+// naming the field instead of on a worker; other bodies stream through.
+func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (int, string) {
 	if r.ContentLength > h.MaxBody {
 		return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
 	}
 	if r.Body == nil || r.Body == http.NoBody {
-		return 0, ""
+		r.Body = http.NoBody
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, h.MaxBody)
-	if r.Method != http.MethodPost || !jsonBodies[r.URL.Path] || isMultipart(r.Header.Get("Content-Type")) {
+	if !t.job {
 		return 0, ""
 	}
 	body, err := io.ReadAll(r.Body)
@@ -308,24 +414,35 @@ func (h *Handler) limitBody(w http.ResponseWriter, r *http.Request) (int, string
 		}
 		return http.StatusBadRequest, "reading request body: " + err.Error()
 	}
-	if !json.Valid(body) {
-		return http.StatusBadRequest, "Invalid JSON body"
-	}
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.ContentLength = int64(len(body))
+	f, err := requestFields(body, r.Header.Get("Content-Type"))
+	if err == nil {
+		t.cost, err = h.costs.cost(r.URL.Path, f)
+	}
+	if err != nil {
+		return http.StatusBadRequest, err.Error()
+	}
 	return 0, ""
+}
+
+// requestFields reads a generation's parameters. A msgpack or other binary
+// body is passed on unread and costed by the pool's defaults.
+func requestFields(body []byte, contentType string) (fields, error) {
+	mt, _, _ := mime.ParseMediaType(contentType)
+	switch {
+	case strings.HasPrefix(mt, "multipart/"):
+		return formFields(body, contentType)
+	case mt == "application/msgpack", mt == "application/x-msgpack", mt == "application/octet-stream":
+		return fields{}, nil
+	}
+	// The workers read every other body as JSON, whatever the client called
+	// it (curl -d says x-www-form-urlencoded).
+	return jsonFields(body)
 }
 
 func tooLarge(limit int64) string {
 	return fmt.Sprintf("request body is larger than max_body (%d bytes)", limit)
-}
-
-// isMultipart reports whether a body is a form upload. The workers read
-// every other body of a generation endpoint as JSON, whatever the client
-// called it (curl -d says x-www-form-urlencoded).
-func isMultipart(contentType string) bool {
-	mt, _, _ := mime.ParseMediaType(contentType)
-	return strings.HasPrefix(mt, "multipart/")
 }
 
 // rememberVideoJob records which worker made a new video job, and forgets
@@ -361,10 +478,8 @@ func (h *Handler) proxyError(ctx context.Context, w http.ResponseWriter, t *tick
 		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("worker did not answer within upstream_timeout (%s)", time.Duration(h.UpstreamTimeout))
 	case isMaxBytes(err):
 		status, msg = http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
-	case status == http.StatusServiceUnavailable && t.pin != "":
-		msg = fmt.Sprintf("Mapped worker %s is unavailable", t.pin)
 	case status == http.StatusServiceUnavailable:
-		msg = "No healthy workers available in the pool"
+		_, msg = queueError(h.pool, t, errNoWorker)
 	default:
 		msg = "Worker request failed: " + err.Error()
 	}

@@ -43,9 +43,9 @@ func hasTaskType(taskTypes, kinds []string) bool {
 func (w *Worker) can(k taskKind) bool {
 	switch k {
 	case imageTask:
-		return w.taskTypes == nil || hasTaskType(w.taskTypes, imageTaskTypes)
+		return w.makesImages
 	case videoTask:
-		return hasTaskType(w.taskTypes, videoTaskTypes)
+		return w.makesVideos
 	}
 	return true
 }

@@ -315,7 +315,7 @@ func TestVideoNeedsVideoCapableWorker(t *testing.T) {
 
 func TestHealthFollowsServingWorkers(t *testing.T) {
 	ws := startWorkers(t, fakeworker.Config{Name: "w"})
-	r := startRouter(t, "diffusion_router")
+	r := startRouter(t, "diffusion_router {\n queue_timeout 300ms\n}")
 
 	rp := r.get("/health")
 	expectStatus(t, "health with no workers", rp, 503)
@@ -342,7 +342,12 @@ func TestHealthFollowsServingWorkers(t *testing.T) {
 	id := url.QueryEscape(ws[0].URL())
 	expectStatus(t, "mark dead", do(t, "PUT", r.base+"/workers/"+id, strings.NewReader(`{"is_dead":true}`)), 200)
 	expectStatus(t, "health with a dead worker", r.get("/health"), 503)
-	expectStatus(t, "generation on a dead pool", r.post("/v1/images/generations", smallImage), 503)
+	// The job waits in the queue for the worker to come back, up to queue_timeout.
+	rp = r.post("/v1/images/generations", smallImage)
+	expectStatus(t, "generation on a dead pool", rp, 503)
+	if !strings.Contains(rp.errorText(t), "queue") || rp.header.Get("Retry-After") == "" {
+		t.Fatalf("queue timeout answer: %s %v", rp.body, rp.header)
+	}
 	if ws[0].Stats().Jobs != 1 {
 		t.Fatalf("dead worker got jobs: %d", ws[0].Stats().Jobs)
 	}
@@ -510,7 +515,7 @@ func TestWorkersAPI(t *testing.T) {
 func TestLeastRequestSpreadsABatch(t *testing.T) {
 	// Each job takes 400 ms, far longer than it takes to send all eight.
 	ws := startWorkers(t, fakeworker.Config{Name: "a", UnitMs: 100}, fakeworker.Config{Name: "b", UnitMs: 100})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n policy least_request\n}")
 	var wg sync.WaitGroup
 	for range 8 {
 		wg.Go(func() {

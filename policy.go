@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -15,21 +16,50 @@ func init() {
 	caddy.RegisterModule(Selector{})
 }
 
-// strategy chooses one of the candidate workers for a job. It runs under
-// the pool's lock, so it may read and update pool and worker state.
+// strategy chooses one of the candidate workers for t at time now. It runs
+// under the pool's lock, so it may read and update pool and worker state.
 type strategy interface {
-	pick(p *Pool, cands []*Worker) int
+	pick(p *Pool, t *ticket, cands []*Worker, now time.Time) int
 }
 
 // strategies maps each `policy` value to its strategy.
 var strategies = map[string]strategy{
+	"least_work":    leastWork{},
 	"least_request": leastRequest{},
 	"round_robin":   roundRobin{},
 	"random":        randomPick{},
 }
 
 // defaultStrategy is the policy when a config names none.
-const defaultStrategy = "least_request"
+const defaultStrategy = "least_work"
+
+// leastWork gives the job to the worker that will finish it soonest: the
+// least (predicted work left + the job's cost) / learned speed. Exact ties,
+// as among idle workers of one speed, are broken at random.
+type leastWork struct{}
+
+func (leastWork) pick(p *Pool, t *ticket, cands []*Worker, now time.Time) int {
+	finish := func(w *Worker) float64 { return (p.workLeft(w, now) + t.cost) / p.speedOf(w) }
+	return argmin(cands, finish)
+}
+
+// argmin returns the index of the candidate with the least score, choosing
+// at random among equal ones so that idle workers share the load.
+func argmin(cands []*Worker, score func(*Worker) float64) int {
+	best, bestScore, ties := 0, score(cands[0]), 1
+	for i := 1; i < len(cands); i++ {
+		switch s := score(cands[i]); {
+		case s < bestScore:
+			best, bestScore, ties = i, s, 1
+		case s == bestScore:
+			ties++
+			if rand.IntN(ties) == 0 {
+				best = i
+			}
+		}
+	}
+	return best
+}
 
 // strategyNames lists the valid `policy` values, for error messages.
 func strategyNames() string {
@@ -45,26 +75,14 @@ func strategyNames() string {
 // ties at random so idle workers share the load evenly.
 type leastRequest struct{}
 
-func (leastRequest) pick(_ *Pool, cands []*Worker) int {
-	best, ties := 0, 1
-	for i := 1; i < len(cands); i++ {
-		switch d := cands[i].inflight - cands[best].inflight; {
-		case d < 0:
-			best, ties = i, 1
-		case d == 0:
-			ties++
-			if rand.IntN(ties) == 0 {
-				best = i
-			}
-		}
-	}
-	return best
+func (leastRequest) pick(_ *Pool, _ *ticket, cands []*Worker, _ time.Time) int {
+	return argmin(cands, func(w *Worker) float64 { return float64(w.inflight) })
 }
 
 // roundRobin cycles through the candidates in pool order.
 type roundRobin struct{}
 
-func (roundRobin) pick(p *Pool, cands []*Worker) int {
+func (roundRobin) pick(p *Pool, _ *ticket, cands []*Worker, _ time.Time) int {
 	p.next++
 	return p.next % len(cands)
 }
@@ -72,13 +90,15 @@ func (roundRobin) pick(p *Pool, cands []*Worker) int {
 // randomPick picks a candidate uniformly at random.
 type randomPick struct{}
 
-func (randomPick) pick(_ *Pool, cands []*Worker) int { return rand.IntN(len(cands)) }
+func (randomPick) pick(_ *Pool, _ *ticket, cands []*Worker, _ time.Time) int {
+	return rand.IntN(len(cands))
+}
 
-// Selector is the reverse_proxy selection policy `diffusion`: it hands each
-// request to the pool worker that diffusion_router's strategy chooses and
-// claims that worker for the request. Workers the router holds back (dead,
-// sleeping, not video-capable for a video job, or not the worker that made
-// a video job being polled) are never chosen.
+// Selector is the reverse_proxy selection policy `diffusion`: it sends each
+// request to the worker the pool gave its ticket. diffusion_router acquires
+// that worker by the pool's strategy before proxying, waiting in the pool's
+// queue when every fitting worker is full; a retry after a failed
+// connection gets another one from the upstream source.
 type Selector struct {
 	poolRef
 }
@@ -91,15 +111,37 @@ func (Selector) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Select chooses a worker for r. A request that did not pass through
-// diffusion_router has no ticket; it gets a worker by the default strategy
-// without being counted.
+// Select returns the upstream of the worker given to r's ticket. A request
+// that did not pass through diffusion_router has no ticket; it gets a
+// serving worker at random, uncounted.
 func (s *Selector) Select(upstreams reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
 	t := ticketFrom(r.Context())
 	if t == nil {
-		t = &ticket{pool: s.pool, strategy: strategies[defaultStrategy]}
+		return s.pool.pickUntracked(upstreams)
 	}
-	return t.pool.acquire(t, upstreams)
+	for _, u := range upstreams {
+		if t.worker != nil && u.Dial == t.worker.dial && u.Available() {
+			return u
+		}
+	}
+	return nil
+}
+
+// pickUntracked picks at random among the upstreams that are serving
+// workers of the pool.
+func (p *Pool) pickUntracked(upstreams []*reverseproxy.Upstream) *reverseproxy.Upstream {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var ok []*reverseproxy.Upstream
+	for _, u := range upstreams {
+		if w := p.byDial[u.Dial]; w != nil && w.serving() && u.Available() {
+			ok = append(ok, u)
+		}
+	}
+	if len(ok) == 0 {
+		return nil
+	}
+	return ok[rand.IntN(len(ok))]
 }
 
 // UnmarshalCaddyfile sets up the policy from Caddyfile tokens. Syntax:

@@ -1,166 +1,195 @@
 package diffusionrouter
 
 import (
+	"context"
+	"fmt"
 	"testing"
+	"time"
 )
 
-// poolOf returns a pool with workers a:1, b:1, ... and their upstreams.
-func poolOf(t *testing.T, n int) (*Pool, []string) {
+// fakeClock is a settable clock for a pool.
+type fakeClock struct{ t time.Time }
+
+func (c *fakeClock) now() time.Time          { return c.t }
+func (c *fakeClock) advance(d time.Duration) { c.t = c.t.Add(d) }
+
+// poolOf returns a pool with n workers a:1, b:1, ... on a fake clock.
+func poolOf(t *testing.T, n int) (*Pool, *fakeClock) {
 	t.Helper()
 	p := newPool(t.Name())
-	var dials, urls []string
+	clock := &fakeClock{time.Unix(1_000_000, 0)}
+	p.now = clock.now
+	var urls []string
 	for i := range n {
-		host := string(rune('a' + i))
-		urls = append(urls, "http://"+host+":1")
-		dials = append(dials, host+":1")
+		urls = append(urls, fmt.Sprintf("http://%c:1", 'a'+i))
 	}
 	p.declare(urls)
-	return p, dials
+	return p, clock
 }
 
-// choose acquires a worker for a new job ticket and returns its dial address.
-func choose(p *Pool, s strategy, dials []string) (*ticket, string) {
-	t := &ticket{pool: p, strategy: s, job: true}
-	u := p.acquire(t, upstreamsFor(dials...))
-	if u == nil {
-		return t, ""
+func config(s strategy, maxInflight int) *dispatchConfig {
+	return &dispatchConfig{strategy: s, maxInflight: maxInflight, maxQueue: 1000}
+}
+
+// choose acquires a worker for a new job and returns the ticket and the
+// worker's host letter.
+func choose(t *testing.T, p *Pool, cfg *dispatchConfig, cost float64) (*ticket, string) {
+	t.Helper()
+	tk := &ticket{pool: p, cfg: cfg, job: true, cost: cost}
+	if err := p.acquire(context.Background(), tk); err != nil {
+		t.Fatalf("acquire: %v", err)
 	}
-	return t, u.Dial
+	return tk, tk.worker.dial[:1]
 }
 
 func TestLeastRequestPicksLeastLoaded(t *testing.T) {
-	p, dials := poolOf(t, 3)
+	p, _ := poolOf(t, 3)
+	cfg := config(leastRequest{}, 0)
 	var held []*ticket
 	counts := map[string]int{}
 	for range 9 {
-		tk, d := choose(p, leastRequest{}, dials)
-		counts[d]++
+		tk, w := choose(t, p, cfg, 1)
+		counts[w]++
 		held = append(held, tk)
 	}
-	for _, d := range dials {
-		if counts[d] != 3 {
-			t.Fatalf("9 concurrent jobs on 3 workers gave %v; want 3 each", counts)
-		}
+	if counts["a"] != 3 || counts["b"] != 3 || counts["c"] != 3 {
+		t.Fatalf("9 jobs on 3 workers went %v; want 3 each", counts)
 	}
-	// Free two slots on b: the next two jobs must go there.
+	freed := 0
 	for _, tk := range held {
-		if tk.servedBy == "http://b:1" && p.byDial["b:1"].inflight > 1 {
-			p.release(tk, true)
+		if tk.servedBy == "http://b:1" && freed < 2 {
+			p.release(tk, succeeded)
+			freed++
 		}
 	}
 	for range 2 {
-		if _, d := choose(p, leastRequest{}, dials); d != "b:1" {
-			t.Fatalf("job went to %s; want b:1, the least loaded", d)
+		if _, w := choose(t, p, cfg, 1); w != "b" {
+			t.Fatalf("job went to %s; want b, the least loaded", w)
 		}
 	}
 }
 
-func TestLeastRequestSpreadsTies(t *testing.T) {
-	p, dials := poolOf(t, 4)
-	seen := map[string]bool{}
-	for range 200 {
-		tk, d := choose(p, leastRequest{}, dials)
-		seen[d] = true
-		p.release(tk, true)
-	}
-	if len(seen) != 4 {
-		t.Fatalf("idle workers chosen: %v; want all 4 to share ties", seen)
+func TestIdleWorkersShareTies(t *testing.T) {
+	for _, s := range []strategy{leastRequest{}, leastWork{}, randomPick{}} {
+		p, _ := poolOf(t, 4)
+		seen := map[string]bool{}
+		for range 200 {
+			tk, w := choose(t, p, config(s, 0), 1)
+			seen[w] = true
+			p.release(tk, abandoned)
+		}
+		if len(seen) != 4 {
+			t.Fatalf("%T on idle workers chose only %v", s, seen)
+		}
 	}
 }
 
 func TestRoundRobinCycles(t *testing.T) {
-	p, dials := poolOf(t, 3)
-	var got []string
+	p, _ := poolOf(t, 3)
+	var got string
 	for range 6 {
-		tk, d := choose(p, roundRobin{}, dials)
-		got = append(got, d)
-		p.release(tk, true)
+		tk, w := choose(t, p, config(roundRobin{}, 0), 1)
+		got += w
+		p.release(tk, succeeded)
 	}
-	for i := range 3 {
-		if got[i] != got[i+3] || got[i] == got[(i+1)%3] {
-			t.Fatalf("round robin order %v does not cycle through 3 workers", got)
+	if got[:3] != got[3:] || got[0] == got[1] || got[1] == got[2] || got[0] == got[2] {
+		t.Fatalf("round robin order %s does not cycle through 3 workers", got)
+	}
+}
+
+func TestLeastWorkPrefersTheFastWorker(t *testing.T) {
+	p, clock := poolOf(t, 2)
+	cfg := config(leastWork{}, 0)
+	// a turns 1 unit of cost into a second, b 4.
+	teach(t, p, clock, cfg, map[string]float64{"a": 1, "b": 4})
+	if _, w := choose(t, p, cfg, 10); w != "b" {
+		t.Fatalf("job went to %s; want the fast worker b", w)
+	}
+	// b now has 10 units (2.5 s) left; a 1-unit job finishes sooner on a
+	// (1 s) than behind b's job (2.75 s).
+	if _, w := choose(t, p, cfg, 1); w != "a" {
+		t.Fatalf("small job went to %s; want a, which finishes it first", w)
+	}
+}
+
+func TestLeastWorkCountsWorkNotRequests(t *testing.T) {
+	p, clock := poolOf(t, 2)
+	cfg := config(leastWork{}, 0)
+	big, w1 := choose(t, p, cfg, 100)
+	var other string
+	for range 5 {
+		_, w := choose(t, p, cfg, 1)
+		if w == w1 {
+			t.Fatalf("small job queued behind the 100-unit job on %s", w)
+		}
+		other = w
+	}
+	// Once the big job is done, its worker is the one with the least work.
+	clock.advance(100 * time.Second)
+	p.release(big, succeeded)
+	if _, w := choose(t, p, cfg, 1); w != w1 {
+		t.Fatalf("job went to %s (5 jobs queued) instead of idle %s", other, w1)
+	}
+}
+
+// teach has each worker complete jobs at the given speed (cost units per
+// second), so the pool learns it.
+func teach(t *testing.T, p *Pool, clock *fakeClock, cfg *dispatchConfig, speeds map[string]float64) {
+	t.Helper()
+	for host, speed := range speeds {
+		for range 5 {
+			tk := &ticket{pool: p, cfg: cfg, job: true, cost: 10, pin: "http://" + host + ":1"}
+			if err := p.acquire(context.Background(), tk); err != nil {
+				t.Fatal(err)
+			}
+			clock.advance(time.Duration(10 / speed * float64(time.Second)))
+			p.release(tk, succeeded)
 		}
 	}
 }
 
-func TestRandomUsesEveryWorker(t *testing.T) {
-	p, dials := poolOf(t, 3)
-	seen := map[string]int{}
-	for range 300 {
-		tk, d := choose(p, randomPick{}, dials)
-		seen[d]++
-		p.release(tk, true)
-	}
-	if len(seen) != 3 {
-		t.Fatalf("random picked %v", seen)
-	}
-}
-
-func TestSelectSkipsWorkersThatMayNotServe(t *testing.T) {
-	p, dials := poolOf(t, 3)
+func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
+	p, _ := poolOf(t, 3)
 	p.setDead("http://a:1", true)
 	p.setCapabilities("http://b:1", []string{"T2I"})
 	p.setCapabilities("http://c:1", []string{"T2V"})
-
-	video := &ticket{pool: p, strategy: leastRequest{}, task: videoTask, job: true}
-	for range 5 {
-		if u := p.acquire(video, upstreamsFor(dials...)); u == nil || u.Dial != "c:1" {
-			t.Fatalf("video job went to %v; want c:1, the only serving video worker", u)
+	cfg := config(leastRequest{}, 0)
+	for task, want := range map[taskKind]string{videoTask: "c", imageTask: "b"} {
+		for range 5 {
+			tk := &ticket{pool: p, cfg: cfg, task: task, job: true}
+			if err := p.acquire(context.Background(), tk); err != nil || tk.worker.dial[:1] != want {
+				t.Fatalf("task %d went to %v (%v); want %s", task, tk.worker, err, want)
+			}
+			p.release(tk, succeeded)
 		}
-		p.release(video, true)
 	}
-	image := &ticket{pool: p, strategy: leastRequest{}, task: imageTask, job: true}
-	for range 5 {
-		if u := p.acquire(image, upstreamsFor(dials...)); u == nil || u.Dial != "b:1" {
-			t.Fatalf("image job went to %v; want b:1, the only serving image worker", u)
-		}
-		p.release(image, true)
-	}
-	pinned := &ticket{pool: p, strategy: leastRequest{}, pin: "http://b:1"}
-	if u := p.acquire(pinned, upstreamsFor(dials...)); u == nil || u.Dial != "b:1" {
-		t.Fatalf("pinned request went to %v; want b:1", u)
+	poll := &ticket{pool: p, cfg: cfg, pin: "http://b:1"}
+	if err := p.acquire(context.Background(), poll); err != nil || poll.worker.dial != "b:1" {
+		t.Fatalf("pinned request went to %v (%v)", poll.worker, err)
 	}
 	if p.byDial["b:1"].inflight != 0 {
-		t.Fatal("a video poll was counted as a job in flight")
+		t.Fatal("a video poll was counted as a job")
 	}
-	p.release(pinned, true)
-
-	deadPin := &ticket{pool: p, strategy: leastRequest{}, pin: "http://a:1"}
-	if u := p.acquire(deadPin, upstreamsFor(dials...)); u != nil {
-		t.Fatalf("request pinned to a dead worker was sent to %s", u.Dial)
+	p.release(poll, succeeded)
+	deadPin := &ticket{pool: p, cfg: cfg, pin: "http://a:1"}
+	if err := p.acquire(context.Background(), deadPin); err != errNoWorker {
+		t.Fatalf("request pinned to a dead worker: %v", err)
 	}
 }
 
 func TestRetryAvoidsFailedWorker(t *testing.T) {
-	p, dials := poolOf(t, 2)
-	tk, first := choose(p, leastRequest{}, dials)
-	// reverse_proxy calls Select again after a failed connection.
-	second := p.acquire(tk, upstreamsFor(dials...))
-	if second == nil || second.Dial == first {
-		t.Fatalf("retry went to %v after %s failed", second, first)
+	p, _ := poolOf(t, 2)
+	tk, first := choose(t, p, config(leastRequest{}, 0), 1)
+	if err := p.retry(context.Background(), tk); err != nil || tk.worker.dial[:1] == first {
+		t.Fatalf("retry went to %v (%v) after %s failed", tk.worker, err, first)
 	}
-	if third := p.acquire(tk, upstreamsFor(dials...)); third != nil {
-		t.Fatalf("retry went back to %s; every worker has failed", third.Dial)
+	if err := p.retry(context.Background(), tk); err != errNoWorker {
+		t.Fatalf("second retry: %v; every worker has failed", err)
 	}
-	for _, d := range dials {
-		w := p.byDial[d]
+	for _, w := range p.workers {
 		if w.inflight != 0 || w.failures != 1 || w.consecFails != 1 {
-			t.Fatalf("%s: inflight=%d failures=%d consecutive=%d; want 0, 1, 1", d, w.inflight, w.failures, w.consecFails)
+			t.Fatalf("%s: inflight=%d failures=%d consecutive=%d; want 0, 1, 1", w.dial, w.inflight, w.failures, w.consecFails)
 		}
 	}
-	p.release(tk, true) // nothing held: a no-op
-}
-
-func TestSelectWithoutTicketUsesPool(t *testing.T) {
-	p, dials := poolOf(t, 2)
-	s := &Selector{poolRef{pool: p}}
-	r := newRequest(t)
-	if u := s.Select(upstreamsFor(dials...), r, nil); u == nil {
-		t.Fatal("no worker chosen for a request without a ticket")
-	}
-	for _, d := range dials {
-		if p.byDial[d].inflight != 0 {
-			t.Fatal("a request without a ticket was counted; nothing would release it")
-		}
-	}
+	p.release(tk, succeeded) // nothing held: a no-op
 }

@@ -11,7 +11,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 )
 
 // pools holds every named pool across config reloads: a new config is
@@ -85,21 +84,29 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 type Pool struct {
 	name string
 
-	mu       sync.Mutex
-	workers  []*Worker          // in order of joining
-	byDial   map[string]*Worker // one worker per dial address
-	declared map[string]int     // worker URL -> number of loaded configs listing it
-	next     int                // round-robin cursor
+	now  func() time.Time // the clock; tests set their own
+
+	mu           sync.Mutex
+	workers      []*Worker          // in order of joining
+	byDial       map[string]*Worker // one worker per dial address
+	declared     map[string]int     // worker URL -> number of loaded configs listing it
+	next         int                // round-robin cursor
+	queue        []*waiter          // jobs waiting for a worker, in dispatch order
+	seq          uint64             // arrival counter of the queue
+	cands        []*Worker          // scratch space of routing decisions
+	defaultSpeed float64            // median learned speed, assumed for new workers
 
 	videos *videoJobs
 }
 
 func newPool(name string) *Pool {
 	return &Pool{
-		name:     name,
-		byDial:   make(map[string]*Worker),
-		declared: make(map[string]int),
-		videos:   newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
+		name:         name,
+		now:          time.Now,
+		byDial:       make(map[string]*Worker),
+		declared:     make(map[string]int),
+		defaultSpeed: 1,
+		videos:       newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
 	}
 }
 
@@ -118,10 +125,17 @@ type Worker struct {
 	sleeping   bool
 
 	inflight    int
+	jobs        []*ticket // jobs in flight, in dispatch order
+	work        float64   // their total cost
+	lastFinish  time.Time // when the worker last finished a job
+	speed       speedEstimate
 	served      uint64
 	failures    uint64
 	consecFails int
+
 	taskTypes   []string  // from the worker's /v1/models; nil until a probe answers
+	makesImages bool      // taskTypes has an image type, or is unknown
+	makesVideos bool      // taskTypes has a video type
 	probedAt    time.Time // last capability probe attempt
 }
 
@@ -137,17 +151,25 @@ type WorkerInfo struct {
 	Failures    uint64
 	ConsecFails int
 	TaskTypes   []string // nil while unknown
+	Queued      int      // jobs waiting in the pool's queue (the same for every worker)
+
+	Speed           float64 // learned cost units per second; the pool's median while unknown
+	SpeedLearned    bool
+	WorkLeft        float64 // predicted cost still to process
+	PredictionError float64 // moving average of |predicted - actual| / actual job time
 }
 
 // serving reports whether the worker may be given new jobs.
 func (w *Worker) serving() bool { return !w.dead && !w.sleeping }
 
-func (w *Worker) info() WorkerInfo {
+func (p *Pool) infoLocked(w *Worker) WorkerInfo {
 	return WorkerInfo{
 		URL: w.url, Dial: w.dial, Registered: w.registered, Dead: w.dead,
 		Sleeping: w.sleeping, Inflight: w.inflight, Served: w.served,
 		Failures: w.failures, ConsecFails: w.consecFails,
-		TaskTypes: slices.Clone(w.taskTypes),
+		TaskTypes: slices.Clone(w.taskTypes), Queued: len(p.queue),
+		Speed: p.speedOf(w), SpeedLearned: w.speed.value > 0,
+		WorkLeft: p.workLeft(w, p.now()), PredictionError: w.speed.relErr,
 	}
 }
 
@@ -163,6 +185,7 @@ func (p *Pool) declare(urls []string) {
 			p.add(u)
 		}
 	}
+	p.dispatchLocked()
 }
 
 // undeclare withdraws a config's workers; a worker no loaded config lists
@@ -198,7 +221,8 @@ func (p *Pool) register(rawURL string) (WorkerInfo, bool, error) {
 		w = p.add(u)
 	}
 	w.registered = true
-	return w.info(), created, nil
+	p.dispatchLocked()
+	return p.infoLocked(w), created, nil
 }
 
 // remove takes a worker out of the pool. Requests already on it finish;
@@ -215,7 +239,7 @@ func (p *Pool) remove(url string) bool {
 }
 
 func (p *Pool) add(u string) *Worker {
-	w := &Worker{url: u, dial: dialAddress(u)}
+	w := &Worker{url: u, dial: dialAddress(u), makesImages: true}
 	p.workers = append(p.workers, w)
 	p.byDial[w.dial] = w
 	return w
@@ -241,7 +265,8 @@ func (p *Pool) setDead(url string, dead bool) (WorkerInfo, bool) {
 		return WorkerInfo{}, false
 	}
 	w.dead = dead
-	return w.info(), true
+	p.dispatchLocked()
+	return p.infoLocked(w), true
 }
 
 // worker returns a copy of one worker's state.
@@ -252,7 +277,7 @@ func (p *Pool) worker(url string) (WorkerInfo, bool) {
 	if w == nil {
 		return WorkerInfo{}, false
 	}
-	return w.info(), true
+	return p.infoLocked(w), true
 }
 
 // snapshot returns a copy of every worker's state, in joining order.
@@ -261,7 +286,7 @@ func (p *Pool) snapshot() []WorkerInfo {
 	defer p.mu.Unlock()
 	out := make([]WorkerInfo, len(p.workers))
 	for i, w := range p.workers {
-		out[i] = w.info()
+		out[i] = p.infoLocked(w)
 	}
 	return out
 }
@@ -286,6 +311,9 @@ func (p *Pool) setCapabilities(url string, taskTypes []string) {
 	defer p.mu.Unlock()
 	if w := p.find(url); w != nil {
 		w.taskTypes = append([]string{}, taskTypes...)
+		w.makesImages = hasTaskType(taskTypes, imageTaskTypes)
+		w.makesVideos = hasTaskType(taskTypes, videoTaskTypes)
+		p.dispatchLocked()
 	}
 }
 
@@ -369,86 +397,4 @@ func normalizeWorkerURL(raw string) (string, error) {
 		host = "[" + host + "]"
 	}
 	return u.Scheme + "://" + host, nil
-}
-
-// ticket is one request's claim on the pool, carried in the request context
-// from the handler to the selection policy and back. The policy fills in the
-// worker; the handler releases it when the response has ended.
-type ticket struct {
-	pool     *Pool
-	strategy strategy
-	pin      string   // URL of the only worker that may serve (a video job's creator)
-	task     taskKind // what the worker must be able to generate
-	job      bool     // occupies the worker: counted in its in-flight jobs
-
-	worker   *Worker   // the worker holding the request now
-	servedBy string    // URL of the last worker chosen, kept after release
-	tried    []*Worker // workers a retry must avoid
-}
-
-// acquire chooses a worker for t among the available upstreams and claims
-// it. A ticket that already holds a worker is being retried after a failed
-// connection: that worker is released, counted as failed and avoided.
-func (p *Pool) acquire(t *ticket, upstreams []*reverseproxy.Upstream) *reverseproxy.Upstream {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if t.worker != nil {
-		t.tried = append(t.tried, t.worker)
-		p.releaseLocked(t, false)
-	}
-	cands := make([]*Worker, 0, len(upstreams))
-	ups := make([]*reverseproxy.Upstream, 0, len(upstreams))
-	for _, u := range upstreams {
-		if w := p.byDial[u.Dial]; w != nil && u.Available() && t.admits(w) {
-			cands = append(cands, w)
-			ups = append(ups, u)
-		}
-	}
-	if len(cands) == 0 {
-		return nil
-	}
-	i := t.strategy.pick(p, cands)
-	t.worker = cands[i]
-	t.servedBy = t.worker.url
-	if t.job {
-		t.worker.inflight++
-	}
-	return ups[i]
-}
-
-// admits reports whether w may serve the ticket's request.
-func (t *ticket) admits(w *Worker) bool {
-	if !w.serving() || slices.Contains(t.tried, w) {
-		return false
-	}
-	if t.pin != "" {
-		return w.url == t.pin
-	}
-	return w.can(t.task)
-}
-
-// release ends the ticket's claim on its worker, recording whether the
-// worker answered.
-func (p *Pool) release(t *ticket, ok bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.releaseLocked(t, ok)
-}
-
-func (p *Pool) releaseLocked(t *ticket, ok bool) {
-	w := t.worker
-	if w == nil {
-		return
-	}
-	t.worker = nil
-	if t.job {
-		w.inflight--
-	}
-	if ok {
-		w.served++
-		w.consecFails = 0
-		return
-	}
-	w.failures++
-	w.consecFails++
 }

@@ -1,13 +1,9 @@
 package diffusionrouter
 
 import (
-	"net/http"
-	"net/http/httptest"
 	"slices"
 	"strings"
 	"testing"
-
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 )
 
 func workerURLs(p *Pool) []string {
@@ -100,17 +96,13 @@ func TestDeclarationsSurviveReload(t *testing.T) {
 }
 
 func TestRemoveKeepsInflightAccounting(t *testing.T) {
-	p := newPool("t")
-	p.declare([]string{"http://a:1"})
-	tk := &ticket{pool: p, strategy: leastRequest{}, job: true}
-	if p.acquire(tk, upstreamsFor("a:1")) == nil {
-		t.Fatal("no worker chosen")
-	}
+	p, _ := poolOf(t, 1)
+	tk, _ := choose(t, p, config(leastRequest{}, 0), 1)
 	w := p.byDial["a:1"]
 	if !p.remove("http://a:1") {
 		t.Fatal("remove failed")
 	}
-	p.release(tk, true)
+	p.release(tk, succeeded)
 	if w.inflight != 0 || w.served != 1 {
 		t.Fatalf("removed worker inflight=%d served=%d; want 0 and 1", w.inflight, w.served)
 	}
@@ -141,17 +133,4 @@ func TestPoolSharedAcrossLoadsAndReleased(t *testing.T) {
 	if d == a || len(d.snapshot()) != 0 {
 		t.Fatal("a pool no config uses was not released")
 	}
-}
-
-func upstreamsFor(dials ...string) []*reverseproxy.Upstream {
-	ups := make([]*reverseproxy.Upstream, len(dials))
-	for i, d := range dials {
-		ups[i] = &reverseproxy.Upstream{Dial: d, Host: new(reverseproxy.Host)}
-	}
-	return ups
-}
-
-func newRequest(t *testing.T) *http.Request {
-	t.Helper()
-	return httptest.NewRequest(http.MethodPost, "/v1/images/generations", nil)
 }

@@ -13,8 +13,10 @@ func init() {
 }
 
 // UpstreamSource is the reverse_proxy dynamic upstream source `diffusion`:
-// it gives reverse_proxy the pool's serving workers on every request, so
+// it gives reverse_proxy the worker the pool assigned to the request, so
 // workers registered at run time are used at once and removed ones never.
+// When reverse_proxy asks again, its connection to that worker failed: the
+// request moves to another worker.
 type UpstreamSource struct {
 	poolRef
 }
@@ -27,15 +29,29 @@ func (UpstreamSource) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// GetUpstreams returns one upstream per serving worker. They are new values
-// each time because reverse_proxy writes into the upstreams it is given.
-func (s *UpstreamSource) GetUpstreams(*http.Request) ([]*reverseproxy.Upstream, error) {
-	dials := s.pool.servingDials()
+// GetUpstreams returns the upstream of the request's worker; a request
+// without a ticket gets every serving worker. Upstreams are new values each
+// time because reverse_proxy writes into the upstreams it is given.
+func (s *UpstreamSource) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
+	t := ticketFrom(r.Context())
+	if t == nil {
+		return upstreamsOf(s.pool.servingDials()), nil
+	}
+	t.lookups++
+	if t.lookups > 1 {
+		if err := t.pool.retry(r.Context(), t); err != nil {
+			return nil, nil // reverse_proxy answers with the failed attempt's error
+		}
+	}
+	return upstreamsOf([]string{t.worker.dial}), nil
+}
+
+func upstreamsOf(dials []string) []*reverseproxy.Upstream {
 	ups := make([]*reverseproxy.Upstream, len(dials))
 	for i, d := range dials {
 		ups[i] = &reverseproxy.Upstream{Dial: d}
 	}
-	return ups, nil
+	return ups
 }
 
 // UnmarshalCaddyfile sets up the source from Caddyfile tokens. Syntax:

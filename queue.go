@@ -1,0 +1,350 @@
+package diffusionrouter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+)
+
+// dispatchConfig is how one diffusion_router config hands jobs to workers.
+type dispatchConfig struct {
+	strategy    strategy
+	maxInflight int           // jobs a worker holds at once; 0: no limit
+	order       queueOrder    // which waiting job goes first
+	timeout     time.Duration // longest wait in the queue; 0: the client's own
+	maxQueue    int           // jobs that may wait at once
+}
+
+// queueOrder ranks waiting jobs.
+type queueOrder int
+
+const (
+	fifo          queueOrder = iota // arrival order
+	largestFirst                    // longest processing time first: the batch makespan rule
+	smallestFirst                   // shortest first: the mean latency rule
+)
+
+var queueOrders = map[string]queueOrder{"fifo": fifo, "largest_first": largestFirst, "smallest_first": smallestFirst}
+
+// outcome is how a ticket's claim on a worker ended.
+type outcome int
+
+const (
+	succeeded outcome = iota // the worker answered
+	failed                   // the worker could not be reached or failed
+	abandoned                // the client left; says nothing of the worker
+)
+
+// Why a request gets no worker.
+var (
+	errNoWorker     = errors.New("No healthy workers available in the pool")
+	errQueueFull    = errors.New("queue full")
+	errQueueTimeout = errors.New("queue timeout")
+)
+
+// ticket is one request's claim on the pool, carried in the request
+// context from the handler, which acquires a worker for it, through
+// reverse_proxy, which proxies to that worker, and back to the handler,
+// which releases it.
+type ticket struct {
+	pool *Pool
+	cfg  *dispatchConfig
+	pin  string   // URL of the only worker that may serve (a video job's creator)
+	task taskKind // what the worker must be able to generate
+	job  bool     // a generation: takes a worker slot, may wait for one
+	cost float64
+
+	worker     *Worker   // the worker holding the request now
+	servedBy   string    // URL of the last worker chosen, kept after release
+	dispatched time.Time // when the worker was given the job
+	predicted  time.Duration
+	tried      []*Worker // workers a retry must avoid
+	lookups    int       // upstream lookups by reverse_proxy; more than one is a retry
+}
+
+// waiter is a job waiting in the pool's queue.
+type waiter struct {
+	t     *ticket
+	key   float64 // queue position, then seq
+	seq   uint64
+	ready chan struct{} // closed once t.worker is set
+}
+
+// acquire gives t a worker. A job that finds every fitting worker full
+// waits in the pool's queue until one frees up (late binding), the client
+// leaves, or the queue timeout passes.
+func (p *Pool) acquire(ctx context.Context, t *ticket) error {
+	p.mu.Lock()
+	w, _ := p.chooseLocked(t)
+	if w != nil {
+		p.assignLocked(t, w)
+		p.mu.Unlock()
+		return nil
+	}
+	if !t.job || !p.couldServeLocked(t) {
+		p.mu.Unlock()
+		return errNoWorker
+	}
+	if len(p.queue) >= t.cfg.maxQueue {
+		p.mu.Unlock()
+		return errQueueFull
+	}
+	wt := p.enqueueLocked(t)
+	p.mu.Unlock()
+
+	var expired <-chan time.Time
+	if t.cfg.timeout > 0 {
+		timer := time.NewTimer(t.cfg.timeout)
+		defer timer.Stop()
+		expired = timer.C
+	}
+	var err error
+	select {
+	case <-wt.ready:
+		return nil
+	case <-ctx.Done():
+		err = ctx.Err()
+	case <-expired:
+		err = errQueueTimeout
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.dequeueLocked(wt) {
+		p.releaseLocked(t, abandoned) // a worker came as we gave up: hand it on
+	}
+	return err
+}
+
+// retry moves t off the worker reverse_proxy could not connect to, onto
+// another one, waiting for it like a new job.
+func (p *Pool) retry(ctx context.Context, t *ticket) error {
+	p.mu.Lock()
+	if w := t.worker; w != nil {
+		t.tried = append(t.tried, w)
+		p.releaseLocked(t, failed)
+	}
+	p.mu.Unlock()
+	return p.acquire(ctx, t)
+}
+
+// release ends t's claim on its worker.
+func (p *Pool) release(t *ticket, o outcome) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.releaseLocked(t, o)
+}
+
+// chooseLocked picks the worker for t by its strategy among the workers that
+// may serve it and have a free slot. It also reports whether any serving
+// worker had a free slot at all, so a dispatch pass can stop early.
+func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
+	if t.pin != "" {
+		w := p.find(t.pin)
+		if w == nil || !t.admits(w) || !t.fits(w) {
+			return nil, w != nil && t.fits(w)
+		}
+		return w, true
+	}
+	cands := p.cands[:0]
+	anyFree := false
+	for _, w := range p.workers {
+		if !t.fits(w) || !w.serving() {
+			continue
+		}
+		anyFree = true
+		if t.admits(w) {
+			cands = append(cands, w)
+		}
+	}
+	p.cands = cands
+	if len(cands) == 0 {
+		return nil, anyFree
+	}
+	return cands[t.cfg.strategy.pick(p, t, cands, p.now())], true
+}
+
+// fits reports whether w has a slot for t; only jobs take slots.
+func (t *ticket) fits(w *Worker) bool {
+	return !t.job || t.cfg.maxInflight == 0 || w.inflight < t.cfg.maxInflight
+}
+
+// admits reports whether w may serve t's request.
+func (t *ticket) admits(w *Worker) bool {
+	if !w.serving() || !w.can(t.task) || slices.Contains(t.tried, w) {
+		return false
+	}
+	return t.pin == "" || w.url == t.pin
+}
+
+// couldServeLocked reports whether some worker of the pool, serving or not,
+// could take t: then t may wait for it.
+func (p *Pool) couldServeLocked(t *ticket) bool {
+	for _, w := range p.workers {
+		if w.can(t.task) && !slices.Contains(t.tried, w) && (t.pin == "" || w.url == t.pin) {
+			return true
+		}
+	}
+	return false
+}
+
+func (p *Pool) assignLocked(t *ticket, w *Worker) {
+	t.worker, t.servedBy = w, w.url
+	if !t.job {
+		return
+	}
+	w.inflight++
+	w.jobs = append(w.jobs, t)
+	w.work += t.cost
+	t.dispatched = p.now()
+	t.predicted = time.Duration(t.cost / p.speedOf(w) * float64(time.Second))
+}
+
+func (p *Pool) releaseLocked(t *ticket, o outcome) {
+	w := t.worker
+	if w == nil {
+		return
+	}
+	t.worker = nil
+	switch o {
+	case succeeded:
+		w.served++
+		w.consecFails = 0
+	case failed:
+		w.failures++
+		w.consecFails++
+	}
+	if !t.job {
+		return
+	}
+	now := p.now()
+	if o == succeeded {
+		w.speed.observe(t.cost, now.Sub(later(t.dispatched, w.lastFinish)), t.predicted)
+		p.refreshDefaultSpeedLocked()
+	}
+	w.lastFinish = now
+	w.inflight--
+	w.jobs = slices.DeleteFunc(w.jobs, func(x *ticket) bool { return x == t })
+	w.work -= t.cost
+	if len(w.jobs) == 0 {
+		w.work = 0 // no float drift on an idle worker
+	}
+	p.dispatchLocked()
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
+// dispatchLocked hands free slots to waiting jobs, in queue order; a job
+// that no free worker may serve lets the ones behind it pass.
+func (p *Pool) dispatchLocked() {
+	kept := p.queue[:0]
+	for i, wt := range p.queue {
+		w, anyFree := p.chooseLocked(wt.t)
+		if w != nil {
+			p.assignLocked(wt.t, w)
+			close(wt.ready)
+			continue
+		}
+		kept = append(kept, wt)
+		if !anyFree {
+			kept = append(kept, p.queue[i+1:]...)
+			break
+		}
+	}
+	clear(p.queue[len(kept):])
+	p.queue = kept
+}
+
+func (p *Pool) enqueueLocked(t *ticket) *waiter {
+	p.seq++
+	wt := &waiter{t: t, seq: p.seq, ready: make(chan struct{})}
+	switch t.cfg.order {
+	case largestFirst:
+		wt.key = -t.cost
+	case smallestFirst:
+		wt.key = t.cost
+	}
+	i, _ := slices.BinarySearchFunc(p.queue, wt, func(a, b *waiter) int {
+		if a.key != b.key {
+			return cmpFloat(a.key, b.key)
+		}
+		return cmpFloat(float64(a.seq), float64(b.seq))
+	})
+	p.queue = slices.Insert(p.queue, i, wt)
+	return wt
+}
+
+func cmpFloat(a, b float64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// dequeueLocked takes a waiter out of the queue; false means it had already
+// been given a worker.
+func (p *Pool) dequeueLocked(wt *waiter) bool {
+	i := slices.Index(p.queue, wt)
+	if i < 0 {
+		return false
+	}
+	p.queue = slices.Delete(p.queue, i, i+1)
+	return true
+}
+
+// speedOf is w's learned speed, or the pool's median speed while w has
+// completed nothing.
+func (p *Pool) speedOf(w *Worker) float64 {
+	if w.speed.value > 0 {
+		return w.speed.value
+	}
+	return p.defaultSpeed
+}
+
+// refreshDefaultSpeedLocked sets the speed assumed for new workers to the
+// median of the learned ones.
+func (p *Pool) refreshDefaultSpeedLocked() {
+	speeds := make([]float64, 0, len(p.workers))
+	for _, w := range p.workers {
+		if w.speed.value > 0 {
+			speeds = append(speeds, w.speed.value)
+		}
+	}
+	if len(speeds) > 0 {
+		slices.Sort(speeds)
+		p.defaultSpeed = speeds[len(speeds)/2]
+	}
+}
+
+// workLeft is the predicted cost w still has to process: its jobs' costs,
+// less what the one running has done since it started.
+func (p *Pool) workLeft(w *Worker, now time.Time) float64 {
+	if len(w.jobs) == 0 {
+		return 0
+	}
+	head := w.jobs[0]
+	done := now.Sub(later(head.dispatched, w.lastFinish)).Seconds() * p.speedOf(w)
+	return w.work - min(head.cost, max(0, done))
+}
+
+// queueError is the answer for a request that got no worker.
+func queueError(p *Pool, t *ticket, err error) (int, string) {
+	switch {
+	case errors.Is(err, errQueueFull):
+		return 429, fmt.Sprintf("the queue of pool %q is full (%d jobs waiting, max_queue %d)", p.name, t.cfg.maxQueue, t.cfg.maxQueue)
+	case errors.Is(err, errQueueTimeout):
+		return 503, fmt.Sprintf("no worker of pool %q was free within queue_timeout (%s); the job waited in the pool's queue", p.name, t.cfg.timeout)
+	case t.pin != "":
+		return 503, fmt.Sprintf("Mapped worker %s is unavailable", t.pin)
+	}
+	return 503, errNoWorker.Error()
+}
