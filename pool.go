@@ -84,7 +84,7 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 type Pool struct {
 	name string
 
-	now  func() time.Time // the clock; tests set their own
+	now func() time.Time // the clock; tests set their own
 
 	mu           sync.Mutex
 	workers      []*Worker          // in order of joining
