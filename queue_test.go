@@ -1,0 +1,240 @@
+package diffusionrouter
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+)
+
+// queued returns the number of jobs waiting in p's queue.
+func queued(p *Pool) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.queue)
+}
+
+// waitQueued waits until n jobs wait in p's queue.
+func waitQueued(t *testing.T, p *Pool, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for queued(p) != n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d jobs queued; want %d", queued(p), n)
+		}
+		runtime.Gosched()
+	}
+}
+
+// enqueue starts acquiring a worker for a job of the given cost in the
+// background and waits until it is queued; the result arrives on the channel.
+func enqueue(t *testing.T, p *Pool, cfg *dispatchConfig, cost float64, ctx context.Context) (*ticket, chan error) {
+	t.Helper()
+	tk := &ticket{pool: p, cfg: cfg, job: true, cost: cost}
+	done := make(chan error, 1)
+	n := queued(p)
+	go func() { done <- p.acquire(ctx, tk) }()
+	waitQueued(t, p, n+1)
+	return tk, done
+}
+
+func TestJobsWaitForTheFirstWorkerToFreeUp(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	cfg := config(leastWork{}, 1)
+	a, _ := choose(t, p, cfg, 100)
+	choose(t, p, cfg, 1)
+	late, done := enqueue(t, p, cfg, 5, context.Background())
+	p.release(a, succeeded)
+	if err := <-done; err != nil || late.worker != p.byDial[a.servedBy[7:]] {
+		t.Fatalf("waiting job got %v (%v); want the worker that freed up, %s", late.worker, err, a.servedBy)
+	}
+}
+
+func TestQueueOrder(t *testing.T) {
+	for order, want := range map[queueOrder][]float64{
+		fifo:          {5, 1, 9, 3},
+		largestFirst:  {9, 5, 3, 1},
+		smallestFirst: {1, 3, 5, 9},
+	} {
+		p, _ := poolOf(t, 1)
+		cfg := config(leastWork{}, 1)
+		cfg.order = order
+		running, _ := choose(t, p, cfg, 1)
+		var waiting []*ticket
+		var dones []chan error
+		for _, cost := range []float64{5, 1, 9, 3} {
+			tk, done := enqueue(t, p, cfg, cost, context.Background())
+			waiting = append(waiting, tk)
+			dones = append(dones, done)
+		}
+		var got []float64
+		for range waiting {
+			p.release(running, succeeded)
+			for i, tk := range waiting {
+				if tk.worker != nil && tk != running {
+					<-dones[i]
+					running = tk
+					got = append(got, tk.cost)
+				}
+			}
+		}
+		for i := range want {
+			if got[i] != want[i] {
+				t.Fatalf("order %d served %v; want %v", order, got, want)
+			}
+		}
+	}
+}
+
+func TestQueueTimeout(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	cfg := config(leastWork{}, 1)
+	cfg.timeout = 20 * time.Millisecond
+	choose(t, p, cfg, 1)
+	tk := &ticket{pool: p, cfg: cfg, job: true, cost: 1}
+	if err := p.acquire(context.Background(), tk); !errors.Is(err, errQueueTimeout) {
+		t.Fatalf("acquire: %v; want the queue timeout", err)
+	}
+	if queued(p) != 0 || tk.worker != nil {
+		t.Fatal("a timed-out job stayed in the queue or kept a worker")
+	}
+}
+
+func TestMaxQueue(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	cfg := config(leastWork{}, 1)
+	cfg.maxQueue = 2
+	choose(t, p, cfg, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	enqueue(t, p, cfg, 1, ctx)
+	enqueue(t, p, cfg, 1, ctx)
+	if err := p.acquire(ctx, &ticket{pool: p, cfg: cfg, job: true}); !errors.Is(err, errQueueFull) {
+		t.Fatalf("third waiting job: %v; want queue full", err)
+	}
+}
+
+func TestCancelledJobLeavesTheQueueAtOnce(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	cfg := config(leastWork{}, 1)
+	running, _ := choose(t, p, cfg, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	_, done := enqueue(t, p, cfg, 1, ctx)
+	next, nextDone := enqueue(t, p, cfg, 1, context.Background())
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled job: %v", err)
+	}
+	waitQueued(t, p, 1)
+	p.release(running, succeeded)
+	if err := <-nextDone; err != nil || next.worker == nil {
+		t.Fatalf("the job behind the cancelled one: %v", err)
+	}
+}
+
+func TestNoWorkerThatCouldServeFailsAtOnce(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	p.setCapabilities("http://a:1", []string{"T2I"})
+	cfg := config(leastWork{}, 1)
+	if err := p.acquire(context.Background(), &ticket{pool: p, cfg: cfg, job: true, task: videoTask}); err != errNoWorker {
+		t.Fatalf("video job on an image pool: %v", err)
+	}
+	empty := newPool("empty")
+	if err := empty.acquire(context.Background(), &ticket{pool: empty, cfg: cfg, job: true}); err != errNoWorker {
+		t.Fatalf("job on an empty pool: %v", err)
+	}
+}
+
+// TestCountersReturnToZero runs 10,000 jobs through a small pool with
+// random cancellations, failures, retries and timeouts; afterwards nothing
+// may be in flight or queued.
+func TestCountersReturnToZero(t *testing.T) {
+	p, _ := poolOf(t, 4)
+	cfg := config(leastWork{}, 1)
+	cfg.timeout = 50 * time.Millisecond
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 64)
+	for i := range 10_000 {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			runJob(p, cfg, rand.New(rand.NewPCG(uint64(i), 0)))
+		})
+	}
+	wg.Wait()
+	if queued(p) != 0 {
+		t.Fatalf("%d jobs still queued", queued(p))
+	}
+	for _, w := range p.workers {
+		if w.inflight != 0 || len(w.jobs) != 0 || w.work != 0 {
+			t.Fatalf("%s: inflight %d, %d jobs, work %v after all requests ended", w.dial, w.inflight, len(w.jobs), w.work)
+		}
+	}
+}
+
+// runJob plays one request with a random fate.
+func runJob(p *Pool, cfg *dispatchConfig, rng *rand.Rand) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if rng.IntN(10) == 0 {
+		time.AfterFunc(time.Duration(rng.IntN(200))*time.Microsecond, cancel)
+	}
+	tk := &ticket{pool: p, cfg: cfg, job: true, cost: float64(1 + rng.IntN(100))}
+	if p.acquire(ctx, tk) != nil {
+		return
+	}
+	if rng.IntN(8) == 0 && p.retry(ctx, tk) != nil {
+		return
+	}
+	time.Sleep(time.Duration(rng.IntN(50)) * time.Microsecond)
+	p.release(tk, outcome(rng.IntN(3)))
+}
+
+func TestTenThousandWaitingJobsDrain(t *testing.T) {
+	before := runtime.NumGoroutine()
+	drainQueue(t, 10_000)
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if n := runtime.NumGoroutine(); n > before {
+		t.Fatalf("%d goroutines left behind", n-before)
+	}
+}
+
+// drainQueue fills one worker's queue with n jobs, then completes them all.
+func drainQueue(tb testing.TB, n int) {
+	p := newPool("drain")
+	p.declare([]string{"http://a:1"})
+	cfg := &dispatchConfig{strategy: leastWork{}, maxInflight: 1, maxQueue: n}
+	got := make(chan *ticket, n)
+	first := &ticket{pool: p, cfg: cfg, job: true, cost: 1}
+	if err := p.acquire(context.Background(), first); err != nil {
+		tb.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			tk := &ticket{pool: p, cfg: cfg, job: true, cost: 1}
+			if err := p.acquire(context.Background(), tk); err != nil {
+				tb.Error(err)
+				return
+			}
+			got <- tk
+		})
+	}
+	for queued(p) != n {
+		runtime.Gosched()
+	}
+	p.release(first, succeeded)
+	for range n {
+		p.release(<-got, succeeded)
+	}
+	wg.Wait()
+	if queued(p) != 0 || p.workers[0].inflight != 0 {
+		tb.Fatalf("after draining: %d queued, %d in flight", queued(p), p.workers[0].inflight)
+	}
+}
