@@ -249,12 +249,13 @@ const speedWindow = 31
 // speedEstimate learns how fast a worker turns cost into time, in cost
 // units per second, from the jobs it completes.
 type speedEstimate struct {
-	samples [speedWindow]float64
-	n       int // samples taken, up to speedWindow
-	next    int
 	value   float64 // median of the samples; 0 until the first
+	inv     float64 // 1/value, seconds per cost unit: decisions multiply
 	relErr  float64 // moving average of |predicted - actual| / actual
 	errSeen bool
+	n       int // samples taken, up to speedWindow
+	next    int
+	samples *[speedWindow]float64 // apart, to keep a worker's hot fields small
 }
 
 // observe learns from a job of cost that ran for elapsed, having been
@@ -271,6 +272,9 @@ func (s *speedEstimate) observe(cost float64, elapsed, predicted time.Duration) 
 			s.relErr, s.errSeen = e, true
 		}
 	}
+	if s.samples == nil {
+		s.samples = new([speedWindow]float64)
+	}
 	s.samples[s.next] = cost / elapsed.Seconds()
 	s.next = (s.next + 1) % speedWindow
 	s.n = min(s.n+1, speedWindow)
@@ -278,4 +282,5 @@ func (s *speedEstimate) observe(cost float64, elapsed, predicted time.Duration) 
 	copy(sorted[:], s.samples[:s.n])
 	slices.Sort(sorted[:s.n])
 	s.value = sorted[s.n/2]
+	s.inv = 1 / s.value
 }

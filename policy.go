@@ -1,11 +1,11 @@
 package diffusionrouter
 
 import (
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -16,10 +16,11 @@ func init() {
 	caddy.RegisterModule(Selector{})
 }
 
-// strategy chooses one of the candidate workers for t at time now. It runs
-// under the pool's lock, so it may read and update pool and worker state.
+// strategy chooses one of the candidate workers for t at time now (Unix
+// nanoseconds). It runs under the pool's lock, so it may read and update
+// pool and worker state.
 type strategy interface {
-	pick(p *Pool, t *ticket, cands []*Worker, now time.Time) int
+	pick(p *Pool, t *ticket, cands []*Worker, now int64) int
 }
 
 // strategies maps each `policy` value to its strategy.
@@ -38,24 +39,54 @@ const defaultStrategy = "least_work"
 // as among idle workers of one speed, are broken at random.
 type leastWork struct{}
 
-func (leastWork) pick(p *Pool, t *ticket, cands []*Worker, now time.Time) int {
-	finish := func(w *Worker) float64 { return (p.workLeft(w, now) + t.cost) / p.speedOf(w) }
-	return argmin(cands, finish)
+// The loop is written out, multiplications only: it runs over every
+// candidate of every decision, and a Go func value would not be inlined.
+func (leastWork) pick(p *Pool, t *ticket, cands []*Worker, now int64) int {
+	defaultInv, cost := 1/p.defaultSpeed, t.cost
+	start := rand.IntN(len(cands)) // equal finish times take turns
+	best, bestFinish := start, math.Inf(1)
+	for i := range cands {
+		j := i + start
+		if j >= len(cands) {
+			j -= len(cands)
+		}
+		w := cands[j]
+		inv := w.speed.inv
+		if inv == 0 {
+			inv = defaultInv
+		}
+		// (work left + cost) / speed, where the running job has done
+		// elapsed × speed of its cost.
+		finish := (w.work + cost) * inv
+		if w.inflight > 0 {
+			done := float64(now-w.headSince) * 1e-9
+			if running := w.headCost * inv; done > running {
+				done = running
+			}
+			if done > 0 {
+				finish -= done
+			}
+		}
+		if finish < bestFinish {
+			best, bestFinish = j, finish
+		}
+	}
+	return best
 }
 
-// argmin returns the index of the candidate with the least score, choosing
-// at random among equal ones so that idle workers share the load.
+// argmin returns the index of the candidate with the least score. The scan
+// starts at a random place, so that among equal scores (idle workers of one
+// speed) each gets its share.
 func argmin(cands []*Worker, score func(*Worker) float64) int {
-	best, bestScore, ties := 0, score(cands[0]), 1
-	for i := 1; i < len(cands); i++ {
-		switch s := score(cands[i]); {
-		case s < bestScore:
-			best, bestScore, ties = i, s, 1
-		case s == bestScore:
-			ties++
-			if rand.IntN(ties) == 0 {
-				best = i
-			}
+	start := rand.IntN(len(cands))
+	best, bestScore := start, score(cands[start])
+	for i := start + 1; i < start+len(cands); i++ {
+		j := i
+		if j >= len(cands) {
+			j -= len(cands)
+		}
+		if s := score(cands[j]); s < bestScore {
+			best, bestScore = j, s
 		}
 	}
 	return best
@@ -75,14 +106,14 @@ func strategyNames() string {
 // ties at random so idle workers share the load evenly.
 type leastRequest struct{}
 
-func (leastRequest) pick(_ *Pool, _ *ticket, cands []*Worker, _ time.Time) int {
+func (leastRequest) pick(_ *Pool, _ *ticket, cands []*Worker, _ int64) int {
 	return argmin(cands, func(w *Worker) float64 { return float64(w.inflight) })
 }
 
 // roundRobin cycles through the candidates in pool order.
 type roundRobin struct{}
 
-func (roundRobin) pick(p *Pool, _ *ticket, cands []*Worker, _ time.Time) int {
+func (roundRobin) pick(p *Pool, _ *ticket, cands []*Worker, _ int64) int {
 	p.next++
 	return p.next % len(cands)
 }
@@ -90,7 +121,7 @@ func (roundRobin) pick(p *Pool, _ *ticket, cands []*Worker, _ time.Time) int {
 // randomPick picks a candidate uniformly at random.
 type randomPick struct{}
 
-func (randomPick) pick(_ *Pool, _ *ticket, cands []*Worker, _ time.Time) int {
+func (randomPick) pick(_ *Pool, _ *ticket, cands []*Worker, _ int64) int {
 	return rand.IntN(len(cands))
 }
 

@@ -94,7 +94,9 @@ type Pool struct {
 	queue        []*waiter          // jobs waiting for a worker, in dispatch order
 	seq          uint64             // arrival counter of the queue
 	cands        []*Worker          // scratch space of routing decisions
+	speeds       []float64          // scratch space of the median speed
 	defaultSpeed float64            // median learned speed, assumed for new workers
+	completions  uint64             // jobs completed
 
 	videos *videoJobs
 }
@@ -117,26 +119,29 @@ func (p *Pool) Destruct() error { return nil }
 // Worker is one sglang-diffusion server. Its fields are guarded by the
 // pool's mutex; read them through Pool.snapshot.
 type Worker struct {
-	url  string // normalized: scheme://host[:port]
-	dial string // host:port as reverse_proxy dials it
-
-	registered bool // joined at run time (POST /workers), not from a config
-	dead       bool // marked dead by an operator (PUT /workers/{id})
-	sleeping   bool
-
-	inflight    int
-	jobs        []*ticket // jobs in flight, in dispatch order
-	work        float64   // their total cost
-	lastFinish  time.Time // when the worker last finished a job
+	// What every routing decision reads comes first, to share a cache line:
+	// a decision scans the whole fleet.
+	dead        bool // marked dead by an operator (PUT /workers/{id})
+	sleeping    bool
+	makesImages bool    // taskTypes has an image type, or is unknown
+	makesVideos bool    // taskTypes has a video type
+	inflight    int     // jobs in flight
+	work        float64 // their total cost
+	headCost    float64 // cost of the oldest of them: the one running
+	headSince   int64   // when it started running, Unix nanoseconds
 	speed       speedEstimate
+
+	url        string // normalized: scheme://host[:port]
+	dial       string // host:port as reverse_proxy dials it
+	registered bool   // joined at run time (POST /workers), not from a config
+
+	jobs        []*ticket // jobs in flight, in dispatch order
 	served      uint64
 	failures    uint64
 	consecFails int
 
-	taskTypes   []string  // from the worker's /v1/models; nil until a probe answers
-	makesImages bool      // taskTypes has an image type, or is unknown
-	makesVideos bool      // taskTypes has a video type
-	probedAt    time.Time // last capability probe attempt
+	taskTypes []string  // from the worker's /v1/models; nil until a probe answers
+	probedAt  time.Time // last capability probe attempt
 }
 
 // WorkerInfo is a copy of a worker's state, safe to read without the lock.
@@ -169,7 +174,7 @@ func (p *Pool) infoLocked(w *Worker) WorkerInfo {
 		Failures: w.failures, ConsecFails: w.consecFails,
 		TaskTypes: slices.Clone(w.taskTypes), Queued: len(p.queue),
 		Speed: p.speedOf(w), SpeedLearned: w.speed.value > 0,
-		WorkLeft: p.workLeft(w, p.now()), PredictionError: w.speed.relErr,
+		WorkLeft: p.workLeft(w, p.now().UnixNano()), PredictionError: w.speed.relErr,
 	}
 }
 

@@ -56,10 +56,10 @@ type ticket struct {
 	job  bool     // a generation: takes a worker slot, may wait for one
 	cost float64
 
-	worker     *Worker   // the worker holding the request now
-	servedBy   string    // URL of the last worker chosen, kept after release
-	dispatched time.Time // when the worker was given the job
-	predicted  time.Duration
+	worker    *Worker // the worker holding the request now
+	servedBy  string  // URL of the last worker chosen, kept after release
+	started   int64   // when the job reached the head of its worker, Unix nanoseconds
+	predicted time.Duration
 	tried      []*Worker // workers a retry must avoid
 	lookups    int       // upstream lookups by reverse_proxy; more than one is a retry
 }
@@ -149,12 +149,12 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 	}
 	cands := p.cands[:0]
 	anyFree := false
-	for _, w := range p.workers {
-		if !t.fits(w) || !w.serving() {
+	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
+		if !w.serving() || !t.fits(w) {
 			continue
 		}
 		anyFree = true
-		if t.admits(w) {
+		if w.can(t.task) && (len(t.tried) == 0 || !slices.Contains(t.tried, w)) {
 			cands = append(cands, w)
 		}
 	}
@@ -162,7 +162,7 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 	if len(cands) == 0 {
 		return nil, anyFree
 	}
-	return cands[t.cfg.strategy.pick(p, t, cands, p.now())], true
+	return cands[t.cfg.strategy.pick(p, t, cands, p.now().UnixNano())], true
 }
 
 // fits reports whether w has a slot for t; only jobs take slots.
@@ -194,11 +194,20 @@ func (p *Pool) assignLocked(t *ticket, w *Worker) {
 	if !t.job {
 		return
 	}
+	if w.inflight == 0 {
+		p.startLocked(w, t, p.now().UnixNano())
+	}
 	w.inflight++
 	w.jobs = append(w.jobs, t)
 	w.work += t.cost
-	t.dispatched = p.now()
 	t.predicted = time.Duration(t.cost / p.speedOf(w) * float64(time.Second))
+}
+
+// startLocked notes that t has reached the head of w's jobs: a worker runs
+// its jobs one at a time, in arrival order.
+func (p *Pool) startLocked(w *Worker, t *ticket, now int64) {
+	t.started = now
+	w.headCost, w.headSince = t.cost, now
 }
 
 func (p *Pool) releaseLocked(t *ticket, o outcome) {
@@ -218,26 +227,27 @@ func (p *Pool) releaseLocked(t *ticket, o outcome) {
 	if !t.job {
 		return
 	}
-	now := p.now()
+	now := p.now().UnixNano()
 	if o == succeeded {
-		w.speed.observe(t.cost, now.Sub(later(t.dispatched, w.lastFinish)), t.predicted)
-		p.refreshDefaultSpeedLocked()
+		w.speed.observe(t.cost, time.Duration(now-t.started), t.predicted)
+		p.completions++
+		// The median changes when a worker learns its first speed, and
+		// slowly otherwise.
+		if w.speed.n == 1 || p.completions%256 == 0 {
+			p.refreshDefaultSpeedLocked()
+		}
 	}
-	w.lastFinish = now
+	wasHead := len(w.jobs) > 0 && w.jobs[0] == t
 	w.inflight--
 	w.jobs = slices.DeleteFunc(w.jobs, func(x *ticket) bool { return x == t })
 	w.work -= t.cost
-	if len(w.jobs) == 0 {
+	switch {
+	case len(w.jobs) == 0:
 		w.work = 0 // no float drift on an idle worker
+	case wasHead:
+		p.startLocked(w, w.jobs[0], now)
 	}
 	p.dispatchLocked()
-}
-
-func later(a, b time.Time) time.Time {
-	if a.After(b) {
-		return a
-	}
-	return b
 }
 
 // dispatchLocked hands free slots to waiting jobs, in queue order; a job
@@ -313,27 +323,27 @@ func (p *Pool) speedOf(w *Worker) float64 {
 // refreshDefaultSpeedLocked sets the speed assumed for new workers to the
 // median of the learned ones.
 func (p *Pool) refreshDefaultSpeedLocked() {
-	speeds := make([]float64, 0, len(p.workers))
+	speeds := p.speeds[:0]
 	for _, w := range p.workers {
 		if w.speed.value > 0 {
 			speeds = append(speeds, w.speed.value)
 		}
 	}
+	p.speeds = speeds
 	if len(speeds) > 0 {
 		slices.Sort(speeds)
 		p.defaultSpeed = speeds[len(speeds)/2]
 	}
 }
 
-// workLeft is the predicted cost w still has to process: its jobs' costs,
-// less what the one running has done since it started.
-func (p *Pool) workLeft(w *Worker, now time.Time) float64 {
-	if len(w.jobs) == 0 {
+// workLeft is the predicted cost w still has to process at now (Unix
+// nanoseconds): its jobs' costs, less what the running one has done.
+func (p *Pool) workLeft(w *Worker, now int64) float64 {
+	if w.inflight == 0 {
 		return 0
 	}
-	head := w.jobs[0]
-	done := now.Sub(later(head.dispatched, w.lastFinish)).Seconds() * p.speedOf(w)
-	return w.work - min(head.cost, max(0, done))
+	done := float64(now-w.headSince) / float64(time.Second) * p.speedOf(w)
+	return w.work - min(w.headCost, max(0, done))
 }
 
 // queueError is the answer for a request that got no worker.
