@@ -60,8 +60,8 @@ type ticket struct {
 	servedBy  string  // URL of the last worker chosen, kept after release
 	started   int64   // when the job reached the head of its worker, Unix nanoseconds
 	predicted time.Duration
-	tried      []*Worker // workers a retry must avoid
-	lookups    int       // upstream lookups by reverse_proxy; more than one is a retry
+	tried     []*Worker // workers a retry must avoid
+	lookups   int       // upstream lookups by reverse_proxy; more than one is a retry
 }
 
 // waiter is a job waiting in the pool's queue.
