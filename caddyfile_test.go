@@ -45,6 +45,14 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		workers http://10.0.0.1:30000
 		workers https://10.0.0.2:30000
 		policy round_robin
+		max_inflight 2
+		queue_order largest_first
+		queue_timeout 90s
+		max_queue 500
+		default_steps 30
+		default_size 768x1344
+		default_frames 33
+		cfg_factor 1.5
 		max_body 8MiB
 		admin_allow 10.0.0.0/8 192.168.1.7
 		admin_token {env.ROUTER_TOKEN}
@@ -65,6 +73,14 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		Pool:            "rollout",
 		Workers:         []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
 		Policy:          "round_robin",
+		MaxInflight:     2,
+		QueueOrder:      "largest_first",
+		QueueTimeout:    caddy.Duration(90 * time.Second),
+		MaxQueue:        500,
+		DefaultSteps:    30,
+		DefaultSize:     "768x1344",
+		DefaultFrames:   33,
+		CFGFactor:       1.5,
 		MaxBody:         8 << 20,
 		AdminAllow:      []string{"10.0.0.0/8", "192.168.1.7"},
 		AdminToken:      "{env.ROUTER_TOKEN}",
@@ -126,6 +142,17 @@ func TestCaddyfileBadInputNamesLine(t *testing.T) {
 		"proxy sets upstreams": "reverse_proxy {\n to 10.0.0.1:1\n }",
 		"proxy sets policy":    "reverse_proxy {\n lb_policy first\n }",
 		"proxy with address":   "reverse_proxy 10.0.0.1:1",
+		"zero max_inflight":    "max_inflight 0",
+		"bad max_inflight":     "max_inflight many",
+		"unknown queue_order":  "queue_order random",
+		"bad queue_timeout":    "queue_timeout forever",
+		"negative max_queue":   "max_queue -1",
+		"zero default_steps":   "default_steps 0",
+		"bad default_size":     "default_size big",
+		"zero default_size":    "default_size 0x1024",
+		"bad default_frames":   "default_frames 1.5",
+		"cfg_factor below 1":   "cfg_factor 0.5",
+		"bad cfg_factor":       "cfg_factor double",
 	}
 	for name, line := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -171,6 +198,12 @@ func TestProvisionRejectsBadJSONConfig(t *testing.T) {
 		"allow":       {AdminAllow: []string{"nope"}},
 		"empty token": {AdminToken: "{env.DIFFUSION_ROUTER_UNSET_VAR}"},
 		"max body":    {MaxBody: -1},
+		"inflight":    {MaxInflight: -2},
+		"order":       {QueueOrder: "lifo"},
+		"queue":       {MaxQueue: -1},
+		"size":        {DefaultSize: "1024"},
+		"cfg":         {CFGFactor: 0.5},
+		"steps":       {DefaultSteps: -3},
 	} {
 		if err := h.parseOptions(); err == nil {
 			t.Errorf("%s: bad config accepted", name)
@@ -207,4 +240,21 @@ func handlerFrom(t *testing.T, cfg string) Handler {
 	}
 	t.Fatalf("no diffusion_router handler in %s", cfg)
 	return Handler{}
+}
+
+func TestMaxInflightDefaultsByPolicy(t *testing.T) {
+	for _, tc := range []struct {
+		h    Handler
+		want int
+	}{
+		{Handler{}, 1},
+		{Handler{Policy: "least_work", MaxInflight: -1}, 0},
+		{Handler{Policy: "least_work", MaxInflight: 3}, 3},
+		{Handler{Policy: "least_request"}, 0},
+		{Handler{Policy: "round_robin", MaxInflight: 2}, 2},
+	} {
+		if err := tc.h.parseOptions(); err != nil || tc.h.dispatch.maxInflight != tc.want {
+			t.Errorf("%s/%d: max_inflight %d (%v); want %d", tc.h.Policy, tc.h.MaxInflight, tc.h.dispatch.maxInflight, err, tc.want)
+		}
+	}
 }

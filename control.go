@@ -114,6 +114,10 @@ type workerJSON struct {
 	TaskTypes           []string `json:"task_types"`
 	RequestsServed      uint64   `json:"requests_served"`
 	Failures            uint64   `json:"failures"`
+	Speed               float64  `json:"speed"` // cost units per second
+	SpeedLearned        bool     `json:"speed_learned"`
+	PredictedWork       float64  `json:"predicted_work_seconds"`
+	PredictionError     float64  `json:"prediction_error"`
 }
 
 func newWorkerJSON(w WorkerInfo) workerJSON {
@@ -143,11 +147,15 @@ func newWorkerJSON(w WorkerInfo) workerJSON {
 		TaskTypes:           w.TaskTypes,
 		RequestsServed:      w.Served,
 		Failures:            w.Failures,
+		Speed:               w.Speed,
+		SpeedLearned:        w.SpeedLearned,
+		PredictedWork:       w.WorkLeft / w.Speed,
+		PredictionError:     w.PredictionError,
 	}
 }
 
 func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
-	var healthy, dead, sleeping int
+	var healthy, dead, sleeping, queued int
 	workers := h.pool.snapshot()
 	for _, wk := range workers {
 		switch {
@@ -158,6 +166,7 @@ func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		default:
 			healthy++
 		}
+		queued = wk.Queued
 	}
 	status, code := "healthy", http.StatusOK
 	if healthy == 0 {
@@ -169,6 +178,7 @@ func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		"total_workers":    len(workers),
 		"dead_workers":     dead,
 		"sleeping_workers": sleeping,
+		"queued_requests":  queued,
 	})
 }
 

@@ -623,3 +623,59 @@ func TestWorkerErrorsPassThrough(t *testing.T) {
 		t.Fatalf("worker's 500 %s became %d %s", direct.body, rp.status, rp.body)
 	}
 }
+
+func TestBadCostFieldsAreRefusedBeforeAnyWorker(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "w"}, fakeworker.Config{Name: "v", TaskType: "T2V"})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	for path, body := range map[string]string{
+		"/v1/images/generations": `{"prompt":"x","size":"abc"}`,
+		"/v1/diffusion/generate": `{"prompt":"x","num_inference_steps":-4}`,
+		"/rollout/generate":      `{"prompt":"x","width":"wide"}`,
+		"/v1/videos":             `{"prompt":"x","num_frames":0}`,
+	} {
+		rp := r.post(path, body)
+		expectStatus(t, path+" "+body, rp, 400)
+		if msg := rp.errorText(t); !strings.Contains(msg, "size") && !strings.Contains(msg, "num_inference_steps") &&
+			!strings.Contains(msg, "width") && !strings.Contains(msg, "num_frames") {
+			t.Fatalf("%s: error %q names no field", path, msg)
+		}
+	}
+	body, ctype := multipartEdit(t)
+	rp := r.post("/v1/images/edits", strings.Replace(body, "256x256", "256 by 256", 1), "Content-Type", ctype)
+	expectStatus(t, "multipart with a bad size", rp, 400)
+	if ws[0].Stats().Jobs+ws[1].Stats().Jobs != 0 {
+		t.Fatal("a refused request reached a worker")
+	}
+	expectStatus(t, "good request after bad ones", r.post("/v1/images/generations", smallImage), 200)
+}
+
+func TestFullQueueAnswers429(t *testing.T) {
+	// One worker busy for 4 s; one job may wait; the third is refused.
+	ws := startWorkers(t, fakeworker.Config{Name: "w", UnitMs: 1000})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n max_queue 1\n}")
+	slow := `{"prompt":"a cat","size":"1024x1024","num_inference_steps":4}`
+	var wg sync.WaitGroup
+	wg.Go(func() { r.post("/v1/images/generations", slow) })
+	waitFor(t, func() bool { return r.get("/workers").json(t)["workers"].([]any)[0].(map[string]any)["active_requests"] == 1.0 })
+	wg.Go(func() { r.post("/v1/images/generations", slow) })
+	waitFor(t, func() bool { return r.get("/health").json(t)["queued_requests"] == 1.0 })
+	rp := r.post("/v1/images/generations", smallImage)
+	expectStatus(t, "third job", rp, 429)
+	if !strings.Contains(rp.errorText(t), "max_queue") || rp.header.Get("Retry-After") == "" {
+		t.Fatalf("429 answer: %s %v", rp.body, rp.header)
+	}
+	ws[0].Close() // end the test without waiting 8 s for the jobs
+	wg.Wait()
+}
+
+// waitFor polls cond until it holds, for at most 10 s.
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition never held")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
