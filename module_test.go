@@ -656,7 +656,9 @@ func TestFullQueueAnswers429(t *testing.T) {
 	slow := `{"prompt":"a cat","size":"1024x1024","num_inference_steps":4}`
 	var wg sync.WaitGroup
 	wg.Go(func() { r.post("/v1/images/generations", slow) })
-	waitFor(t, func() bool { return r.get("/workers").json(t)["workers"].([]any)[0].(map[string]any)["active_requests"] == 1.0 })
+	waitFor(t, func() bool {
+		return r.get("/workers").json(t)["workers"].([]any)[0].(map[string]any)["active_requests"] == 1.0
+	})
 	wg.Go(func() { r.post("/v1/images/generations", slow) })
 	waitFor(t, func() bool { return r.get("/health").json(t)["queued_requests"] == 1.0 })
 	rp := r.post("/v1/images/generations", smallImage)
