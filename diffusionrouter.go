@@ -16,7 +16,6 @@ import (
 	"bytes"
 	"cmp"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -309,16 +308,15 @@ func (h *Handler) forward(w http.ResponseWriter, r *http.Request, next caddyhttp
 		defer cancel()
 	}
 	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
-	videoCreate := r.Method == http.MethodPost && r.URL.Path == "/v1/videos"
-	if videoCreate {
+	if readsVideoJob(r) {
 		rec.peekLimit = maxVideoResponsePeek
 	}
 
 	err := next.ServeHTTP(rec, r.WithContext(ctx))
-	h.pool.release(t, outcomeOf(r.Context(), err, rec.status))
-
+	if !h.trackVideoJob(r, t, rec, err) {
+		h.pool.release(t, outcomeOf(r.Context(), err, rec.status))
+	}
 	if err == nil {
-		h.rememberVideoJob(r, t, rec, videoCreate)
 		return nil
 	}
 	if rec.status != 0 {
@@ -443,24 +441,6 @@ func requestFields(body []byte, contentType string) (fields, error) {
 
 func tooLarge(limit int64) string {
 	return fmt.Sprintf("request body is larger than max_body (%d bytes)", limit)
-}
-
-// rememberVideoJob records which worker made a new video job, and forgets
-// a job that was deleted.
-func (h *Handler) rememberVideoJob(r *http.Request, t *ticket, rec *recorder, videoCreate bool) {
-	ok := rec.status >= 200 && rec.status < 300
-	switch {
-	case videoCreate && ok:
-		var job struct {
-			ID string `json:"id"`
-		}
-		if json.Unmarshal(rec.peek, &job) == nil && job.ID != "" {
-			h.pool.videos.remember(job.ID, t.servedBy)
-		}
-	case r.Method == http.MethodDelete && ok && t.pin != "":
-		id, _ := videoJobID(r.URL.Path)
-		h.pool.videos.forget(id)
-	}
 }
 
 // proxyError answers a request whose proxying failed before any response

@@ -681,3 +681,25 @@ func waitFor(t *testing.T, cond func() bool) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+func TestVideoJobKeepsItsWorkerUntilDone(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "v", TaskType: "T2V", UnitMs: 50})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	active := func() any { return r.get("/workers").json(t)["workers"].([]any)[0].(map[string]any)["active_requests"] }
+
+	// The router learns that a video ended from a status poll.
+	id := createVideo(t, r, "v")
+	if got := active(); got != 1.0 {
+		t.Fatalf("active_requests %v before any poll saw the video end; want 1", got)
+	}
+	waitVideo(t, r, id)
+	if got := active(); got != 0.0 {
+		t.Fatalf("active_requests %v after the video completed; want 0", got)
+	}
+
+	id = createVideo(t, r, "v")
+	expectStatus(t, "delete running video", do(t, "DELETE", r.base+"/v1/videos/"+id, nil), 200)
+	if got := active(); got != 0.0 {
+		t.Fatalf("active_requests %v after the video was deleted; want 0", got)
+	}
+}

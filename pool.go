@@ -99,6 +99,7 @@ type Pool struct {
 	completions  uint64             // jobs completed
 
 	videos *videoJobs
+	held   map[string]*heldVideo // video jobs running on their workers, by id
 }
 
 func newPool(name string) *Pool {
@@ -109,12 +110,21 @@ func newPool(name string) *Pool {
 		declared:     make(map[string]int),
 		defaultSpeed: 1,
 		videos:       newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
+		held:         make(map[string]*heldVideo),
 	}
 }
 
-// Destruct implements caddy.Destructor; a pool holds no goroutines or
-// connections of its own, so there is nothing to stop.
-func (p *Pool) Destruct() error { return nil }
+// Destruct implements caddy.Destructor: it stops the timers of held video
+// jobs, the only thing a pool runs on its own.
+func (p *Pool) Destruct() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for id, hv := range p.held {
+		hv.timer.Stop()
+		delete(p.held, id)
+	}
+	return nil
+}
 
 // Worker is one sglang-diffusion server. Its fields are guarded by the
 // pool's mutex; read them through Pool.snapshot.

@@ -9,10 +9,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// maxVideoResponsePeek bounds how much of a video job's creation response
-// the router keeps to read the job id; the answer is a small JSON object.
-const maxVideoResponsePeek = 64 << 10
-
 type ticketKey struct{}
 
 // withTicket carries a ticket through reverse_proxy, whose request clone

@@ -2,6 +2,9 @@ package diffusionrouter
 
 import (
 	"container/list"
+	"encoding/json"
+	"net/http"
+	"strings"
 	"sync"
 	"time"
 )
@@ -100,4 +103,90 @@ func (v *videoJobs) expired(e *list.Element, now time.Time) bool {
 func (v *videoJobs) removeLocked(e *list.Element) {
 	delete(v.byID, e.Value.(*videoJob).id)
 	v.order.Remove(e)
+}
+
+// maxVideoResponsePeek bounds how much of a video job's answer the router
+// keeps to read its id and status; the answer is a small JSON object.
+const maxVideoResponsePeek = 64 << 10
+
+// A video job is answered at once and then runs on its worker for minutes,
+// so its ticket keeps the worker's slot and predicted work until a status
+// poll or a DELETE shows the job has ended. A job nobody polls gives its
+// slot back after heldVideoGrace plus three times its predicted time.
+const heldVideoGrace = time.Minute
+
+// heldVideo is a video job's claim on its worker after the creating
+// request has been answered.
+type heldVideo struct {
+	t     *ticket
+	timer *time.Timer
+}
+
+// videoJobStatus is the part of a video job object the router reads.
+type videoJobStatus struct {
+	ID     string `json:"id"`
+	Status string `json:"status"`
+}
+
+// readsVideoJob reports whether r's answer is a video job object the router
+// must read: a new job, or a job's status.
+func readsVideoJob(r *http.Request) bool {
+	if r.URL.Path == "/v1/videos" {
+		return r.Method == http.MethodPost
+	}
+	rest, ok := strings.CutPrefix(r.URL.Path, "/v1/videos/")
+	return ok && r.Method == http.MethodGet && rest != "" && !strings.Contains(rest, "/")
+}
+
+// trackVideoJob keeps the router's view of video jobs: which worker made a
+// new job (whose ticket it then holds, reporting true), and when a job
+// ended or was deleted (releasing its worker).
+func (h *Handler) trackVideoJob(r *http.Request, t *ticket, rec *recorder, err error) bool {
+	if err != nil || rec.status < 200 || rec.status > 299 {
+		return false
+	}
+	var job videoJobStatus
+	if rec.peekLimit > 0 && json.Unmarshal(rec.peek, &job) != nil {
+		return false
+	}
+	switch {
+	case r.Method == http.MethodPost && t.job && job.ID != "":
+		h.pool.videos.remember(job.ID, t.servedBy)
+		return h.pool.holdVideo(t, job.ID)
+	case r.Method == http.MethodDelete && t.pin != "":
+		id, _ := videoJobID(r.URL.Path)
+		h.pool.videos.forget(id)
+		h.pool.endVideo(id, abandoned)
+	case job.Status == "completed":
+		h.pool.endVideo(job.ID, succeeded)
+	case job.Status == "failed" || job.Status == "cancelled":
+		h.pool.endVideo(job.ID, failed)
+	}
+	return false
+}
+
+// holdVideo keeps t's worker claimed by the video job id.
+func (p *Pool) holdVideo(t *ticket, id string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if t.worker == nil {
+		return false
+	}
+	hv := &heldVideo{t: t}
+	hv.timer = time.AfterFunc(heldVideoGrace+3*t.predicted, func() { p.endVideo(id, abandoned) })
+	p.held[id] = hv
+	return true
+}
+
+// endVideo releases the worker of a held video job that has ended.
+func (p *Pool) endVideo(id string, o outcome) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	hv, ok := p.held[id]
+	if !ok {
+		return
+	}
+	delete(p.held, id)
+	hv.timer.Stop()
+	p.releaseLocked(hv.t, o)
 }
