@@ -128,6 +128,11 @@ func wireProxy(rp *reverseproxy.Handler, pool string) {
 //	    admin_allow      <cidr...>
 //	    admin_token      <token>
 //	    upstream_timeout <duration>
+//	    weights_mode     drain|rolling
+//	    rolling_batch    <n>
+//	    drain_timeout    <duration>
+//	    weights_timeout  <duration>
+//	    weights_path_prefix <prefix...>
 //	}
 //
 // workers may repeat; each adds to the list. Sizes read like Caddy's
@@ -260,6 +265,43 @@ func (h *Handler) unmarshalOption(d *caddyfile.Dispenser) error {
 			return d.Errf("cfg_factor: %q is not a number of at least 1", v)
 		}
 		h.CFGFactor = f
+	case "weights_mode":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		if v != modeDrain && v != modeRolling {
+			return d.Errf("unknown weights_mode %q (want drain or rolling)", v)
+		}
+		h.WeightsMode = v
+	case "rolling_batch":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		h.RollingBatch, err = positiveInt(d, opt, v)
+		return err
+	case "drain_timeout":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		h.DrainTimeout, err = positiveDuration(d, opt, v)
+		return err
+	case "weights_timeout":
+		v, err := one()
+		if err != nil {
+			return err
+		}
+		h.WeightsTimeout, err = positiveDuration(d, opt, v)
+		return err
+	case "weights_path_prefix":
+		for _, a := range args {
+			if !strings.HasPrefix(a, "/") && !strings.Contains(a, "://") {
+				return d.Errf("weights_path_prefix: %q is neither an absolute path nor a URL prefix", a)
+			}
+		}
+		h.WeightsPathPrefix = append(h.WeightsPathPrefix, args...)
 	case "max_body":
 		v, err := one()
 		if err != nil {
@@ -299,7 +341,9 @@ func (h *Handler) unmarshalOption(d *caddyfile.Dispenser) error {
 var optionNames = []string{
 	"workers", "policy", "max_inflight", "queue_order", "queue_timeout", "max_queue",
 	"default_steps", "default_size", "default_frames", "cfg_factor",
-	"max_body", "admin_allow", "admin_token", "upstream_timeout", "reverse_proxy",
+	"max_body", "admin_allow", "admin_token", "upstream_timeout",
+	"weights_mode", "rolling_batch", "drain_timeout", "weights_timeout", "weights_path_prefix",
+	"reverse_proxy",
 }
 
 // positiveInt reads option opt's value v as a positive integer.

@@ -57,6 +57,11 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		admin_allow 10.0.0.0/8 192.168.1.7
 		admin_token {env.ROUTER_TOKEN}
 		upstream_timeout 30m
+		weights_mode rolling
+		rolling_batch 2
+		drain_timeout 5m
+		weights_timeout 15m
+		weights_path_prefix /ckpt/ s3://bucket/
 		reverse_proxy {
 			transport http {
 				dial_timeout 3s
@@ -70,21 +75,26 @@ func TestCaddyfileEveryOption(t *testing.T) {
 	}
 	h := handlerFrom(t, cfg)
 	want := Handler{
-		Pool:            "rollout",
-		Workers:         []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
-		Policy:          "round_robin",
-		MaxInflight:     2,
-		QueueOrder:      "largest_first",
-		QueueTimeout:    caddy.Duration(90 * time.Second),
-		MaxQueue:        500,
-		DefaultSteps:    30,
-		DefaultSize:     "768x1344",
-		DefaultFrames:   33,
-		CFGFactor:       1.5,
-		MaxBody:         8 << 20,
-		AdminAllow:      []string{"10.0.0.0/8", "192.168.1.7"},
-		AdminToken:      "{env.ROUTER_TOKEN}",
-		UpstreamTimeout: caddy.Duration(30 * time.Minute),
+		Pool:              "rollout",
+		Workers:           []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
+		Policy:            "round_robin",
+		MaxInflight:       2,
+		QueueOrder:        "largest_first",
+		QueueTimeout:      caddy.Duration(90 * time.Second),
+		MaxQueue:          500,
+		DefaultSteps:      30,
+		DefaultSize:       "768x1344",
+		DefaultFrames:     33,
+		CFGFactor:         1.5,
+		MaxBody:           8 << 20,
+		AdminAllow:        []string{"10.0.0.0/8", "192.168.1.7"},
+		AdminToken:        "{env.ROUTER_TOKEN}",
+		UpstreamTimeout:   caddy.Duration(30 * time.Minute),
+		WeightsMode:       "rolling",
+		RollingBatch:      2,
+		DrainTimeout:      caddy.Duration(5 * time.Minute),
+		WeightsTimeout:    caddy.Duration(15 * time.Minute),
+		WeightsPathPrefix: []string{"/ckpt/", "s3://bucket/"},
 	}
 	got, _ := json.Marshal(h)
 	exp, _ := json.Marshal(want)
@@ -153,6 +163,11 @@ func TestCaddyfileBadInputNamesLine(t *testing.T) {
 		"bad default_frames":   "default_frames 1.5",
 		"cfg_factor below 1":   "cfg_factor 0.5",
 		"bad cfg_factor":       "cfg_factor double",
+		"unknown weights_mode": "weights_mode eager",
+		"zero rolling_batch":   "rolling_batch 0",
+		"bad drain_timeout":    "drain_timeout never",
+		"bad weights_timeout":  "weights_timeout 0s",
+		"relative prefix":      "weights_path_prefix ckpt",
 	}
 	for name, line := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -204,6 +219,8 @@ func TestProvisionRejectsBadJSONConfig(t *testing.T) {
 		"size":        {DefaultSize: "1024"},
 		"cfg":         {CFGFactor: 0.5},
 		"steps":       {DefaultSteps: -3},
+		"mode":        {WeightsMode: "eager"},
+		"batch":       {RollingBatch: -1},
 	} {
 		if err := h.parseOptions(); err == nil {
 			t.Errorf("%s: bad config accepted", name)

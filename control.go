@@ -35,6 +35,9 @@ func (h *Handler) controlMux() *http.ServeMux {
 		{"POST /remove_worker", h.admin(h.serveRemoveWorker)},
 		{"GET /list_workers", h.serveListWorkers},
 		{"GET /v1/models", h.serveModels},
+		{"POST /update_weights_from_disk", h.admin(h.serveUpdateWeights)},
+		{"POST /release_memory_occupation", h.admin(h.serveSleep)},
+		{"POST /resume_memory_occupation", h.admin(h.serveWake)},
 	}
 	paths := map[string]bool{}
 	for _, rt := range routes {
@@ -107,6 +110,7 @@ type workerJSON struct {
 	ActiveRequests      int      `json:"active_requests"`
 	IsDead              bool     `json:"is_dead"`
 	IsSleeping          bool     `json:"is_sleeping"`
+	WeightVersion       string   `json:"weight_version"`
 	ConsecutiveFailures int      `json:"consecutive_failures"`
 	VideoSupport        *bool    `json:"video_support"`
 	State               string   `json:"state"`
@@ -121,12 +125,9 @@ type workerJSON struct {
 }
 
 func newWorkerJSON(w WorkerInfo) workerJSON {
-	state := "serving"
-	switch {
-	case w.Dead:
+	state := w.State.String()
+	if w.Dead {
 		state = "dead"
-	case w.Sleeping:
-		state = "sleeping"
 	}
 	source := "config"
 	if w.Registered {
@@ -139,7 +140,8 @@ func newWorkerJSON(w WorkerInfo) workerJSON {
 		URL:                 w.URL,
 		ActiveRequests:      w.Inflight,
 		IsDead:              w.Dead,
-		IsSleeping:          w.Sleeping,
+		IsSleeping:          w.State == sleeping,
+		WeightVersion:       w.Version,
 		ConsecutiveFailures: w.ConsecFails,
 		VideoSupport:        videoSupport(w.TaskTypes),
 		State:               state,
@@ -155,30 +157,27 @@ func newWorkerJSON(w WorkerInfo) workerJSON {
 }
 
 func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
-	var healthy, dead, sleeping, queued int
 	workers := h.pool.snapshot()
+	inState := map[string]int{}
+	var last WorkerInfo // carries the pool-wide figures
 	for _, wk := range workers {
-		switch {
-		case wk.Dead:
-			dead++
-		case wk.Sleeping:
-			sleeping++
-		default:
-			healthy++
-		}
-		queued = wk.Queued
+		inState[newWorkerJSON(wk).State]++
+		last = wk
 	}
 	status, code := "healthy", http.StatusOK
-	if healthy == 0 {
+	if inState["serving"] == 0 {
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
 	_ = writeJSON(w, code, map[string]any{
 		"status":           status,
-		"healthy_workers":  healthy,
+		"healthy_workers":  inState["serving"],
 		"total_workers":    len(workers),
-		"dead_workers":     dead,
-		"sleeping_workers": sleeping,
-		"queued_requests":  queued,
+		"dead_workers":     inState["dead"],
+		"sleeping_workers": inState["sleeping"],
+		"stale_workers":    inState["stale"],
+		"queued_requests":  last.Queued,
+		"weight_version":   last.PoolVersion,
+		"updating_to":      last.UpdatingTo,
 	})
 }
 
@@ -216,6 +215,7 @@ func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 	if created {
 		h.logger.Info("worker registered", zap.String("worker", info.URL))
 		h.probe(r.Context(), info.URL)
+		h.startCatchUps()
 		info, _ = h.pool.worker(info.URL)
 	}
 	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker": newWorkerJSON(info)})

@@ -112,9 +112,33 @@ type Handler struct {
 	// none, because a video can take many minutes.
 	UpstreamTimeout caddy.Duration `json:"upstream_timeout,omitempty"`
 
+	// WeightsMode is how POST /update_weights_from_disk updates the fleet
+	// when the body names no mode: drain (default: pause, let jobs in
+	// flight finish, update all, resume) or rolling (rolling_batch workers
+	// at a time while the others serve).
+	WeightsMode string `json:"weights_mode,omitempty"`
+
+	// RollingBatch is how many workers a rolling update takes at once.
+	// Default 1.
+	RollingBatch int `json:"rolling_batch,omitempty"`
+
+	// DrainTimeout bounds the wait for jobs in flight before an update,
+	// sleep or wake; beyond it 504 and nothing changes. Default 10m.
+	DrainTimeout caddy.Duration `json:"drain_timeout,omitempty"`
+
+	// WeightsTimeout bounds one worker's weight update, sleep or wake call.
+	// Default 10m.
+	WeightsTimeout caddy.Duration `json:"weights_timeout,omitempty"`
+
+	// WeightsPathPrefix, when set, restricts model_path to paths under one
+	// of these prefixes (403 otherwise).
+	WeightsPathPrefix []string `json:"weights_path_prefix,omitempty"`
+
+	ctx      context.Context // ends when the config is unloaded
 	pool     *Pool
 	dispatch dispatchConfig
 	costs    costModel
+	weights  weightsConfig
 	allow    []netip.Prefix
 	token    string
 	control  *http.ServeMux
@@ -133,6 +157,7 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 // Provision checks the options and attaches the handler to its pool. It
 // starts nothing and dials nobody, so `caddy validate` is free of effects.
 func (h *Handler) Provision(ctx caddy.Context) error {
+	h.ctx = ctx
 	h.logger = ctx.Logger()
 	if err := h.parseOptions(); err != nil {
 		return err
@@ -143,7 +168,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.pool = p
 	h.pool.declare(h.Workers)
-	h.client = &http.Client{Timeout: probeTimeout}
+	h.client = new(http.Client) // every call has its own deadline
 	h.control = h.controlMux()
 	return nil
 }
@@ -158,6 +183,9 @@ func (h *Handler) parseOptions() error {
 		return err
 	}
 	if err := h.parseCosts(); err != nil {
+		return err
+	}
+	if err := h.parseWeights(); err != nil {
 		return err
 	}
 	if h.MaxBody == 0 {
@@ -243,6 +271,23 @@ func (h *Handler) parseCosts() error {
 	return nil
 }
 
+// parseWeights reads the weight update options.
+func (h *Handler) parseWeights() error {
+	c := &h.weights
+	c.mode = cmp.Or(h.WeightsMode, modeDrain)
+	if c.mode != modeDrain && c.mode != modeRolling {
+		return fmt.Errorf("unknown weights_mode %q (want drain or rolling)", h.WeightsMode)
+	}
+	if h.RollingBatch < 0 || h.DrainTimeout < 0 || h.WeightsTimeout < 0 {
+		return fmt.Errorf("rolling_batch, drain_timeout and weights_timeout must be positive")
+	}
+	c.rollingBatch = cmp.Or(h.RollingBatch, 1)
+	c.drainTimeout = cmp.Or(time.Duration(h.DrainTimeout), defaultDrainTimeout)
+	c.timeout = cmp.Or(time.Duration(h.WeightsTimeout), defaultWeightsTimeout)
+	c.pathPrefixes = h.WeightsPathPrefix
+	return nil
+}
+
 // parsePrefixes reads CIDRs and single addresses.
 func parsePrefixes(list []string) ([]netip.Prefix, error) {
 	out := make([]netip.Prefix, 0, len(list))
@@ -278,6 +323,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		h.control.ServeHTTP(w, r) // sets the path values Handler does not
 		return nil
 	}
+	h.startCatchUps()
 	return h.forward(w, r, next)
 }
 
@@ -307,7 +353,7 @@ func (h *Handler) forward(w http.ResponseWriter, r *http.Request, next caddyhttp
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
 		defer cancel()
 	}
-	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, ticket: t}
 	if readsVideoJob(r) {
 		rec.peekLimit = maxVideoResponsePeek
 	}
@@ -345,7 +391,7 @@ func retryAfter(t *ticket) int {
 // ticketFor works out which workers may serve r. A non-zero status means r
 // must be refused with that status and message.
 func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
-	t := &ticket{pool: h.pool, cfg: &h.dispatch}
+	t := &ticket{pool: h.pool, cfg: &h.dispatch, wantVersion: r.Header.Get(weightVersionHeader)}
 	id, isJobPath := videoJobID(r.URL.Path)
 	switch {
 	case isJobPath:

@@ -90,6 +90,8 @@ func (m models) taskTypes() []string {
 // fetchModels asks one worker for its model list.
 func (h *Handler) fetchModels(ctx context.Context, workerURL string) (models, error) {
 	var m models
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, workerURL+"/v1/models", nil)
 	if err != nil {
 		return m, err
@@ -136,7 +138,7 @@ func (h *Handler) probeUnknown(ctx context.Context) {
 func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 	var urls []string
 	for _, wk := range h.pool.snapshot() {
-		if !wk.Dead && !wk.Sleeping {
+		if !wk.Dead && wk.State != sleeping {
 			urls = append(urls, wk.URL)
 		}
 	}

@@ -75,7 +75,7 @@ func adaptSite(port int, site string) ([]byte, error) {
 	admin off
 	auto_https off
 	persist_config off
-	grace_period 1ns
+	grace_period 2s # long enough for a request caught by a reload to finish
 	default_bind 127.0.0.1
 	log {
 		level ERROR

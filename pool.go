@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -100,6 +101,14 @@ type Pool struct {
 
 	videos *videoJobs
 	held   map[string]*heldVideo // video jobs running on their workers, by id
+
+	fleet      chan struct{}   // held by a weight update, sleep or wake: they never interleave
+	paused     bool            // a drain is on: no job is handed out
+	version    string          // weight version of the last successful update
+	updateBody []byte          // its request, for workers that join later
+	target     string          // version an update in progress moves to
+	onRelease  []chan struct{} // closed when a worker is released: drains wait on them
+	behind     atomic.Int32    // workers that joined after an update and wait to catch up
 }
 
 func newPool(name string) *Pool {
@@ -111,6 +120,7 @@ func newPool(name string) *Pool {
 		defaultSpeed: 1,
 		videos:       newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
 		held:         make(map[string]*heldVideo),
+		fleet:        make(chan struct{}, 1),
 	}
 }
 
@@ -131,19 +141,21 @@ func (p *Pool) Destruct() error {
 type Worker struct {
 	// What every routing decision reads comes first, to share a cache line:
 	// a decision scans the whole fleet.
-	dead        bool // marked dead by an operator (PUT /workers/{id})
-	sleeping    bool
-	makesImages bool    // taskTypes has an image type, or is unknown
-	makesVideos bool    // taskTypes has a video type
-	inflight    int     // jobs in flight
-	work        float64 // their total cost
-	headCost    float64 // cost of the oldest of them: the one running
-	headSince   int64   // when it started running, Unix nanoseconds
+	dead        bool        // marked dead by an operator (PUT /workers/{id})
+	state       workerState // where the worker is in its life
+	makesImages bool        // taskTypes has an image type, or is unknown
+	makesVideos bool        // taskTypes has a video type
+	inflight    int         // jobs in flight
+	work        float64     // their total cost
+	headCost    float64     // cost of the oldest of them: the one running
+	headSince   int64       // when it started running, Unix nanoseconds
 	speed       speedEstimate
 
 	url        string // normalized: scheme://host[:port]
 	dial       string // host:port as reverse_proxy dials it
 	registered bool   // joined at run time (POST /workers), not from a config
+	version    string // weight version the worker serves; "" until an update
+	behind     bool   // joined after an update; must load its weights first
 
 	jobs        []*ticket // jobs in flight, in dispatch order
 	served      uint64
@@ -154,19 +166,38 @@ type Worker struct {
 	probedAt  time.Time // last capability probe attempt
 }
 
+// workerState is where a worker is in its life. Only serving workers get
+// new jobs.
+type workerState uint8
+
+const (
+	serving  workerState = iota
+	draining             // finishing its jobs before a weight update
+	updating             // loading new weights
+	stale                // failed its last weight update: out until one succeeds
+	sleeping             // has released its GPU memory
+)
+
+var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping"}
+
+func (s workerState) String() string { return stateNames[s] }
+
 // WorkerInfo is a copy of a worker's state, safe to read without the lock.
 type WorkerInfo struct {
 	URL         string
 	Dial        string
 	Registered  bool
 	Dead        bool
-	Sleeping    bool
+	State       workerState
+	Version     string
 	Inflight    int
 	Served      uint64
 	Failures    uint64
 	ConsecFails int
 	TaskTypes   []string // nil while unknown
 	Queued      int      // jobs waiting in the pool's queue (the same for every worker)
+	PoolVersion string   // the pool's weight version (the same for every worker)
+	UpdatingTo  string   // the version an update in progress moves to
 
 	Speed           float64 // learned cost units per second; the pool's median while unknown
 	SpeedLearned    bool
@@ -175,14 +206,15 @@ type WorkerInfo struct {
 }
 
 // serving reports whether the worker may be given new jobs.
-func (w *Worker) serving() bool { return !w.dead && !w.sleeping }
+func (w *Worker) serving() bool { return !w.dead && w.state == serving }
 
 func (p *Pool) infoLocked(w *Worker) WorkerInfo {
 	return WorkerInfo{
 		URL: w.url, Dial: w.dial, Registered: w.registered, Dead: w.dead,
-		Sleeping: w.sleeping, Inflight: w.inflight, Served: w.served,
+		State: w.state, Version: w.version, Inflight: w.inflight, Served: w.served,
 		Failures: w.failures, ConsecFails: w.consecFails,
 		TaskTypes: slices.Clone(w.taskTypes), Queued: len(p.queue),
+		PoolVersion: p.version, UpdatingTo: p.target,
 		Speed: p.speedOf(w), SpeedLearned: w.speed.value > 0,
 		WorkLeft: p.workLeft(w, p.now().UnixNano()), PredictionError: w.speed.relErr,
 	}
@@ -255,12 +287,20 @@ func (p *Pool) remove(url string) bool {
 
 func (p *Pool) add(u string) *Worker {
 	w := &Worker{url: u, dial: dialAddress(u), makesImages: true}
+	if p.updateBody != nil {
+		w.state, w.behind = updating, true
+		p.behind.Add(1)
+	}
 	p.workers = append(p.workers, w)
 	p.byDial[w.dial] = w
 	return w
 }
 
 func (p *Pool) removeLocked(w *Worker) {
+	if w.behind {
+		w.behind = false
+		p.behind.Add(-1)
+	}
 	delete(p.byDial, w.dial)
 	for i, x := range p.workers {
 		if x == w {

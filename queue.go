@@ -42,6 +42,7 @@ var (
 	errNoWorker     = errors.New("No healthy workers available in the pool")
 	errQueueFull    = errors.New("queue full")
 	errQueueTimeout = errors.New("queue timeout")
+	errNoVersion    = errors.New("no worker is or will be on the weight version asked for")
 )
 
 // ticket is one request's claim on the pool, carried in the request
@@ -55,6 +56,9 @@ type ticket struct {
 	task taskKind // what the worker must be able to generate
 	job  bool     // a generation: takes a worker slot, may wait for one
 	cost float64
+
+	wantVersion   string // only a worker on this weight version may serve
+	servedVersion string // the weight version of the worker chosen
 
 	worker    *Worker // the worker holding the request now
 	servedBy  string  // URL of the last worker chosen, kept after release
@@ -85,6 +89,9 @@ func (p *Pool) acquire(ctx context.Context, t *ticket) error {
 	}
 	if !t.job || !p.couldServeLocked(t) {
 		p.mu.Unlock()
+		if t.wantVersion != "" {
+			return errNoVersion
+		}
 		return errNoWorker
 	}
 	if len(p.queue) >= t.cfg.maxQueue {
@@ -147,6 +154,9 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 		}
 		return w, true
 	}
+	if p.paused && t.job {
+		return nil, false
+	}
 	cands := p.cands[:0]
 	anyFree := false
 	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
@@ -154,7 +164,8 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 			continue
 		}
 		anyFree = true
-		if w.can(t.task) && (len(t.tried) == 0 || !slices.Contains(t.tried, w)) {
+		if w.can(t.task) && (len(t.tried) == 0 || !slices.Contains(t.tried, w)) &&
+			(t.wantVersion == "" || w.version == t.wantVersion) {
 			cands = append(cands, w)
 		}
 	}
@@ -175,14 +186,15 @@ func (t *ticket) admits(w *Worker) bool {
 	if !w.serving() || !w.can(t.task) || slices.Contains(t.tried, w) {
 		return false
 	}
-	return t.pin == "" || w.url == t.pin
+	return (t.pin == "" || w.url == t.pin) && (t.wantVersion == "" || w.version == t.wantVersion)
 }
 
 // couldServeLocked reports whether some worker of the pool, serving or not,
 // could take t: then t may wait for it.
 func (p *Pool) couldServeLocked(t *ticket) bool {
 	for _, w := range p.workers {
-		if w.can(t.task) && !slices.Contains(t.tried, w) && (t.pin == "" || w.url == t.pin) {
+		if w.can(t.task) && !slices.Contains(t.tried, w) && (t.pin == "" || w.url == t.pin) &&
+			(t.wantVersion == "" || w.version == t.wantVersion || p.target == t.wantVersion) {
 			return true
 		}
 	}
@@ -190,7 +202,7 @@ func (p *Pool) couldServeLocked(t *ticket) bool {
 }
 
 func (p *Pool) assignLocked(t *ticket, w *Worker) {
-	t.worker, t.servedBy = w, w.url
+	t.worker, t.servedBy, t.servedVersion = w, w.url, w.version
 	if !t.job {
 		return
 	}
@@ -216,6 +228,10 @@ func (p *Pool) releaseLocked(t *ticket, o outcome) {
 		return
 	}
 	t.worker = nil
+	for _, released := range p.onRelease {
+		close(released)
+	}
+	p.onRelease = p.onRelease[:0]
 	switch o {
 	case succeeded:
 		w.served++
@@ -353,6 +369,8 @@ func queueError(p *Pool, t *ticket, err error) (int, string) {
 		return 429, fmt.Sprintf("the queue of pool %q is full (%d jobs waiting, max_queue %d)", p.name, t.cfg.maxQueue, t.cfg.maxQueue)
 	case errors.Is(err, errQueueTimeout):
 		return 503, fmt.Sprintf("no worker of pool %q was free within queue_timeout (%s); the job waited in the pool's queue", p.name, t.cfg.timeout)
+	case errors.Is(err, errNoVersion):
+		return 409, fmt.Sprintf("no worker of pool %q is or will be on weight version %q", p.name, t.wantVersion)
 	case t.pin != "":
 		return 503, fmt.Sprintf("Mapped worker %s is unavailable", t.pin)
 	}

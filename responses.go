@@ -35,19 +35,29 @@ func writeError(w http.ResponseWriter, status int, msg string) error {
 	return writeJSON(w, status, map[string]string{"error": msg})
 }
 
-// recorder notes the status of a proxied response and, when asked, keeps
-// its first bytes; everything else streams straight through.
+// weightVersionHeader names the weight version that served a generation,
+// and, on a request, the only version that may serve it.
+const weightVersionHeader = "X-Weight-Version"
+
+// recorder notes the status of a proxied response, names the weight version
+// of the worker that served it, and, when asked, keeps its first bytes;
+// everything else streams straight through.
 type recorder struct {
 	*caddyhttp.ResponseWriterWrapper
+	ticket    *ticket
 	status    int
 	peekLimit int
 	peek      []byte
 }
 
-// WriteHeader records the final status; informational ones pass by.
+// WriteHeader records the final status; informational ones pass by. A
+// worker that names its weight version itself is believed.
 func (rec *recorder) WriteHeader(status int) {
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
+		if v := rec.ticket.servedVersion; v != "" && rec.Header().Get(weightVersionHeader) == "" {
+			rec.Header().Set(weightVersionHeader, v)
+		}
 	}
 	rec.ResponseWriterWrapper.WriteHeader(status)
 }
@@ -55,7 +65,7 @@ func (rec *recorder) WriteHeader(status int) {
 // Write keeps up to peekLimit bytes of the body.
 func (rec *recorder) Write(b []byte) (int, error) {
 	if rec.status == 0 {
-		rec.status = http.StatusOK
+		rec.WriteHeader(http.StatusOK)
 	}
 	if room := rec.peekLimit - len(rec.peek); room > 0 {
 		rec.peek = append(rec.peek, b[:min(room, len(b))]...)
@@ -70,7 +80,7 @@ func (rec *recorder) ReadFrom(r io.Reader) (int64, error) {
 		return io.Copy(writerOnly{rec}, r)
 	}
 	if rec.status == 0 {
-		rec.status = http.StatusOK
+		rec.WriteHeader(http.StatusOK)
 	}
 	return rec.ResponseWriterWrapper.ReadFrom(r)
 }

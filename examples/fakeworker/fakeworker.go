@@ -46,6 +46,7 @@ type Config struct {
 	HealthDelay time.Duration // /health waits this long before answering
 	HangAfter   int           // after N finished jobs, every later job holds the worker until Close (0 = never)
 	CrashAfter  int           // after N finished jobs, the next job kills the worker: listener and connections close unanswered (0 = never)
+	UpdateFail  bool          // weight updates fail: 500 {"success": false}, and the old weights stay, as sglang rolls back
 }
 
 func (c Config) withDefaults() Config {

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -198,10 +199,13 @@ func (w *Worker) handleUpdateFromTensor(rw http.ResponseWriter, r *http.Request)
 // version is empty.
 func (w *Worker) updateWeights(rw http.ResponseWriter, r *http.Request, version, message string) {
 	err := w.runControl(r.Context(), w.serviceTime(weightUpdateUnits), func() {
-		if version != "" {
+		if version != "" && !w.cfg.UpdateFail {
 			w.version = version
 		}
 	})
+	if err == nil && w.cfg.UpdateFail {
+		err = errors.New("Failed to load weights; rolled back to the previous weights")
+	}
 	if err != nil {
 		w.failControl(rw, err)
 		return

@@ -41,6 +41,7 @@ func run() error {
 	flag.DurationVar(&cfg.HealthDelay, "health-delay", 0, "delay before answering /health")
 	flag.IntVar(&cfg.HangAfter, "hang-after", 0, "after N finished jobs, later jobs hang (0 = never)")
 	flag.IntVar(&cfg.CrashAfter, "crash-after", 0, "after N finished jobs, the next job kills the worker (0 = never)")
+	flag.BoolVar(&cfg.UpdateFail, "update-fail", false, "weight updates fail and roll back")
 	flag.Parse()
 
 	ln, err := net.Listen("tcp", net.JoinHostPort(*host, strconv.Itoa(*port)))

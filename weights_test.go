@@ -1,0 +1,343 @@
+package diffusionrouter
+
+import (
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+)
+
+const oldVersion = "fake/diffusion-model" // the fake workers' initial weights
+
+// sample is one generation of a load test.
+type sample struct {
+	sent, received time.Time
+	status         int
+	version        string
+}
+
+// load keeps clients generation requests in flight until the returned stop
+// is called, which reports every request.
+func load(t *testing.T, r *testRouter, clients int) (stop func() []sample) {
+	t.Helper()
+	var (
+		mu      sync.Mutex
+		samples []sample
+		wg      sync.WaitGroup
+		done    = make(chan struct{})
+	)
+	for range clients {
+		wg.Go(func() {
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				s := sample{sent: time.Now()}
+				rp := do(t, "POST", r.base+"/v1/images/generations", strings.NewReader(`{"prompt":"x","size":"512x512","num_inference_steps":4}`))
+				s.received, s.status, s.version = time.Now(), rp.status, rp.header.Get(weightVersionHeader)
+				mu.Lock()
+				samples = append(samples, s)
+				mu.Unlock()
+			}
+		})
+	}
+	return func() []sample {
+		close(done)
+		wg.Wait()
+		return samples
+	}
+}
+
+func fleet(t *testing.T, n int, cfg fakeworker.Config) []*fakeworker.Worker {
+	t.Helper()
+	cfgs := make([]fakeworker.Config, n)
+	for i := range cfgs {
+		cfgs[i] = cfg
+		cfgs[i].Name = string(rune('a' + i))
+	}
+	return startWorkers(t, cfgs...)
+}
+
+func workerStates(t *testing.T, r *testRouter) map[string]map[string]any {
+	t.Helper()
+	out := map[string]map[string]any{}
+	for _, w := range r.get("/workers").json(t)["workers"].([]any) {
+		w := w.(map[string]any)
+		out[w["url"].(string)] = w
+	}
+	return out
+}
+
+func TestDrainUpdateUnderLoad(t *testing.T) {
+	ws := fleet(t, 4, fakeworker.Config{UnitMs: 20})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	stop := load(t, r, 12)
+	time.Sleep(200 * time.Millisecond)
+
+	start := time.Now()
+	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/step-1","flush_cache":true}`)
+	answered := time.Now()
+	expectStatus(t, "update", rp, 200)
+	time.Sleep(200 * time.Millisecond)
+	samples := stop()
+
+	body := rp.json(t)
+	if body["success"] != true || body["weight_version"] != "/ckpt/step-1" || len(body["results"].([]any)) != 4 {
+		t.Fatalf("update answered %s", rp.body)
+	}
+	var before, after int
+	for _, s := range samples {
+		switch {
+		case s.status != 200:
+			t.Fatalf("a request failed during the update: %d", s.status)
+		case s.version != oldVersion && s.version != "/ckpt/step-1":
+			t.Fatalf("response from version %q", s.version)
+		case s.sent.After(answered) && s.version != "/ckpt/step-1":
+			t.Fatal("a request sent after the update answered was served by the old weights")
+		case s.received.Before(start):
+			before++
+		case s.sent.After(answered):
+			after++
+		}
+	}
+	if before == 0 || after == 0 {
+		t.Fatalf("load did not span the update: %d before, %d after", before, after)
+	}
+	for _, w := range ws {
+		if w.WeightVersion() != "/ckpt/step-1" {
+			t.Fatalf("worker on %q", w.WeightVersion())
+		}
+	}
+	for u, w := range workerStates(t, r) {
+		if w["weight_version"] != "/ckpt/step-1" || w["state"] != "serving" {
+			t.Fatalf("%s after the update: %v", u, w)
+		}
+	}
+}
+
+func TestJobsInFlightFinishOnOldWeights(t *testing.T) {
+	ws := fleet(t, 1, fakeworker.Config{UnitMs: 100})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	var long reply
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		long = r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":5}`)
+	})
+	waitFor(t, func() bool { return workerStates(t, r)[ws[0].URL()]["active_requests"] == 1.0 })
+	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"step-2"}`), 200)
+	wg.Wait()
+	expectStatus(t, "job in flight", long, 200)
+	if long.header.Get(weightVersionHeader) != oldVersion {
+		t.Fatalf("job in flight when the update came was served by %q", long.header.Get(weightVersionHeader))
+	}
+	rp := r.post("/v1/images/generations", smallImage)
+	if rp.header.Get(weightVersionHeader) != "step-2" {
+		t.Fatalf("after the update: %q", rp.header.Get(weightVersionHeader))
+	}
+}
+
+func TestRollingUpdateKeepsServing(t *testing.T) {
+	ws := fleet(t, 4, fakeworker.Config{UnitMs: 20})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n weights_mode rolling\n}")
+	stop := load(t, r, 8)
+	answered := make(chan reply)
+	go func() { answered <- r.post("/update_weights_from_disk", `{"model_path":"/ckpt/r"}`) }()
+	var rp reply
+	maxOut := 0
+	for rp.status == 0 {
+		select {
+		case rp = <-answered:
+		default:
+			out := 0
+			for _, w := range workerStates(t, r) {
+				if w["state"] != "serving" {
+					out++
+				}
+			}
+			maxOut = max(maxOut, out)
+		}
+	}
+	samples := stop()
+	expectStatus(t, "rolling update", rp, 200)
+	if maxOut > 1 {
+		t.Fatalf("%d workers out of service at once; rolling_batch is 1", maxOut)
+	}
+	for _, s := range samples {
+		if s.status != 200 {
+			t.Fatalf("a request failed during the rolling update: %d", s.status)
+		}
+	}
+	for _, w := range ws {
+		if w.WeightVersion() != "/ckpt/r" {
+			t.Fatalf("worker on %q after the rolling update", w.WeightVersion())
+		}
+	}
+}
+
+func TestFailedUpdateKeepsWorkerOut(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "good"}, fakeworker.Config{Name: "bad", UpdateFail: true})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/3"}`)
+	expectStatus(t, "partly failed update", rp, 502)
+	if rp.json(t)["success"] != false {
+		t.Fatalf("answer %s", rp.body)
+	}
+	if st := workerStates(t, r)[ws[1].URL()]["state"]; st != "stale" {
+		t.Fatalf("failed worker is %v; want stale", st)
+	}
+	for range 10 {
+		rp := r.post("/v1/images/generations", smallImage)
+		if rp.header.Get("X-Fake-Worker") != "good" || rp.header.Get(weightVersionHeader) != "/ckpt/3" {
+			t.Fatalf("served by %q on %q", rp.header.Get("X-Fake-Worker"), rp.header.Get(weightVersionHeader))
+		}
+	}
+}
+
+func TestUpdatesAreSerialised(t *testing.T) {
+	ws := fleet(t, 1, fakeworker.Config{UnitMs: 300})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	var wg sync.WaitGroup
+	wg.Go(func() { r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`) })
+	waitFor(t, func() bool { return workerStates(t, r)[ws[0].URL()]["active_requests"] == 1.0 })
+	var first, second reply
+	wg.Go(func() { first = r.post("/update_weights_from_disk", `{"model_path":"/ckpt/a"}`) })
+	waitFor(t, func() bool { return r.get("/health").json(t)["updating_to"] == "/ckpt/a" })
+	rp := r.post("/update_weights_from_disk?wait=false", `{"model_path":"/ckpt/x"}`)
+	expectStatus(t, "update while one runs, wait=false", rp, 409)
+	wg.Go(func() { second = r.post("/update_weights_from_disk", `{"model_path":"/ckpt/b"}`) })
+	wg.Wait()
+	expectStatus(t, "first update", first, 200)
+	expectStatus(t, "second update", second, 200)
+	if ws[0].WeightVersion() != "/ckpt/b" {
+		t.Fatalf("worker ended on %q; the second update runs after the first", ws[0].WeightVersion())
+	}
+}
+
+func TestDrainTimeoutChangesNothing(t *testing.T) {
+	ws := fleet(t, 1, fakeworker.Config{UnitMs: 500})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n drain_timeout 100ms\n}")
+	var long reply
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		long = r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`)
+	})
+	waitFor(t, func() bool { return workerStates(t, r)[ws[0].URL()]["active_requests"] == 1.0 })
+	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/late"}`)
+	expectStatus(t, "update behind a long job", rp, 504)
+	if !strings.Contains(rp.errorText(t), "drain_timeout") {
+		t.Fatalf("504 answer: %s", rp.body)
+	}
+	wg.Wait()
+	expectStatus(t, "the long job", long, 200)
+	rp = r.post("/v1/images/generations", smallImage)
+	expectStatus(t, "after the timed-out update", rp, 200)
+	if ws[0].WeightVersion() != oldVersion || rp.header.Get(weightVersionHeader) != oldVersion {
+		t.Fatalf("a timed-out update changed the weights to %q", ws[0].WeightVersion())
+	}
+}
+
+func TestSleepAndWake(t *testing.T) {
+	ws := fleet(t, 2, fakeworker.Config{})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n queue_timeout 200ms\n}")
+	expectStatus(t, "warm-up", r.post("/v1/images/generations", smallImage), 200)
+	jobs := ws[0].Stats().Jobs + ws[1].Stats().Jobs
+
+	expectStatus(t, "sleep", r.post("/release_memory_occupation", `{}`), 200)
+	rp := r.post("/release_memory_occupation", "")
+	expectStatus(t, "sleep again", rp, 200)
+	if rp.json(t)["message"] != "No eligible workers available in the pool" {
+		t.Fatalf("second sleep: %s", rp.body)
+	}
+	if h := r.get("/health"); h.status != 503 || h.json(t)["sleeping_workers"] != 2.0 {
+		t.Fatalf("health while asleep: %d %s", h.status, h.body)
+	}
+	expectStatus(t, "generation while asleep", r.post("/v1/images/generations", smallImage), 503)
+	if n := ws[0].Stats().Jobs + ws[1].Stats().Jobs; n != jobs {
+		t.Fatalf("sleeping workers were sent %d jobs", n-jobs)
+	}
+
+	expectStatus(t, "wake", r.post("/resume_memory_occupation", ""), 200)
+	expectStatus(t, "wake again", r.post("/resume_memory_occupation", ""), 200)
+	expectStatus(t, "generation after wake", r.post("/v1/images/generations", smallImage), 200)
+}
+
+func TestJoiningWorkerIsBroughtToCurrentWeights(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "first"}, fakeworker.Config{Name: "late"}, fakeworker.Config{Name: "broken", UpdateFail: true})
+	r := startRouter(t, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
+	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/7","weight_version":"step-7"}`), 200)
+
+	expectStatus(t, "register late", r.post("/workers", `{"url":"`+ws[1].URL()+`"}`), 200)
+	expectStatus(t, "register broken", r.post("/workers", `{"url":"`+ws[2].URL()+`"}`), 200)
+	waitFor(t, func() bool {
+		s := workerStates(t, r)
+		return s[ws[1].URL()]["state"] == "serving" && s[ws[2].URL()]["state"] == "stale"
+	})
+	if ws[1].WeightVersion() != "step-7" || workerStates(t, r)[ws[1].URL()]["weight_version"] != "step-7" {
+		t.Fatalf("late worker on %q", ws[1].WeightVersion())
+	}
+	for range 6 {
+		if v := r.post("/v1/images/generations", smallImage).header.Get(weightVersionHeader); v != "step-7" {
+			t.Fatalf("served by %q", v)
+		}
+	}
+	if ws[2].Stats().Jobs != 0 {
+		t.Fatal("the worker that could not load the weights got jobs")
+	}
+}
+
+func TestRequestedWeightVersion(t *testing.T) {
+	ws := fleet(t, 1, fakeworker.Config{})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/9","weight_version":"step-9"}`), 200)
+	rp := r.post("/v1/images/generations", smallImage, weightVersionHeader, "step-9")
+	expectStatus(t, "current version", rp, 200)
+	rp = r.post("/v1/images/generations", smallImage, weightVersionHeader, "step-8")
+	expectStatus(t, "a version nobody has", rp, 409)
+	if !strings.Contains(rp.errorText(t), "step-8") {
+		t.Fatalf("409 answer: %s", rp.body)
+	}
+}
+
+func TestBadWeightUpdates(t *testing.T) {
+	ws := fleet(t, 1, fakeworker.Config{})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n weights_path_prefix /ckpt/ s3://bucket/\n}")
+	for body, want := range map[string]int{
+		`model_path=/ckpt/1`:                   400,
+		`[1]`:                                  400,
+		`{}`:                                   400,
+		`{"model_path":""}`:                    400,
+		`{"model_path":5}`:                     400,
+		`{"model_path":"/ckpt/../etc/passwd"}`: 400,
+		`{"model_path":"/ckpt/a/.."}`:          400,
+		`{"model_path":"/ckpt/a\u0000b"}`:      400,
+		`{"model_path":"/home/me/model"}`:      403,
+		`{"model_path":"/ckpt/1","weight_version":7}`:                                              400,
+		`{"model_path":"/ckpt/1","mode":"eventually"}`:                                             400,
+		`{"model_path":"s3://other/1"}`:                                                            403,
+		`{"model_path":"/ckpt/..hidden/1","mode":"x"}`:                                             400,
+		`{"model_path":"/ckpt/ok","flush_cache":false,"target_modules":["transformer"],"extra":1}`: 200,
+	} {
+		rp := r.post("/update_weights_from_disk", body)
+		expectStatus(t, body, rp, want)
+		if want != 200 {
+			rp.errorText(t)
+		}
+	}
+	if ws[0].WeightVersion() != "/ckpt/ok" {
+		t.Fatalf("worker on %q; only the one good update may reach it", ws[0].WeightVersion())
+	}
+	for _, path := range []string{"/update_weights_from_disk", "/release_memory_occupation", "/resume_memory_occupation"} {
+		r.load("diffusion_router {\n workers " + urlsOf(ws) + "\n admin_allow 10.0.0.0/8\n}")
+		expectStatus(t, "untrusted "+path, r.post(path, `{"model_path":"/ckpt/1"}`), 403)
+	}
+	r.load("diffusion_router") // the worker leaves with the config that listed it
+	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/1"}`)
+	expectStatus(t, "update with no workers", rp, 503)
+	if rp.errorText(t) != "No healthy workers available in the pool" {
+		t.Fatalf("503 answer: %s", rp.body)
+	}
+}
