@@ -87,6 +87,15 @@ func (m models) taskTypes() []string {
 	return out
 }
 
+// modelID is the id of the worker's first model: sglang serves one.
+func (m models) modelID() string {
+	if len(m.Data) == 0 {
+		return ""
+	}
+	id, _ := m.Data[0]["id"].(string)
+	return id
+}
+
 // fetchModels asks one worker for its model list.
 func (h *Handler) fetchModels(ctx context.Context, workerURL string) (models, error) {
 	var m models
@@ -118,7 +127,7 @@ func (h *Handler) probe(ctx context.Context, workerURL string) {
 		h.logger.Debug("capability probe failed", zap.String("worker", workerURL), zap.Error(err))
 		return
 	}
-	h.pool.setCapabilities(workerURL, m.taskTypes())
+	h.pool.setCapabilities(workerURL, m.taskTypes(), m.modelID())
 }
 
 // probeUnknown probes, in parallel, the workers whose capabilities are not
@@ -162,7 +171,7 @@ func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 			details[urls[i]] = errs[i].Error()
 			continue
 		}
-		h.pool.setCapabilities(urls[i], m.taskTypes())
+		h.pool.setCapabilities(urls[i], m.taskTypes(), m.modelID())
 		for _, e := range m.Data {
 			if key := modelKey(e); !seen[key] {
 				seen[key] = true

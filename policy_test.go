@@ -151,8 +151,8 @@ func teach(t *testing.T, p *Pool, clock *fakeClock, cfg *dispatchConfig, speeds 
 func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 	p, _ := poolOf(t, 3)
 	p.setDead("http://a:1", true)
-	p.setCapabilities("http://b:1", []string{"T2I"})
-	p.setCapabilities("http://c:1", []string{"T2V"})
+	p.setCapabilities("http://b:1", []string{"T2I"}, "")
+	p.setCapabilities("http://c:1", []string{"T2V"}, "")
 	cfg := config(leastRequest{}, 0)
 	for task, want := range map[taskKind]string{videoTask: "c", imageTask: "b"} {
 		for range 5 {

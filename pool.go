@@ -360,11 +360,16 @@ func (p *Pool) servingDials() []string {
 	return dials
 }
 
-// setCapabilities records what a worker's /v1/models says it can do.
-func (p *Pool) setCapabilities(url string, taskTypes []string) {
+// setCapabilities records what a worker's /v1/models says it can do. Until
+// an update names its weights, a worker's weight version is its model id,
+// the model_path it was started with.
+func (p *Pool) setCapabilities(url string, taskTypes []string, modelID string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if w := p.find(url); w != nil {
+		if w.version == "" {
+			w.version = modelID
+		}
 		w.taskTypes = append([]string{}, taskTypes...)
 		w.makesImages = hasTaskType(taskTypes, imageTaskTypes)
 		w.makesVideos = hasTaskType(taskTypes, videoTaskTypes)

@@ -137,7 +137,7 @@ func TestCancelledJobLeavesTheQueueAtOnce(t *testing.T) {
 
 func TestNoWorkerThatCouldServeFailsAtOnce(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	p.setCapabilities("http://a:1", []string{"T2I"})
+	p.setCapabilities("http://a:1", []string{"T2I"}, "")
 	cfg := config(leastWork{}, 1)
 	if err := p.acquire(context.Background(), &ticket{pool: p, cfg: cfg, job: true, task: videoTask}); err != errNoWorker {
 		t.Fatalf("video job on an image pool: %v", err)
