@@ -66,7 +66,20 @@ func (r *testRouter) load(site string) {
 	if err := caddy.Load(cfg, true); err != nil {
 		r.t.Fatal(err)
 	}
-	client.CloseIdleConnections() // the old config's server closed them
+	// The old config's server closes its connections as it stops, even one
+	// it accepted a moment ago; wait until the new one answers.
+	client.CloseIdleConnections()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		resp, err := client.Get(r.base + "/health")
+		if err == nil {
+			resp.Body.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("router does not answer after loading the config: %v", err)
+		}
+	}
 
 }
 
