@@ -66,20 +66,7 @@ func (r *testRouter) load(site string) {
 	if err := caddy.Load(cfg, true); err != nil {
 		r.t.Fatal(err)
 	}
-	// The old config's server closes its connections as it stops, even one
-	// it accepted a moment ago; wait until the new one answers.
-	client.CloseIdleConnections()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		resp, err := client.Get(r.base + "/health")
-		if err == nil {
-			resp.Body.Close()
-			return
-		}
-		if time.Now().After(deadline) {
-			r.t.Fatalf("router does not answer after loading the config: %v", err)
-		}
-	}
+	client.CloseIdleConnections() // the old config's server closes them
 
 }
 
@@ -176,6 +163,11 @@ func do(t *testing.T, method, u string, body io.Reader, header ...string) reply 
 		req.Header.Set(header[i], header[i+1])
 	}
 	resp, err := client.Do(req)
+	if err != nil && method == http.MethodGet {
+		// A reload closes the old server's connections, even one it has
+		// just accepted; a client retries a GET, as browsers do.
+		resp, err = client.Do(req)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
