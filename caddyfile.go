@@ -1,8 +1,12 @@
 package diffusionrouter
 
 import (
+	"cmp"
 	"encoding/json"
+	"maps"
 	"math"
+	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -66,7 +70,7 @@ func parseDirective(h httpcaddyfile.Helper) ([]httpcaddyfile.ConfigValue, error)
 
 	handlers := []json.RawMessage{caddyconfig.JSONModuleObject(handler, "handler", "diffusion_router", nil)}
 	if !external {
-		wireProxy(rp, handler.Pool)
+		wireProxy(rp, handler)
 		handlers = append(handlers, caddyconfig.JSONModuleObject(rp, "handler", "reverse_proxy", nil))
 	}
 	route := caddyhttp.Route{HandlersRaw: handlers}
@@ -95,9 +99,11 @@ func unmarshalProxy(h httpcaddyfile.Helper, d *caddyfile.Dispenser, rp *reversep
 }
 
 // wireProxy points reverse_proxy at the pool: its workers as dynamic
-// upstreams, the diffusion selection policy, retries on failed connections,
-// and responses streamed as they arrive.
-func wireProxy(rp *reverseproxy.Handler, pool string) {
+// upstreams, the diffusion selection policy, retries on failed connections
+// (and on the answers retry_on lists), and responses streamed as they
+// arrive.
+func wireProxy(rp *reverseproxy.Handler, h *Handler) {
+	pool := h.Pool
 	rp.DynamicUpstreamsRaw = caddyconfig.JSONModuleObject(UpstreamSource{poolRef{Pool: pool}}, "source", "diffusion", nil)
 	if rp.LoadBalancing == nil {
 		rp.LoadBalancing = new(reverseproxy.LoadBalancing)
@@ -108,6 +114,16 @@ func wireProxy(rp *reverseproxy.Handler, pool string) {
 	}
 	if rp.FlushInterval == 0 {
 		rp.FlushInterval = -1
+	}
+	if len(h.retryOn) > 0 {
+		codes := make([]string, len(h.retryOn))
+		for i, c := range h.retryOn {
+			codes[i] = strconv.Itoa(c)
+		}
+		expr := "{http.reverse_proxy.status_code} in [" + strings.Join(codes, ", ") + "]"
+		rp.LoadBalancing.RetryMatchRaw = append(rp.LoadBalancing.RetryMatchRaw, caddy.ModuleMap{"expression": caddyconfig.JSON(expr, nil)})
+		// A retried request is sent again, so reverse_proxy must keep its body.
+		rp.RequestBuffers = cmp.Or(h.MaxBody, defaultMaxBody)
 	}
 }
 
@@ -133,9 +149,25 @@ func wireProxy(rp *reverseproxy.Handler, pool string) {
 //	    drain_timeout    <duration>
 //	    weights_timeout  <duration>
 //	    weights_path_prefix <prefix...>
+//	    health_uri       <path>
+//	    health_interval  <duration>
+//	    health_timeout   <duration>
+//	    health_fails     <n>
+//	    health_passes    <n>
+//	    health_status    <code>
+//	    health_body      <regexp>
+//	    stall_factor     <factor>
+//	    max_fails        <n>
+//	    fail_window      <duration>
+//	    eject_time       <duration>
+//	    max_eject_time   <duration>
+//	    min_ready        <n>
+//	    retry_on         <status...>
 //	}
 //
-// workers may repeat; each adds to the list. Sizes read like Caddy's
+// workers, admin_allow, weights_path_prefix and retry_on may repeat; each
+// adds to the list. retry_on configures the reverse_proxy that the
+// directive generates, so the handler's JSON has no field for it. Sizes read like Caddy's
 // request_body max_size (64MiB, 10MB, 1048576).
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return h.unmarshal(d, func(d *caddyfile.Dispenser) error {
@@ -175,175 +207,196 @@ func (h *Handler) unmarshalOption(d *caddyfile.Dispenser) error {
 	if len(args) == 0 {
 		return d.Errf("%s needs a value", opt)
 	}
-	one := func() (string, error) {
-		if len(args) != 1 {
-			return "", d.Errf("%s takes exactly one value, got %d", opt, len(args))
-		}
-		return args[0], nil
+	if f, ok := listOptions[opt]; ok {
+		return f(h, d, args)
 	}
-	switch opt {
-	case "workers":
+	if len(args) != 1 {
+		return d.Errf("%s takes exactly one value, got %d", opt, len(args))
+	}
+	v := args[0]
+	if field, ok := intOptions[opt]; ok {
+		n, err := positiveInt(d, opt, v)
+		*field(h) = n
+		return err
+	}
+	if field, ok := durationOptions[opt]; ok {
+		dur, err := positiveDuration(d, opt, v)
+		*field(h) = dur
+		return err
+	}
+	if f, ok := oneValueOptions[opt]; ok {
+		return f(h, d, v)
+	}
+	return d.Errf("unknown diffusion_router option %q (options: %s)", opt, strings.Join(optionNames(), ", "))
+}
+
+// Options that take one positive whole number.
+var intOptions = map[string]func(*Handler) *int{
+	"max_queue":      func(h *Handler) *int { return &h.MaxQueue },
+	"default_steps":  func(h *Handler) *int { return &h.DefaultSteps },
+	"default_frames": func(h *Handler) *int { return &h.DefaultFrames },
+	"rolling_batch":  func(h *Handler) *int { return &h.RollingBatch },
+	"health_fails":   func(h *Handler) *int { return &h.HealthFails },
+	"health_passes":  func(h *Handler) *int { return &h.HealthPasses },
+	"max_fails":      func(h *Handler) *int { return &h.MaxFails },
+	"min_ready":      func(h *Handler) *int { return &h.MinReady },
+}
+
+// Options that take one positive duration.
+var durationOptions = map[string]func(*Handler) *caddy.Duration{
+	"queue_timeout":    func(h *Handler) *caddy.Duration { return &h.QueueTimeout },
+	"upstream_timeout": func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout },
+	"drain_timeout":    func(h *Handler) *caddy.Duration { return &h.DrainTimeout },
+	"weights_timeout":  func(h *Handler) *caddy.Duration { return &h.WeightsTimeout },
+	"health_interval":  func(h *Handler) *caddy.Duration { return &h.HealthInterval },
+	"health_timeout":   func(h *Handler) *caddy.Duration { return &h.HealthTimeout },
+	"fail_window":      func(h *Handler) *caddy.Duration { return &h.FailWindow },
+	"eject_time":       func(h *Handler) *caddy.Duration { return &h.EjectTime },
+	"max_eject_time":   func(h *Handler) *caddy.Duration { return &h.MaxEjectTime },
+}
+
+// Options that take one value of their own kind.
+var oneValueOptions = map[string]func(*Handler, *caddyfile.Dispenser, string) error{
+	"policy": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		if _, ok := strategies[v]; !ok {
+			return d.Errf("unknown policy %q (want one of %s)", v, strategyNames())
+		}
+		h.Policy = v
+		return nil
+	},
+	"max_inflight": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		if v == "unlimited" {
+			h.MaxInflight = -1
+			return nil
+		}
+		n, err := positiveInt(d, "max_inflight", v)
+		h.MaxInflight = n
+		return err
+	},
+	"queue_order": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		if _, ok := queueOrders[v]; !ok {
+			return d.Errf("unknown queue_order %q (want fifo, largest_first or smallest_first)", v)
+		}
+		h.QueueOrder = v
+		return nil
+	},
+	"default_size": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		if _, _, err := parseSize(v); err != nil {
+			return d.Errf("default_size: %q is not WIDTHxHEIGHT like 1024x1024", v)
+		}
+		h.DefaultSize = v
+		return nil
+	},
+	"cfg_factor": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		f, err := atLeastOne(d, "cfg_factor", v)
+		h.CFGFactor = f
+		return err
+	},
+	"stall_factor": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		f, err := atLeastOne(d, "stall_factor", v)
+		h.StallFactor = f
+		return err
+	},
+	"max_body": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		size, err := humanize.ParseBytes(v)
+		if err != nil || size == 0 || size > math.MaxInt64 {
+			return d.Errf("max_body: %q is not a positive size like 64MiB", v)
+		}
+		h.MaxBody = int64(size)
+		return nil
+	},
+	"admin_token": func(h *Handler, _ *caddyfile.Dispenser, v string) error {
+		h.AdminToken = v
+		return nil
+	},
+	"weights_mode": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		if v != modeDrain && v != modeRolling {
+			return d.Errf("unknown weights_mode %q (want drain or rolling)", v)
+		}
+		h.WeightsMode = v
+		return nil
+	},
+	"health_uri": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		if !strings.HasPrefix(v, "/") {
+			return d.Errf("health_uri: %q is not a path", v)
+		}
+		h.HealthURI = v
+		return nil
+	},
+	"health_status": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 100 || n > 599 {
+			return d.Errf("health_status: %q is not an HTTP status code", v)
+		}
+		h.HealthStatus = n
+		return nil
+	},
+	"health_body": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		if _, err := regexp.Compile(v); err != nil {
+			return d.Errf("health_body: %v", err)
+		}
+		h.HealthBody = v
+		return nil
+	},
+}
+
+// Options that take a list of values; they may repeat and add up.
+var listOptions = map[string]func(*Handler, *caddyfile.Dispenser, []string) error{
+	"workers": func(h *Handler, d *caddyfile.Dispenser, args []string) error {
 		for _, a := range args {
 			if _, err := normalizeWorkerURL(a); err != nil {
 				return d.Errf("workers: %q: %v", a, err)
 			}
 		}
 		h.Workers = append(h.Workers, args...)
-	case "policy":
-		v, err := one()
-		if err != nil {
-			return err
+		return nil
+	},
+	"admin_allow": func(h *Handler, d *caddyfile.Dispenser, args []string) error {
+		if _, err := parsePrefixes(args); err != nil {
+			return d.Err(err.Error())
 		}
-		if _, ok := strategies[v]; !ok {
-			return d.Errf("unknown policy %q (want one of %s)", v, strategyNames())
-		}
-		h.Policy = v
-	case "max_inflight":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		if v == "unlimited" {
-			h.MaxInflight = -1
-		} else if h.MaxInflight, err = positiveInt(d, opt, v); err != nil {
-			return err
-		}
-	case "queue_order":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		if _, ok := queueOrders[v]; !ok {
-			return d.Errf("unknown queue_order %q (want fifo, largest_first or smallest_first)", v)
-		}
-		h.QueueOrder = v
-	case "queue_timeout":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		dur, err := positiveDuration(d, opt, v)
-		h.QueueTimeout = dur
-		return err
-	case "max_queue":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		h.MaxQueue, err = positiveInt(d, opt, v)
-		return err
-	case "default_steps":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		h.DefaultSteps, err = positiveInt(d, opt, v)
-		return err
-	case "default_frames":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		h.DefaultFrames, err = positiveInt(d, opt, v)
-		return err
-	case "default_size":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		if _, _, err := parseSize(v); err != nil {
-			return d.Errf("default_size: %q is not WIDTHxHEIGHT like 1024x1024", v)
-		}
-		h.DefaultSize = v
-	case "cfg_factor":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		f, err := strconv.ParseFloat(v, 64)
-		if err != nil || f < 1 || math.IsInf(f, 0) {
-			return d.Errf("cfg_factor: %q is not a number of at least 1", v)
-		}
-		h.CFGFactor = f
-	case "weights_mode":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		if v != modeDrain && v != modeRolling {
-			return d.Errf("unknown weights_mode %q (want drain or rolling)", v)
-		}
-		h.WeightsMode = v
-	case "rolling_batch":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		h.RollingBatch, err = positiveInt(d, opt, v)
-		return err
-	case "drain_timeout":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		h.DrainTimeout, err = positiveDuration(d, opt, v)
-		return err
-	case "weights_timeout":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		h.WeightsTimeout, err = positiveDuration(d, opt, v)
-		return err
-	case "weights_path_prefix":
+		h.AdminAllow = append(h.AdminAllow, args...)
+		return nil
+	},
+	"weights_path_prefix": func(h *Handler, d *caddyfile.Dispenser, args []string) error {
 		for _, a := range args {
 			if !strings.HasPrefix(a, "/") && !strings.Contains(a, "://") {
 				return d.Errf("weights_path_prefix: %q is neither an absolute path nor a URL prefix", a)
 			}
 		}
 		h.WeightsPathPrefix = append(h.WeightsPathPrefix, args...)
-	case "max_body":
-		v, err := one()
-		if err != nil {
-			return err
+		return nil
+	},
+	"retry_on": func(h *Handler, d *caddyfile.Dispenser, args []string) error {
+		for _, a := range args {
+			n, err := strconv.Atoi(a)
+			if err != nil || n < 400 || n > 599 {
+				return d.Errf("retry_on: %q is not an error status code (400-599)", a)
+			}
+			h.retryOn = append(h.retryOn, n)
 		}
-		size, err := humanize.ParseBytes(v)
-		if err != nil || size == 0 {
-			return d.Errf("max_body: %q is not a positive size like 64MiB", v)
-		}
-		h.MaxBody = int64(size)
-	case "admin_allow":
-		if _, err := parsePrefixes(args); err != nil {
-			return d.Err(err.Error())
-		}
-		h.AdminAllow = append(h.AdminAllow, args...)
-	case "admin_token":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		h.AdminToken = v
-	case "upstream_timeout":
-		v, err := one()
-		if err != nil {
-			return err
-		}
-		dur, err := positiveDuration(d, opt, v)
-		h.UpstreamTimeout = dur
-		return err
-	default:
-		return d.Errf("unknown diffusion_router option %q (options: %s)", opt, strings.Join(optionNames, ", "))
-	}
-	return nil
+		return nil
+	},
 }
 
 // optionNames lists the handler's Caddyfile options for error messages.
-var optionNames = []string{
-	"workers", "policy", "max_inflight", "queue_order", "queue_timeout", "max_queue",
-	"default_steps", "default_size", "default_frames", "cfg_factor",
-	"max_body", "admin_allow", "admin_token", "upstream_timeout",
-	"weights_mode", "rolling_batch", "drain_timeout", "weights_timeout", "weights_path_prefix",
-	"reverse_proxy",
+func optionNames() []string {
+	names := []string{"reverse_proxy"}
+	names = append(names, slices.Collect(maps.Keys(intOptions))...)
+	names = append(names, slices.Collect(maps.Keys(durationOptions))...)
+	names = append(names, slices.Collect(maps.Keys(oneValueOptions))...)
+	names = append(names, slices.Collect(maps.Keys(listOptions))...)
+	slices.Sort(names)
+	return names
+}
+
+// atLeastOne reads option opt's value v as a number of at least 1.
+func atLeastOne(d *caddyfile.Dispenser, opt, v string) (float64, error) {
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || f < 1 || math.IsInf(f, 0) {
+		return 0, d.Errf("%s: %q is not a number of at least 1", opt, v)
+	}
+	return f, nil
 }
 
 // positiveInt reads option opt's value v as a positive integer.

@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -26,6 +27,8 @@ func (h *Handler) controlMux() *http.ServeMux {
 		handler http.HandlerFunc
 	}{
 		{"GET /health", h.serveHealth},
+		{"GET /readyz", h.serveReady},
+		{"GET /healthz", serveAlive},
 		{"GET /workers", h.serveWorkers},
 		{"POST /workers", h.admin(h.serveAddWorker)},
 		{"GET /workers/{id...}", h.serveWorker},
@@ -118,6 +121,9 @@ type workerJSON struct {
 	TaskTypes           []string `json:"task_types"`
 	RequestsServed      uint64   `json:"requests_served"`
 	Failures            uint64   `json:"failures"`
+	ProbeFailures       int      `json:"probe_failures"`
+	LastProbe           *string  `json:"last_probe"` // RFC 3339; null: never probed
+	LastError           string   `json:"last_error"`
 	Speed               float64  `json:"speed"` // cost units per second
 	SpeedLearned        bool     `json:"speed_learned"`
 	PredictedWork       float64  `json:"predicted_work_seconds"`
@@ -126,8 +132,19 @@ type workerJSON struct {
 
 func newWorkerJSON(w WorkerInfo) workerJSON {
 	state := w.State.String()
-	if w.Dead {
+	switch {
+	case w.Dead:
 		state = "dead"
+	case w.State != serving:
+	case w.Down, w.Ejected:
+		state = "unhealthy"
+	case w.Suspect:
+		state = "suspect"
+	}
+	var lastProbe *string
+	if !w.LastProbe.IsZero() {
+		s := w.LastProbe.UTC().Format(time.RFC3339Nano)
+		lastProbe = &s
 	}
 	source := "config"
 	if w.Registered {
@@ -149,6 +166,9 @@ func newWorkerJSON(w WorkerInfo) workerJSON {
 		TaskTypes:           w.TaskTypes,
 		RequestsServed:      w.Served,
 		Failures:            w.Failures,
+		ProbeFailures:       w.ProbeFails,
+		LastProbe:           lastProbe,
+		LastError:           w.LastError,
 		Speed:               w.Speed,
 		SpeedLearned:        w.SpeedLearned,
 		PredictedWork:       w.WorkLeft / w.Speed,
@@ -169,16 +189,39 @@ func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
 	_ = writeJSON(w, code, map[string]any{
-		"status":           status,
-		"healthy_workers":  inState["serving"],
-		"total_workers":    len(workers),
-		"dead_workers":     inState["dead"],
-		"sleeping_workers": inState["sleeping"],
-		"stale_workers":    inState["stale"],
-		"queued_requests":  last.Queued,
-		"weight_version":   last.PoolVersion,
-		"updating_to":      last.UpdatingTo,
+		"status":            status,
+		"healthy_workers":   inState["serving"],
+		"total_workers":     len(workers),
+		"dead_workers":      inState["dead"],
+		"sleeping_workers":  inState["sleeping"],
+		"stale_workers":     inState["stale"],
+		"unhealthy_workers": inState["unhealthy"],
+		"suspect_workers":   inState["suspect"],
+		"queued_requests":   last.Queued,
+		"weight_version":    last.PoolVersion,
+		"updating_to":       last.UpdatingTo,
 	})
+}
+
+// serveReady is /readyz, for a load balancer in front of several routers:
+// 200 when at least min_ready workers serve.
+func (h *Handler) serveReady(w http.ResponseWriter, _ *http.Request) {
+	ready := 0
+	for _, wk := range h.pool.snapshot() {
+		if newWorkerJSON(wk).State == "serving" {
+			ready++
+		}
+	}
+	code := http.StatusOK
+	if ready < h.MinReady {
+		code = http.StatusServiceUnavailable
+	}
+	_ = writeJSON(w, code, map[string]any{"ready": code == http.StatusOK, "serving_workers": ready, "min_ready": h.MinReady})
+}
+
+// serveAlive is /healthz: the router process is alive.
+func serveAlive(w http.ResponseWriter, _ *http.Request) {
+	_ = writeJSON(w, http.StatusOK, map[string]string{"status": "alive"})
 }
 
 func (h *Handler) serveWorkers(w http.ResponseWriter, _ *http.Request) {

@@ -22,6 +22,7 @@ import (
 	"mime"
 	"net/http"
 	"net/netip"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -134,11 +135,47 @@ type Handler struct {
 	// of these prefixes (403 otherwise).
 	WeightsPathPrefix []string `json:"weights_path_prefix,omitempty"`
 
+	// HealthURI is the path of the active health probe. Default /health.
+	HealthURI string `json:"health_uri,omitempty"`
+	// HealthInterval is how often each worker is probed. Default 10s.
+	HealthInterval caddy.Duration `json:"health_interval,omitempty"`
+	// HealthTimeout bounds one probe. Default 5s.
+	HealthTimeout caddy.Duration `json:"health_timeout,omitempty"`
+	// HealthFails consecutive failed probes mark a worker unhealthy.
+	// Default 3.
+	HealthFails int `json:"health_fails,omitempty"`
+	// HealthPasses consecutive passed probes bring it back. Default 2.
+	HealthPasses int `json:"health_passes,omitempty"`
+	// HealthStatus is the status a probe must answer. Default: any 2xx.
+	HealthStatus int `json:"health_status,omitempty"`
+	// HealthBody is a regular expression the probe's body must match.
+	HealthBody string `json:"health_body,omitempty"`
+	// StallFactor: a job running this many times longer than predicted
+	// (and at least health_timeout) makes its worker suspect: no new jobs
+	// until that job ends. Default 5.
+	StallFactor float64 `json:"stall_factor,omitempty"`
+	// MaxFails failed requests (connection refused or reset, 502, 503)
+	// within FailWindow eject a worker for EjectTime, doubling on each
+	// repeat up to MaxEjectTime; a success resets the doubling. Defaults 3,
+	// 30s, 10s and 5m.
+	MaxFails     int            `json:"max_fails,omitempty"`
+	FailWindow   caddy.Duration `json:"fail_window,omitempty"`
+	EjectTime    caddy.Duration `json:"eject_time,omitempty"`
+	MaxEjectTime caddy.Duration `json:"max_eject_time,omitempty"`
+	// MinReady is how many serving workers /readyz needs to answer 200.
+	// Default 1.
+	MinReady int `json:"min_ready,omitempty"`
+
+	// retryOn lists worker answers that are retried on another worker; it
+	// configures the generated reverse_proxy, so only the Caddyfile sets it.
+	retryOn []int
+
 	ctx      context.Context // ends when the config is unloaded
 	pool     *Pool
 	dispatch dispatchConfig
 	costs    costModel
 	weights  weightsConfig
+	health   healthConfig
 	allow    []netip.Prefix
 	token    string
 	control  *http.ServeMux
@@ -170,6 +207,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.pool.declare(h.Workers)
 	h.client = new(http.Client) // every call has its own deadline
 	h.control = h.controlMux()
+	app, err := ctx.App("diffusion_health")
+	if err != nil {
+		return err
+	}
+	app.(*healthApp).watch(&prober{pool: p, cfg: &h.health, client: h.client, logger: h.logger})
 	return nil
 }
 
@@ -186,6 +228,9 @@ func (h *Handler) parseOptions() error {
 		return err
 	}
 	if err := h.parseWeights(); err != nil {
+		return err
+	}
+	if err := h.parseHealth(); err != nil {
 		return err
 	}
 	if h.MaxBody == 0 {
@@ -285,6 +330,37 @@ func (h *Handler) parseWeights() error {
 	c.drainTimeout = cmp.Or(time.Duration(h.DrainTimeout), defaultDrainTimeout)
 	c.timeout = cmp.Or(time.Duration(h.WeightsTimeout), defaultWeightsTimeout)
 	c.pathPrefixes = h.WeightsPathPrefix
+	return nil
+}
+
+// parseHealth reads the health options.
+func (h *Handler) parseHealth() error {
+	c := &h.health
+	c.uri = cmp.Or(h.HealthURI, defaultHealthURI)
+	c.interval = cmp.Or(time.Duration(h.HealthInterval), defaultHealthInterval)
+	c.timeout = cmp.Or(time.Duration(h.HealthTimeout), defaultHealthTimeout)
+	c.fails = cmp.Or(h.HealthFails, defaultHealthFails)
+	c.passes = cmp.Or(h.HealthPasses, defaultHealthPasses)
+	c.status = h.HealthStatus
+	c.stallFactor = cmp.Or(h.StallFactor, defaultStallFactor)
+	c.maxFails = cmp.Or(h.MaxFails, defaultMaxFails)
+	c.failWindow = cmp.Or(time.Duration(h.FailWindow), defaultFailWindow)
+	c.ejectTime = cmp.Or(time.Duration(h.EjectTime), defaultEjectTime)
+	c.maxEjectTime = cmp.Or(time.Duration(h.MaxEjectTime), defaultMaxEjectTime)
+	h.MinReady = cmp.Or(h.MinReady, 1)
+	if !strings.HasPrefix(c.uri, "/") || c.interval <= 0 || c.timeout <= 0 || c.fails < 1 || c.passes < 1 ||
+		c.stallFactor < 1 || c.maxFails < 1 || c.failWindow <= 0 || c.ejectTime <= 0 || c.maxEjectTime < c.ejectTime ||
+		h.MinReady < 1 || (c.status != 0 && (c.status < 100 || c.status > 599)) {
+		return fmt.Errorf("bad health options: health_uri must be a path; durations, counts and min_ready positive; stall_factor at least 1; max_eject_time at least eject_time; health_status a status code")
+	}
+	if h.HealthBody != "" {
+		re, err := regexp.Compile(h.HealthBody)
+		if err != nil {
+			return fmt.Errorf("health_body: %v", err)
+		}
+		c.body = re
+	}
+	h.dispatch.health = c
 	return nil
 }
 

@@ -63,8 +63,9 @@ func videoSupport(taskTypes []string) *bool {
 func (p *Pool) canServe(k taskKind) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	now := p.now().UnixNano()
 	for _, w := range p.workers {
-		if w.serving() && w.can(k) {
+		if w.serving(now) && w.can(k) {
 			return true
 		}
 	}

@@ -164,8 +164,9 @@ func (p *Pool) pickUntracked(upstreams []*reverseproxy.Upstream) *reverseproxy.U
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var ok []*reverseproxy.Upstream
+	now := p.now().UnixNano()
 	for _, u := range upstreams {
-		if w := p.byDial[u.Dial]; w != nil && w.serving() && u.Available() {
+		if w := p.byDial[u.Dial]; w != nil && w.serving(now) && u.Available() {
 			ok = append(ok, u)
 		}
 	}

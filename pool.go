@@ -141,15 +141,18 @@ func (p *Pool) Destruct() error {
 type Worker struct {
 	// What every routing decision reads comes first, to share a cache line:
 	// a decision scans the whole fleet.
-	dead        bool        // marked dead by an operator (PUT /workers/{id})
-	state       workerState // where the worker is in its life
-	makesImages bool        // taskTypes has an image type, or is unknown
-	makesVideos bool        // taskTypes has a video type
-	inflight    int         // jobs in flight
-	work        float64     // their total cost
-	headCost    float64     // cost of the oldest of them: the one running
-	headSince   int64       // when it started running, Unix nanoseconds
-	speed       speedEstimate
+	dead         bool        // marked dead by an operator (PUT /workers/{id})
+	state        workerState // where the worker is in its life
+	down         bool        // failed its health probes
+	suspect      bool        // a job of it overran its prediction: stalled
+	ejectedUntil int64       // out after failed requests until then, Unix nanoseconds
+	makesImages  bool        // taskTypes has an image type, or is unknown
+	makesVideos  bool        // taskTypes has a video type
+	inflight     int         // jobs in flight
+	work         float64     // their total cost
+	headCost     float64     // cost of the oldest of them: the one running
+	headSince    int64       // when it started running, Unix nanoseconds
+	speed        speedEstimate
 
 	url        string // normalized: scheme://host[:port]
 	dial       string // host:port as reverse_proxy dials it
@@ -158,9 +161,17 @@ type Worker struct {
 	behind     bool   // joined after an update; must load its weights first
 
 	jobs        []*ticket // jobs in flight, in dispatch order
+	lastFinish  int64     // when a job last ended, Unix nanoseconds
 	served      uint64
 	failures    uint64
 	consecFails int
+
+	probeFails  int     // consecutive failed health probes
+	probePasses int     // consecutive passed health probes
+	lastProbe   int64   // Unix nanoseconds
+	lastError   string  // of the last probe
+	recentFails []int64 // failed requests within the fail window
+	ejections   uint    // ejections since the last success
 
 	taskTypes []string  // from the worker's /v1/models; nil until a probe answers
 	probedAt  time.Time // last capability probe attempt
@@ -195,9 +206,15 @@ type WorkerInfo struct {
 	Failures    uint64
 	ConsecFails int
 	TaskTypes   []string // nil while unknown
-	Queued      int      // jobs waiting in the pool's queue (the same for every worker)
-	PoolVersion string   // the pool's weight version (the same for every worker)
-	UpdatingTo  string   // the version an update in progress moves to
+	Down        bool     // failed its health probes
+	Suspect     bool     // a job overran its prediction
+	Ejected     bool     // out for failed requests
+	ProbeFails  int
+	LastProbe   time.Time // zero: never probed
+	LastError   string
+	Queued      int    // jobs waiting in the pool's queue (the same for every worker)
+	PoolVersion string // the pool's weight version (the same for every worker)
+	UpdatingTo  string // the version an update in progress moves to
 
 	Speed           float64 // learned cost units per second; the pool's median while unknown
 	SpeedLearned    bool
@@ -206,18 +223,27 @@ type WorkerInfo struct {
 }
 
 // serving reports whether the worker may be given new jobs.
-func (w *Worker) serving() bool { return !w.dead && w.state == serving }
+func (w *Worker) serving(now int64) bool {
+	return !w.dead && w.state == serving && !w.down && !w.suspect && now >= w.ejectedUntil
+}
 
 func (p *Pool) infoLocked(w *Worker) WorkerInfo {
-	return WorkerInfo{
+	now := p.now().UnixNano()
+	info := WorkerInfo{
 		URL: w.url, Dial: w.dial, Registered: w.registered, Dead: w.dead,
 		State: w.state, Version: w.version, Inflight: w.inflight, Served: w.served,
 		Failures: w.failures, ConsecFails: w.consecFails,
 		TaskTypes: slices.Clone(w.taskTypes), Queued: len(p.queue),
 		PoolVersion: p.version, UpdatingTo: p.target,
 		Speed: p.speedOf(w), SpeedLearned: w.speed.value > 0,
-		WorkLeft: p.workLeft(w, p.now().UnixNano()), PredictionError: w.speed.relErr,
+		WorkLeft: p.workLeft(w, now), PredictionError: w.speed.relErr,
+		Down: w.down, Suspect: w.suspect, Ejected: now < w.ejectedUntil,
+		ProbeFails: w.probeFails, LastError: w.lastError,
 	}
+	if w.lastProbe > 0 {
+		info.LastProbe = time.Unix(0, w.lastProbe)
+	}
+	return info
 }
 
 // declare adds the workers a config lists. Declarations are counted so
@@ -352,8 +378,9 @@ func (p *Pool) servingDials() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	dials := make([]string, 0, len(p.workers))
+	now := p.now().UnixNano()
 	for _, w := range p.workers {
-		if w.serving() {
+		if w.serving(now) {
 			dials = append(dials, w.dial)
 		}
 	}

@@ -15,6 +15,7 @@ type dispatchConfig struct {
 	order       queueOrder    // which waiting job goes first
 	timeout     time.Duration // longest wait in the queue; 0: the client's own
 	maxQueue    int           // jobs that may wait at once
+	health      *healthConfig // how failed requests count against a worker
 }
 
 // queueOrder ranks waiting jobs.
@@ -147,9 +148,10 @@ func (p *Pool) release(t *ticket, o outcome) {
 // may serve it and have a free slot. It also reports whether any serving
 // worker had a free slot at all, so a dispatch pass can stop early.
 func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
+	now := p.now().UnixNano()
 	if t.pin != "" {
 		w := p.find(t.pin)
-		if w == nil || !t.admits(w) || !t.fits(w) {
+		if w == nil || !t.admits(w, now) || !t.fits(w) {
 			return nil, w != nil && t.fits(w)
 		}
 		return w, true
@@ -160,7 +162,7 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 	cands := p.cands[:0]
 	anyFree := false
 	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
-		if !w.serving() || !t.fits(w) {
+		if !w.serving(now) || !t.fits(w) {
 			continue
 		}
 		anyFree = true
@@ -173,7 +175,7 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 	if len(cands) == 0 {
 		return nil, anyFree
 	}
-	return cands[t.cfg.strategy.pick(p, t, cands, p.now().UnixNano())], true
+	return cands[t.cfg.strategy.pick(p, t, cands, now)], true
 }
 
 // fits reports whether w has a slot for t; only jobs take slots.
@@ -181,9 +183,9 @@ func (t *ticket) fits(w *Worker) bool {
 	return !t.job || t.cfg.maxInflight == 0 || w.inflight < t.cfg.maxInflight
 }
 
-// admits reports whether w may serve t's request.
-func (t *ticket) admits(w *Worker) bool {
-	if !w.serving() || !w.can(t.task) || slices.Contains(t.tried, w) {
+// admits reports whether w may serve t's request at now.
+func (t *ticket) admits(w *Worker, now int64) bool {
+	if !w.serving(now) || !w.can(t.task) || slices.Contains(t.tried, w) {
 		return false
 	}
 	return (t.pin == "" || w.url == t.pin) && (t.wantVersion == "" || w.version == t.wantVersion)
@@ -240,10 +242,12 @@ func (p *Pool) releaseLocked(t *ticket, o outcome) {
 		w.failures++
 		w.consecFails++
 	}
+	p.noteOutcomeLocked(w, o, t.cfg.health)
 	if !t.job {
 		return
 	}
 	now := p.now().UnixNano()
+	w.lastFinish = now
 	if o == succeeded {
 		w.speed.observe(t.cost, time.Duration(now-t.started), t.predicted)
 		p.completions++
@@ -262,6 +266,9 @@ func (p *Pool) releaseLocked(t *ticket, o outcome) {
 		w.work = 0 // no float drift on an idle worker
 	case wasHead:
 		p.startLocked(w, w.jobs[0], now)
+	}
+	if wasHead {
+		w.suspect = false // the stalled job, if it was one, has ended
 	}
 	p.dispatchLocked()
 }

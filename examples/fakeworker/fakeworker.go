@@ -92,6 +92,8 @@ type Worker struct {
 	stop      context.CancelCauseFunc
 	closeOnce sync.Once
 	crashed   atomic.Bool
+	// healthFail starts as Config.HealthFail; SetHealthFail changes it.
+	healthFail atomic.Bool
 
 	mu       sync.Mutex   // guards the fields below
 	srv      *http.Server // set once serving
@@ -129,6 +131,7 @@ func New(cfg Config) *Worker {
 	w.mediaToken = "media-" + newID()
 	w.outputTensor = sync.OnceValue(func() mpMap { return tensorValue(max(1, cfg.ImageBytes/4)) })
 	w.handler = w.routes()
+	w.healthFail.Store(cfg.HealthFail)
 	return w
 }
 
@@ -243,3 +246,7 @@ func fakeMedia(video bool, n int) []byte {
 	copy(b, magic)
 	return b
 }
+
+// SetHealthFail makes /health fail (503) or pass from now on, as a worker
+// whose GPU falls over or recovers.
+func (w *Worker) SetHealthFail(fail bool) { w.healthFail.Store(fail) }

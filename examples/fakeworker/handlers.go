@@ -64,7 +64,7 @@ func (w *Worker) handleHealth(rw http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	if w.cfg.HealthFail {
+	if w.healthFail.Load() {
 		writeJSON(rw, http.StatusServiceUnavailable, map[string]string{"status": "unhealthy"})
 		return
 	}

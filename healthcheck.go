@@ -1,0 +1,344 @@
+package diffusionrouter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"regexp"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+)
+
+// Health. Caddy's own active health checks do not run on dynamic upstreams
+// and a plugin cannot set Caddy's health flags, so the router keeps its
+// own: an active prober per pool, passive evidence from the requests it
+// proxies, and stall detection from the cost model. Two mistakes of
+// existing routers are avoided: a worker marked down keeps being probed and
+// comes back by itself, and a worker that is slow to answer because it is
+// busy on a minutes-long video is not declared dead.
+
+func init() {
+	caddy.RegisterModule(new(healthApp))
+}
+
+// Defaults of the health options.
+const (
+	defaultHealthURI      = "/health"
+	defaultHealthInterval = 10 * time.Second
+	defaultHealthTimeout  = 5 * time.Second
+	defaultHealthFails    = 3
+	defaultHealthPasses   = 2
+	defaultStallFactor    = 5
+	defaultMaxFails       = 3
+	defaultFailWindow     = 30 * time.Second
+	defaultEjectTime      = 10 * time.Second
+	defaultMaxEjectTime   = 5 * time.Minute
+	maxHealthBody         = 64 << 10
+)
+
+// healthConfig is how one diffusion_router config judges its workers.
+type healthConfig struct {
+	uri      string
+	interval time.Duration
+	timeout  time.Duration
+	fails    int            // consecutive failed probes that mark a worker unhealthy
+	passes   int            // consecutive passed probes that bring it back
+	status   int            // expected probe status; 0: any 2xx
+	body     *regexp.Regexp // expected in the probe's body; nil: anything
+
+	stallFactor  float64       // a job overrunning its prediction this much makes its worker suspect
+	maxFails     int           // failures within failWindow that eject a worker
+	failWindow   time.Duration //
+	ejectTime    time.Duration // first ejection; doubles on each repeat
+	maxEjectTime time.Duration
+}
+
+// healthApp runs the active health checks of the pools its config uses.
+// diffusion_router adds it to the config it is part of, so probing starts
+// when Caddy starts that config and stops when it is unloaded, and
+// `caddy validate`, which starts nothing, probes nothing.
+type healthApp struct {
+	mu       sync.Mutex
+	probers  []*prober
+	cancel   context.CancelFunc
+	finished sync.WaitGroup
+}
+
+// CaddyModule returns the Caddy module information.
+func (*healthApp) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "diffusion_health",
+		New: func() caddy.Module { return new(healthApp) },
+	}
+}
+
+// watch asks the app to probe pool's workers once it starts; one prober
+// per pool and config.
+func (a *healthApp) watch(pr *prober) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, other := range a.probers {
+		if other.pool == pr.pool {
+			return
+		}
+	}
+	a.probers = append(a.probers, pr)
+}
+
+// Start starts probing.
+func (a *healthApp) Start() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	ctx, cancel := context.WithCancel(context.Background())
+	a.cancel = cancel
+	for _, pr := range a.probers {
+		a.finished.Go(func() { pr.run(ctx) })
+	}
+	return nil
+}
+
+// Stop stops probing and waits until every probe has ended.
+func (a *healthApp) Stop() error {
+	a.mu.Lock()
+	cancel := a.cancel
+	a.mu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
+	a.finished.Wait()
+	return nil
+}
+
+// prober probes the workers of one pool, spreading the probes over the
+// interval so that a large fleet is not probed in lockstep.
+type prober struct {
+	pool   *Pool
+	cfg    *healthConfig
+	client *http.Client
+	logger *zap.Logger
+}
+
+func (pr *prober) run(ctx context.Context) {
+	var probes sync.WaitGroup
+	defer probes.Wait()
+	for ctx.Err() == nil {
+		urls := pr.pool.urls()
+		// Each round takes one interval, give or take a tenth, so that
+		// routers started together drift apart.
+		round := time.Duration(float64(pr.cfg.interval) * (0.9 + 0.2*rand.Float64()))
+		if len(urls) == 0 {
+			sleep(ctx, round)
+			continue
+		}
+		for _, u := range urls {
+			probes.Go(func() { pr.probe(ctx, u) })
+			if !sleep(ctx, round/time.Duration(len(urls))) {
+				return
+			}
+		}
+		for _, u := range pr.pool.checkStalls(pr.cfg) {
+			pr.logger.Warn("job overran its predicted time; worker gets no new jobs until it ends", zap.String("worker", u))
+		}
+	}
+}
+
+// sleep waits for d, reporting false if ctx ended first.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// probe checks one worker once.
+func (pr *prober) probe(ctx context.Context, workerURL string) {
+	err := pr.check(ctx, workerURL)
+	if ctx.Err() != nil {
+		return // shutting down: says nothing of the worker
+	}
+	switch pr.pool.recordProbe(workerURL, err, pr.cfg) {
+	case becameUnhealthy:
+		pr.logger.Warn("worker failed its health checks; it gets no jobs until it passes again",
+			zap.String("worker", workerURL), zap.Error(err))
+	case becameHealthy:
+		pr.logger.Info("worker passed its health checks again", zap.String("worker", workerURL))
+	}
+}
+
+// check sends one probe; nil means the worker passed.
+func (pr *prober) check(ctx context.Context, workerURL string) error {
+	ctx, cancel := context.WithTimeout(ctx, pr.cfg.timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, workerURL+pr.cfg.uri, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := pr.client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxHealthBody))
+	switch {
+	case err != nil:
+		return err
+	case pr.cfg.status != 0 && resp.StatusCode != pr.cfg.status:
+		return fmt.Errorf("status %d, want %d", resp.StatusCode, pr.cfg.status)
+	case pr.cfg.status == 0 && resp.StatusCode/100 != 2:
+		return fmt.Errorf("status %d", resp.StatusCode)
+	case pr.cfg.body != nil && !pr.cfg.body.Match(body):
+		return fmt.Errorf("body does not match %q", pr.cfg.body)
+	}
+	return nil
+}
+
+// healthChange is what a probe result did to a worker.
+type healthChange int
+
+const (
+	unchanged healthChange = iota
+	becameUnhealthy
+	becameHealthy
+)
+
+// urls returns the pool's worker URLs.
+func (p *Pool) urls() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]string, len(p.workers))
+	for i, w := range p.workers {
+		out[i] = w.url
+	}
+	return out
+}
+
+// recordProbe counts a probe result; err nil means it passed.
+func (p *Pool) recordProbe(url string, err error, cfg *healthConfig) healthChange {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.find(url)
+	if w == nil {
+		return unchanged
+	}
+	now := p.now().UnixNano()
+	w.lastProbe, w.lastError = now, ""
+	if err == nil {
+		w.probeFails = 0
+		w.probePasses++
+		if w.suspect && !p.overrunning(w, now, cfg) {
+			w.suspect = false
+		}
+		if w.down && w.probePasses >= cfg.passes {
+			w.down = false
+			p.dispatchLocked()
+			return becameHealthy
+		}
+		p.dispatchLocked()
+		return unchanged
+	}
+	w.lastError = err.Error()
+	if isTimeout(err) && p.busy(w, now, cfg) {
+		return unchanged // slow because it is working, not because it is dead
+	}
+	w.probePasses = 0
+	w.probeFails++
+	if !w.down && w.probeFails >= cfg.fails {
+		w.down = true
+		return becameUnhealthy
+	}
+	return unchanged
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.Is(err, context.DeadlineExceeded) || (errors.As(err, &ne) && ne.Timeout())
+}
+
+// busy reports whether a slow probe answer is explained by work: a job
+// still within twice its predicted time, or one finished within the last
+// interval.
+func (p *Pool) busy(w *Worker, now int64, cfg *healthConfig) bool {
+	if w.inflight > 0 && float64(now-w.headSince) < 2*p.predictedHead(w) {
+		return true
+	}
+	return w.lastFinish > 0 && now-w.lastFinish < int64(cfg.interval)
+}
+
+// predictedHead is how long the running job of w is predicted to take, in
+// nanoseconds.
+func (p *Pool) predictedHead(w *Worker) float64 {
+	return w.headCost / p.speedOf(w) * float64(time.Second)
+}
+
+// overrunning reports whether w's running job has overrun its prediction
+// by the stall factor (and at least the probe timeout).
+func (p *Pool) overrunning(w *Worker, now int64, cfg *healthConfig) bool {
+	limit := max(cfg.stallFactor*p.predictedHead(w), float64(cfg.timeout))
+	return w.inflight > 0 && float64(now-w.headSince) > limit
+}
+
+// checkStalls marks suspect the workers whose running job has overrun its
+// prediction, and returns the ones newly marked.
+func (p *Pool) checkStalls(cfg *healthConfig) []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := p.now().UnixNano()
+	var marked []string
+	for _, w := range p.workers {
+		if !w.suspect && p.overrunning(w, now, cfg) {
+			w.suspect = true
+			marked = append(marked, w.url)
+		}
+	}
+	return marked
+}
+
+// noteOutcomeLocked counts the passive evidence of one proxied request:
+// max_fails failures within fail_window eject the worker for eject_time,
+// doubling on each repeat up to max_eject_time; a success resets that.
+func (p *Pool) noteOutcomeLocked(w *Worker, o outcome, cfg *healthConfig) {
+	now := p.now().UnixNano()
+	switch o {
+	case succeeded:
+		w.ejections = 0
+		return
+	case abandoned:
+		return
+	}
+	if cfg == nil || cfg.maxFails == 0 {
+		return
+	}
+	since := now - int64(cfg.failWindow)
+	kept := w.recentFails[:0]
+	for _, at := range w.recentFails {
+		if at > since {
+			kept = append(kept, at)
+		}
+	}
+	w.recentFails = append(kept, now)
+	if len(w.recentFails) < cfg.maxFails {
+		return
+	}
+	d := min(cfg.ejectTime<<min(w.ejections, 20), cfg.maxEjectTime)
+	w.ejectedUntil, w.recentFails = now+int64(d), w.recentFails[:0]
+	w.ejections++
+	time.AfterFunc(d, p.dispatch) // jobs may be waiting for it
+}
+
+// dispatch hands free slots to waiting jobs.
+func (p *Pool) dispatch() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.dispatchLocked()
+}
