@@ -62,6 +62,20 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		drain_timeout 5m
 		weights_timeout 15m
 		weights_path_prefix /ckpt/ s3://bucket/
+		health_uri /health_generate
+		health_interval 30s
+		health_timeout 2m
+		health_fails 5
+		health_passes 1
+		health_status 200
+		health_body "\"ok\""
+		stall_factor 3.5
+		max_fails 4
+		fail_window 1m
+		eject_time 20s
+		max_eject_time 10m
+		min_ready 2
+		retry_on 500 503
 		reverse_proxy {
 			transport http {
 				dial_timeout 3s
@@ -95,6 +109,19 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		DrainTimeout:      caddy.Duration(5 * time.Minute),
 		WeightsTimeout:    caddy.Duration(15 * time.Minute),
 		WeightsPathPrefix: []string{"/ckpt/", "s3://bucket/"},
+		HealthURI:         "/health_generate",
+		HealthInterval:    caddy.Duration(30 * time.Second),
+		HealthTimeout:     caddy.Duration(2 * time.Minute),
+		HealthFails:       5,
+		HealthPasses:      1,
+		HealthStatus:      200,
+		HealthBody:        `"ok"`,
+		StallFactor:       3.5,
+		MaxFails:          4,
+		FailWindow:        caddy.Duration(time.Minute),
+		EjectTime:         caddy.Duration(20 * time.Second),
+		MaxEjectTime:      caddy.Duration(10 * time.Minute),
+		MinReady:          2,
 	}
 	got, _ := json.Marshal(h)
 	exp, _ := json.Marshal(want)
@@ -107,6 +134,8 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		`"dynamic_upstreams":{"pool":"rollout","source":"diffusion"}`,
 		`"selection_policy":{"policy":"diffusion","pool":"rollout"}`,
 		`"match":[{"path":["/v1/*"]}]`,
+		`"retry_match":[{"expression":"{http.reverse_proxy.status_code} in [500, 503]"}]`,
+		`"request_buffers":8388608`,
 	} {
 		if !strings.Contains(cfg, want) {
 			t.Errorf("adapted config lacks %s:\n%s", want, cfg)
@@ -168,6 +197,17 @@ func TestCaddyfileBadInputNamesLine(t *testing.T) {
 		"bad drain_timeout":    "drain_timeout never",
 		"bad weights_timeout":  "weights_timeout 0s",
 		"relative prefix":      "weights_path_prefix ckpt",
+		"relative health_uri":  "health_uri health",
+		"bad health_interval":  "health_interval often",
+		"zero health_fails":    "health_fails 0",
+		"bad health_status":    "health_status 700",
+		"bad health_body":      "health_body (unclosed",
+		"stall_factor below 1": "stall_factor 0.5",
+		"bad max_fails":        "max_fails x",
+		"bad eject_time":       "eject_time -1s",
+		"zero min_ready":       "min_ready 0",
+		"retry_on success":     "retry_on 200",
+		"retry_on word":        "retry_on errors",
 	}
 	for name, line := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -221,6 +261,10 @@ func TestProvisionRejectsBadJSONConfig(t *testing.T) {
 		"steps":       {DefaultSteps: -3},
 		"mode":        {WeightsMode: "eager"},
 		"batch":       {RollingBatch: -1},
+		"health uri":  {HealthURI: "health"},
+		"regexp":      {HealthBody: "(x"},
+		"eject":       {EjectTime: caddy.Duration(time.Hour)}, // beyond max_eject_time
+		"status":      {HealthStatus: 42},
 	} {
 		if err := h.parseOptions(); err == nil {
 			t.Errorf("%s: bad config accepted", name)

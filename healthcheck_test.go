@@ -1,0 +1,288 @@
+package diffusionrouter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+)
+
+var testHealth = &healthConfig{
+	interval: 10 * time.Second, timeout: 5 * time.Second, fails: 3, passes: 2, stallFactor: 5,
+	maxFails: 3, failWindow: 30 * time.Second, ejectTime: 10 * time.Second, maxEjectTime: 35 * time.Second,
+}
+
+var errProbe = errors.New("status 503")
+
+func TestProbesTakeWorkerOutAndBringItBack(t *testing.T) {
+	p, clock := poolOf(t, 1)
+	w := p.workers[0]
+	for i := range 3 {
+		want := unchanged
+		if i == 2 {
+			want = becameUnhealthy
+		}
+		if got := p.recordProbe("http://a:1", errProbe, testHealth); got != want {
+			t.Fatalf("failed probe %d: %v", i+1, got)
+		}
+		clock.advance(testHealth.interval)
+	}
+	if w.serving(p.now().UnixNano()) {
+		t.Fatal("worker serves after 3 failed probes")
+	}
+	if p.recordProbe("http://a:1", nil, testHealth) != unchanged || p.recordProbe("http://a:1", nil, testHealth) != becameHealthy {
+		t.Fatal("worker did not come back after 2 passed probes")
+	}
+}
+
+func TestBusyWorkerIsNotDead(t *testing.T) {
+	p, clock := poolOf(t, 1)
+	cfg := config(leastWork{}, 1)
+	p.workers[0].speed.observe(10, 10*time.Second, 0) // 1 unit per second
+	tk, _ := choose(t, p, cfg, 60)                    // predicted to run a minute
+	timeout := context.DeadlineExceeded
+	for range 10 {
+		clock.advance(10 * time.Second)
+		if p.recordProbe("http://a:1", timeout, testHealth) != unchanged || p.workers[0].down {
+			t.Fatal("a worker busy within twice its predicted time was marked down for slow probes")
+		}
+	}
+	// 100 s into a 60 s job the worker is no longer excused, but the job
+	// has overrun 5x only at 300 s: not yet suspect either.
+	if stalled := p.checkStalls(testHealth); len(stalled) != 0 {
+		t.Fatalf("suspect at 100 s of a 60 s job: %v", stalled)
+	}
+	clock.advance(20 * time.Second)
+	for range 3 {
+		p.recordProbe("http://a:1", timeout, testHealth)
+	}
+	if !p.workers[0].down {
+		t.Fatal("timed-out probes past twice the predicted time do count")
+	}
+	p.release(tk, succeeded)
+}
+
+func TestStalledJobMakesWorkerSuspect(t *testing.T) {
+	p, clock := poolOf(t, 2)
+	cfg := config(leastRequest{}, 0)
+	for _, w := range p.workers {
+		w.speed.observe(10, 10*time.Second, 0)
+	}
+	stalled := &ticket{pool: p, cfg: cfg, job: true, cost: 2, pin: "http://a:1"}
+	if err := p.acquire(context.Background(), stalled); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(6 * time.Second) // 3x its 2 s: not yet
+	if len(p.checkStalls(testHealth)) != 0 {
+		t.Fatal("suspect before health_timeout and 5x the prediction")
+	}
+	clock.advance(5 * time.Second)
+	if got := p.checkStalls(testHealth); len(got) != 1 || got[0] != "http://a:1" {
+		t.Fatalf("stalls: %v", got)
+	}
+	p.recordProbe("http://a:1", nil, testHealth) // its /health still answers
+	for range 5 {
+		if _, w := choose(t, p, cfg, 1); w != "b" {
+			t.Fatalf("a job went to the stalled worker %s", w)
+		}
+	}
+	p.release(stalled, succeeded)
+	if !p.workers[0].serving(p.now().UnixNano()) {
+		t.Fatal("worker still suspect after its stalled job ended")
+	}
+}
+
+func TestFailedRequestsEjectWithDoubling(t *testing.T) {
+	p, clock := poolOf(t, 1)
+	cfg := config(leastRequest{}, 0)
+	cfg.health = testHealth
+	fail := func(n int) {
+		for range n {
+			tk, _ := choose(t, p, cfg, 1)
+			p.release(tk, failed)
+		}
+	}
+	ejectedFor := func() time.Duration { return time.Duration(p.workers[0].ejectedUntil - p.now().UnixNano()) }
+	fail(3)
+	if d := ejectedFor(); d != 10*time.Second {
+		t.Fatalf("first ejection for %v; want 10s", d)
+	}
+	for _, want := range []time.Duration{20 * time.Second, 35 * time.Second, 35 * time.Second} {
+		clock.advance(ejectedFor())
+		fail(3)
+		if d := ejectedFor(); d != want {
+			t.Fatalf("repeat ejection for %v; want %v", d, want)
+		}
+	}
+	clock.advance(ejectedFor())
+	tk, _ := choose(t, p, cfg, 1)
+	p.release(tk, succeeded) // a success resets the doubling
+	fail(3)
+	if d := ejectedFor(); d != 10*time.Second {
+		t.Fatalf("ejection after a success for %v; want 10s again", d)
+	}
+	// Failures spread wider than the window do not add up.
+	clock.advance(ejectedFor())
+	for range 3 {
+		fail(1)
+		clock.advance(20 * time.Second)
+	}
+	if ejectedFor() > 0 {
+		t.Fatal("failures 20 s apart ejected the worker; the window is 30 s")
+	}
+}
+
+func TestHealthFailTakesWorkerOutAndBack(t *testing.T) {
+	ws := fleet(t, 2, fakeworker.Config{})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n health_interval 20ms\n health_fails 2\n health_passes 2\n}")
+	b := ws[1].URL()
+	ws[1].SetHealthFail(true)
+	waitFor(t, func() bool { return workerStates(t, r)[b]["state"] == "unhealthy" })
+	if rd := r.get("/readyz"); rd.status != 200 || rd.json(t)["serving_workers"] != 1.0 {
+		t.Fatalf("readyz with one of two serving: %d %s", rd.status, rd.body)
+	}
+	for range 6 {
+		if rp := r.post("/v1/images/generations", smallImage); rp.header.Get("X-Fake-Worker") != "a" {
+			t.Fatalf("served by %q while b is unhealthy", rp.header.Get("X-Fake-Worker"))
+		}
+	}
+	// With no worker serving, a job waits for one to come back.
+	ws[0].SetHealthFail(true)
+	waitFor(t, func() bool { return r.get("/readyz").status == 503 })
+	expectStatus(t, "healthz", r.get("/healthz"), 200)
+	done := make(chan reply)
+	go func() { done <- r.post("/v1/images/generations", smallImage) }()
+	waitFor(t, func() bool { return r.get("/health").json(t)["queued_requests"] == 1.0 })
+	ws[1].SetHealthFail(false)
+	if rp := <-done; rp.status != 200 || rp.header.Get("X-Fake-Worker") != "b" {
+		t.Fatalf("waiting job: %d from %q", rp.status, rp.header.Get("X-Fake-Worker"))
+	}
+	if st := workerStates(t, r)[b]; st["state"] != "serving" || st["last_probe"] == nil {
+		t.Fatalf("b after recovering: %v", st)
+	}
+}
+
+func TestCrashLosesNoUnsentRequest(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c", CrashAfter: 3})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	var mu sync.Mutex
+	failures := 0
+	var wg sync.WaitGroup
+	for range 6 {
+		wg.Go(func() {
+			for range 15 {
+				if rp := r.post("/v1/images/generations", smallImage); rp.status != 200 {
+					mu.Lock()
+					failures++
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	// Only the job on c when it crashed may fail: the worker had it.
+	if failures > 1 {
+		t.Fatalf("%d of 90 requests failed; only the one the crashing worker held may", failures)
+	}
+	if ws[2].Stats().Jobs != 3 {
+		t.Fatalf("c served %d jobs before crashing", ws[2].Stats().Jobs)
+	}
+}
+
+func TestHangIsDetectedAsStall(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b", HangAfter: 1})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n policy round_robin\n health_interval 20ms\n health_timeout 50ms\n stall_factor 2\n}")
+	for range 2 {
+		expectStatus(t, "warm-up", r.post("/v1/images/generations", smallImage), 200)
+	}
+	// Round robin sends one of two jobs to each worker; b hangs on its second.
+	hung := make(chan reply, 2)
+	for range 2 {
+		go func() { hung <- r.post("/v1/images/generations", smallImage) }()
+	}
+	if rp := <-hung; rp.header.Get("X-Fake-Worker") != "a" {
+		t.Fatalf("the job that returned came from %q", rp.header.Get("X-Fake-Worker"))
+	}
+	waitFor(t, func() bool { return workerStates(t, r)[ws[1].URL()]["state"] == "suspect" })
+	for range 6 {
+		if rp := r.post("/v1/images/generations", smallImage); rp.header.Get("X-Fake-Worker") != "a" {
+			t.Fatalf("served by %q while b is stalled", rp.header.Get("X-Fake-Worker"))
+		}
+	}
+	ws[1].Close()
+	<-hung
+}
+
+func TestBusyWorkerWithSlowProbesStaysServing(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "busy", UnitMs: 500, HealthDelay: 300 * time.Millisecond})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n health_interval 30ms\n health_timeout 50ms\n health_fails 2\n}")
+	expectStatus(t, "learn the speed", r.post("/v1/images/generations", `{"prompt":"x","size":"512x512","num_inference_steps":1}`), 200)
+	long := make(chan reply)
+	go func() {
+		long <- r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":4}`)
+	}() // 2 s
+	u := ws[0].URL()
+	waitFor(t, func() bool { return workerStates(t, r)[u]["active_requests"] == 1.0 })
+	probes := map[any]bool{}
+	waitFor(t, func() bool {
+		st := workerStates(t, r)[u]
+		if st["state"] != "serving" || st["probe_failures"] != 0.0 {
+			t.Fatalf("busy worker with slow probes: %v", st)
+		}
+		if st["last_error"] != "" {
+			probes[st["last_probe"]] = true
+		}
+		return len(probes) >= 4
+	})
+	ws[0].Close()
+	<-long
+}
+
+func TestDeadWorkerIsEjected(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "live"})
+	dead := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	r := startRouter(t, "diffusion_router {\n workers "+dead+" "+ws[0].URL()+"\n policy round_robin\n max_fails 2\n eject_time 1m\n health_interval 1h\n}")
+	for i := range 20 {
+		expectStatus(t, fmt.Sprint("request ", i), r.post("/v1/images/generations", smallImage), 200)
+	}
+	st := workerStates(t, r)[dead]
+	if st["failures"] != 2.0 || st["state"] != "unhealthy" {
+		t.Fatalf("dead worker after 20 requests: %v; want ejected after 2 failures and tried no more", st)
+	}
+}
+
+func TestRetryOnListedStatus(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "flaky", FailRate: 1}, fakeworker.Config{Name: "good"})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n policy round_robin\n retry_on 500\n max_fails 100\n}")
+	for range 6 {
+		rp := r.post("/v1/images/generations", smallImage)
+		if rp.status != 200 || rp.header.Get("X-Fake-Worker") != "good" {
+			t.Fatalf("%d from %q; a 500 listed in retry_on goes to another worker", rp.status, rp.header.Get("X-Fake-Worker"))
+		}
+	}
+}
+
+func TestReloadsLeaveNoGoroutines(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{})
+	site := "diffusion_router {\n workers " + urlsOf(ws) + "\n health_interval 5ms\n}"
+	r := startRouter(t, site)
+	settle := func() int {
+		time.Sleep(50 * time.Millisecond)
+		client.CloseIdleConnections()
+		return runtime.NumGoroutine()
+	}
+	before := settle()
+	for i := range 20 {
+		r.load(site + fmt.Sprintf("\n# reload %d", i))
+	}
+	var after int
+	waitFor(t, func() bool { after = settle(); return after <= before })
+	if after > before {
+		t.Fatalf("%d goroutines after 20 reloads, %d before", after, before)
+	}
+}
