@@ -1,0 +1,298 @@
+package main
+
+import (
+	"encoding/xml"
+	"errors"
+	"io"
+	"math"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+)
+
+func TestMakeJobsProportions(t *testing.T) {
+	for name, mix := range mixes {
+		jobs := makeJobs(mix, 400, 1)
+		if len(jobs) != 400 {
+			t.Fatalf("%s: %d jobs, want 400", name, len(jobs))
+		}
+		counts := map[job]int{}
+		for _, j := range jobs {
+			counts[j]++
+		}
+		for _, s := range mix {
+			if want := 4 * s.percent; counts[s.job] != want {
+				t.Errorf("%s: %d× %s, want %d", name, counts[s.job], s.job, want)
+			}
+		}
+	}
+}
+
+func TestApportionRounding(t *testing.T) {
+	mix := mixes["mixed"] // 50, 30, 15, 5
+	for n := 1; n <= 60; n++ {
+		counts := apportion(mix, n)
+		total := 0
+		for i, c := range counts {
+			total += c
+			exact := float64(n*mix[i].percent) / 100
+			if math.Abs(float64(c)-exact) >= 1 {
+				t.Errorf("n=%d: %d× %s, exact share %.2f", n, c, mix[i].job, exact)
+			}
+		}
+		if total != n {
+			t.Errorf("n=%d: counts %v add up to %d", n, counts, total)
+		}
+	}
+	if got := apportion(mix, 10); !slices.Equal(got, []int{5, 3, 2, 0}) {
+		t.Errorf("n=10: %v, want [5 3 2 0] (15%% rounds up before 5%%)", got)
+	}
+}
+
+func TestMakeJobsDeterministic(t *testing.T) {
+	mix := mixes["mixed"]
+	a, b := makeJobs(mix, 200, 7), makeJobs(mix, 200, 7)
+	if !slices.Equal(a, b) {
+		t.Fatal("the same seed gave different sequences")
+	}
+	if c := makeJobs(mix, 200, 8); slices.Equal(a, c) {
+		t.Fatal("seeds 7 and 8 gave the same sequence")
+	}
+}
+
+func TestPoissonArrivals(t *testing.T) {
+	const n, rate = 20000, 50.0
+	a := poissonArrivals(n, rate, 3)
+	if !slices.Equal(a, poissonArrivals(n, rate, 3)) {
+		t.Fatal("the same seed gave different traces")
+	}
+	if a[0] != 0 || !slices.IsSorted(a) {
+		t.Fatal("arrivals do not start at 0 and rise")
+	}
+	meanGap := a[n-1].Seconds() / (n - 1)
+	if math.Abs(meanGap*rate-1) > 0.03 {
+		t.Errorf("mean gap %.5fs, want about %.5fs", meanGap, 1/rate)
+	}
+}
+
+func TestArrivalRateAndBound(t *testing.T) {
+	heavy := mixes["heavy"] // 0.9 × (0.25 × 8) + 0.1 × (2.25 × 50) = 13.05 units
+	if got := meanCost(heavy); math.Abs(got-13.05) > 1e-9 {
+		t.Fatalf("mean cost of heavy = %v, want 13.05", got)
+	}
+	speeds := []float64{1, 1, 1, 2} // 500 units/s at 10 ms per unit
+	if got, want := arrivalRate(heavy, speeds, 10, 0.7), 0.7*500/13.05; math.Abs(got-want) > 1e-9 {
+		t.Errorf("arrival rate %v, want %v", got, want)
+	}
+	// One big job dominates: 1536²×50 = 112.5 units, on speed 2.
+	if got := batchBound([]job{{1536, 1536, 50}, {512, 512, 8}}, speeds); got != 112.5/2 {
+		t.Errorf("bound %v, want 56.25", got)
+	}
+	// Many small jobs: total / total speed = 10 × 2 / 5.
+	small := slices.Repeat([]job{{512, 512, 8}}, 10)
+	if got := batchBound(small, speeds); got != 4 {
+		t.Errorf("bound %v, want 4", got)
+	}
+}
+
+// batchJobs is a batch for the simulator: everything arrives at 0.
+func batchJobs(work ...float64) []simJob {
+	jobs := make([]simJob, len(work))
+	for i, w := range work {
+		jobs[i].work = w
+	}
+	return jobs
+}
+
+func checkSim(t *testing.T, got []simResult, want []simResult) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("%d results, want %d", len(got), len(want))
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Errorf("job %d: %+v, want %+v", i, got[i], want[i])
+		}
+	}
+}
+
+func TestSimulateBatchFastestFirst(t *testing.T) {
+	// Speeds 1 and 2, work 4, 2, 2 at once: job 0 to the fast worker
+	// (0→2), job 1 to the slow one (0→2), job 2 to the fast one at 2 (→3).
+	got := simulate(batchJobs(4, 2, 2), []float64{1, 2}, fifoOrder)
+	checkSim(t, got, []simResult{{1, 0, 2}, {0, 0, 2}, {1, 2, 3}})
+}
+
+func TestSimulateLPTBeatsFIFO(t *testing.T) {
+	speeds := []float64{1, 2}
+	jobs := batchJobs(1, 4, 2)
+	// LPT: 4 on the fast worker (0→2), 2 on the slow one (0→2), 1 on the
+	// fast one at 2 (→2.5).
+	checkSim(t, simulate(jobs, speeds, largestFirst), []simResult{{1, 2, 2.5}, {1, 0, 2}, {0, 0, 2}})
+	// FIFO: 1 on the fast worker (0→0.5), 4 on the slow one (0→4), 2 on the
+	// fast one at 0.5 (→1.5): makespan 4.
+	checkSim(t, simulate(jobs, speeds, fifoOrder), []simResult{{1, 0, 0.5}, {0, 0, 4}, {1, 0.5, 1.5}})
+}
+
+func TestSimulateArrivals(t *testing.T) {
+	// Speeds 1 and 2. Job 0 (work 2) at 0 takes the idle fast worker
+	// (→1); job 1 (2) at 0.5 the slow one (→2.5); job 2 (1) at 1 the fast
+	// one, just freed (→1.5); job 3 (1) at 3 finds both idle and takes
+	// the fast one (→3.5).
+	jobs := []simJob{{0, 2}, {0.5, 2}, {1, 1}, {3, 1}}
+	got := simulate(jobs, []float64{1, 2}, fifoOrder)
+	checkSim(t, got, []simResult{{1, 0, 1}, {0, 0.5, 2.5}, {1, 1, 1.5}, {1, 3, 3.5}})
+}
+
+func TestSimulateQueueing(t *testing.T) {
+	// One worker: jobs wait their turn, in arrival order even when given
+	// out of order.
+	jobs := []simJob{{1, 1}, {0, 2}, {0.5, 1}}
+	got := simulate(jobs, []float64{1}, fifoOrder)
+	checkSim(t, got, []simResult{{0, 3, 4}, {0, 0, 2}, {0, 2, 3}})
+}
+
+func TestSimulateZeroWork(t *testing.T) {
+	got := simulate(batchJobs(0, 0, 1), []float64{1}, fifoOrder)
+	checkSim(t, got, []simResult{{0, 0, 0}, {0, 0, 0}, {0, 0, 1}})
+}
+
+func TestPercentile(t *testing.T) {
+	ten := []float64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+	for _, c := range []struct{ p, want float64 }{{50, 5}, {90, 9}, {99, 10}, {100, 10}, {1, 1}} {
+		if got := percentile(ten, c.p); got != c.want {
+			t.Errorf("p%g of 1..10 = %g, want %g", c.p, got, c.want)
+		}
+	}
+	hundred := make([]float64, 100)
+	for i := range hundred {
+		hundred[i] = float64(i + 1)
+	}
+	if got := percentile(hundred, 99); got != 99 {
+		t.Errorf("p99 of 1..100 = %g, want 99", got)
+	}
+	if got := percentile([]float64{7}, 50); got != 7 {
+		t.Errorf("p50 of [7] = %g", got)
+	}
+	if !math.IsNaN(percentile(nil, 50)) {
+		t.Error("percentile of nothing is not NaN")
+	}
+	s := summarize([]float64{4, 1, 3, 2})
+	if s.mean != 2.5 || s.p50 != 2 || s.p99 != 4 {
+		t.Errorf("summary %+v", s)
+	}
+}
+
+func TestSVGWellFormed(t *testing.T) {
+	many := make([]float64, 5000)
+	for i := range many {
+		many[i] = float64(i) / 1000
+	}
+	panels := []panel{
+		{title: `batch <heavy> & "quoted"`, xLabel: "latency (s)", series: []series{
+			{name: "least_work/fifo", values: []float64{0.5, 1, 2}},
+			{name: "a<b & c", values: many},
+			{name: "empty"},
+			{name: "ideal (simulated)", values: []float64{0.4, 0.9}, dashed: true},
+		}},
+		{title: "nothing to plot"},
+		{title: "log", logX: true, series: []series{{name: "x", values: []float64{0, 0.002, 0.3, 12}}}},
+	}
+	var b strings.Builder
+	if err := writeSVG(&b, panels); err != nil {
+		t.Fatal(err)
+	}
+	dec := xml.NewDecoder(strings.NewReader(b.String()))
+	counts := map[string]int{}
+	root := ""
+	for {
+		tok, err := dec.Token()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("not well-formed XML: %v", err)
+		}
+		if el, ok := tok.(xml.StartElement); ok {
+			if root == "" {
+				root = el.Name.Local
+			}
+			counts[el.Name.Local]++
+		}
+	}
+	if root != "svg" {
+		t.Errorf("root element %q, want svg", root)
+	}
+	if counts["polyline"] != 4 {
+		t.Errorf("%d polylines, want 4 (one per non-empty series)", counts["polyline"])
+	}
+	if !strings.Contains(b.String(), "a&lt;b &amp; c") {
+		t.Error("series name not escaped")
+	}
+}
+
+func TestXTicks(t *testing.T) {
+	lin := xTicks(plotArea{xMin: 0, xMax: 10.3})
+	if len(lin) != 6 || lin[1].value != 2 || lin[5].label != "10" {
+		t.Errorf("linear ticks %v", lin)
+	}
+	logTicks := xTicks(plotArea{xMin: 0.01, xMax: 1.5, logX: true})
+	var labels []string
+	for _, tk := range logTicks {
+		labels = append(labels, tk.label)
+	}
+	if want := "0.01 0.02 0.05 0.1 0.2 0.5 1"; strings.Join(labels, " ") != want {
+		t.Errorf("log ticks %q, want %q", strings.Join(labels, " "), want)
+	}
+}
+
+func TestCDFPoints(t *testing.T) {
+	pts := cdfPoints([]float64{1, 2, 3, 4}, 100)
+	want := [][2]float64{{1, 0}, {1, 0.25}, {2, 0.25}, {2, 0.5}, {3, 0.5}, {3, 0.75}, {4, 0.75}, {4, 1}}
+	if !slices.Equal(pts, want) {
+		t.Errorf("staircase %v, want %v", pts, want)
+	}
+	big := make([]float64, 10001)
+	pts = cdfPoints(big, 500)
+	if len(pts) > 2*510 || pts[len(pts)-1][1] != 1 {
+		t.Errorf("thinned to %d points, last %v", len(pts), pts[len(pts)-1])
+	}
+}
+
+// TestStrategyConfigsAdapt checks that every default strategy's generated
+// Caddyfile adapts, so a typo in the generator fails here and not after a
+// benchmark run.
+func TestStrategyConfigsAdapt(t *testing.T) {
+	strategies, err := parseStrategies(defaultStrategies)
+	if err != nil {
+		t.Fatal(err)
+	}
+	adapter := caddyconfig.GetAdapter("caddyfile")
+	workers := []string{"http://127.0.0.1:30001", "http://127.0.0.1:30002"}
+	for _, s := range strategies {
+		text := s.caddyfile(18080, "benchtest", workers, 2)
+		if _, _, err := adapter.Adapt([]byte(text), nil); err != nil {
+			t.Errorf("%s: %v\n%s", s.name, err, text)
+		}
+	}
+	if _, err := parseStrategies("caddy/"); err == nil {
+		t.Error("caddy/ without a policy was accepted")
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	o, err := parseFlags([]string{"--speeds", "1, 2.5", "--mode", "open"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(o.speeds, []float64{1, 2.5}) || o.warmup != 4 || len(o.strategies) != 7 {
+		t.Errorf("parsed %+v", o)
+	}
+	for _, bad := range [][]string{{"--mode", "x"}, {"--mix", "x"}, {"--speeds", "1,0"}, {"--n", "0"}} {
+		if _, err := parseFlags(bad); err == nil {
+			t.Errorf("%v accepted", bad)
+		}
+	}
+}

@@ -1,0 +1,278 @@
+// Command bench measures how well miles-diffusion-router spreads diffusion
+// generation jobs over workers of unequal speed, against the ideal and
+// against Caddy's own load balancing, all in one process and without a GPU.
+//
+// For each routing strategy it starts fresh fake sglang-diffusion workers
+// (examples/fakeworker: one job at a time, first come first served, a job
+// of cost c keeps a worker of speed s busy for c × unit-ms / s
+// milliseconds, where c = (width × height / 1024²) × steps) and loads a
+// fresh router config in-process with caddy.Load: a new port and a new
+// pool name, so nothing the router learned about the workers carries over.
+// Every strategy then gets the same warm-up (--warmup jobs of the mix, by
+// default two per worker, sent at once and awaited, so that least_work has
+// seen every worker's speed) and the same measured requests.
+//
+// Strategies (--strategies, comma-separated):
+//
+//	least_work/fifo, least_work/largest_first  diffusion_router policy least_work with that queue_order
+//	least_request, round_robin, random         diffusion_router policy of that name
+//	caddy/least_conn, caddy/round_robin        a plain reverse_proxy with that lb_policy, no diffusion_router
+//
+// Any "<policy>" or "<policy>/<queue_order>" is passed to diffusion_router
+// and any "caddy/<lb_policy>" to reverse_proxy; a strategy whose config Caddy
+// refuses (say, a policy this build of the router does not have) is
+// reported as not run and the others go on.
+//
+// Modes (--mode):
+//
+//	batch     all --n jobs at once, like a rollout step. makespan is the time
+//	          until the last answer; ÷bound divides it by the lower bound
+//	          max(longest job on the fastest worker, total cost / total speed)
+//	          and ÷LPT by the makespan of a simulated ideal router (one
+//	          central queue, largest job first, perfect knowledge, no
+//	          overhead). The latency columns are each answer's time since the
+//	          batch was released.
+//	open      Poisson arrivals at a rate that offers --util of the fleet's
+//	          capacity (in cost units per second, by the mix's mean cost);
+//	          the same arrival trace for every strategy. Latency is request
+//	          sent → response read. "ideal (simulated)" replays the trace
+//	          through one central FIFO queue whose head goes to the first
+//	          free worker (the fastest, if several are free); mean÷ideal and
+//	          p99÷ideal compare against it.
+//	overhead  --clients closed loops send the lightest real generation
+//	          request (a 1x1 image, 1 step: no service time to speak of)
+//	          for --duration; req/s is what the proxy path sustains, and
+//	          worker/job the fake worker's own time per request (its
+//	          one-job slot and timer, a few µs; HTTP handling excluded).
+//	all       batch, open and overhead in turn.
+//
+// Mixes (--mix), POST /v1/images/generations with size and
+// num_inference_steps:
+//
+//	uniform  100% 1024x1024 20 steps
+//	mixed    50% 512x512 20 steps, 30% 1024x1024 30, 15% 1024x1024 50, 5% 2048x2048 50
+//	heavy    90% 512x512 8 steps, 10% 1536x1536 50 steps
+//
+// Each run prints the command line and the settings, then one table per
+// mode: strategy, requests, failed (any answer other than 200, or no
+// answer), makespan or req/s, latency mean / p50 / p90 / p99 over the
+// successful requests (nearest-rank percentiles), the ratio to the bound or
+// the ideal, one column per worker ("w4×2" is worker 4, speed 2) with the
+// jobs it answered and its share of the cost served, and how long the
+// strategy's run took (start-up, warm-up, measuring, shut-down). The
+// reasons for failures are listed under the table. --svg writes the latency
+// CDF of every strategy, one panel per mode, as a self-contained SVG file.
+//
+// The default --unit-ms 10 makes a heavy batch of 400 take 10-20 s per
+// strategy and the default batch run about two minutes.
+//
+// Run it from the repository root (-h lists every flag, with defaults):
+//
+//	go run ./examples/bench --mode batch --mix heavy --n 400 --speeds 1,1,1,2
+//	go run ./examples/bench --mode open --mix heavy --util 0.7 --svg open.svg
+//	go run ./examples/bench --mode overhead --strategies least_work/fifo,caddy/least_conn
+//
+// --router URL drives a router that is already running instead: it is
+// measured as it is (its own workers, strategy and learned state), once
+// per mode, since the bench cannot restart it or change its strategy;
+// --strategies is ignored, and --speeds and --unit-ms must describe its
+// fleet for the bound and the ideal to mean anything. Per-worker columns
+// then come from the X-Fake-Worker header, so they are empty for real
+// workers.
+//
+// Timings are wall-clock on the machine that runs the bench, where client,
+// router and workers share the CPUs, so a busy machine inflates them and
+// the overhead mode's req/s can move by a third between runs; the ratios
+// to the bound and the ideal are the numbers to compare.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// options are the parsed flags.
+type options struct {
+	mode        string
+	mix         string
+	speeds      []float64
+	n           int
+	util        float64
+	unitMs      float64
+	seed        uint64
+	strategies  []strategy
+	svg         string
+	warmup      int
+	router      string
+	clients     int
+	duration    time.Duration
+	maxInflight int
+	timeout     time.Duration
+}
+
+func main() {
+	o, err := parseFlags(os.Args[1:])
+	if errors.Is(err, flag.ErrHelp) {
+		return
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
+	}
+	if err := run(context.Background(), o, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func parseFlags(args []string) (options, error) {
+	var o options
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all")
+	fs.StringVar(&o.mix, "mix", "heavy", "the jobs: "+mixNames())
+	speeds := fs.String("speeds", "1,1,1,2", "one fake worker per value, its relative speed")
+	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open)")
+	fs.Float64Var(&o.util, "util", 0.7, "open mode: offered load as a share of the fleet's capacity")
+	fs.Float64Var(&o.unitMs, "unit-ms", 10, "fake worker milliseconds per cost unit (one 1024x1024 step) at speed 1")
+	fs.Uint64Var(&o.seed, "seed", 1, "seed of the job sequence and the arrival trace")
+	list := fs.String("strategies", defaultStrategies, "comma-separated: <policy>[/<queue_order>] for diffusion_router, caddy/<lb_policy> for plain reverse_proxy")
+	fs.StringVar(&o.svg, "svg", "", "write the latency CDFs to this SVG file")
+	fs.IntVar(&o.warmup, "warmup", -1, "jobs of the mix sent at once and awaited before measuring (-1: 2 per worker)")
+	fs.StringVar(&o.router, "router", "", "measure this running router (http://host:port) instead of starting workers and routers")
+	fs.IntVar(&o.clients, "clients", 16, "overhead mode: concurrent clients")
+	fs.DurationVar(&o.duration, "duration", 3*time.Second, "overhead mode: measuring time per strategy")
+	fs.IntVar(&o.maxInflight, "max-inflight", 0, "max_inflight for least_work strategies (0: the router's default)")
+	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "limit on one strategy's run; requests still open then fail")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	var err error
+	if o.speeds, err = parseSpeeds(*speeds); err != nil {
+		return o, err
+	}
+	if o.strategies, err = parseStrategies(*list); err != nil {
+		return o, err
+	}
+	if o.warmup < 0 {
+		o.warmup = 2 * len(o.speeds)
+	}
+	o.router = strings.TrimRight(o.router, "/")
+	return o, o.check()
+}
+
+func (o options) check() error {
+	switch {
+	case o.mode != "batch" && o.mode != "open" && o.mode != "overhead" && o.mode != "all":
+		return fmt.Errorf("--mode %q: want batch, open, overhead or all", o.mode)
+	case mixes[o.mix] == nil:
+		return fmt.Errorf("--mix %q: want %s", o.mix, mixNames())
+	case o.n <= 0, o.unitMs <= 0, o.util <= 0, o.clients <= 0, o.duration <= 0, o.timeout <= 0:
+		return errors.New("--n, --unit-ms, --util, --clients, --duration and --timeout must be positive")
+	case o.router != "" && !strings.HasPrefix(o.router, "http://") && !strings.HasPrefix(o.router, "https://"):
+		return fmt.Errorf("--router %q: want http://host:port", o.router)
+	}
+	return nil
+}
+
+func parseSpeeds(s string) ([]float64, error) {
+	var out []float64
+	for f := range strings.SplitSeq(s, ",") {
+		v, err := strconv.ParseFloat(strings.TrimSpace(f), 64)
+		if err != nil || v <= 0 {
+			return nil, fmt.Errorf("--speeds %q: want positive numbers separated by commas", s)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// run prints the header, runs the modes and writes the SVG.
+func run(ctx context.Context, o options, out io.Writer) error {
+	cleanHome, err := isolateHome()
+	if err != nil {
+		return err
+	}
+	defer cleanHome()
+	printHeader(out, o)
+
+	modes := []string{o.mode}
+	if o.mode == "all" {
+		modes = []string{"batch", "open", "overhead"}
+	}
+	var panels []panel
+	for _, m := range modes {
+		switch m {
+		case "batch":
+			panels = append(panels, benchBatch(ctx, o, out))
+		case "open":
+			panels = append(panels, benchOpen(ctx, o, out))
+		case "overhead":
+			panels = append(panels, benchOverhead(ctx, o, out))
+		}
+	}
+	if o.svg == "" {
+		return nil
+	}
+	f, err := os.Create(o.svg)
+	if err != nil {
+		return err
+	}
+	if err := writeSVG(f, panels); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "\nwrote %s\n", o.svg)
+	return nil
+}
+
+func printHeader(out io.Writer, o options) {
+	fmt.Fprintf(out, "command: go run ./examples/bench%s\n", shellArgs(os.Args[1:]))
+	names := make([]string, len(o.strategies))
+	for i, s := range o.strategies {
+		names[i] = s.name
+	}
+	inflight := "router default"
+	if o.maxInflight > 0 {
+		inflight = fmt.Sprint(o.maxInflight)
+	}
+	fmt.Fprintf(out, "settings: mode=%s mix=%s n=%d speeds=%s unit-ms=%g seed=%d warmup=%d util=%g clients=%d duration=%s max-inflight=%s\n",
+		o.mode, o.mix, o.n, fmtSpeeds(o.speeds), o.unitMs, o.seed, o.warmup, o.util, o.clients, o.duration, inflight)
+	if o.router != "" {
+		fmt.Fprintf(out, "router:   %s (external: measured as it runs; --speeds and --unit-ms are taken to describe its fleet)\n", o.router)
+	} else {
+		fmt.Fprintf(out, "fleet:    %d fake workers on 127.0.0.1, speeds %s, %gms per cost unit at speed 1 (capacity %.0f units/s), fresh for every strategy\n",
+			len(o.speeds), fmtSpeeds(o.speeds), o.unitMs, sum(o.speeds)*1000/o.unitMs)
+		fmt.Fprintf(out, "strategies: %s\n", strings.Join(names, ", "))
+	}
+	fmt.Fprintf(out, "mix:      %s: %s\n", o.mix, describeMix(mixes[o.mix]))
+	fmt.Fprintf(out, "machine:  %s, %d CPUs, GOMAXPROCS %d, %s\n",
+		runtime.Version(), runtime.NumCPU(), runtime.GOMAXPROCS(0), time.Now().Format(time.RFC3339))
+}
+
+// shellArgs quotes args for a shell, each with a leading space.
+func shellArgs(args []string) string {
+	var b strings.Builder
+	for _, a := range args {
+		b.WriteByte(' ')
+		if a != "" && strings.Trim(a, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_=.,/:") == "" {
+			b.WriteString(a)
+		} else {
+			b.WriteString("'" + strings.ReplaceAll(a, "'", `'\''`) + "'")
+		}
+	}
+	return b.String()
+}

@@ -1,0 +1,278 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"slices"
+	"sync"
+	"time"
+)
+
+// outcome is one measured request.
+type outcome struct {
+	job     job
+	latency time.Duration // request sent (or batch fired) → response body read
+	worker  string        // the answer's X-Fake-Worker header
+	err     error         // nil for a 200 answer read to the end
+}
+
+// runResult is one strategy's run of one mode.
+type runResult struct {
+	name     string
+	outcomes []outcome
+	wall     time.Duration // batch: makespan; open: first arrival → last answer; overhead: the measuring window
+	took     time.Duration // the whole run: start-up, warm-up, measuring, shut-down
+	workers  []string      // worker names, for the per-worker columns
+	busy     time.Duration // the fake workers' busy time while measuring (0 for an external router)
+	warmFail int           // warm-up requests that failed
+	err      error         // why the strategy could not run
+}
+
+// measureFunc sends a mode's requests through c and returns what came back
+// and the wall time.
+type measureFunc func(ctx context.Context, c *client) ([]outcome, time.Duration)
+
+// poolSeq numbers the router pools, so every run starts with a fresh one.
+var poolSeq int
+
+// runStrategies runs measure once per strategy, each against a fresh fleet
+// and a freshly loaded router, or once against --router. conns is the
+// number of client connections to keep open.
+func runStrategies(ctx context.Context, o options, measure measureFunc, conns int) []runResult {
+	if o.router != "" {
+		return []runResult{timed(func() runResult { return runExternal(ctx, o, measure, conns) })}
+	}
+	var out []runResult
+	for _, s := range o.strategies {
+		fmt.Fprintf(os.Stderr, "bench: %-26s", s.name)
+		r := timed(func() runResult { return runStrategy(ctx, o, s, measure, conns) })
+		if r.err != nil {
+			fmt.Fprintf(os.Stderr, " not run (%.70s...)\n", r.err)
+		} else {
+			fmt.Fprintf(os.Stderr, " done in %s\n", r.took.Round(100*time.Millisecond))
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+func timed(run func() runResult) runResult {
+	start := time.Now()
+	r := run()
+	r.took = time.Since(start)
+	return r
+}
+
+// runStrategy starts fresh fake workers and the router config of s on a
+// new port with a new pool name, warms it up, measures, and stops both.
+func runStrategy(ctx context.Context, o options, s strategy, measure measureFunc, conns int) runResult {
+	res := runResult{name: s.name}
+	ctx, cancel := context.WithTimeout(ctx, o.timeout)
+	defer cancel()
+	f, err := startFleet(o.speeds, o.unitMs)
+	if err != nil {
+		res.err = err
+		return res
+	}
+	defer f.close()
+	port, err := freePort()
+	if err != nil {
+		res.err = err
+		return res
+	}
+	url := fmt.Sprintf("http://127.0.0.1:%d", port)
+	poolSeq++
+	cfg := s.caddyfile(port, fmt.Sprintf("bench%d", poolSeq), f.urls(), o.maxInflight)
+	if err := startCaddy(ctx, cfg, url); err != nil {
+		res.err = err
+		return res
+	}
+	defer stopCaddy() // before the fleet closes
+
+	c := newClient(url, conns)
+	defer c.close()
+	res.warmFail = warmup(ctx, c, o)
+	before := f.stats()
+	res.outcomes, res.wall = measure(ctx, c)
+	for i, st := range f.stats() {
+		res.busy += st.Busy - before[i].Busy
+		res.workers = append(res.workers, f[i].name)
+	}
+	return res
+}
+
+// runExternal measures the router at --router as it is: its workers and
+// strategy are whatever it runs, and it keeps what it learned between runs.
+func runExternal(ctx context.Context, o options, measure measureFunc, conns int) runResult {
+	res := runResult{name: "router " + o.router}
+	ctx, cancel := context.WithTimeout(ctx, o.timeout)
+	defer cancel()
+	c := newClient(o.router, conns)
+	defer c.close()
+	res.warmFail = warmup(ctx, c, o)
+	res.outcomes, res.wall = measure(ctx, c)
+	for _, oc := range res.outcomes {
+		if oc.worker != "" && !slices.Contains(res.workers, oc.worker) {
+			res.workers = append(res.workers, oc.worker)
+		}
+	}
+	slices.Sort(res.workers)
+	return res
+}
+
+// warmup sends --warmup jobs of the mix at once and waits for them, so that
+// a router that learns worker speeds has seen every worker work. It
+// returns the number that failed.
+func warmup(ctx context.Context, c *client, o options) int {
+	if o.warmup <= 0 {
+		return 0
+	}
+	outs, _ := measureBatch(makeJobs(mixes[o.mix], o.warmup, warmupSeed(o.seed)))(ctx, c)
+	failed := 0
+	for _, oc := range outs {
+		if oc.err != nil {
+			failed++
+		}
+	}
+	return failed
+}
+
+// measureBatch sends all jobs at once, as a rollout step does; latencies
+// run from the moment they were all released, and the wall time is the
+// makespan.
+func measureBatch(jobs []job) measureFunc {
+	return func(ctx context.Context, c *client) ([]outcome, time.Duration) {
+		out := make([]outcome, len(jobs))
+		fire := make(chan struct{})
+		var start time.Time
+		var wg sync.WaitGroup
+		for i, j := range jobs {
+			wg.Go(func() {
+				<-fire
+				out[i] = c.generate(ctx, i, j, start)
+			})
+		}
+		start = time.Now()
+		close(fire) // start is written before any reader wakes
+		wg.Wait()
+		return out, time.Since(start)
+	}
+}
+
+// measureOpen sends job i at arrivals[i] after the start, each on its own,
+// whatever is still in flight.
+func measureOpen(jobs []job, arrivals []time.Duration) measureFunc {
+	return func(ctx context.Context, c *client) ([]outcome, time.Duration) {
+		out := make([]outcome, len(jobs))
+		var wg sync.WaitGroup
+		start := time.Now()
+		for i, j := range jobs {
+			sleepUntil(ctx, start.Add(arrivals[i]))
+			wg.Go(func() { out[i] = c.generate(ctx, i, j, time.Time{}) })
+		}
+		wg.Wait()
+		return out, time.Since(start)
+	}
+}
+
+// measureOverhead runs clients closed loops of the lightest job for d: each
+// client sends its next request as soon as the last one is answered.
+func measureOverhead(clients int, d time.Duration) measureFunc {
+	return func(ctx context.Context, c *client) ([]outcome, time.Duration) {
+		per := make([][]outcome, clients)
+		var wg sync.WaitGroup
+		start := time.Now()
+		deadline := start.Add(d)
+		for k := range per {
+			wg.Go(func() {
+				for i := 0; time.Now().Before(deadline) && ctx.Err() == nil; i++ {
+					per[k] = append(per[k], c.generate(ctx, i, lightJob, time.Time{}))
+				}
+			})
+		}
+		wg.Wait()
+		return slices.Concat(per...), time.Since(start)
+	}
+}
+
+func sleepUntil(ctx context.Context, t time.Time) {
+	d := time.Until(t)
+	if d <= 0 {
+		return
+	}
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+	case <-ctx.Done():
+	}
+}
+
+// client sends generation requests to one router.
+type client struct {
+	url  string
+	http *http.Client
+}
+
+// newClient keeps up to conns idle connections, so that a batch does not
+// open and close connections while being measured. It ignores proxy
+// environment variables.
+func newClient(url string, conns int) *client {
+	tr := &http.Transport{
+		MaxIdleConns:        conns,
+		MaxIdleConnsPerHost: conns,
+		IdleConnTimeout:     time.Minute,
+		DisableCompression:  true,
+	}
+	return &client{url: url, http: &http.Client{Transport: tr}}
+}
+
+func (c *client) close() { c.http.CloseIdleConnections() }
+
+// generate sends job j as POST /v1/images/generations and reads the whole
+// answer. The latency runs from `from`, or from now if from is zero.
+func (c *client) generate(ctx context.Context, i int, j job, from time.Time) outcome {
+	if from.IsZero() {
+		from = time.Now()
+	}
+	oc := outcome{job: j}
+	oc.worker, oc.err = c.post(ctx, i, j)
+	oc.latency = time.Since(from)
+	return oc
+}
+
+func (c *client) post(ctx context.Context, i int, j job) (worker string, err error) {
+	body, err := json.Marshal(map[string]any{
+		"prompt":              fmt.Sprintf("bench prompt %d", i),
+		"size":                j.size(),
+		"num_inference_steps": j.steps,
+		"response_format":     "b64_json",
+	})
+	if err != nil {
+		return "", err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.url+"/v1/images/generations", bytes.NewReader(body))
+	if err != nil {
+		return "", err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	worker = resp.Header.Get("X-Fake-Worker")
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 200))
+		return worker, fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(msg))
+	}
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		return worker, fmt.Errorf("reading the answer: %w", err)
+	}
+	return worker, nil
+}
