@@ -163,6 +163,7 @@ func wireProxy(rp *reverseproxy.Handler, h *Handler) {
 //	    max_eject_time   <duration>
 //	    min_ready        <n>
 //	    retry_on         <status...>
+//	    dashboard        on|off
 //	}
 //
 // workers, admin_allow, weights_path_prefix and retry_on may repeat; each
@@ -303,6 +304,13 @@ var oneValueOptions = map[string]func(*Handler, *caddyfile.Dispenser, string) er
 			return d.Errf("max_body: %q is not a positive size like 64MiB", v)
 		}
 		h.MaxBody = int64(size)
+		return nil
+	},
+	"dashboard": func(h *Handler, d *caddyfile.Dispenser, v string) error {
+		if v != "on" && v != "off" {
+			return d.Errf("dashboard: %q is neither on nor off", v)
+		}
+		h.DashboardOff = v == "off"
 		return nil
 	},
 	"admin_token": func(h *Handler, _ *caddyfile.Dispenser, v string) error {

@@ -22,10 +22,11 @@ import (
 // Every other path goes to a worker.
 func (h *Handler) controlMux() *http.ServeMux {
 	mux := http.NewServeMux()
-	routes := []struct {
+	type route struct {
 		pattern string
 		handler http.HandlerFunc
-	}{
+	}
+	routes := []route{
 		{"GET /health", h.serveHealth},
 		{"GET /readyz", h.serveReady},
 		{"GET /healthz", serveAlive},
@@ -41,6 +42,9 @@ func (h *Handler) controlMux() *http.ServeMux {
 		{"POST /update_weights_from_disk", h.admin(h.serveUpdateWeights)},
 		{"POST /release_memory_occupation", h.admin(h.serveSleep)},
 		{"POST /resume_memory_occupation", h.admin(h.serveWake)},
+	}
+	if !h.DashboardOff {
+		routes = append(routes, route{"GET /dashboard", serveDashboard}, route{"GET /dashboard/data", h.serveDashboardData})
 	}
 	paths := map[string]bool{}
 	for _, rt := range routes {
@@ -130,17 +134,24 @@ type workerJSON struct {
 	PredictionError     float64  `json:"prediction_error"`
 }
 
-func newWorkerJSON(w WorkerInfo) workerJSON {
-	state := w.State.String()
+// stateName names where a worker is: its life cycle state, or dead,
+// unhealthy (failed probes or ejected) or suspect (stalled) while serving.
+func stateName(w WorkerInfo) string {
 	switch {
 	case w.Dead:
-		state = "dead"
+		return "dead"
 	case w.State != serving:
+		return w.State.String()
 	case w.Down, w.Ejected:
-		state = "unhealthy"
+		return "unhealthy"
 	case w.Suspect:
-		state = "suspect"
+		return "suspect"
 	}
+	return "serving"
+}
+
+func newWorkerJSON(w WorkerInfo) workerJSON {
+	state := stateName(w)
 	var lastProbe *string
 	if !w.LastProbe.IsZero() {
 		s := w.LastProbe.UTC().Format(time.RFC3339Nano)

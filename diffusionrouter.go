@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"mime"
 	"net/http"
 	"net/netip"
@@ -166,6 +167,9 @@ type Handler struct {
 	// Default 1.
 	MinReady int `json:"min_ready,omitempty"`
 
+	// DashboardOff turns the status page at /dashboard off.
+	DashboardOff bool `json:"dashboard_off,omitempty"`
+
 	// retryOn lists worker answers that are retried on another worker; it
 	// configures the generated reverse_proxy, so only the Caddyfile sets it.
 	retryOn []int
@@ -207,6 +211,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.pool.declare(h.Workers)
 	h.client = new(http.Client) // every call has its own deadline
 	h.control = h.controlMux()
+	if err := registerMetrics(ctx); err != nil {
+		return err
+	}
 	app, err := ctx.App("diffusion_health")
 	if err != nil {
 		return err
@@ -395,32 +402,59 @@ func (h *Handler) Cleanup() error {
 // ServeHTTP answers control endpoints and sends everything else on to the
 // reverse_proxy that follows.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	class, err := "control", error(nil)
 	if _, pattern := h.control.Handler(r); pattern != "" {
-		h.control.ServeHTTP(w, r) // sets the path values Handler does not
-		return nil
+		h.control.ServeHTTP(rec, r) // sets the path values Handler does not
+	} else {
+		class = endpointClass(r.URL.Path)
+		h.startCatchUps()
+		err = h.forward(rec, r, next)
 	}
-	h.startCatchUps()
-	return h.forward(w, r, next)
+	requests.WithLabelValues(h.pool.name, class, statusClass(rec.status)).Inc()
+	return err
+}
+
+// requestIDHeader carries a request's id: the client's, or one the router
+// makes; the response echoes it and the worker sees it.
+const requestIDHeader = "X-Request-Id"
+
+func requestID(r *http.Request) string {
+	if id := r.Header.Get(requestIDHeader); id != "" && len(id) <= 128 {
+		return id
+	}
+	id := fmt.Sprintf("%016x", rand.Uint64())
+	r.Header.Set(requestIDHeader, id)
+	return id
 }
 
 // forward proxies a request to a worker through next. It first gets the
 // request a worker from the pool (a generation may wait in the pool's queue
 // for one), and releases that worker once the response has been written.
-func (h *Handler) forward(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler) error {
+	arrived := time.Now()
+	id := requestID(r)
+	rec.Header().Set(requestIDHeader, id)
 	t, status, msg := h.ticketFor(r)
 	if status == 0 {
-		status, msg = h.readBody(w, r, t)
+		status, msg = h.readBody(rec, r, t)
 	}
 	if status != 0 {
-		return writeError(w, status, msg)
+		return writeError(rec, status, msg)
 	}
 	if err := h.pool.acquire(r.Context(), t); err != nil {
 		if r.Context().Err() != nil {
 			return nil // the client left while waiting
 		}
 		status, msg := queueError(h.pool, t, err)
-		w.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
-		return writeError(w, status, msg)
+		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
+		return writeError(rec, status, msg)
+	}
+	dispatched := time.Now()
+	routingDecisions.WithLabelValues(h.pool.name, h.Policy).Inc()
+	if ce := h.logger.Check(zap.DebugLevel, "routed"); ce != nil {
+		ce.Write(zap.String("request_id", id), zap.String("worker", t.servedBy), zap.Float64("cost", t.cost),
+			zap.String("strategy", h.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
 	}
 
 	ctx := withTicket(r.Context(), t)
@@ -429,22 +463,52 @@ func (h *Handler) forward(w http.ResponseWriter, r *http.Request, next caddyhttp
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
 		defer cancel()
 	}
-	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, ticket: t}
+	rec.ticket = t
+	released := false
+	release := func(o outcome) {
+		if released {
+			return
+		}
+		released = true
+		if d := h.pool.release(t, o); d > 0 {
+			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.servedBy), zap.Duration("for", d))
+		}
+	}
 	if readsVideoJob(r) {
 		rec.peekLimit = maxVideoResponsePeek
+	} else {
+		// A worker answers once its generation is done: its slot is free
+		// while the answer (megabytes of base64) is still on its way.
+		rec.onHeader = func(status int) { release(outcomeOf(r.Context(), nil, status)) }
 	}
 
 	err := next.ServeHTTP(rec, r.WithContext(ctx))
 	if !h.trackVideoJob(r, t, rec, err) {
-		h.pool.release(t, outcomeOf(r.Context(), err, rec.status))
+		release(outcomeOf(r.Context(), err, rec.status))
 	}
-	if err == nil {
-		return nil
+	if err != nil && rec.status == 0 {
+		err = h.proxyError(ctx, rec, t, err)
 	}
-	if rec.status != 0 {
-		return err // the response has begun; Caddy logs the error
+	if t.job {
+		h.logJob(id, r, t, rec.status, dispatched.Sub(arrived), time.Since(dispatched))
 	}
-	return h.proxyError(ctx, w, t, err)
+	return err // non-nil only when the response had begun; Caddy logs it
+}
+
+// logJob logs a finished generation job and records its metrics. No
+// prompt or image data is logged.
+func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, waited, took time.Duration) {
+	observeJob(h.pool.name, t, waited, took)
+	h.logger.Info("job finished",
+		zap.String("request_id", id),
+		zap.String("endpoint", endpointClass(r.URL.Path)),
+		zap.String("worker", t.servedBy),
+		zap.Float64("cost", t.cost),
+		zap.Duration("queue_wait", waited),
+		zap.Duration("latency", took),
+		zap.Int("status", status),
+		zap.String("weight_version", t.servedVersion),
+	)
 }
 
 // outcomeOf tells how the exchange with the worker ended, as evidence of

@@ -306,18 +306,19 @@ func (p *Pool) checkStalls(cfg *healthConfig) []string {
 
 // noteOutcomeLocked counts the passive evidence of one proxied request:
 // max_fails failures within fail_window eject the worker for eject_time,
-// doubling on each repeat up to max_eject_time; a success resets that.
-func (p *Pool) noteOutcomeLocked(w *Worker, o outcome, cfg *healthConfig) {
+// doubling on each repeat up to max_eject_time; a success resets that. It
+// reports how long the worker is now ejected for, if it is.
+func (p *Pool) noteOutcomeLocked(w *Worker, o outcome, cfg *healthConfig) time.Duration {
 	now := p.now().UnixNano()
 	switch o {
 	case succeeded:
 		w.ejections = 0
-		return
+		return 0
 	case abandoned:
-		return
+		return 0
 	}
 	if cfg == nil || cfg.maxFails == 0 {
-		return
+		return 0
 	}
 	since := now - int64(cfg.failWindow)
 	kept := w.recentFails[:0]
@@ -328,12 +329,14 @@ func (p *Pool) noteOutcomeLocked(w *Worker, o outcome, cfg *healthConfig) {
 	}
 	w.recentFails = append(kept, now)
 	if len(w.recentFails) < cfg.maxFails {
-		return
+		return 0
 	}
 	d := min(cfg.ejectTime<<min(w.ejections, 20), cfg.maxEjectTime)
 	w.ejectedUntil, w.recentFails = now+int64(d), w.recentFails[:0]
 	w.ejections++
+	w.ejected++
 	time.AfterFunc(d, p.dispatch) // jobs may be waiting for it
+	return d
 }
 
 // dispatch hands free slots to waiting jobs.

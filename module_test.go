@@ -41,15 +41,22 @@ func TestMain(m *testing.M) {
 // testRouter is Caddy running in this process with one site on a port the
 // test picked.
 type testRouter struct {
-	t    *testing.T
-	port int
-	base string
+	t       *testing.T
+	port    int
+	base    string
+	globals string // more global options
 }
 
 func startRouter(t *testing.T, site string) *testRouter {
 	t.Helper()
+	return startRouterWith(t, "", site)
+}
+
+// startRouterWith is startRouter with more global options.
+func startRouterWith(t *testing.T, globals, site string) *testRouter {
+	t.Helper()
 	port := freePort(t)
-	r := &testRouter{t: t, port: port, base: fmt.Sprintf("http://127.0.0.1:%d", port)}
+	r := &testRouter{t: t, port: port, base: fmt.Sprintf("http://127.0.0.1:%d", port), globals: globals}
 	r.load(site)
 	t.Cleanup(func() { _ = caddy.Stop() })
 	return r
@@ -59,7 +66,7 @@ func startRouter(t *testing.T, site string) *testRouter {
 // `caddy reload` does.
 func (r *testRouter) load(site string) {
 	r.t.Helper()
-	cfg, err := adaptSite(r.port, site)
+	cfg, err := adaptSite(r.port, r.globals, site)
 	if err != nil {
 		r.t.Fatal(err)
 	}
@@ -70,7 +77,7 @@ func (r *testRouter) load(site string) {
 
 }
 
-func adaptSite(port int, site string) ([]byte, error) {
+func adaptSite(port int, globals, site string) ([]byte, error) {
 	cf := fmt.Sprintf(`{
 	admin off
 	auto_https off
@@ -80,11 +87,12 @@ func adaptSite(port int, site string) ([]byte, error) {
 	log {
 		level ERROR
 	}
+%s
 }
 :%d {
 %s
 }
-`, port, site)
+`, globals, port, site)
 	cfg, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(cf), nil)
 	return cfg, err
 }
@@ -579,7 +587,7 @@ func TestRegisteredWorkersSurviveReload(t *testing.T) {
 
 func TestValidateStartsNothing(t *testing.T) {
 	ws := startWorkers(t, fakeworker.Config{Name: "w"})
-	cfgJSON, err := adaptSite(freePort(t), "diffusion_router validate-pool {\n workers "+urlsOf(ws)+"\n}")
+	cfgJSON, err := adaptSite(freePort(t), "", "diffusion_router validate-pool {\n workers "+urlsOf(ws)+"\n}")
 	if err != nil {
 		t.Fatal(err)
 	}

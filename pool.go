@@ -162,7 +162,9 @@ type Worker struct {
 
 	jobs        []*ticket // jobs in flight, in dispatch order
 	lastFinish  int64     // when a job last ended, Unix nanoseconds
-	served      uint64
+	served      uint64    // requests answered
+	jobsDone    uint64    // generation jobs completed
+	costDone    float64   // their total cost
 	failures    uint64
 	consecFails int
 
@@ -172,6 +174,7 @@ type Worker struct {
 	lastError   string  // of the last probe
 	recentFails []int64 // failed requests within the fail window
 	ejections   uint    // ejections since the last success
+	ejected     uint64  // ejections in all
 
 	taskTypes []string  // from the worker's /v1/models; nil until a probe answers
 	probedAt  time.Time // last capability probe attempt
@@ -212,6 +215,9 @@ type WorkerInfo struct {
 	ProbeFails  int
 	LastProbe   time.Time // zero: never probed
 	LastError   string
+	Jobs        uint64  // generation jobs completed
+	Cost        float64 // their total cost
+	Ejections   uint64
 	Queued      int    // jobs waiting in the pool's queue (the same for every worker)
 	PoolVersion string // the pool's weight version (the same for every worker)
 	UpdatingTo  string // the version an update in progress moves to
@@ -239,6 +245,7 @@ func (p *Pool) infoLocked(w *Worker) WorkerInfo {
 		WorkLeft: p.workLeft(w, now), PredictionError: w.speed.relErr,
 		Down: w.down, Suspect: w.suspect, Ejected: now < w.ejectedUntil,
 		ProbeFails: w.probeFails, LastError: w.lastError,
+		Jobs: w.jobsDone, Cost: w.costDone, Ejections: w.ejected,
 	}
 	if w.lastProbe > 0 {
 		info.LastProbe = time.Unix(0, w.lastProbe)
@@ -484,4 +491,17 @@ func normalizeWorkerURL(raw string) (string, error) {
 		host = "[" + host + "]"
 	}
 	return u.Scheme + "://" + host, nil
+}
+
+// poolStats are the pool-wide figures.
+type poolStats struct {
+	queued    int
+	completed uint64 // jobs completed since the pool was made
+	version   string
+}
+
+func (p *Pool) stats() poolStats {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return poolStats{queued: len(p.queue), completed: p.completions, version: p.version}
 }

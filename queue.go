@@ -137,11 +137,12 @@ func (p *Pool) retry(ctx context.Context, t *ticket) error {
 	return p.acquire(ctx, t)
 }
 
-// release ends t's claim on its worker.
-func (p *Pool) release(t *ticket, o outcome) {
+// release ends t's claim on its worker. It reports how long the worker is
+// ejected for if this failure ejected it.
+func (p *Pool) release(t *ticket, o outcome) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.releaseLocked(t, o)
+	return p.releaseLocked(t, o)
 }
 
 // chooseLocked picks the worker for t by its strategy among the workers that
@@ -224,10 +225,10 @@ func (p *Pool) startLocked(w *Worker, t *ticket, now int64) {
 	w.headCost, w.headSince = t.cost, now
 }
 
-func (p *Pool) releaseLocked(t *ticket, o outcome) {
+func (p *Pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 	w := t.worker
 	if w == nil {
-		return
+		return 0
 	}
 	t.worker = nil
 	for _, released := range p.onRelease {
@@ -242,14 +243,16 @@ func (p *Pool) releaseLocked(t *ticket, o outcome) {
 		w.failures++
 		w.consecFails++
 	}
-	p.noteOutcomeLocked(w, o, t.cfg.health)
+	ejected = p.noteOutcomeLocked(w, o, t.cfg.health)
 	if !t.job {
-		return
+		return ejected
 	}
 	now := p.now().UnixNano()
 	w.lastFinish = now
 	if o == succeeded {
 		w.speed.observe(t.cost, time.Duration(now-t.started), t.predicted)
+		w.jobsDone++
+		w.costDone += t.cost
 		p.completions++
 		// The median changes when a worker learns its first speed, and
 		// slowly otherwise.
@@ -271,6 +274,7 @@ func (p *Pool) releaseLocked(t *ticket, o outcome) {
 		w.suspect = false // the stalled job, if it was one, has ended
 	}
 	p.dispatchLocked()
+	return ejected
 }
 
 // dispatchLocked hands free slots to waiting jobs, in queue order; a job

@@ -45,6 +45,7 @@ const weightVersionHeader = "X-Weight-Version"
 type recorder struct {
 	*caddyhttp.ResponseWriterWrapper
 	ticket    *ticket
+	onHeader  func(status int) // called once the final status is known
 	status    int
 	peekLimit int
 	peek      []byte
@@ -55,8 +56,11 @@ type recorder struct {
 func (rec *recorder) WriteHeader(status int) {
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
-		if v := rec.ticket.servedVersion; v != "" && rec.Header().Get(weightVersionHeader) == "" {
-			rec.Header().Set(weightVersionHeader, v)
+		if t := rec.ticket; t != nil && t.servedVersion != "" && rec.Header().Get(weightVersionHeader) == "" {
+			rec.Header().Set(weightVersionHeader, t.servedVersion)
+		}
+		if rec.onHeader != nil {
+			rec.onHeader(status)
 		}
 	}
 	rec.ResponseWriterWrapper.WriteHeader(status)

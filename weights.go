@@ -82,6 +82,8 @@ func (h *Handler) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
 	log := h.logger.With(zap.String("weight_version", req.version), zap.String("mode", req.mode))
 	log.Info("weight update started")
 	results, err := h.updateWeights(r.Context(), req)
+	outcome := outcomeName(err, results)
+	weightUpdates.WithLabelValues(h.pool.name, "update_weights", outcome).Inc()
 	switch {
 	case errors.Is(err, errNoWorker):
 		_ = writeError(w, http.StatusServiceUnavailable, errNoWorker.Error())
@@ -103,6 +105,21 @@ func (h *Handler) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
 	}
 	log.Info("weight update done", zap.Int("status", code))
 	_ = writeJSON(w, code, map[string]any{"success": code == http.StatusOK, "weight_version": req.version, "results": results})
+}
+
+// outcomeName names how a fleet operation ended, for its metric.
+func outcomeName(err error, results []result) string {
+	switch {
+	case errors.Is(err, errNoWorker):
+		return "no_workers"
+	case errors.Is(err, errDrainTimeout):
+		return "drain_timeout"
+	case err != nil:
+		return "abandoned"
+	case slices.ContainsFunc(results, func(r result) bool { return !r.ok }):
+		return "partial"
+	}
+	return "success"
 }
 
 // readWeightsRequest checks an update body: a JSON object whose model_path
@@ -352,6 +369,7 @@ func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, path strin
 	targets, total := p.inState(from)
 	switch {
 	case total == 0:
+		weightUpdates.WithLabelValues(p.name, operation(to), "no_workers").Inc()
 		_ = writeError(w, http.StatusServiceUnavailable, "No workers registered in the pool")
 		return
 	case len(targets) == 0: // nothing to change: calling twice is harmless
@@ -363,6 +381,7 @@ func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, path strin
 		err := p.waitIdle(r.Context(), targets, h.weights.drainTimeout)
 		if err != nil {
 			p.endUpdate(nil, nil, weightsRequest{})
+			weightUpdates.WithLabelValues(p.name, operation(to), "drain_timeout").Inc()
 			_ = writeError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", h.weights.drainTimeout))
 			return
 		}
@@ -376,8 +395,17 @@ func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, path strin
 	if slices.ContainsFunc(results, func(res result) bool { return !res.ok }) {
 		code = http.StatusBadGateway
 	}
+	weightUpdates.WithLabelValues(p.name, operation(to), outcomeName(nil, results)).Inc()
 	h.logger.Info("workers "+to.String(), zap.Int("workers", len(targets)), zap.Int("status", code))
 	_ = writeJSON(w, code, map[string]any{"success": code == http.StatusOK, "results": results})
+}
+
+// operation names a sleep or wake for its metric.
+func operation(to workerState) string {
+	if to == sleeping {
+		return "sleep"
+	}
+	return "wake"
 }
 
 // inState returns the workers (not marked dead) in state s, and the size of

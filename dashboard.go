@@ -1,0 +1,46 @@
+package diffusionrouter
+
+import (
+	_ "embed"
+	"net/http"
+	"time"
+)
+
+// dashboardPage is the status page: one self-contained HTML file, no CDN
+// and no build step, so it works on an offline cluster.
+//
+//go:embed dashboard.html
+var dashboardPage []byte
+
+// serveDashboard is GET /dashboard.
+func serveDashboard(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-cache")
+	_, _ = w.Write(dashboardPage)
+}
+
+// serveDashboardData is GET /dashboard/data: the pool now, polled by the
+// status page, which draws its charts from successive answers.
+func (h *Handler) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
+	workers := h.pool.snapshot()
+	out := make([]workerJSON, len(workers))
+	serving := 0
+	for i, wk := range workers {
+		out[i] = newWorkerJSON(wk)
+		if out[i].State == "serving" {
+			serving++
+		}
+	}
+	stats := h.pool.stats()
+	_ = writeJSON(w, http.StatusOK, map[string]any{
+		"pool":            h.pool.name,
+		"policy":          h.Policy,
+		"time":            time.Now().UnixMilli(),
+		"queued":          stats.queued,
+		"completed_jobs":  stats.completed,
+		"serving_workers": serving,
+		"total_workers":   len(workers),
+		"weight_version":  stats.version,
+		"workers":         out,
+	})
+}

@@ -1,0 +1,194 @@
+package diffusionrouter
+
+import (
+	"errors"
+	"strconv"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics, in Caddy's registry, so they appear on the admin /metrics
+// endpoint and through the metrics directive. Per-worker series are read
+// from the pools when scraped, so a removed worker's series disappear with
+// it; the rest are counters and histograms labelled by pool, endpoint class
+// and status class only, never by request, prompt or raw path.
+
+const namespace, subsystem = "caddy", "diffusion"
+
+var (
+	// Seconds to many minutes: an image takes seconds, a video minutes.
+	latencyBuckets = []float64{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 3600}
+
+	queueWait = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "queue_wait_seconds",
+		Help:    "Time generation jobs waited in the router's queue for a worker.",
+		Buckets: latencyBuckets,
+	}, []string{"pool"})
+	jobDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "job_duration_seconds",
+		Help:    "Time from handing a generation job to a worker to the end of its response.",
+		Buckets: latencyBuckets,
+	}, []string{"pool"})
+	predictionError = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "prediction_error_ratio",
+		Help:    "|predicted - actual| / actual running time of completed jobs.",
+		Buckets: []float64{0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10},
+	}, []string{"pool"})
+	routingDecisions = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "routing_decisions_total",
+		Help: "Requests given a worker, by routing strategy.",
+	}, []string{"pool", "strategy"})
+	weightUpdates = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "weight_updates_total",
+		Help: "Weight updates, sleeps and wakes by outcome (success, partial, drain_timeout, no_workers).",
+	}, []string{"pool", "operation", "outcome"})
+	requests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "requests_total",
+		Help: "Requests by endpoint class and status class.",
+	}, []string{"pool", "endpoint", "code"})
+
+	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, poolCollector{}}
+)
+
+// registerMetrics adds the collectors to the config's registry. Each config
+// load has a new registry, and several handlers may share one.
+func registerMetrics(ctx caddy.Context) error {
+	reg := ctx.GetMetricsRegistry()
+	if reg == nil {
+		return nil
+	}
+	for _, c := range collectors {
+		if err := reg.Register(c); err != nil && !errors.As(err, new(prometheus.AlreadyRegisteredError)) {
+			return err
+		}
+	}
+	return nil
+}
+
+// Per-worker and per-pool series, read from the pools at scrape time.
+var (
+	workerLabels = []string{"pool", "worker"}
+
+	descInflight  = newDesc("worker_inflight_jobs", "Generation jobs in flight on the worker.", workerLabels...)
+	descWorkLeft  = newDesc("worker_predicted_work_seconds", "Predicted time for the worker to finish its jobs.", workerLabels...)
+	descSpeed     = newDesc("worker_speed", "Learned speed, in cost units (one 1024x1024 image step) per second.", workerLabels...)
+	descState     = newDesc("worker_state", "1 for the worker's state, 0 for the others.", "pool", "worker", "state")
+	descVersion   = newDesc("worker_weight_version_info", "The weight version the worker serves, as a label.", "pool", "worker", "version")
+	descJobs      = newDesc("worker_jobs_total", "Generation jobs the worker completed.", workerLabels...)
+	descCost      = newDesc("worker_cost_total", "Cost units of the jobs the worker completed.", workerLabels...)
+	descFailures  = newDesc("worker_failures_total", "Failed requests to the worker (connection errors, 502, 503).", workerLabels...)
+	descEjections = newDesc("worker_ejections_total", "Times the worker was ejected for failed requests.", workerLabels...)
+	descQueue     = newDesc("queue_length", "Generation jobs waiting in the pool's queue.", "pool")
+	descServing   = newDesc("serving_workers", "Workers of the pool that may be given jobs.", "pool")
+
+	// stateLabels are the values of the state label.
+	stateLabels = []string{"serving", "draining", "updating", "stale", "sleeping", "unhealthy", "suspect", "dead"}
+)
+
+func newDesc(name, help string, labels ...string) *prometheus.Desc {
+	return prometheus.NewDesc(prometheus.BuildFQName(namespace, subsystem, name), help, labels, nil)
+}
+
+// poolCollector reports every live pool's workers.
+type poolCollector struct{}
+
+// Describe sends the descriptors of the per-worker series.
+func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descServing} {
+		ch <- d
+	}
+}
+
+// Collect reads the pools now.
+func (poolCollector) Collect(ch chan<- prometheus.Metric) {
+	pools.Range(func(_, v any) bool {
+		p := v.(*Pool)
+		serving := 0
+		for _, w := range p.snapshot() {
+			collectWorker(ch, p.name, w)
+			if stateName(w) == "serving" {
+				serving++
+			}
+		}
+		ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, float64(p.stats().queued), p.name)
+		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(serving), p.name)
+		return true
+	})
+}
+
+func collectWorker(ch chan<- prometheus.Metric, pool string, w WorkerInfo) {
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, append([]string{pool, w.URL}, labels...)...)
+	}
+	counter := func(d *prometheus.Desc, v float64) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, pool, w.URL)
+	}
+	gauge(descInflight, float64(w.Inflight))
+	gauge(descWorkLeft, w.WorkLeft/w.Speed)
+	gauge(descSpeed, w.Speed)
+	state := stateName(w)
+	for _, s := range stateLabels {
+		gauge(descState, boolFloat(s == state), s)
+	}
+	if w.Version != "" {
+		gauge(descVersion, 1, w.Version)
+	}
+	counter(descJobs, float64(w.Jobs))
+	counter(descCost, w.Cost)
+	counter(descFailures, float64(w.Failures))
+	counter(descEjections, float64(w.Ejections))
+}
+
+func boolFloat(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// endpointClass names the kind of endpoint a request went to; raw paths
+// would make unbounded label values.
+func endpointClass(path string) string {
+	if _, ok := videoJobID(path); ok {
+		return "video_job"
+	}
+	switch path {
+	case "/v1/images/generations":
+		return "images"
+	case "/v1/images/edits":
+		return "image_edits"
+	case "/v1/videos":
+		return "videos"
+	case "/v1/diffusion/generate":
+		return "diffusion"
+	case "/rollout/generate":
+		return "rollout"
+	}
+	return "other"
+}
+
+// statusClass is 2xx, 4xx, ...
+func statusClass(status int) string {
+	if status == 0 {
+		status = 499 // nothing was written: the client left
+	}
+	return strconv.Itoa(status/100) + "xx"
+}
+
+// observeJob records the metrics of a finished generation job.
+func observeJob(pool string, t *ticket, waited, took time.Duration) {
+	queueWait.WithLabelValues(pool).Observe(waited.Seconds())
+	jobDuration.WithLabelValues(pool).Observe(took.Seconds())
+	if t.predicted > 0 && took > 0 {
+		predictionError.WithLabelValues(pool).Observe(absDuration(t.predicted-took).Seconds() / took.Seconds())
+	}
+}
+
+func absDuration(d time.Duration) time.Duration {
+	if d < 0 {
+		return -d
+	}
+	return d
+}

@@ -1,0 +1,190 @@
+package diffusionrouter
+
+import (
+	"bufio"
+	"encoding/json"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+)
+
+// metricsSite serves Caddy's metrics at /metrics beside the router.
+func metricsSite(router string) string {
+	return "handle /metrics {\n metrics\n}\nhandle {\n" + router + "\n}"
+}
+
+// metric is one sample of the Prometheus text format.
+type metric struct {
+	labels map[string]string
+	value  float64
+}
+
+// scrape reads the named series from the router's /metrics.
+func scrape(t *testing.T, r *testRouter, name string) []metric {
+	t.Helper()
+	rp := r.get("/metrics")
+	expectStatus(t, "metrics", rp, 200)
+	var out []metric
+	sc := bufio.NewScanner(strings.NewReader(string(rp.body)))
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, name+"{") && !strings.HasPrefix(line, name+" ") {
+			continue
+		}
+		m := metric{labels: map[string]string{}}
+		series, value, _ := strings.Cut(line[len(name):], " ")
+		m.value, _ = strconv.ParseFloat(value, 64)
+		for _, pair := range strings.Split(strings.Trim(series, "{}"), `",`) {
+			if k, v, ok := strings.Cut(pair, `="`); ok {
+				m.labels[k] = strings.TrimSuffix(v, `"`)
+			}
+		}
+		out = append(out, m)
+	}
+	return out
+}
+
+// value is the sum of the series of name whose labels include want.
+func value(t *testing.T, r *testRouter, name string, want map[string]string) float64 {
+	t.Helper()
+	sum := 0.0
+	for _, m := range scrape(t, r, name) {
+		match := true
+		for k, v := range want {
+			match = match && m.labels[k] == v
+		}
+		if match {
+			sum += m.value
+		}
+	}
+	return sum
+}
+
+func TestMetricsCountWhatHappened(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	r := startRouter(t, metricsSite("diffusion_router metrics-pool {\n workers "+urlsOf(ws)+"\n}"))
+	for range 3 {
+		expectStatus(t, "image", r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":2}`), 200)
+	}
+	expectStatus(t, "bad JSON", r.post("/v1/images/generations", `{`), 400)
+	expectStatus(t, "workers", r.get("/workers"), 200)
+	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/m","weight_version":"m1"}`), 200)
+
+	pool := map[string]string{"pool": "metrics-pool"}
+	with := func(kv ...string) map[string]string {
+		m := map[string]string{"pool": "metrics-pool"}
+		for i := 0; i < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return m
+	}
+	for _, c := range []struct {
+		name string
+		want map[string]string
+		v    float64
+	}{
+		{"caddy_diffusion_requests_total", with("endpoint", "images", "code", "2xx"), 3},
+		{"caddy_diffusion_requests_total", with("endpoint", "images", "code", "4xx"), 1},
+		{"caddy_diffusion_requests_total", with("endpoint", "control", "code", "2xx"), 2},
+		{"caddy_diffusion_routing_decisions_total", with("strategy", "least_work"), 3},
+		{"caddy_diffusion_worker_jobs_total", pool, 3},
+		{"caddy_diffusion_worker_cost_total", pool, 6}, // 3 jobs of 1024² x 2 steps
+		{"caddy_diffusion_job_duration_seconds_count", pool, 3},
+		{"caddy_diffusion_queue_wait_seconds_count", pool, 3},
+		{"caddy_diffusion_prediction_error_ratio_count", pool, 3},
+		{"caddy_diffusion_weight_updates_total", with("operation", "update_weights", "outcome", "success"), 1},
+		{"caddy_diffusion_worker_weight_version_info", with("version", "m1"), 2},
+		{"caddy_diffusion_worker_state", with("state", "serving"), 2},
+		{"caddy_diffusion_worker_state", with("state", "unhealthy"), 0},
+		{"caddy_diffusion_serving_workers", pool, 2},
+		{"caddy_diffusion_queue_length", pool, 0},
+		{"caddy_diffusion_worker_inflight_jobs", pool, 0},
+		{"caddy_diffusion_worker_failures_total", pool, 0},
+	} {
+		if got := value(t, r, c.name, c.want); got != c.v {
+			t.Errorf("%s%v = %v, want %v", c.name, c.want, got, c.v)
+		}
+	}
+	if speeds := scrape(t, r, "caddy_diffusion_worker_speed"); len(speeds) != 2 {
+		t.Errorf("%d speed series; want one per worker", len(speeds))
+	}
+}
+
+func TestMetricsOfRemovedWorkerDisappear(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	r := startRouter(t, metricsSite("diffusion_router removal-pool {\n workers "+ws[0].URL()+"\n}"))
+	expectStatus(t, "register", r.post("/workers", `{"url":"`+ws[1].URL()+`"}`), 200)
+	series := func() int { return len(scrape(t, r, "caddy_diffusion_worker_inflight_jobs")) }
+	if n := series(); n != 2 {
+		t.Fatalf("%d in-flight series with two workers", n)
+	}
+	expectStatus(t, "remove", do(t, "DELETE", r.base+"/workers/"+url.QueryEscape(ws[1].URL()), nil), 200)
+	for _, m := range scrape(t, r, "caddy_diffusion_worker_state") {
+		if m.labels["worker"] == ws[1].URL() {
+			t.Fatalf("removed worker still has series: %v", m.labels)
+		}
+	}
+	if n := series(); n != 1 {
+		t.Fatalf("%d in-flight series after removing one of two workers", n)
+	}
+}
+
+func TestMetricsSurviveReloads(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{})
+	site := metricsSite("diffusion_router reload-pool {\n workers " + urlsOf(ws) + "\n}")
+	r := startRouter(t, site)
+	for i := range 5 {
+		r.load(site + "\n# reload " + strconv.Itoa(i))
+		expectStatus(t, "image", r.post("/v1/images/generations", smallImage), 200)
+	}
+	if got := value(t, r, "caddy_diffusion_worker_jobs_total", map[string]string{"pool": "reload-pool"}); got != 5 {
+		t.Fatalf("jobs after 5 reloads: %v", got)
+	}
+}
+
+func TestFinishedJobIsLogged(t *testing.T) {
+	logFile := filepath.Join(t.TempDir(), "router.log")
+	ws := startWorkers(t, fakeworker.Config{Name: "a"})
+	jobLog := "log jobs {\n output file " + logFile + "\n format json\n level INFO\n include http.handlers.diffusion_router\n}"
+	r := startRouterWith(t, jobLog, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	rp := r.post("/v1/images/generations", `{"prompt":"a secret prompt","size":"512x512","num_inference_steps":4}`, requestIDHeader, "req-42")
+	expectStatus(t, "image", rp, 200)
+	if rp.header.Get(requestIDHeader) != "req-42" {
+		t.Fatalf("request id echoed as %q", rp.header.Get(requestIDHeader))
+	}
+	if id := r.post("/v1/images/generations", smallImage).header.Get(requestIDHeader); len(id) != 16 {
+		t.Fatalf("generated request id %q", id)
+	}
+	var entry map[string]any
+	waitFor(t, func() bool {
+		data, _ := os.ReadFile(logFile)
+		for _, line := range strings.Split(string(data), "\n") {
+			if strings.Contains(line, "a secret prompt") {
+				t.Fatal("the prompt was logged")
+			}
+			if strings.Contains(line, `"job finished"`) && strings.Contains(line, "req-42") {
+				return json.Unmarshal([]byte(line), &entry) == nil
+			}
+		}
+		return false
+	})
+	for k, want := range map[string]any{
+		"request_id": "req-42", "endpoint": "images", "worker": ws[0].URL(),
+		"cost": 1.0, "status": 200.0, "weight_version": oldVersion,
+	} {
+		if entry[k] != want {
+			t.Errorf("log field %s = %v, want %v", k, entry[k], want)
+		}
+	}
+	for _, k := range []string{"queue_wait", "latency"} {
+		if _, ok := entry[k].(float64); !ok {
+			t.Errorf("log field %s = %v", k, entry[k])
+		}
+	}
+}
