@@ -180,6 +180,7 @@ type Handler struct {
 	costs    costModel
 	weights  weightsConfig
 	health   healthConfig
+	metrics  poolMetrics
 	allow    []netip.Prefix
 	token    string
 	control  *http.ServeMux
@@ -214,6 +215,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
+	h.metrics = newPoolMetrics(p.name, h.Policy)
 	app, err := ctx.App("diffusion_health")
 	if err != nil {
 		return err
@@ -411,7 +413,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		h.startCatchUps()
 		err = h.forward(rec, r, next)
 	}
-	requests.WithLabelValues(h.pool.name, class, statusClass(rec.status)).Inc()
+	h.metrics.requests.WithLabelValues(class, statusClass(rec.status)).Inc()
 	return err
 }
 
@@ -451,7 +453,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler
 		return writeError(rec, status, msg)
 	}
 	dispatched := time.Now()
-	routingDecisions.WithLabelValues(h.pool.name, h.Policy).Inc()
+	h.metrics.decisions.Inc()
 	if ce := h.logger.Check(zap.DebugLevel, "routed"); ce != nil {
 		ce.Write(zap.String("request_id", id), zap.String("worker", t.servedBy), zap.Float64("cost", t.cost),
 			zap.String("strategy", h.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
@@ -498,8 +500,12 @@ func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler
 // logJob logs a finished generation job and records its metrics. No
 // prompt or image data is logged.
 func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, waited, took time.Duration) {
-	observeJob(h.pool.name, t, waited, took)
-	h.logger.Info("job finished",
+	h.metrics.observeJob(t, waited, took)
+	ce := h.logger.Check(zap.InfoLevel, "job finished")
+	if ce == nil {
+		return
+	}
+	ce.Write(
 		zap.String("request_id", id),
 		zap.String("endpoint", endpointClass(r.URL.Path)),
 		zap.String("worker", t.servedBy),

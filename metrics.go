@@ -177,12 +177,30 @@ func statusClass(status int) string {
 	return strconv.Itoa(status/100) + "xx"
 }
 
+// poolMetrics are one handler's series, looked up once rather than on
+// every request.
+type poolMetrics struct {
+	queueWait, jobDuration, predictionError prometheus.Observer
+	decisions                               prometheus.Counter
+	requests                                *prometheus.CounterVec // by endpoint and code
+}
+
+func newPoolMetrics(pool, strategy string) poolMetrics {
+	return poolMetrics{
+		queueWait:       queueWait.WithLabelValues(pool),
+		jobDuration:     jobDuration.WithLabelValues(pool),
+		predictionError: predictionError.WithLabelValues(pool),
+		decisions:       routingDecisions.WithLabelValues(pool, strategy),
+		requests:        requests.MustCurryWith(prometheus.Labels{"pool": pool}),
+	}
+}
+
 // observeJob records the metrics of a finished generation job.
-func observeJob(pool string, t *ticket, waited, took time.Duration) {
-	queueWait.WithLabelValues(pool).Observe(waited.Seconds())
-	jobDuration.WithLabelValues(pool).Observe(took.Seconds())
+func (m poolMetrics) observeJob(t *ticket, waited, took time.Duration) {
+	m.queueWait.Observe(waited.Seconds())
+	m.jobDuration.Observe(took.Seconds())
 	if t.predicted > 0 && took > 0 {
-		predictionError.WithLabelValues(pool).Observe(absDuration(t.predicted-took).Seconds() / took.Seconds())
+		m.predictionError.Observe(absDuration(t.predicted-took).Seconds() / took.Seconds())
 	}
 }
 
