@@ -503,5 +503,25 @@ type poolStats struct {
 func (p *Pool) stats() poolStats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return poolStats{queued: len(p.queue), completed: p.completions, version: p.version}
+	return poolStats{queued: len(p.queue), completed: p.completions, version: p.versionLocked()}
+}
+
+// versionLocked is the pool's weight version: that of the last update, or
+// before any, the one most workers report.
+func (p *Pool) versionLocked() string {
+	if p.version != "" {
+		return p.version
+	}
+	count := map[string]int{}
+	best := ""
+	for _, w := range p.workers {
+		if w.version == "" {
+			continue
+		}
+		count[w.version]++
+		if count[w.version] > count[best] {
+			best = w.version
+		}
+	}
+	return best
 }
