@@ -209,7 +209,7 @@ func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		"unhealthy_workers": inState["unhealthy"],
 		"suspect_workers":   inState["suspect"],
 		"queued_requests":   last.Queued,
-		"weight_version":    last.PoolVersion,
+		"weight_version":    h.pool.stats().version,
 		"updating_to":       last.UpdatingTo,
 	})
 }

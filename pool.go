@@ -219,7 +219,6 @@ type WorkerInfo struct {
 	Cost        float64 // their total cost
 	Ejections   uint64
 	Queued      int    // jobs waiting in the pool's queue (the same for every worker)
-	PoolVersion string // the pool's weight version (the same for every worker)
 	UpdatingTo  string // the version an update in progress moves to
 
 	Speed           float64 // learned cost units per second; the pool's median while unknown
@@ -240,8 +239,8 @@ func (p *Pool) infoLocked(w *Worker) WorkerInfo {
 		State: w.state, Version: w.version, Inflight: w.inflight, Served: w.served,
 		Failures: w.failures, ConsecFails: w.consecFails,
 		TaskTypes: slices.Clone(w.taskTypes), Queued: len(p.queue),
-		PoolVersion: p.version, UpdatingTo: p.target,
-		Speed: p.speedOf(w), SpeedLearned: w.speed.value > 0,
+		UpdatingTo: p.target,
+		Speed:      p.speedOf(w), SpeedLearned: w.speed.value > 0,
 		WorkLeft: p.workLeft(w, now), PredictionError: w.speed.relErr,
 		Down: w.down, Suspect: w.suspect, Ejected: now < w.ejectedUntil,
 		ProbeFails: w.probeFails, LastError: w.lastError,
