@@ -197,21 +197,57 @@ func (f fields) positiveInt(name string, def int) (int, error) {
 func jsonFields(body []byte) (fields, error) {
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
-	var f fields
-	if err := dec.Decode(&f); err != nil || dec.More() {
+	var c costFields
+	if err := dec.Decode(&c); err != nil || dec.More() {
+		if _, ok := errors.AsType[*json.UnmarshalTypeError](err); ok && !bytes.HasPrefix(bytes.TrimSpace(body), []byte("{")) {
+			return nil, errors.New("request body must be a JSON object")
+		}
 		return nil, errors.New("Invalid JSON body")
 	}
-	if f == nil {
+	if !bytes.HasPrefix(bytes.TrimSpace(body), []byte("{")) {
 		return nil, errors.New("request body must be a JSON object")
 	}
-	if extra, ok := f["extra_body"].(map[string]any); ok {
-		for k, v := range extra {
-			if _, set := f[k]; !set {
-				f[k] = v
-			}
-		}
+	f := fields{}
+	c.addTo(f)
+	if c.ExtraBody != nil {
+		c.ExtraBody.addTo(f)
 	}
 	return f, nil
+}
+
+// costFields are the fields of a JSON body the cost model reads; the rest
+// (the prompt, inline images) is skipped rather than copied.
+type costFields struct {
+	Size                any         `json:"size"`
+	Width               any         `json:"width"`
+	Height              any         `json:"height"`
+	NumInferenceSteps   any         `json:"num_inference_steps"`
+	N                   any         `json:"n"`
+	NumOutputsPerPrompt any         `json:"num_outputs_per_prompt"`
+	NumFrames           any         `json:"num_frames"`
+	FPS                 any         `json:"fps"`
+	Seconds             any         `json:"seconds"`
+	GuidanceScale       any         `json:"guidance_scale"`
+	TrueCFGScale        any         `json:"true_cfg_scale"`
+	ExtraBody           *costFields `json:"extra_body"`
+}
+
+// addTo adds the fields c has to f, leaving those f has alone.
+func (c *costFields) addTo(f fields) {
+	type field struct {
+		name string
+		v    any
+	}
+	for _, fd := range [...]field{
+		{"size", c.Size}, {"width", c.Width}, {"height", c.Height},
+		{"num_inference_steps", c.NumInferenceSteps}, {"n", c.N}, {"num_outputs_per_prompt", c.NumOutputsPerPrompt},
+		{"num_frames", c.NumFrames}, {"fps", c.FPS}, {"seconds", c.Seconds},
+		{"guidance_scale", c.GuidanceScale}, {"true_cfg_scale", c.TrueCFGScale},
+	} {
+		if _, set := f[fd.name]; fd.v != nil && !set {
+			f[fd.name] = fd.v
+		}
+	}
 }
 
 // formFields reads the plain fields of a multipart body; file parts are

@@ -406,7 +406,7 @@ func (h *Handler) Cleanup() error {
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	class, err := "control", error(nil)
-	if _, pattern := h.control.Handler(r); pattern != "" {
+	if h.isControl(r) {
 		h.control.ServeHTTP(rec, r) // sets the path values Handler does not
 	} else {
 		class = endpointClass(r.URL.Path)
@@ -417,6 +417,16 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	return err
 }
 
+// isControl reports whether the router answers r itself. Generation paths
+// skip the lookup: they are the bulk of the traffic and never control.
+func (h *Handler) isControl(r *http.Request) bool {
+	if generationPaths[r.URL.Path] || strings.HasPrefix(r.URL.Path, "/v1/videos/") {
+		return false
+	}
+	_, pattern := h.control.Handler(r)
+	return pattern != ""
+}
+
 // requestIDHeader carries a request's id: the client's, or one the router
 // makes; the response echoes it and the worker sees it.
 const requestIDHeader = "X-Request-Id"
@@ -425,7 +435,7 @@ func requestID(r *http.Request) string {
 	if id := r.Header.Get(requestIDHeader); id != "" && len(id) <= 128 {
 		return id
 	}
-	id := fmt.Sprintf("%016x", rand.Uint64())
+	id := strconv.FormatUint(rand.Uint64()|1<<63, 16) // 16 hex digits
 	r.Header.Set(requestIDHeader, id)
 	return id
 }

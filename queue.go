@@ -82,11 +82,12 @@ type waiter struct {
 // leaves, or the queue timeout passes.
 func (p *Pool) acquire(ctx context.Context, t *ticket) error {
 	p.mu.Lock()
-	w, _ := p.chooseLocked(t)
-	if w != nil {
-		p.assignLocked(t, w)
-		p.mu.Unlock()
-		return nil
+	if len(p.queue) == 0 || !t.job { // a job never overtakes waiting ones
+		if w, _ := p.chooseLocked(t); w != nil {
+			p.assignLocked(t, w)
+			p.mu.Unlock()
+			return nil
+		}
 	}
 	if !t.job || !p.couldServeLocked(t) {
 		p.mu.Unlock()
@@ -100,6 +101,7 @@ func (p *Pool) acquire(ctx context.Context, t *ticket) error {
 		return errQueueFull
 	}
 	wt := p.enqueueLocked(t)
+	p.dispatchLocked() // a prefetch slot may be free for the queue's head
 	p.mu.Unlock()
 
 	var expired <-chan time.Time
@@ -152,8 +154,8 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 	now := p.now().UnixNano()
 	if t.pin != "" {
 		w := p.find(t.pin)
-		if w == nil || !t.admits(w, now) || !t.fits(w) {
-			return nil, w != nil && t.fits(w)
+		if w == nil || !t.admits(w, now) || !p.fits(t, w, now) {
+			return nil, w != nil && p.fits(t, w, now)
 		}
 		return w, true
 	}
@@ -163,7 +165,7 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 	cands := p.cands[:0]
 	anyFree := false
 	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
-		if !w.serving(now) || !t.fits(w) {
+		if !w.serving(now) || !p.fits(t, w, now) {
 			continue
 		}
 		anyFree = true
@@ -179,9 +181,22 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 	return cands[t.cfg.strategy.pick(p, t, cands, now)], true
 }
 
-// fits reports whether w has a slot for t; only jobs take slots.
-func (t *ticket) fits(w *Worker) bool {
-	return !t.job || t.cfg.maxInflight == 0 || w.inflight < t.cfg.maxInflight
+// prefetchWindow: a worker whose jobs are predicted to end within it gets
+// its next job already, one beyond max_inflight, so that the round trip of
+// handing it over does not leave the worker idle. Against jobs of seconds,
+// the wait this can add behind a job is negligible.
+const prefetchWindow = 5 * time.Millisecond
+
+// fits reports whether w has a slot for t at now; only jobs take slots.
+func (p *Pool) fits(t *ticket, w *Worker, now int64) bool {
+	limit := t.cfg.maxInflight
+	switch {
+	case !t.job || limit == 0 || w.inflight < limit:
+		return true
+	case w.inflight > limit:
+		return false
+	}
+	return p.workLeft(w, now)/p.speedOf(w) < prefetchWindow.Seconds()
 }
 
 // admits reports whether w may serve t's request at now.
