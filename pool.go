@@ -152,6 +152,7 @@ type Worker struct {
 	work         float64     // their total cost
 	headCost     float64     // cost of the oldest of them: the one running
 	headSince    int64       // when it started running, Unix nanoseconds
+	endsAt       int64       // when its jobs are predicted to be done, Unix nanoseconds
 	speed        speedEstimate
 
 	url        string // normalized: scheme://host[:port]

@@ -154,8 +154,9 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 	now := p.now().UnixNano()
 	if t.pin != "" {
 		w := p.find(t.pin)
-		if w == nil || !t.admits(w, now) || !p.fits(t, w, now) {
-			return nil, w != nil && p.fits(t, w, now)
+		fitting := w != nil && fits(t.job, t.cfg.maxInflight, w, now)
+		if !fitting || !t.admits(w, now) {
+			return nil, fitting
 		}
 		return w, true
 	}
@@ -164,8 +165,9 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 	}
 	cands := p.cands[:0]
 	anyFree := false
+	job, limit := t.job, t.cfg.maxInflight
 	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
-		if !w.serving(now) || !p.fits(t, w, now) {
+		if !fits(job, limit, w, now) || !w.serving(now) {
 			continue
 		}
 		anyFree = true
@@ -187,16 +189,19 @@ func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
 // the wait this can add behind a job is negligible.
 const prefetchWindow = 5 * time.Millisecond
 
-// fits reports whether w has a slot for t at now; only jobs take slots.
-func (p *Pool) fits(t *ticket, w *Worker, now int64) bool {
-	limit := t.cfg.maxInflight
-	switch {
-	case !t.job || limit == 0 || w.inflight < limit:
+// fits reports whether w has a slot at now for a request (a job, or not)
+// under a limit of jobs per worker (0: none); only jobs take slots.
+func fits(job bool, limit int, w *Worker, now int64) bool {
+	if !job || limit == 0 || w.inflight < limit {
 		return true
-	case w.inflight > limit:
-		return false
 	}
-	return p.workLeft(w, now)/p.speedOf(w) < prefetchWindow.Seconds()
+	return w.inflight == limit && w.endsAt-now < int64(prefetchWindow)
+}
+
+// updateEndsLocked predicts when w's jobs will be done, from when the
+// running one started: what fits checks for every full worker.
+func (p *Pool) updateEndsLocked(w *Worker) {
+	w.endsAt = w.headSince + int64(w.work/p.speedOf(w)*float64(time.Second))
 }
 
 // admits reports whether w may serve t's request at now.
@@ -231,6 +236,7 @@ func (p *Pool) assignLocked(t *ticket, w *Worker) {
 	w.jobs = append(w.jobs, t)
 	w.work += t.cost
 	t.predicted = time.Duration(t.cost / p.speedOf(w) * float64(time.Second))
+	p.updateEndsLocked(w)
 }
 
 // startLocked notes that t has reached the head of w's jobs: a worker runs
@@ -288,6 +294,7 @@ func (p *Pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 	if wasHead {
 		w.suspect = false // the stalled job, if it was one, has ended
 	}
+	p.updateEndsLocked(w)
 	p.dispatchLocked()
 	return ejected
 }
