@@ -1,6 +1,7 @@
 package diffusionrouter
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -330,23 +331,10 @@ func (p *Pool) enqueueLocked(t *ticket) *waiter {
 		wt.key = t.cost
 	}
 	i, _ := slices.BinarySearchFunc(p.queue, wt, func(a, b *waiter) int {
-		if a.key != b.key {
-			return cmpFloat(a.key, b.key)
-		}
-		return cmpFloat(float64(a.seq), float64(b.seq))
+		return cmp.Or(cmp.Compare(a.key, b.key), cmp.Compare(a.seq, b.seq))
 	})
 	p.queue = slices.Insert(p.queue, i, wt)
 	return wt
-}
-
-func cmpFloat(a, b float64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 // dequeueLocked takes a waiter out of the queue; false means it had already

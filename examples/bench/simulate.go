@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"math"
 	"slices"
 )
@@ -49,7 +50,7 @@ func simulate(jobs []simJob, speeds []float64, order queueOrder) []simResult {
 		byArrival[i] = i
 	}
 	slices.SortStableFunc(byArrival, func(a, b int) int {
-		return cmpFloat(jobs[a].arrival, jobs[b].arrival)
+		return cmp.Compare(jobs[a].arrival, jobs[b].arrival)
 	})
 	freeAt := make([]float64, len(speeds))
 	byFastest := workersByFastest(speeds)
@@ -108,16 +109,6 @@ func workersByFastest(speeds []float64) []int {
 	for i := range idx {
 		idx[i] = i
 	}
-	slices.SortStableFunc(idx, func(a, b int) int { return cmpFloat(speeds[b], speeds[a]) })
+	slices.SortStableFunc(idx, func(a, b int) int { return cmp.Compare(speeds[b], speeds[a]) })
 	return idx
-}
-
-func cmpFloat(a, b float64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
