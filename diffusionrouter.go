@@ -447,20 +447,12 @@ func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler
 	arrived := time.Now()
 	id := requestID(r)
 	rec.Header().Set(requestIDHeader, id)
-	t, status, msg := h.ticketFor(r)
-	if status == 0 {
-		status, msg = h.readBody(rec, r, t)
-	}
+	t, status, msg := h.admit(rec, r)
 	if status != 0 {
 		return writeError(rec, status, msg)
 	}
-	if err := h.pool.acquire(r.Context(), t); err != nil {
-		if r.Context().Err() != nil {
-			return nil // the client left while waiting
-		}
-		status, msg := queueError(h.pool, t, err)
-		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
-		return writeError(rec, status, msg)
+	if t == nil {
+		return nil // the client left while waiting
 	}
 	dispatched := time.Now()
 	h.metrics.decisions.Inc()
@@ -468,14 +460,45 @@ func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler
 		ce.Write(zap.String("request_id", id), zap.String("worker", t.servedBy), zap.Float64("cost", t.cost),
 			zap.String("strategy", h.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
 	}
+	err := h.proxy(rec, r, t, next)
+	if t.job {
+		h.logJob(id, r, t, rec.status, dispatched.Sub(arrived), time.Since(dispatched))
+	}
+	return err
+}
 
+// admit reads and costs r and gets it a worker. A non-zero status refuses
+// r with that status and message; a nil ticket means the client left.
+func (h *Handler) admit(rec *recorder, r *http.Request) (*ticket, int, string) {
+	t, status, msg := h.ticketFor(r)
+	if status == 0 {
+		status, msg = h.readBody(rec, r, t)
+	}
+	if status != 0 {
+		return nil, status, msg
+	}
+	if err := h.pool.acquire(r.Context(), t); err != nil {
+		if r.Context().Err() != nil {
+			return nil, 0, ""
+		}
+		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
+		status, msg := queueError(h.pool, t, err)
+		return nil, status, msg
+	}
+	return t, 0, ""
+}
+
+// proxy sends r to t's worker through next and releases the worker: when
+// the answer begins (the generation is done; megabytes of base64 may still
+// be on their way, but the worker's slot is free), or when a video job it
+// started ends.
+func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler) error {
 	ctx := withTicket(r.Context(), t)
 	if h.UpstreamTimeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
 		defer cancel()
 	}
-	rec.ticket = t
 	released := false
 	release := func(o outcome) {
 		if released {
@@ -486,23 +509,18 @@ func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler
 			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.servedBy), zap.Duration("for", d))
 		}
 	}
+	rec.ticket = t
 	if readsVideoJob(r) {
 		rec.peekLimit = maxVideoResponsePeek
 	} else {
-		// A worker answers once its generation is done: its slot is free
-		// while the answer (megabytes of base64) is still on its way.
 		rec.onHeader = func(status int) { release(outcomeOf(r.Context(), nil, status)) }
 	}
-
 	err := next.ServeHTTP(rec, r.WithContext(ctx))
 	if !h.trackVideoJob(r, t, rec, err) {
 		release(outcomeOf(r.Context(), err, rec.status))
 	}
 	if err != nil && rec.status == 0 {
-		err = h.proxyError(ctx, rec, t, err)
-	}
-	if t.job {
-		h.logJob(id, r, t, rec.status, dispatched.Sub(arrived), time.Since(dispatched))
+		return h.proxyError(ctx, rec, t, err)
 	}
 	return err // non-nil only when the response had begun; Caddy logs it
 }
