@@ -1,0 +1,283 @@
+package diffusionrouter
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"mime"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+// requestIDHeader carries a request's id: the client's, or one the router
+// makes; the response echoes it and the worker sees it.
+const requestIDHeader = "X-Request-Id"
+
+func requestID(r *http.Request) string {
+	if id := r.Header.Get(requestIDHeader); id != "" && len(id) <= 128 {
+		return id
+	}
+	id := strconv.FormatUint(rand.Uint64()|1<<63, 16) // 16 hex digits
+	r.Header.Set(requestIDHeader, id)
+	return id
+}
+
+// forward proxies a request to a worker through next. It first gets the
+// request a worker from the pool (a generation may wait in the pool's queue
+// for one), and releases that worker once the response has been written.
+func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler) error {
+	arrived := time.Now()
+	id := requestID(r)
+	rec.Header().Set(requestIDHeader, id)
+	t, status, msg := h.admit(rec, r)
+	if status != 0 {
+		return writeError(rec, status, msg)
+	}
+	if t == nil {
+		return nil // the client left while waiting
+	}
+	dispatched := time.Now()
+	h.metrics.decisions.Inc()
+	if ce := h.logger.Check(zap.DebugLevel, "routed"); ce != nil {
+		ce.Write(zap.String("request_id", id), zap.String("worker", t.servedBy), zap.Float64("cost", t.cost),
+			zap.String("strategy", h.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
+	}
+	err := h.proxy(rec, r, t, next)
+	if t.job {
+		h.logJob(id, r, t, rec.status, dispatched.Sub(arrived), time.Since(dispatched))
+	}
+	return err
+}
+
+// admit reads and costs r and gets it a worker. A non-zero status refuses
+// r with that status and message; a nil ticket means the client left.
+func (h *Handler) admit(rec *recorder, r *http.Request) (*ticket, int, string) {
+	t, status, msg := h.ticketFor(r)
+	if status == 0 {
+		status, msg = h.readBody(rec, r, t)
+	}
+	if status != 0 {
+		return nil, status, msg
+	}
+	if err := h.pool.acquire(r.Context(), t); err != nil {
+		if r.Context().Err() != nil {
+			return nil, 0, ""
+		}
+		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
+		status, msg := queueError(h.pool, t, err)
+		return nil, status, msg
+	}
+	return t, 0, ""
+}
+
+// proxy sends r to t's worker through next and releases the worker: when
+// the answer begins (the generation is done; megabytes of base64 may still
+// be on their way, but the worker's slot is free), or when a video job it
+// started ends.
+func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler) error {
+	ctx := withTicket(r.Context(), t)
+	if h.UpstreamTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
+		defer cancel()
+	}
+	released := false
+	release := func(o outcome) {
+		if released {
+			return
+		}
+		released = true
+		if d := h.pool.release(t, o); d > 0 {
+			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.servedBy), zap.Duration("for", d))
+		}
+	}
+	rec.ticket = t
+	if readsVideoJob(r) {
+		rec.peekLimit = maxVideoResponsePeek
+	} else {
+		rec.onHeader = func(status int) { release(outcomeOf(r.Context(), nil, status)) }
+	}
+	err := next.ServeHTTP(rec, r.WithContext(ctx))
+	if !h.trackVideoJob(r, t, rec, err) {
+		release(outcomeOf(r.Context(), err, rec.status))
+	}
+	if err != nil && rec.status == 0 {
+		return h.proxyError(ctx, rec, t, err)
+	}
+	return err // non-nil only when the response had begun; Caddy logs it
+}
+
+// logJob logs a finished generation job and records its metrics. No
+// prompt or image data is logged.
+func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, waited, took time.Duration) {
+	h.metrics.observeJob(t, waited, took)
+	ce := h.logger.Check(zap.InfoLevel, "job finished")
+	if ce == nil {
+		return
+	}
+	ce.Write(
+		zap.String("request_id", id),
+		zap.String("endpoint", endpointClass(r.URL.Path)),
+		zap.String("worker", t.servedBy),
+		zap.Float64("cost", t.cost),
+		zap.Duration("queue_wait", waited),
+		zap.Duration("latency", took),
+		zap.Int("status", status),
+		zap.String("weight_version", t.servedVersion),
+	)
+}
+
+// outcomeOf tells how the exchange with the worker ended, as evidence of
+// the worker's health.
+func outcomeOf(clientCtx context.Context, err error, status int) outcome {
+	switch {
+	case clientCtx.Err() != nil:
+		return abandoned
+	case err != nil, status == http.StatusBadGateway, status == http.StatusServiceUnavailable:
+		return failed
+	}
+	return succeeded
+}
+
+// retryAfter suggests when a refused job might find a worker, in seconds.
+func retryAfter(t *ticket) int {
+	return max(1, int(t.cfg.timeout.Seconds()))
+}
+
+// ticketFor works out which workers may serve r. A non-zero status means r
+// must be refused with that status and message.
+func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
+	t := &ticket{pool: h.pool, cfg: &h.dispatch, wantVersion: r.Header.Get(weightVersionHeader)}
+	id, isJobPath := videoJobID(r.URL.Path)
+	switch {
+	case isJobPath:
+		worker, ok := h.pool.videos.worker(id)
+		if !ok {
+			return nil, http.StatusNotFound, "Unknown video_id"
+		}
+		t.pin = worker
+	case r.URL.Path == "/v1/videos":
+		t.task = videoTask
+		h.probeUnknown(r.Context())
+		if !h.pool.canServe(videoTask) {
+			return nil, http.StatusBadRequest, "No video-capable workers available in current worker pool."
+		}
+	case strings.HasPrefix(r.URL.Path, "/v1/images/"):
+		t.task = imageTask
+		h.probeUnknown(r.Context())
+	}
+	t.job = r.Method == http.MethodPost && generationPaths[r.URL.Path]
+	return t, 0, ""
+}
+
+// videoJobID returns the job id of /v1/videos/{id} and /v1/videos/{id}/content.
+func videoJobID(path string) (string, bool) {
+	rest, ok := strings.CutPrefix(path, "/v1/videos/")
+	if !ok {
+		return "", false
+	}
+	id, tail, _ := strings.Cut(rest, "/")
+	if id == "" || (tail != "" && tail != "content") {
+		return "", false
+	}
+	return id, true
+}
+
+// generationPaths are the endpoints whose POSTs are generation jobs: they
+// occupy a worker, so they are costed, take a slot and may wait for one.
+var generationPaths = map[string]bool{
+	"/v1/images/generations": true,
+	"/v1/images/edits":       true,
+	"/v1/diffusion/generate": true,
+	"/v1/videos":             true,
+	"/rollout/generate":      true,
+}
+
+// readBody caps the request body at max_body. A generation's body is read
+// whole, once, to cost the job, so a bad one fails here with a message
+// naming the field instead of on a worker; other bodies stream through.
+func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (int, string) {
+	if r.ContentLength > h.MaxBody {
+		return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
+	}
+	if r.Body == nil || r.Body == http.NoBody {
+		r.Body = http.NoBody
+	}
+	r.Body = http.MaxBytesReader(w, r.Body, h.MaxBody)
+	if !t.job {
+		return 0, ""
+	}
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		if isMaxBytes(err) {
+			return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
+		}
+		return http.StatusBadRequest, "reading request body: " + err.Error()
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	f, err := requestFields(body, r.Header.Get("Content-Type"))
+	if err == nil {
+		t.cost, err = h.costs.cost(r.URL.Path, f)
+	}
+	if err != nil {
+		return http.StatusBadRequest, err.Error()
+	}
+	return 0, ""
+}
+
+// requestFields reads a generation's parameters. A msgpack or other binary
+// body is passed on unread and costed by the pool's defaults.
+func requestFields(body []byte, contentType string) (fields, error) {
+	mt, _, _ := mime.ParseMediaType(contentType)
+	switch {
+	case strings.HasPrefix(mt, "multipart/"):
+		return formFields(body, contentType)
+	case mt == "application/msgpack", mt == "application/x-msgpack", mt == "application/octet-stream":
+		return fields{}, nil
+	}
+	// The workers read every other body as JSON, whatever the client called
+	// it (curl -d says x-www-form-urlencoded).
+	return jsonFields(body)
+}
+
+func tooLarge(limit int64) string {
+	return fmt.Sprintf("request body is larger than max_body (%d bytes)", limit)
+}
+
+// proxyError answers a request whose proxying failed before any response
+// was written, with a JSON error a client can act on.
+func (h *Handler) proxyError(ctx context.Context, w http.ResponseWriter, t *ticket, err error) error {
+	status := http.StatusBadGateway
+	if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.StatusCode != 0 {
+		status = he.StatusCode
+	}
+	var msg string
+	switch {
+	case status == 499:
+		return nil // the client went away; nobody reads an answer
+	case errors.Is(ctx.Err(), context.DeadlineExceeded):
+		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("worker did not answer within upstream_timeout (%s)", time.Duration(h.UpstreamTimeout))
+	case isMaxBytes(err):
+		status, msg = http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
+	case status == http.StatusServiceUnavailable:
+		_, msg = queueError(h.pool, t, errNoWorker)
+	default:
+		msg = "Worker request failed: " + err.Error()
+	}
+	h.logger.Warn("proxying to worker failed", zap.Int("status", status), zap.Error(err))
+	return writeError(w, status, msg)
+}
+
+func isMaxBytes(err error) bool {
+	_, ok := errors.AsType[*http.MaxBytesError](err)
+	return ok
+}
