@@ -97,6 +97,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
 )
 
 // options are the parsed flags.
@@ -199,7 +201,7 @@ func parseSpeeds(s string) ([]float64, error) {
 
 // run prints the header, runs the modes and writes the SVG.
 func run(ctx context.Context, o options, out io.Writer) error {
-	cleanHome, err := isolateHome()
+	cleanHome, err := harness.IsolateHome("diffusion-router-bench-")
 	if err != nil {
 		return err
 	}

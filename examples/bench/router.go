@@ -4,19 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"net/http"
 	"os"
-	"path/filepath"
 	"strings"
-	"time"
 
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig"
-	_ "github.com/caddyserver/caddy/v2/modules/standard"
-
-	_ "github.com/miles-rollout/miles-diffusion-router"
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
 )
 
 // strategy is one way of spreading the jobs: a diffusion_router policy
@@ -94,140 +85,26 @@ func (s strategy) caddyfile(port int, pool string, workers []string, maxInflight
 	return b.String()
 }
 
-// member is one fake worker of the fleet.
-type member struct {
-	name  string
-	speed float64
-	*fakeworker.Worker
-}
-
-// fleet is the fake workers, in the order of --speeds, named w1, w2, ...
-type fleet []member
-
-func startFleet(speeds []float64, unitMs float64) (fleet, error) {
-	var f fleet
-	for i, s := range speeds {
-		name := fmt.Sprintf("w%d", i+1)
-		w, err := fakeworker.Start(fakeworker.Config{Name: name, Speed: s, UnitMs: unitMs})
-		if err != nil {
-			f.close()
-			return nil, err
-		}
-		f = append(f, member{name, s, w})
-	}
-	return f, nil
-}
-
-func (f fleet) urls() []string {
-	urls := make([]string, len(f))
-	for i, w := range f {
-		urls[i] = w.URL()
-	}
-	return urls
-}
-
-// stats returns each worker's counters, in fleet order.
-func (f fleet) stats() []fakeworker.Stats {
-	out := make([]fakeworker.Stats, len(f))
-	for i, w := range f {
-		out[i] = w.Stats()
-	}
-	return out
-}
-
-func (f fleet) close() {
-	for _, w := range f {
-		w.Close()
-	}
-}
-
-// isolateHome points HOME and the XDG directories at a fresh temporary
-// directory, so Caddy writes nothing in the user's home. The returned
-// function removes it.
-func isolateHome() (func(), error) {
-	tmp, err := os.MkdirTemp("", "diffusion-router-bench-")
-	if err != nil {
-		return nil, err
-	}
-	for _, v := range []struct{ name, dir string }{
-		{"HOME", tmp},
-		{"XDG_CONFIG_HOME", filepath.Join(tmp, "config")},
-		{"XDG_DATA_HOME", filepath.Join(tmp, "data")},
-		{"XDG_CACHE_HOME", filepath.Join(tmp, "cache")},
-	} {
-		os.Setenv(v.name, v.dir)
-	}
-	// Caddy fixed its default storage path when the package was
-	// initialised, before HOME changed.
-	caddy.DefaultStorage.Path = caddy.AppDataDir()
-	return func() { os.RemoveAll(tmp) }, nil
-}
-
 // errUnavailable marks a strategy whose config Caddy refused, typically a
 // policy or option the router does not have (yet).
 var errUnavailable = errors.New("strategy unavailable")
 
 // startCaddy adapts the Caddyfile text, loads it in this process and waits
-// until GET url/health answers 200. Stop it with caddy.Stop.
+// until GET url/health answers 200. Stop it with stopCaddy.
 func startCaddy(ctx context.Context, text, url string) error {
-	adapter := caddyconfig.GetAdapter("caddyfile")
-	if adapter == nil {
-		return errors.New("the caddyfile config adapter is not registered")
-	}
-	cfg, _, err := adapter.Adapt([]byte(text), map[string]any{"filename": "bench.Caddyfile"})
+	cfg, _, err := harness.Adapt([]byte(text), "bench.Caddyfile")
 	if err != nil {
 		return fmt.Errorf("%w: %v", errUnavailable, err)
 	}
-	if err := caddy.Load(cfg, true); err != nil {
-		return fmt.Errorf("%w: loading the config: %v", errUnavailable, err)
+	err = harness.StartRouter(ctx, cfg, url)
+	if errors.Is(err, harness.ErrLoad) {
+		return fmt.Errorf("%w: %v", errUnavailable, err)
 	}
-	if err := waitHealthy(ctx, url, 10*time.Second); err != nil {
-		stopCaddy()
-		return err
-	}
-	return nil
+	return err
 }
 
 func stopCaddy() {
-	if err := caddy.Stop(); err != nil {
+	if err := harness.StopRouter(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench: stopping caddy:", err)
 	}
-}
-
-// waitHealthy polls GET url/health until it answers 200.
-func waitHealthy(ctx context.Context, url string, limit time.Duration) error {
-	ctx, cancel := context.WithTimeout(ctx, limit)
-	defer cancel()
-	var last string
-	for {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+"/health", nil)
-		if err != nil {
-			return err
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-			last = resp.Status
-		} else {
-			last = err.Error()
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%s not healthy after %s (last answer: %s)", url, limit, last)
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
-}
-
-// freePort asks the kernel for a port that is free right now.
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
 }

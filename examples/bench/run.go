@@ -11,6 +11,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
 )
 
 // outcome is one measured request.
@@ -74,20 +76,20 @@ func runStrategy(ctx context.Context, o options, s strategy, measure measureFunc
 	res := runResult{name: s.name}
 	ctx, cancel := context.WithTimeout(ctx, o.timeout)
 	defer cancel()
-	f, err := startFleet(o.speeds, o.unitMs)
+	f, err := harness.StartFleet(o.speeds, o.unitMs)
 	if err != nil {
 		res.err = err
 		return res
 	}
-	defer f.close()
-	port, err := freePort()
+	defer f.Close()
+	port, err := harness.FreePort()
 	if err != nil {
 		res.err = err
 		return res
 	}
 	url := fmt.Sprintf("http://127.0.0.1:%d", port)
 	poolSeq++
-	cfg := s.caddyfile(port, fmt.Sprintf("bench%d", poolSeq), f.urls(), o.maxInflight)
+	cfg := s.caddyfile(port, fmt.Sprintf("bench%d", poolSeq), f.URLs(), o.maxInflight)
 	if err := startCaddy(ctx, cfg, url); err != nil {
 		res.err = err
 		return res
@@ -97,11 +99,11 @@ func runStrategy(ctx context.Context, o options, s strategy, measure measureFunc
 	c := newClient(url, conns)
 	defer c.close()
 	res.warmFail = warmup(ctx, c, o)
-	before := f.stats()
+	before := f.Stats()
 	res.outcomes, res.wall = measure(ctx, c)
-	for i, st := range f.stats() {
+	for i, st := range f.Stats() {
 		res.busy += st.Busy - before[i].Busy
-		res.workers = append(res.workers, f[i].name)
+		res.workers = append(res.workers, f[i].Name)
 	}
 	return res
 }

@@ -22,6 +22,8 @@ import (
 	"fmt"
 	"os"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
 )
 
 // The fleet: one fake worker per speed. A job keeps a worker busy for
@@ -58,29 +60,29 @@ func run(ctx context.Context, caddyfile string) error {
 	if err != nil {
 		return err
 	}
-	cleanHome, err := isolateHome()
+	cleanHome, err := harness.IsolateHome("diffusion-router-demo-")
 	if err != nil {
 		return err
 	}
 	defer cleanHome()
 
-	fleet, err := startFleet(speeds, unitMs)
+	fleet, err := harness.StartFleet(speeds, unitMs)
 	if err != nil {
 		return err
 	}
-	defer fleet.close()
+	defer fleet.Close()
 
-	router, err := startRouter(ctx, path, fleet.urls())
+	routerURL, err := startRouter(ctx, path, fleet.URLs())
 	if err != nil {
 		return err
 	}
-	defer router.stop()
+	defer stopRouter()
 
 	batch := makeBatch(batchSize, batchSeed)
-	fmt.Printf("router  %s, config %s\n", router.url, path)
+	fmt.Printf("router  %s, config %s\n", routerURL, path)
 	fmt.Printf("fleet   %d fake workers, speeds %v, %g ms per cost unit at speed 1\n", len(fleet), speeds, float64(unitMs))
 	fmt.Printf("batch   %s, sent at once\n\n", batch.describe())
-	res, err := sendBatch(ctx, router.url, batch)
+	res, err := sendBatch(ctx, routerURL, batch)
 	if err != nil {
 		return err
 	}
