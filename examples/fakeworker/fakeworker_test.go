@@ -280,8 +280,10 @@ func TestImageEdits(t *testing.T) {
 }
 
 func TestJobsRunOneAtATimeInArrivalOrder(t *testing.T) {
-	w := start(t, Config{UnitMs: 10})
-	const jobs, steps = 3, 2 // 20 ms each
+	// 200 ms a job: each must still run when the next arrives, even on a
+	// loaded machine.
+	const jobs, steps, unit = 3, 2, 100 * time.Millisecond
+	w := start(t, Config{UnitMs: float64(unit / time.Millisecond)})
 	begin := time.Now()
 	finished := make(chan int, jobs)
 	for i := range jobs {
@@ -298,10 +300,10 @@ func TestJobsRunOneAtATimeInArrivalOrder(t *testing.T) {
 	if !slices.Equal(order, []int{0, 1, 2}) {
 		t.Errorf("completion order %v, want arrival order", order)
 	}
-	if serial := jobs * steps * 10 * time.Millisecond; time.Since(begin) < serial {
+	if serial := jobs * steps * unit; time.Since(begin) < serial {
 		t.Errorf("3 jobs took %v, less than their serial service time %v", time.Since(begin), serial)
 	}
-	if s := w.Stats(); s.Jobs != jobs || s.Busy < jobs*steps*10*time.Millisecond {
+	if s := w.Stats(); s.Jobs != jobs || s.Busy < jobs*steps*unit {
 		t.Errorf("stats %+v", s)
 	}
 }
@@ -309,7 +311,8 @@ func TestJobsRunOneAtATimeInArrivalOrder(t *testing.T) {
 func TestQueuedJobIsDroppedWhenClientLeaves(t *testing.T) {
 	w := start(t, Config{UnitMs: 10})
 	done := make(chan reply)
-	go func() { done <- call(t, w, "POST", "/v1/images/generations", imageJob(10)) }()
+	// 1 s: long enough to still run while the second job comes and goes.
+	go func() { done <- call(t, w, "POST", "/v1/images/generations", imageJob(100)) }()
 	waitQueue(t, w, 0)
 
 	ctx, cancel := context.WithCancel(context.Background())
