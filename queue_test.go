@@ -211,7 +211,9 @@ func drainQueue(tb testing.TB, n int) {
 	p.declare([]string{"http://a:1"})
 	cfg := &dispatchConfig{strategy: leastWork{}, maxInflight: 1, maxQueue: n}
 	got := make(chan *ticket, n)
-	first := &ticket{pool: p, cfg: cfg, job: true, cost: 1}
+	// The first job is predicted to run for days, so that no waiting job is
+	// handed to the worker ahead of its end, however slow the queue fills.
+	first := &ticket{pool: p, cfg: cfg, job: true, cost: 1e6}
 	if err := p.acquire(context.Background(), first); err != nil {
 		tb.Fatal(err)
 	}
@@ -226,7 +228,11 @@ func drainQueue(tb testing.TB, n int) {
 			got <- tk
 		})
 	}
+	deadline := time.Now().Add(time.Minute)
 	for queued(p) != n {
+		if time.Now().After(deadline) {
+			tb.Fatalf("%d of %d jobs queued after a minute", queued(p), n)
+		}
 		runtime.Gosched()
 	}
 	p.release(first, succeeded)
