@@ -3,7 +3,6 @@ package diffusionrouter
 import (
 	"bytes"
 	"math"
-	"mime/multipart"
 	"strings"
 	"testing"
 	"time"
@@ -46,23 +45,16 @@ func TestCostOfEveryFieldForm(t *testing.T) {
 }
 
 func TestCostOfMultipartFields(t *testing.T) {
-	var buf bytes.Buffer
-	mw := multipart.NewWriter(&buf)
-	mw.WriteField("prompt", "make it blue")
-	mw.WriteField("size", "512x512")
-	mw.WriteField("n", "3")
-	fw, _ := mw.CreateFormFile("image", "a.png")
-	fw.Write(bytes.Repeat([]byte("size=9999x9999 "), 1000)) // file bytes are not fields
-	mw.WriteField("num_inference_steps", "8")
-	mw.Close()
-	f, err := formFields(buf.Bytes(), mw.FormDataContentType())
+	// The file's bytes are not fields.
+	body, ctype := multipartForm(bytes.Repeat([]byte("size=9999x9999 "), 1000), "prompt", "make it blue", "size", "512x512", "n", "3", "num_inference_steps", "8")
+	f, err := formFields([]byte(body), ctype)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got, err := testCosts.cost("/v1/images/edits", f); err != nil || got != 6 {
 		t.Fatalf("multipart cost = %v, %v; want 6", got, err)
 	}
-	if _, err := formFields(buf.Bytes(), "multipart/form-data"); err == nil {
+	if _, err := formFields([]byte(body), "multipart/form-data"); err == nil {
 		t.Fatal("a multipart body without a boundary was read")
 	}
 }

@@ -247,15 +247,31 @@ func TestForwardsEveryEndpoint(t *testing.T) {
 
 func multipartEdit(t *testing.T) (string, string) {
 	t.Helper()
+	return multipartForm([]byte("\x89PNG fake image bytes"), "prompt", "make it blue", "size", "256x256", "num_inference_steps", "2")
+}
+
+// multipartForm is a form with an image file part, then the fields given as
+// name, value pairs; it returns the body and its Content-Type.
+func multipartForm(image []byte, fields ...string) (string, string) {
 	var buf bytes.Buffer
 	mw := multipart.NewWriter(&buf)
-	mw.WriteField("prompt", "make it blue")
-	mw.WriteField("size", "256x256")
-	mw.WriteField("num_inference_steps", "2")
 	fw, _ := mw.CreateFormFile("image", "in.png")
-	fw.Write([]byte("\x89PNG fake image bytes"))
+	fw.Write(image)
+	for i := 0; i+1 < len(fields); i += 2 {
+		mw.WriteField(fields[i], fields[i+1])
+	}
 	mw.Close()
 	return buf.String(), mw.FormDataContentType()
+}
+
+// busyWith starts a job on the router that keeps the given worker busy and
+// waits until the worker has it; the job's answer arrives on the channel.
+func busyWith(t *testing.T, r *testRouter, worker string, body string) <-chan reply {
+	t.Helper()
+	done := make(chan reply, 1)
+	go func() { done <- r.post("/v1/images/generations", body) }()
+	waitFor(t, func() bool { return workerStates(t, r)[worker]["active_requests"] == 1.0 })
+	return done
 }
 
 // createVideo starts a video job and checks which worker took it.
@@ -667,11 +683,8 @@ func TestFullQueueAnswers429(t *testing.T) {
 	ws := startWorkers(t, fakeworker.Config{Name: "w", UnitMs: 1000})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n max_queue 1\n}")
 	slow := `{"prompt":"a cat","size":"1024x1024","num_inference_steps":4}`
+	running := busyWith(t, r, ws[0].URL(), slow)
 	var wg sync.WaitGroup
-	wg.Go(func() { r.post("/v1/images/generations", slow) })
-	waitFor(t, func() bool {
-		return r.get("/workers").json(t)["workers"].([]any)[0].(map[string]any)["active_requests"] == 1.0
-	})
 	wg.Go(func() { r.post("/v1/images/generations", slow) })
 	waitFor(t, func() bool { return r.get("/health").json(t)["queued_requests"] == 1.0 })
 	rp := r.post("/v1/images/generations", smallImage)
@@ -681,6 +694,7 @@ func TestFullQueueAnswers429(t *testing.T) {
 	}
 	ws[0].Close() // end the test without waiting 8 s for the jobs
 	wg.Wait()
+	<-running
 }
 
 // waitFor polls cond until it holds, for at most 10 s.

@@ -122,14 +122,9 @@ func TestDrainUpdateUnderLoad(t *testing.T) {
 func TestJobsInFlightFinishOnOldWeights(t *testing.T) {
 	ws := fleet(t, 1, fakeworker.Config{UnitMs: 100})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	var long reply
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		long = r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":5}`)
-	})
-	waitFor(t, func() bool { return workerStates(t, r)[ws[0].URL()]["active_requests"] == 1.0 })
+	job := busyWith(t, r, ws[0].URL(), `{"prompt":"x","size":"1024x1024","num_inference_steps":5}`)
 	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"step-2"}`), 200)
-	wg.Wait()
+	long := <-job
 	expectStatus(t, "job in flight", long, 200)
 	if long.header.Get(weightVersionHeader) != oldVersion {
 		t.Fatalf("job in flight when the update came was served by %q", long.header.Get(weightVersionHeader))
@@ -200,9 +195,8 @@ func TestFailedUpdateKeepsWorkerOut(t *testing.T) {
 func TestUpdatesAreSerialised(t *testing.T) {
 	ws := fleet(t, 1, fakeworker.Config{UnitMs: 300})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	busyWith(t, r, ws[0].URL(), `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`)
 	var wg sync.WaitGroup
-	wg.Go(func() { r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`) })
-	waitFor(t, func() bool { return workerStates(t, r)[ws[0].URL()]["active_requests"] == 1.0 })
 	var first, second reply
 	wg.Go(func() { first = r.post("/update_weights_from_disk", `{"model_path":"/ckpt/a"}`) })
 	waitFor(t, func() bool { return r.get("/health").json(t)["updating_to"] == "/ckpt/a" })
@@ -220,19 +214,13 @@ func TestUpdatesAreSerialised(t *testing.T) {
 func TestDrainTimeoutChangesNothing(t *testing.T) {
 	ws := fleet(t, 1, fakeworker.Config{UnitMs: 500})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n drain_timeout 100ms\n}")
-	var long reply
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		long = r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`)
-	})
-	waitFor(t, func() bool { return workerStates(t, r)[ws[0].URL()]["active_requests"] == 1.0 })
+	job := busyWith(t, r, ws[0].URL(), `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`)
 	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/late"}`)
 	expectStatus(t, "update behind a long job", rp, 504)
 	if !strings.Contains(rp.errorText(t), "drain_timeout") {
 		t.Fatalf("504 answer: %s", rp.body)
 	}
-	wg.Wait()
-	expectStatus(t, "the long job", long, 200)
+	expectStatus(t, "the long job", <-job, 200)
 	rp = r.post("/v1/images/generations", smallImage)
 	expectStatus(t, "after the timed-out update", rp, 200)
 	if ws[0].WeightVersion() != oldVersion || rp.header.Get(weightVersionHeader) != oldVersion {
