@@ -9,7 +9,7 @@ import (
 
 // benchPool is a pool of n workers with learned, varied speeds, on a fixed
 // clock.
-func benchPool(b *testing.B, n int) *Pool {
+func benchPool(b *testing.B, n int) *pool {
 	p := newPool("bench")
 	at := time.Unix(1_000_000, 0)
 	p.now = func() time.Time { return at }

@@ -104,11 +104,11 @@ func unmarshalProxy(h httpcaddyfile.Helper, d *caddyfile.Dispenser, rp *reversep
 // arrive.
 func wireProxy(rp *reverseproxy.Handler, h *Handler) {
 	pool := h.Pool
-	rp.DynamicUpstreamsRaw = caddyconfig.JSONModuleObject(UpstreamSource{poolRef{Pool: pool}}, "source", "diffusion", nil)
+	rp.DynamicUpstreamsRaw = caddyconfig.JSONModuleObject(DiffusionUpstreams{poolRef{Pool: pool}}, "source", "diffusion", nil)
 	if rp.LoadBalancing == nil {
 		rp.LoadBalancing = new(reverseproxy.LoadBalancing)
 	}
-	rp.LoadBalancing.SelectionPolicyRaw = caddyconfig.JSONModuleObject(Selector{poolRef{Pool: pool}}, "policy", "diffusion", nil)
+	rp.LoadBalancing.SelectionPolicyRaw = caddyconfig.JSONModuleObject(DiffusionSelection{poolRef{Pool: pool}}, "policy", "diffusion", nil)
 	if rp.LoadBalancing.Retries == 0 {
 		rp.LoadBalancing.Retries = proxyRetries
 	}

@@ -233,12 +233,12 @@ func TestSelectorAndSourceCaddyfile(t *testing.T) {
 		{"diffusion a b", "", false},
 		{"diffusion {\n strategy x\n}", "", false},
 	} {
-		var s Selector
+		var s DiffusionSelection
 		err := s.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.tokens))
 		if (err == nil) != tc.ok || (tc.ok && s.Pool != tc.pool) {
 			t.Errorf("lb_policy %s: pool=%q err=%v", tc.tokens, s.Pool, err)
 		}
-		var u UpstreamSource
+		var u DiffusionUpstreams
 		err = u.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.tokens))
 		if (err == nil) != tc.ok || (tc.ok && u.Pool != tc.pool) {
 			t.Errorf("dynamic %s: pool=%q err=%v", tc.tokens, u.Pool, err)

@@ -136,7 +136,7 @@ type workerJSON struct {
 
 // stateName names where a worker is: its life cycle state, or dead,
 // unhealthy (failed probes or ejected) or suspect (stalled) while serving.
-func stateName(w WorkerInfo) string {
+func stateName(w workerInfo) string {
 	switch {
 	case w.Dead:
 		return "dead"
@@ -150,7 +150,7 @@ func stateName(w WorkerInfo) string {
 	return "serving"
 }
 
-func newWorkerJSON(w WorkerInfo) workerJSON {
+func newWorkerJSON(w workerInfo) workerJSON {
 	state := stateName(w)
 	var lastProbe *string
 	if !w.LastProbe.IsZero() {
@@ -190,7 +190,7 @@ func newWorkerJSON(w WorkerInfo) workerJSON {
 func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
 	workers := h.pool.snapshot()
 	inState := map[string]int{}
-	var last WorkerInfo // carries the pool-wide figures
+	var last workerInfo // carries the pool-wide figures
 	for _, wk := range workers {
 		inState[newWorkerJSON(wk).State]++
 		last = wk
@@ -320,11 +320,11 @@ func decodeJSONBody(r *http.Request, v any) error {
 
 // workerFromPath finds the worker named by /workers/{id}, answering the
 // client itself when there is none.
-func (h *Handler) workerFromPath(w http.ResponseWriter, r *http.Request) (WorkerInfo, bool) {
+func (h *Handler) workerFromPath(w http.ResponseWriter, r *http.Request) (workerInfo, bool) {
 	u, err := normalizeWorkerURL(r.PathValue("id"))
 	if err != nil {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
-		return WorkerInfo{}, false
+		return workerInfo{}, false
 	}
 	info, ok := h.pool.worker(u)
 	if !ok {

@@ -166,7 +166,7 @@ type Handler struct {
 	retryOn []int
 
 	ctx      context.Context // ends when the config is unloaded
-	pool     *Pool
+	pool     *pool
 	dispatch dispatchConfig
 	costs    costModel
 	weights  weightsConfig
@@ -211,7 +211,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
-	app.(*healthApp).watch(&prober{pool: p, cfg: &h.health, client: h.client, logger: h.logger})
+	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: h.client, logger: h.logger})
 	return nil
 }
 

@@ -25,7 +25,7 @@ import (
 // busy on a minutes-long video is not declared dead.
 
 func init() {
-	caddy.RegisterModule(new(healthApp))
+	caddy.RegisterModule(new(HealthApp))
 }
 
 // Defaults of the health options.
@@ -60,11 +60,11 @@ type healthConfig struct {
 	maxEjectTime time.Duration
 }
 
-// healthApp runs the active health checks of the pools its config uses.
+// HealthApp runs the active health checks of the pools its config uses.
 // diffusion_router adds it to the config it is part of, so probing starts
 // when Caddy starts that config and stops when it is unloaded, and
 // `caddy validate`, which starts nothing, probes nothing.
-type healthApp struct {
+type HealthApp struct {
 	mu       sync.Mutex
 	probers  []*prober
 	cancel   context.CancelFunc
@@ -72,16 +72,16 @@ type healthApp struct {
 }
 
 // CaddyModule returns the Caddy module information.
-func (*healthApp) CaddyModule() caddy.ModuleInfo {
+func (*HealthApp) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID:  "diffusion_health",
-		New: func() caddy.Module { return new(healthApp) },
+		New: func() caddy.Module { return new(HealthApp) },
 	}
 }
 
 // watch asks the app to probe pool's workers once it starts; one prober
 // per pool and config.
-func (a *healthApp) watch(pr *prober) {
+func (a *HealthApp) watch(pr *prober) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for _, other := range a.probers {
@@ -93,7 +93,7 @@ func (a *healthApp) watch(pr *prober) {
 }
 
 // Start starts probing.
-func (a *healthApp) Start() error {
+func (a *HealthApp) Start() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -105,7 +105,7 @@ func (a *healthApp) Start() error {
 }
 
 // Stop stops probing and waits until every probe has ended.
-func (a *healthApp) Stop() error {
+func (a *HealthApp) Stop() error {
 	a.mu.Lock()
 	cancel := a.cancel
 	a.mu.Unlock()
@@ -119,7 +119,7 @@ func (a *healthApp) Stop() error {
 // prober probes the workers of one pool, spreading the probes over the
 // interval so that a large fleet is not probed in lockstep.
 type prober struct {
-	pool   *Pool
+	pool   *pool
 	cfg    *healthConfig
 	client *http.Client
 	logger *zap.Logger
@@ -213,7 +213,7 @@ const (
 )
 
 // urls returns the pool's worker URLs.
-func (p *Pool) urls() []string {
+func (p *pool) urls() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	out := make([]string, len(p.workers))
@@ -224,7 +224,7 @@ func (p *Pool) urls() []string {
 }
 
 // recordProbe counts a probe result; err nil means it passed.
-func (p *Pool) recordProbe(url string, err error, cfg *healthConfig) healthChange {
+func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChange {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.find(url)
@@ -268,7 +268,7 @@ func isTimeout(err error) bool {
 // busy reports whether a slow probe answer is explained by work: a job
 // still within twice its predicted time, or one finished within the last
 // interval.
-func (p *Pool) busy(w *Worker, now int64, cfg *healthConfig) bool {
+func (p *pool) busy(w *worker, now int64, cfg *healthConfig) bool {
 	if w.inflight > 0 && float64(now-w.headSince) < 2*p.predictedHead(w) {
 		return true
 	}
@@ -277,20 +277,20 @@ func (p *Pool) busy(w *Worker, now int64, cfg *healthConfig) bool {
 
 // predictedHead is how long the running job of w is predicted to take, in
 // nanoseconds.
-func (p *Pool) predictedHead(w *Worker) float64 {
+func (p *pool) predictedHead(w *worker) float64 {
 	return w.headCost / p.speedOf(w) * float64(time.Second)
 }
 
 // overrunning reports whether w's running job has overrun its prediction
 // by the stall factor (and at least the probe timeout).
-func (p *Pool) overrunning(w *Worker, now int64, cfg *healthConfig) bool {
+func (p *pool) overrunning(w *worker, now int64, cfg *healthConfig) bool {
 	limit := max(cfg.stallFactor*p.predictedHead(w), float64(cfg.timeout))
 	return w.inflight > 0 && float64(now-w.headSince) > limit
 }
 
 // checkStalls marks suspect the workers whose running job has overrun its
 // prediction, and returns the ones newly marked.
-func (p *Pool) checkStalls(cfg *healthConfig) []string {
+func (p *pool) checkStalls(cfg *healthConfig) []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := p.now().UnixNano()
@@ -308,7 +308,7 @@ func (p *Pool) checkStalls(cfg *healthConfig) []string {
 // max_fails failures within fail_window eject the worker for eject_time,
 // doubling on each repeat up to max_eject_time; a success resets that. It
 // reports how long the worker is now ejected for, if it is.
-func (p *Pool) noteOutcomeLocked(w *Worker, o outcome, cfg *healthConfig) time.Duration {
+func (p *pool) noteOutcomeLocked(w *worker, o outcome, cfg *healthConfig) time.Duration {
 	now := p.now().UnixNano()
 	switch o {
 	case succeeded:
@@ -340,7 +340,7 @@ func (p *Pool) noteOutcomeLocked(w *Worker, o outcome, cfg *healthConfig) time.D
 }
 
 // dispatch hands free slots to waiting jobs.
-func (p *Pool) dispatch() {
+func (p *pool) dispatch() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.dispatchLocked()

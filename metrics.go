@@ -104,7 +104,7 @@ func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
 // Collect reads the pools now.
 func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 	pools.Range(func(_, v any) bool {
-		p := v.(*Pool)
+		p := v.(*pool)
 		serving := 0
 		for _, w := range p.snapshot() {
 			collectWorker(ch, p.name, w)
@@ -118,7 +118,7 @@ func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 	})
 }
 
-func collectWorker(ch chan<- prometheus.Metric, pool string, w WorkerInfo) {
+func collectWorker(ch chan<- prometheus.Metric, pool string, w workerInfo) {
 	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, append([]string{pool, w.URL}, labels...)...)
 	}

@@ -40,7 +40,7 @@ func hasTaskType(taskTypes, kinds []string) bool {
 // can reports whether w may be given a request of kind k. A worker not yet
 // probed may take images (most workers make them) but not videos, which
 // only a worker known to be video-capable gets, as in the Python router.
-func (w *Worker) can(k taskKind) bool {
+func (w *worker) can(k taskKind) bool {
 	switch k {
 	case imageTask:
 		return w.makesImages
@@ -60,7 +60,7 @@ func videoSupport(taskTypes []string) *bool {
 }
 
 // canServe reports whether a serving worker can take a request of kind k.
-func (p *Pool) canServe(k taskKind) bool {
+func (p *pool) canServe(k taskKind) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := p.now().UnixNano()

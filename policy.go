@@ -13,14 +13,14 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(Selector{})
+	caddy.RegisterModule(DiffusionSelection{})
 }
 
 // strategy chooses one of the candidate workers for t at time now (Unix
 // nanoseconds). It runs under the pool's lock, so it may read and update
 // pool and worker state.
 type strategy interface {
-	pick(p *Pool, t *ticket, cands []*Worker, now int64) int
+	pick(p *pool, t *ticket, cands []*worker, now int64) int
 }
 
 // strategies maps each `policy` value to its strategy.
@@ -41,7 +41,7 @@ type leastWork struct{}
 
 // The loop is written out, multiplications only: it runs over every
 // candidate of every decision, and a Go func value would not be inlined.
-func (leastWork) pick(p *Pool, t *ticket, cands []*Worker, now int64) int {
+func (leastWork) pick(p *pool, t *ticket, cands []*worker, now int64) int {
 	defaultInv, cost := 1/p.defaultSpeed, t.cost
 	start := rand.IntN(len(cands)) // equal finish times take turns
 	best, bestFinish := start, math.Inf(1)
@@ -77,7 +77,7 @@ func (leastWork) pick(p *Pool, t *ticket, cands []*Worker, now int64) int {
 // argmin returns the index of the candidate with the least score. The scan
 // starts at a random place, so that among equal scores (idle workers of one
 // speed) each gets its share.
-func argmin(cands []*Worker, score func(*Worker) float64) int {
+func argmin(cands []*worker, score func(*worker) float64) int {
 	start := rand.IntN(len(cands))
 	best, bestScore := start, score(cands[start])
 	for i := start + 1; i < start+len(cands); i++ {
@@ -106,14 +106,14 @@ func strategyNames() string {
 // ties at random so idle workers share the load evenly.
 type leastRequest struct{}
 
-func (leastRequest) pick(_ *Pool, _ *ticket, cands []*Worker, _ int64) int {
-	return argmin(cands, func(w *Worker) float64 { return float64(w.inflight) })
+func (leastRequest) pick(_ *pool, _ *ticket, cands []*worker, _ int64) int {
+	return argmin(cands, func(w *worker) float64 { return float64(w.inflight) })
 }
 
 // roundRobin cycles through the candidates in pool order.
 type roundRobin struct{}
 
-func (roundRobin) pick(p *Pool, _ *ticket, cands []*Worker, _ int64) int {
+func (roundRobin) pick(p *pool, _ *ticket, cands []*worker, _ int64) int {
 	p.next++
 	return p.next % len(cands)
 }
@@ -121,31 +121,31 @@ func (roundRobin) pick(p *Pool, _ *ticket, cands []*Worker, _ int64) int {
 // randomPick picks a candidate uniformly at random.
 type randomPick struct{}
 
-func (randomPick) pick(_ *Pool, _ *ticket, cands []*Worker, _ int64) int {
+func (randomPick) pick(_ *pool, _ *ticket, cands []*worker, _ int64) int {
 	return rand.IntN(len(cands))
 }
 
-// Selector is the reverse_proxy selection policy `diffusion`: it sends each
+// DiffusionSelection is the reverse_proxy selection policy `diffusion`: it sends each
 // request to the worker the pool gave its ticket. diffusion_router acquires
 // that worker by the pool's strategy before proxying, waiting in the pool's
 // queue when every fitting worker is full; a retry after a failed
 // connection gets another one from the upstream source.
-type Selector struct {
+type DiffusionSelection struct {
 	poolRef
 }
 
 // CaddyModule returns the Caddy module information.
-func (Selector) CaddyModule() caddy.ModuleInfo {
+func (DiffusionSelection) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID:  "http.reverse_proxy.selection_policies.diffusion",
-		New: func() caddy.Module { return new(Selector) },
+		New: func() caddy.Module { return new(DiffusionSelection) },
 	}
 }
 
 // Select returns the upstream of the worker given to r's ticket. A request
 // that did not pass through diffusion_router has no ticket; it gets a
 // serving worker at random, uncounted.
-func (s *Selector) Select(upstreams reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
+func (s *DiffusionSelection) Select(upstreams reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
 	t := ticketFrom(r.Context())
 	if t == nil {
 		return s.pool.pickUntracked(upstreams)
@@ -160,7 +160,7 @@ func (s *Selector) Select(upstreams reverseproxy.UpstreamPool, r *http.Request, 
 
 // pickUntracked picks at random among the upstreams that are serving
 // workers of the pool.
-func (p *Pool) pickUntracked(upstreams []*reverseproxy.Upstream) *reverseproxy.Upstream {
+func (p *pool) pickUntracked(upstreams []*reverseproxy.Upstream) *reverseproxy.Upstream {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var ok []*reverseproxy.Upstream
@@ -179,14 +179,14 @@ func (p *Pool) pickUntracked(upstreams []*reverseproxy.Upstream) *reverseproxy.U
 // UnmarshalCaddyfile sets up the policy from Caddyfile tokens. Syntax:
 //
 //	lb_policy diffusion [<pool>]
-func (s *Selector) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (s *DiffusionSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return s.unmarshalPoolArg(d, "lb_policy diffusion")
 }
 
 // Interface guards
 var (
-	_ caddy.Provisioner     = (*Selector)(nil)
-	_ caddy.CleanerUpper    = (*Selector)(nil)
-	_ reverseproxy.Selector = (*Selector)(nil)
-	_ caddyfile.Unmarshaler = (*Selector)(nil)
+	_ caddy.Provisioner     = (*DiffusionSelection)(nil)
+	_ caddy.CleanerUpper    = (*DiffusionSelection)(nil)
+	_ reverseproxy.Selector = (*DiffusionSelection)(nil)
+	_ caddyfile.Unmarshaler = (*DiffusionSelection)(nil)
 )

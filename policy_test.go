@@ -14,7 +14,7 @@ func (c *fakeClock) now() time.Time          { return c.t }
 func (c *fakeClock) advance(d time.Duration) { c.t = c.t.Add(d) }
 
 // poolOf returns a pool with n workers a:1, b:1, ... on a fake clock.
-func poolOf(t *testing.T, n int) (*Pool, *fakeClock) {
+func poolOf(t *testing.T, n int) (*pool, *fakeClock) {
 	t.Helper()
 	p := newPool(t.Name())
 	clock := &fakeClock{time.Unix(1_000_000, 0)}
@@ -33,7 +33,7 @@ func config(s strategy, maxInflight int) *dispatchConfig {
 
 // choose acquires a worker for a new job and returns the ticket and the
 // worker's host letter.
-func choose(t *testing.T, p *Pool, cfg *dispatchConfig, cost float64) (*ticket, string) {
+func choose(t *testing.T, p *pool, cfg *dispatchConfig, cost float64) (*ticket, string) {
 	t.Helper()
 	tk := &ticket{pool: p, cfg: cfg, job: true, cost: cost}
 	if err := p.acquire(context.Background(), tk); err != nil {
@@ -134,7 +134,7 @@ func TestLeastWorkCountsWorkNotRequests(t *testing.T) {
 
 // teach has each worker complete jobs at the given speed (cost units per
 // second), so the pool learns it.
-func teach(t *testing.T, p *Pool, clock *fakeClock, cfg *dispatchConfig, speeds map[string]float64) {
+func teach(t *testing.T, p *pool, clock *fakeClock, cfg *dispatchConfig, speeds map[string]float64) {
 	t.Helper()
 	for host, speed := range speeds {
 		for range 5 {

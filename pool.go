@@ -22,14 +22,14 @@ var pools = caddy.NewUsagePool()
 // loadPool returns the pool with the given name, creating it on first use.
 // Every loadPool must be paired with a releasePool when the module is
 // cleaned up.
-func loadPool(name string) (*Pool, error) {
+func loadPool(name string) (*pool, error) {
 	v, _, err := pools.LoadOrNew(name, func() (caddy.Destructor, error) {
 		return newPool(name), nil
 	})
 	if err != nil {
 		return nil, err
 	}
-	return v.(*Pool), nil
+	return v.(*pool), nil
 }
 
 // releasePool drops one reference to the named pool; the last one frees it.
@@ -44,7 +44,7 @@ type poolRef struct {
 	// handler's. Default: "default".
 	Pool string `json:"pool,omitempty"`
 
-	pool *Pool
+	pool *pool
 }
 
 // Provision attaches the module to its pool.
@@ -78,23 +78,23 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 	return nil
 }
 
-// Pool is a named set of sglang-diffusion workers and their state. It is
+// pool is a named set of sglang-diffusion workers and their state. It is
 // shared by the handler, the selection policy and the upstream source that
 // name it. One mutex guards all worker state: a routing decision is a scan
 // over the workers, microseconds even for a large fleet.
-type Pool struct {
+type pool struct {
 	name string
 
 	now func() time.Time // the clock; tests set their own
 
 	mu           sync.Mutex
-	workers      []*Worker          // in order of joining
-	byDial       map[string]*Worker // one worker per dial address
+	workers      []*worker          // in order of joining
+	byDial       map[string]*worker // one worker per dial address
 	declared     map[string]int     // worker URL -> number of loaded configs listing it
 	next         int                // round-robin cursor
 	queue        []*waiter          // jobs waiting for a worker, in dispatch order
 	seq          uint64             // arrival counter of the queue
-	cands        []*Worker          // scratch space of routing decisions
+	cands        []*worker          // scratch space of routing decisions
 	speeds       []float64          // scratch space of the median speed
 	defaultSpeed float64            // median learned speed, assumed for new workers
 	completions  uint64             // jobs completed
@@ -111,11 +111,11 @@ type Pool struct {
 	behind     atomic.Int32    // workers that joined after an update and wait to catch up
 }
 
-func newPool(name string) *Pool {
-	return &Pool{
+func newPool(name string) *pool {
+	return &pool{
 		name:         name,
 		now:          time.Now,
-		byDial:       make(map[string]*Worker),
+		byDial:       make(map[string]*worker),
 		declared:     make(map[string]int),
 		defaultSpeed: 1,
 		videos:       newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
@@ -126,7 +126,7 @@ func newPool(name string) *Pool {
 
 // Destruct implements caddy.Destructor: it stops the timers of held video
 // jobs, the only thing a pool runs on its own.
-func (p *Pool) Destruct() error {
+func (p *pool) Destruct() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for id, hv := range p.held {
@@ -136,9 +136,9 @@ func (p *Pool) Destruct() error {
 	return nil
 }
 
-// Worker is one sglang-diffusion server. Its fields are guarded by the
+// worker is one sglang-diffusion server. Its fields are guarded by the
 // pool's mutex; read them through Pool.snapshot.
-type Worker struct {
+type worker struct {
 	// What every routing decision reads comes first, to share a cache line:
 	// a decision scans the whole fleet.
 	dead         bool        // marked dead by an operator (PUT /workers/{id})
@@ -197,8 +197,8 @@ var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleepi
 
 func (s workerState) String() string { return stateNames[s] }
 
-// WorkerInfo is a copy of a worker's state, safe to read without the lock.
-type WorkerInfo struct {
+// workerInfo is a copy of a worker's state, safe to read without the lock.
+type workerInfo struct {
 	URL         string
 	Dial        string
 	Registered  bool
@@ -229,13 +229,13 @@ type WorkerInfo struct {
 }
 
 // serving reports whether the worker may be given new jobs.
-func (w *Worker) serving(now int64) bool {
+func (w *worker) serving(now int64) bool {
 	return !w.dead && w.state == serving && !w.down && !w.suspect && now >= w.ejectedUntil
 }
 
-func (p *Pool) infoLocked(w *Worker) WorkerInfo {
+func (p *pool) infoLocked(w *worker) workerInfo {
 	now := p.now().UnixNano()
-	info := WorkerInfo{
+	info := workerInfo{
 		URL: w.url, Dial: w.dial, Registered: w.registered, Dead: w.dead,
 		State: w.state, Version: w.version, Inflight: w.inflight, Served: w.served,
 		Failures: w.failures, ConsecFails: w.consecFails,
@@ -256,7 +256,7 @@ func (p *Pool) infoLocked(w *Worker) WorkerInfo {
 // declare adds the workers a config lists. Declarations are counted so
 // that a reload (new config declares, then old config undeclares) keeps the
 // workers both list, and a failed reload undoes its own declarations.
-func (p *Pool) declare(urls []string) {
+func (p *pool) declare(urls []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, u := range urls {
@@ -270,7 +270,7 @@ func (p *Pool) declare(urls []string) {
 
 // undeclare withdraws a config's workers; a worker no loaded config lists
 // and nobody registered at run time leaves the pool.
-func (p *Pool) undeclare(urls []string) {
+func (p *pool) undeclare(urls []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, u := range urls {
@@ -288,10 +288,10 @@ func (p *Pool) undeclare(urls []string) {
 // register adds a worker at run time. It reports whether the worker is new;
 // registering a known worker is a no-op apart from making it outlive the
 // configs that list it.
-func (p *Pool) register(rawURL string) (WorkerInfo, bool, error) {
+func (p *pool) register(rawURL string) (workerInfo, bool, error) {
 	u, err := normalizeWorkerURL(rawURL)
 	if err != nil {
-		return WorkerInfo{}, false, err
+		return workerInfo{}, false, err
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -307,7 +307,7 @@ func (p *Pool) register(rawURL string) (WorkerInfo, bool, error) {
 
 // remove takes a worker out of the pool. Requests already on it finish;
 // they hold the worker and release it when they end.
-func (p *Pool) remove(url string) bool {
+func (p *pool) remove(url string) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.find(url)
@@ -318,8 +318,8 @@ func (p *Pool) remove(url string) bool {
 	return true
 }
 
-func (p *Pool) add(u string) *Worker {
-	w := &Worker{url: u, dial: dialAddress(u), makesImages: true}
+func (p *pool) add(u string) *worker {
+	w := &worker{url: u, dial: dialAddress(u), makesImages: true}
 	if p.updateBody != nil {
 		w.state, w.behind = updating, true
 		p.behind.Add(1)
@@ -329,7 +329,7 @@ func (p *Pool) add(u string) *Worker {
 	return w
 }
 
-func (p *Pool) removeLocked(w *Worker) {
+func (p *pool) removeLocked(w *worker) {
 	if w.behind {
 		w.behind = false
 		p.behind.Add(-1)
@@ -345,12 +345,12 @@ func (p *Pool) removeLocked(w *Worker) {
 }
 
 // setDead marks a worker dead (no new jobs) or alive again.
-func (p *Pool) setDead(url string, dead bool) (WorkerInfo, bool) {
+func (p *pool) setDead(url string, dead bool) (workerInfo, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.find(url)
 	if w == nil {
-		return WorkerInfo{}, false
+		return workerInfo{}, false
 	}
 	w.dead = dead
 	p.dispatchLocked()
@@ -358,21 +358,21 @@ func (p *Pool) setDead(url string, dead bool) (WorkerInfo, bool) {
 }
 
 // worker returns a copy of one worker's state.
-func (p *Pool) worker(url string) (WorkerInfo, bool) {
+func (p *pool) worker(url string) (workerInfo, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.find(url)
 	if w == nil {
-		return WorkerInfo{}, false
+		return workerInfo{}, false
 	}
 	return p.infoLocked(w), true
 }
 
 // snapshot returns a copy of every worker's state, in joining order.
-func (p *Pool) snapshot() []WorkerInfo {
+func (p *pool) snapshot() []workerInfo {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	out := make([]WorkerInfo, len(p.workers))
+	out := make([]workerInfo, len(p.workers))
 	for i, w := range p.workers {
 		out[i] = p.infoLocked(w)
 	}
@@ -381,7 +381,7 @@ func (p *Pool) snapshot() []WorkerInfo {
 
 // servingDials returns the dial addresses of the workers that may take new
 // jobs now, for reverse_proxy's dynamic upstreams.
-func (p *Pool) servingDials() []string {
+func (p *pool) servingDials() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	dials := make([]string, 0, len(p.workers))
@@ -397,7 +397,7 @@ func (p *Pool) servingDials() []string {
 // setCapabilities records what a worker's /v1/models says it can do. Until
 // an update names its weights, a worker's weight version is its model id,
 // the model_path it was started with.
-func (p *Pool) setCapabilities(url string, taskTypes []string, modelID string) {
+func (p *pool) setCapabilities(url string, taskTypes []string, modelID string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if w := p.find(url); w != nil {
@@ -413,7 +413,7 @@ func (p *Pool) setCapabilities(url string, taskTypes []string, modelID string) {
 
 // unprobed returns the workers whose capabilities are unknown and were not
 // probed within the last interval, and marks them as being probed now.
-func (p *Pool) unprobed(now time.Time, interval time.Duration) []string {
+func (p *pool) unprobed(now time.Time, interval time.Duration) []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var urls []string
@@ -428,7 +428,7 @@ func (p *Pool) unprobed(now time.Time, interval time.Duration) []string {
 
 // find looks a worker up by URL; URLs that dial the same address name the
 // same worker (http://h and http://h:80).
-func (p *Pool) find(url string) *Worker {
+func (p *pool) find(url string) *worker {
 	return p.byDial[dialAddress(url)]
 }
 
@@ -500,7 +500,7 @@ type poolStats struct {
 	version   string
 }
 
-func (p *Pool) stats() poolStats {
+func (p *pool) stats() poolStats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return poolStats{queued: len(p.queue), completed: p.completions, version: p.versionLocked()}
@@ -508,7 +508,7 @@ func (p *Pool) stats() poolStats {
 
 // versionLocked is the pool's weight version: that of the last update, or
 // before any, the one most workers report.
-func (p *Pool) versionLocked() string {
+func (p *pool) versionLocked() string {
 	if p.version != "" {
 		return p.version
 	}

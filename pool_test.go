@@ -6,7 +6,7 @@ import (
 	"testing"
 )
 
-func workerURLs(p *Pool) []string {
+func workerURLs(p *pool) []string {
 	var urls []string
 	for _, w := range p.snapshot() {
 		urls = append(urls, w.URL)

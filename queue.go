@@ -52,7 +52,7 @@ var (
 // reverse_proxy, which proxies to that worker, and back to the handler,
 // which releases it.
 type ticket struct {
-	pool *Pool
+	pool *pool
 	cfg  *dispatchConfig
 	pin  string   // URL of the only worker that may serve (a video job's creator)
 	task taskKind // what the worker must be able to generate
@@ -62,11 +62,11 @@ type ticket struct {
 	wantVersion   string // only a worker on this weight version may serve
 	servedVersion string // the weight version of the worker chosen
 
-	worker    *Worker // the worker holding the request now
+	worker    *worker // the worker holding the request now
 	servedBy  string  // URL of the last worker chosen, kept after release
 	started   int64   // when the job reached the head of its worker, Unix nanoseconds
 	predicted time.Duration
-	tried     []*Worker // workers a retry must avoid
+	tried     []*worker // workers a retry must avoid
 	lookups   int       // upstream lookups by reverse_proxy; more than one is a retry
 }
 
@@ -81,7 +81,7 @@ type waiter struct {
 // acquire gives t a worker. A job that finds every fitting worker full
 // waits in the pool's queue until one frees up (late binding), the client
 // leaves, or the queue timeout passes.
-func (p *Pool) acquire(ctx context.Context, t *ticket) error {
+func (p *pool) acquire(ctx context.Context, t *ticket) error {
 	p.mu.Lock()
 	if len(p.queue) == 0 || !t.job { // a job never overtakes waiting ones
 		if w, _ := p.chooseLocked(t); w != nil {
@@ -130,7 +130,7 @@ func (p *Pool) acquire(ctx context.Context, t *ticket) error {
 
 // retry moves t off the worker reverse_proxy could not connect to, onto
 // another one, waiting for it like a new job.
-func (p *Pool) retry(ctx context.Context, t *ticket) error {
+func (p *pool) retry(ctx context.Context, t *ticket) error {
 	p.mu.Lock()
 	if w := t.worker; w != nil {
 		t.tried = append(t.tried, w)
@@ -142,7 +142,7 @@ func (p *Pool) retry(ctx context.Context, t *ticket) error {
 
 // release ends t's claim on its worker. It reports how long the worker is
 // ejected for if this failure ejected it.
-func (p *Pool) release(t *ticket, o outcome) time.Duration {
+func (p *pool) release(t *ticket, o outcome) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.releaseLocked(t, o)
@@ -151,7 +151,7 @@ func (p *Pool) release(t *ticket, o outcome) time.Duration {
 // chooseLocked picks the worker for t by its strategy among the workers that
 // may serve it and have a free slot. It also reports whether any serving
 // worker had a free slot at all, so a dispatch pass can stop early.
-func (p *Pool) chooseLocked(t *ticket) (*Worker, bool) {
+func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
 	now := p.now().UnixNano()
 	if t.pin != "" {
 		w := p.find(t.pin)
@@ -192,7 +192,7 @@ const prefetchWindow = 5 * time.Millisecond
 
 // fits reports whether w has a slot at now for a request (a job, or not)
 // under a limit of jobs per worker (0: none); only jobs take slots.
-func fits(job bool, limit int, w *Worker, now int64) bool {
+func fits(job bool, limit int, w *worker, now int64) bool {
 	if !job || limit == 0 || w.inflight < limit {
 		return true
 	}
@@ -201,12 +201,12 @@ func fits(job bool, limit int, w *Worker, now int64) bool {
 
 // updateEndsLocked predicts when w's jobs will be done, from when the
 // running one started: what fits checks for every full worker.
-func (p *Pool) updateEndsLocked(w *Worker) {
+func (p *pool) updateEndsLocked(w *worker) {
 	w.endsAt = w.headSince + int64(w.work/p.speedOf(w)*float64(time.Second))
 }
 
 // admits reports whether w may serve t's request at now.
-func (t *ticket) admits(w *Worker, now int64) bool {
+func (t *ticket) admits(w *worker, now int64) bool {
 	if !w.serving(now) || !w.can(t.task) || slices.Contains(t.tried, w) {
 		return false
 	}
@@ -215,7 +215,7 @@ func (t *ticket) admits(w *Worker, now int64) bool {
 
 // couldServeLocked reports whether some worker of the pool, serving or not,
 // could take t: then t may wait for it.
-func (p *Pool) couldServeLocked(t *ticket) bool {
+func (p *pool) couldServeLocked(t *ticket) bool {
 	for _, w := range p.workers {
 		if w.can(t.task) && !slices.Contains(t.tried, w) && (t.pin == "" || w.url == t.pin) &&
 			(t.wantVersion == "" || w.version == t.wantVersion || p.target == t.wantVersion) {
@@ -225,7 +225,7 @@ func (p *Pool) couldServeLocked(t *ticket) bool {
 	return false
 }
 
-func (p *Pool) assignLocked(t *ticket, w *Worker) {
+func (p *pool) assignLocked(t *ticket, w *worker) {
 	t.worker, t.servedBy, t.servedVersion = w, w.url, w.version
 	if !t.job {
 		return
@@ -242,12 +242,12 @@ func (p *Pool) assignLocked(t *ticket, w *Worker) {
 
 // startLocked notes that t has reached the head of w's jobs: a worker runs
 // its jobs one at a time, in arrival order.
-func (p *Pool) startLocked(w *Worker, t *ticket, now int64) {
+func (p *pool) startLocked(w *worker, t *ticket, now int64) {
 	t.started = now
 	w.headCost, w.headSince = t.cost, now
 }
 
-func (p *Pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
+func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 	w := t.worker
 	if w == nil {
 		return 0
@@ -302,7 +302,7 @@ func (p *Pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 
 // dispatchLocked hands free slots to waiting jobs, in queue order; a job
 // that no free worker may serve lets the ones behind it pass.
-func (p *Pool) dispatchLocked() {
+func (p *pool) dispatchLocked() {
 	kept := p.queue[:0]
 	for i, wt := range p.queue {
 		w, anyFree := p.chooseLocked(wt.t)
@@ -321,7 +321,7 @@ func (p *Pool) dispatchLocked() {
 	p.queue = kept
 }
 
-func (p *Pool) enqueueLocked(t *ticket) *waiter {
+func (p *pool) enqueueLocked(t *ticket) *waiter {
 	p.seq++
 	wt := &waiter{t: t, seq: p.seq, ready: make(chan struct{})}
 	switch t.cfg.order {
@@ -339,7 +339,7 @@ func (p *Pool) enqueueLocked(t *ticket) *waiter {
 
 // dequeueLocked takes a waiter out of the queue; false means it had already
 // been given a worker.
-func (p *Pool) dequeueLocked(wt *waiter) bool {
+func (p *pool) dequeueLocked(wt *waiter) bool {
 	i := slices.Index(p.queue, wt)
 	if i < 0 {
 		return false
@@ -350,7 +350,7 @@ func (p *Pool) dequeueLocked(wt *waiter) bool {
 
 // speedOf is w's learned speed, or the pool's median speed while w has
 // completed nothing.
-func (p *Pool) speedOf(w *Worker) float64 {
+func (p *pool) speedOf(w *worker) float64 {
 	if w.speed.value > 0 {
 		return w.speed.value
 	}
@@ -359,7 +359,7 @@ func (p *Pool) speedOf(w *Worker) float64 {
 
 // refreshDefaultSpeedLocked sets the speed assumed for new workers to the
 // median of the learned ones.
-func (p *Pool) refreshDefaultSpeedLocked() {
+func (p *pool) refreshDefaultSpeedLocked() {
 	speeds := p.speeds[:0]
 	for _, w := range p.workers {
 		if w.speed.value > 0 {
@@ -375,7 +375,7 @@ func (p *Pool) refreshDefaultSpeedLocked() {
 
 // workLeft is the predicted cost w still has to process at now (Unix
 // nanoseconds): its jobs' costs, less what the running one has done.
-func (p *Pool) workLeft(w *Worker, now int64) float64 {
+func (p *pool) workLeft(w *worker, now int64) float64 {
 	if w.inflight == 0 {
 		return 0
 	}
@@ -384,7 +384,7 @@ func (p *Pool) workLeft(w *Worker, now int64) float64 {
 }
 
 // queueError is the answer for a request that got no worker.
-func queueError(p *Pool, t *ticket, err error) (int, string) {
+func queueError(p *pool, t *ticket, err error) (int, string) {
 	switch {
 	case errors.Is(err, errQueueFull):
 		return 429, fmt.Sprintf("the queue of pool %q is full (%d jobs waiting, max_queue %d)", p.name, t.cfg.maxQueue, t.cfg.maxQueue)

@@ -11,14 +11,14 @@ import (
 )
 
 // queued returns the number of jobs waiting in p's queue.
-func queued(p *Pool) int {
+func queued(p *pool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return len(p.queue)
 }
 
 // waitQueued waits until n jobs wait in p's queue.
-func waitQueued(t *testing.T, p *Pool, n int) {
+func waitQueued(t *testing.T, p *pool, n int) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for queued(p) != n {
@@ -31,7 +31,7 @@ func waitQueued(t *testing.T, p *Pool, n int) {
 
 // enqueue starts acquiring a worker for a job of the given cost in the
 // background and waits until it is queued; the result arrives on the channel.
-func enqueue(t *testing.T, p *Pool, cfg *dispatchConfig, cost float64, ctx context.Context) (*ticket, chan error) {
+func enqueue(t *testing.T, p *pool, cfg *dispatchConfig, cost float64, ctx context.Context) (*ticket, chan error) {
 	t.Helper()
 	tk := &ticket{pool: p, cfg: cfg, job: true, cost: cost}
 	done := make(chan error, 1)
@@ -176,7 +176,7 @@ func TestCountersReturnToZero(t *testing.T) {
 }
 
 // runJob plays one request with a random fate.
-func runJob(p *Pool, cfg *dispatchConfig, rng *rand.Rand) {
+func runJob(p *pool, cfg *dispatchConfig, rng *rand.Rand) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	if rng.IntN(10) == 0 {

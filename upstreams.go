@@ -9,30 +9,30 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(UpstreamSource{})
+	caddy.RegisterModule(DiffusionUpstreams{})
 }
 
-// UpstreamSource is the reverse_proxy dynamic upstream source `diffusion`:
+// DiffusionUpstreams is the reverse_proxy dynamic upstream source `diffusion`:
 // it gives reverse_proxy the worker the pool assigned to the request, so
 // workers registered at run time are used at once and removed ones never.
 // When reverse_proxy asks again, its connection to that worker failed: the
 // request moves to another worker.
-type UpstreamSource struct {
+type DiffusionUpstreams struct {
 	poolRef
 }
 
 // CaddyModule returns the Caddy module information.
-func (UpstreamSource) CaddyModule() caddy.ModuleInfo {
+func (DiffusionUpstreams) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID:  "http.reverse_proxy.upstreams.diffusion",
-		New: func() caddy.Module { return new(UpstreamSource) },
+		New: func() caddy.Module { return new(DiffusionUpstreams) },
 	}
 }
 
 // GetUpstreams returns the upstream of the request's worker; a request
 // without a ticket gets every serving worker. Upstreams are new values each
 // time because reverse_proxy writes into the upstreams it is given.
-func (s *UpstreamSource) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
+func (s *DiffusionUpstreams) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
 	t := ticketFrom(r.Context())
 	if t == nil {
 		return upstreamsOf(s.pool.servingDials()), nil
@@ -57,14 +57,14 @@ func upstreamsOf(dials []string) []*reverseproxy.Upstream {
 // UnmarshalCaddyfile sets up the source from Caddyfile tokens. Syntax:
 //
 //	dynamic diffusion [<pool>]
-func (s *UpstreamSource) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (s *DiffusionUpstreams) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return s.unmarshalPoolArg(d, "dynamic diffusion")
 }
 
 // Interface guards
 var (
-	_ caddy.Provisioner           = (*UpstreamSource)(nil)
-	_ caddy.CleanerUpper          = (*UpstreamSource)(nil)
-	_ reverseproxy.UpstreamSource = (*UpstreamSource)(nil)
-	_ caddyfile.Unmarshaler       = (*UpstreamSource)(nil)
+	_ caddy.Provisioner           = (*DiffusionUpstreams)(nil)
+	_ caddy.CleanerUpper          = (*DiffusionUpstreams)(nil)
+	_ reverseproxy.UpstreamSource = (*DiffusionUpstreams)(nil)
+	_ caddyfile.Unmarshaler       = (*DiffusionUpstreams)(nil)
 )

@@ -166,7 +166,7 @@ func (h *Handler) trackVideoJob(r *http.Request, t *ticket, rec *recorder, err e
 }
 
 // holdVideo keeps t's worker claimed by the video job id.
-func (p *Pool) holdVideo(t *ticket, id string) bool {
+func (p *pool) holdVideo(t *ticket, id string) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if t.worker == nil {
@@ -179,7 +179,7 @@ func (p *Pool) holdVideo(t *ticket, id string) bool {
 }
 
 // endVideo releases the worker of a held video job that has ended.
-func (p *Pool) endVideo(id string, o outcome) {
+func (p *pool) endVideo(id string, o outcome) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	hv, ok := p.held[id]

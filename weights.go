@@ -226,7 +226,7 @@ func (h *Handler) updateWeights(ctx context.Context, req weightsRequest) ([]resu
 }
 
 // broadcast POSTs body to path on every worker in parallel.
-func (h *Handler) broadcast(ctx context.Context, workers []*Worker, path string, body []byte, timeout time.Duration) []result {
+func (h *Handler) broadcast(ctx context.Context, workers []*worker, path string, body []byte, timeout time.Duration) []result {
 	results := make([]result, len(workers))
 	var wg sync.WaitGroup
 	for i, w := range workers {
@@ -267,10 +267,10 @@ func (h *Handler) post(ctx context.Context, workerURL, path string, body []byte,
 // beginUpdate picks the workers an update goes to: those serving and those
 // stale from an earlier failed update. In drain mode the pool stops handing
 // out jobs.
-func (p *Pool) beginUpdate(version string, pause bool) []*Worker {
+func (p *pool) beginUpdate(version string, pause bool) []*worker {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var targets []*Worker
+	var targets []*worker
 	for _, w := range p.workers {
 		if !w.dead && (w.state == serving || w.state == stale) {
 			targets = append(targets, w)
@@ -283,7 +283,7 @@ func (p *Pool) beginUpdate(version string, pause bool) []*Worker {
 
 // finishUpdate records which workers now serve version; the others are
 // stale.
-func (p *Pool) finishUpdate(group []*Worker, results []result, version string) {
+func (p *pool) finishUpdate(group []*worker, results []result, version string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for i, w := range group {
@@ -299,7 +299,7 @@ func (p *Pool) finishUpdate(group []*Worker, results []result, version string) {
 // endUpdate resumes handing out jobs. After a successful update it
 // remembers the new version and its body, to bring workers that join
 // later to it.
-func (p *Pool) endUpdate(targets []*Worker, results []result, req weightsRequest) {
+func (p *pool) endUpdate(targets []*worker, results []result, req weightsRequest) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if slices.ContainsFunc(results, func(r result) bool { return r.ok }) {
@@ -310,7 +310,7 @@ func (p *Pool) endUpdate(targets []*Worker, results []result, req weightsRequest
 }
 
 // setState moves workers to state s.
-func (p *Pool) setState(workers []*Worker, s workerState) {
+func (p *pool) setState(workers []*worker, s workerState) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, w := range workers {
@@ -320,12 +320,12 @@ func (p *Pool) setState(workers []*Worker, s workerState) {
 }
 
 // waitIdle waits until none of the workers has a job in flight.
-func (p *Pool) waitIdle(ctx context.Context, workers []*Worker, timeout time.Duration) error {
+func (p *pool) waitIdle(ctx context.Context, workers []*worker, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for {
 		p.mu.Lock()
-		if !slices.ContainsFunc(workers, func(w *Worker) bool { return w.inflight > 0 }) {
+		if !slices.ContainsFunc(workers, func(w *worker) bool { return w.inflight > 0 }) {
 			p.mu.Unlock()
 			return nil
 		}
@@ -410,10 +410,10 @@ func operation(to workerState) string {
 
 // inState returns the workers (not marked dead) in state s, and the size of
 // the pool.
-func (p *Pool) inState(s workerState) ([]*Worker, int) {
+func (p *pool) inState(s workerState) ([]*worker, int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var out []*Worker
+	var out []*worker
 	for _, w := range p.workers {
 		if !w.dead && w.state == s {
 			out = append(out, w)
@@ -423,7 +423,7 @@ func (p *Pool) inState(s workerState) ([]*Worker, int) {
 }
 
 // moveStates moves the workers whose call succeeded to state s.
-func (p *Pool) moveStates(workers []*Worker, results []result, s workerState) {
+func (p *pool) moveStates(workers []*worker, results []result, s workerState) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for i, w := range workers {
@@ -436,7 +436,7 @@ func (p *Pool) moveStates(workers []*Worker, results []result, s workerState) {
 
 // catchUp brings a worker that joined after an update to the pool's
 // version before it gets a job; it is stale if that fails.
-func (h *Handler) catchUp(ctx context.Context, w *Worker) {
+func (h *Handler) catchUp(ctx context.Context, w *worker) {
 	select {
 	case h.pool.fleet <- struct{}{}: // not while another update runs
 		defer func() { <-h.pool.fleet }()
@@ -447,7 +447,7 @@ func (h *Handler) catchUp(ctx context.Context, w *Worker) {
 	body, version := h.pool.updateBody, h.pool.version
 	h.pool.mu.Unlock()
 	res := h.post(ctx, w.url, "/update_weights_from_disk", body, h.weights.timeout)
-	h.pool.finishUpdate([]*Worker{w}, []result{res}, version)
+	h.pool.finishUpdate([]*worker{w}, []result{res}, version)
 	if !res.ok {
 		h.logger.Warn("worker that joined could not be brought to the current weights; it is stale",
 			zap.String("worker", w.url), zap.String("weight_version", version), zap.Int("status", res.StatusCode))
@@ -467,10 +467,10 @@ func (h *Handler) startCatchUps() {
 }
 
 // takeBehind returns the workers waiting to catch up.
-func (p *Pool) takeBehind() []*Worker {
+func (p *pool) takeBehind() []*worker {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var out []*Worker
+	var out []*worker
 	for _, w := range p.workers {
 		if w.behind {
 			w.behind = false
