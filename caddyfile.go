@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"maps"
 	"math"
-	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -127,28 +126,27 @@ func wireProxy(rp *reverseproxy.Handler, h *Handler) {
 	}
 }
 
-// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. The
+// options are flat in the Caddyfile and grouped in the JSON config (shown
+// in brackets). Syntax:
 //
 //	diffusion_router [<pool>] {
 //	    workers          <url...>
+//
+//	    # choosing a worker (load_balancing) and waiting for one (queue)
 //	    policy           least_work|least_request|round_robin|random
 //	    max_inflight     <n>|unlimited
 //	    queue_order      fifo|largest_first|smallest_first
 //	    queue_timeout    <duration>
 //	    max_queue        <n>
+//
+//	    # the cost of a job (cost)
 //	    default_steps    <n>
 //	    default_size     <width>x<height>
 //	    default_frames   <n>
 //	    cfg_factor       <factor>
-//	    max_body         <size>
-//	    admin_allow      <cidr...>
-//	    admin_token      <token>
-//	    upstream_timeout <duration>
-//	    weights_mode     drain|rolling
-//	    rolling_batch    <n>
-//	    drain_timeout    <duration>
-//	    weights_timeout  <duration>
-//	    weights_path_prefix <prefix...>
+//
+//	    # active health checks (health_checks.active)
 //	    health_uri       <path>
 //	    health_interval  <duration>
 //	    health_timeout   <duration>
@@ -156,20 +154,43 @@ func wireProxy(rp *reverseproxy.Handler, h *Handler) {
 //	    health_passes    <n>
 //	    health_status    <code>
 //	    health_body      <regexp>
-//	    stall_factor     <factor>
+//
+//	    # passive health checks (health_checks.passive)
 //	    max_fails        <n>
 //	    fail_window      <duration>
 //	    eject_time       <duration>
 //	    max_eject_time   <duration>
+//	    stall_factor     <factor>
 //	    min_ready        <n>
+//
+//	    # weight updates, sleep and wake (weights)
+//	    weights_mode     drain|rolling
+//	    rolling_batch    <n>
+//	    drain_timeout    <duration>
+//	    weights_timeout  <duration>
+//	    weights_path_prefix <prefix...>
+//
+//	    # who may change the fleet (admin)
+//	    admin_allow      <cidr|ip...>
+//	    admin_token      <token>
+//
+//	    # requests
+//	    max_body         <size>
+//	    upstream_timeout <duration>
 //	    retry_on         <status...>
 //	    dashboard        on|off
 //	}
 //
 // workers, admin_allow, weights_path_prefix and retry_on may repeat; each
 // adds to the list. retry_on configures the reverse_proxy that the
-// directive generates, so the handler's JSON has no field for it. Sizes read like Caddy's
-// request_body max_size (64MiB, 10MB, 1048576).
+// directive generates, so the handler's JSON has no field for it. Sizes
+// read like Caddy's request_body max_size (64MiB, 10MB, 1048576).
+//
+// Parsing checks the syntax only: the option is known, its value is a
+// number, duration or size where one is needed, and not zero (which the
+// JSON config reads as "the default"). Everything else, such as a known
+// policy name or a valid worker URL, is checked when the config is
+// provisioned.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return h.unmarshal(d, func(d *caddyfile.Dispenser) error {
 		return d.Errf("a reverse_proxy block is only read by the diffusion_router directive")
@@ -200,229 +221,170 @@ func (h *Handler) unmarshal(d *caddyfile.Dispenser, proxyBlock func(*caddyfile.D
 	return nil
 }
 
-// unmarshalOption reads one handler option and checks its value, so a bad
-// one fails `caddy adapt` with the file and line.
+// unmarshalOption reads one handler option.
 func (h *Handler) unmarshalOption(d *caddyfile.Dispenser) error {
-	opt := d.Val()
+	name := d.Val()
+	opt, ok := handlerOptions[name]
+	if !ok {
+		return d.Errf("unknown diffusion_router option %q (options: %s)", name, strings.Join(optionNames(), ", "))
+	}
 	args := d.RemainingArgs()
-	if len(args) == 0 {
-		return d.Errf("%s needs a value", opt)
+	switch {
+	case len(args) == 0:
+		return d.Errf("%s needs a value", name)
+	case !opt.list && len(args) > 1:
+		return d.Errf("%s takes exactly one value, got %d", name, len(args))
 	}
-	if f, ok := listOptions[opt]; ok {
-		return f(h, d, args)
-	}
-	if len(args) != 1 {
-		return d.Errf("%s takes exactly one value, got %d", opt, len(args))
-	}
-	v := args[0]
-	if field, ok := intOptions[opt]; ok {
-		n, err := positiveInt(d, opt, v)
-		*field(h) = n
-		return err
-	}
-	if field, ok := durationOptions[opt]; ok {
-		dur, err := positiveDuration(d, opt, v)
-		*field(h) = dur
-		return err
-	}
-	if f, ok := oneValueOptions[opt]; ok {
-		return f(h, d, v)
-	}
-	return d.Errf("unknown diffusion_router option %q (options: %s)", opt, strings.Join(optionNames(), ", "))
+	return opt.read(h, d, name, args)
 }
 
-// Options that take one positive whole number.
-var intOptions = map[string]func(*Handler) *int{
-	"max_queue":      func(h *Handler) *int { return &h.MaxQueue },
-	"default_steps":  func(h *Handler) *int { return &h.DefaultSteps },
-	"default_frames": func(h *Handler) *int { return &h.DefaultFrames },
-	"rolling_batch":  func(h *Handler) *int { return &h.RollingBatch },
-	"health_fails":   func(h *Handler) *int { return &h.HealthFails },
-	"health_passes":  func(h *Handler) *int { return &h.HealthPasses },
-	"max_fails":      func(h *Handler) *int { return &h.MaxFails },
-	"min_ready":      func(h *Handler) *int { return &h.MinReady },
+// option reads one Caddyfile option into the handler.
+type option struct {
+	list bool // takes several values and may repeat; they add up
+	read func(h *Handler, d *caddyfile.Dispenser, name string, args []string) error
 }
 
-// Options that take one positive duration.
-var durationOptions = map[string]func(*Handler) *caddy.Duration{
-	"queue_timeout":    func(h *Handler) *caddy.Duration { return &h.QueueTimeout },
-	"upstream_timeout": func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout },
-	"drain_timeout":    func(h *Handler) *caddy.Duration { return &h.DrainTimeout },
-	"weights_timeout":  func(h *Handler) *caddy.Duration { return &h.WeightsTimeout },
-	"health_interval":  func(h *Handler) *caddy.Duration { return &h.HealthInterval },
-	"health_timeout":   func(h *Handler) *caddy.Duration { return &h.HealthTimeout },
-	"fail_window":      func(h *Handler) *caddy.Duration { return &h.FailWindow },
-	"eject_time":       func(h *Handler) *caddy.Duration { return &h.EjectTime },
-	"max_eject_time":   func(h *Handler) *caddy.Duration { return &h.MaxEjectTime },
+// handlerOptions are the handler's Caddyfile options, grouped as the JSON
+// config groups them.
+var handlerOptions = map[string]option{
+	"workers": several(func(h *Handler) *[]string { return &h.Workers }),
+
+	"policy":        one(func(h *Handler) *string { return &h.LoadBalancing.Policy }, parseText),
+	"max_inflight":  one(func(h *Handler) *int { return &h.LoadBalancing.MaxInflight }, parseMaxInflight),
+	"queue_order":   one(func(h *Handler) *string { return &h.Queue.Order }, parseText),
+	"queue_timeout": one(func(h *Handler) *caddy.Duration { return &h.Queue.Timeout }, parseDuration),
+	"max_queue":     one(func(h *Handler) *int { return &h.Queue.MaxJobs }, parseWhole),
+
+	"default_steps":  one(func(h *Handler) *int { return &h.Cost.DefaultSteps }, parseWhole),
+	"default_size":   one(func(h *Handler) *string { return &h.Cost.DefaultSize }, parseText),
+	"default_frames": one(func(h *Handler) *int { return &h.Cost.DefaultFrames }, parseWhole),
+	"cfg_factor":     one(func(h *Handler) *float64 { return &h.Cost.CFGFactor }, parseNumber),
+
+	"health_uri":      one(func(h *Handler) *string { return &h.HealthChecks.Active.URI }, parseText),
+	"health_interval": one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Active.Interval }, parseDuration),
+	"health_timeout":  one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Active.Timeout }, parseDuration),
+	"health_fails":    one(func(h *Handler) *int { return &h.HealthChecks.Active.Fails }, parseWhole),
+	"health_passes":   one(func(h *Handler) *int { return &h.HealthChecks.Active.Passes }, parseWhole),
+	"health_status":   one(func(h *Handler) *int { return &h.HealthChecks.Active.ExpectStatus }, parseWhole),
+	"health_body":     one(func(h *Handler) *string { return &h.HealthChecks.Active.ExpectBody }, parseText),
+
+	"max_fails":      one(func(h *Handler) *int { return &h.HealthChecks.Passive.MaxFails }, parseWhole),
+	"fail_window":    one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Passive.FailWindow }, parseDuration),
+	"eject_time":     one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Passive.EjectTime }, parseDuration),
+	"max_eject_time": one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Passive.MaxEjectTime }, parseDuration),
+	"stall_factor":   one(func(h *Handler) *float64 { return &h.HealthChecks.Passive.StallFactor }, parseNumber),
+	"min_ready":      one(func(h *Handler) *int { return &h.HealthChecks.MinReady }, parseWhole),
+
+	"weights_mode":        one(func(h *Handler) *string { return &h.Weights.Mode }, parseText),
+	"rolling_batch":       one(func(h *Handler) *int { return &h.Weights.RollingBatch }, parseWhole),
+	"drain_timeout":       one(func(h *Handler) *caddy.Duration { return &h.Weights.DrainTimeout }, parseDuration),
+	"weights_timeout":     one(func(h *Handler) *caddy.Duration { return &h.Weights.Timeout }, parseDuration),
+	"weights_path_prefix": several(func(h *Handler) *[]string { return &h.Weights.PathPrefixes }),
+
+	"admin_allow": several(func(h *Handler) *[]string { return &h.Admin.Allow }),
+	"admin_token": one(func(h *Handler) *string { return &h.Admin.Token }, parseText),
+
+	"max_body":         one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
+	"upstream_timeout": one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),
+	"dashboard":        one(func(h *Handler) *bool { return &h.DashboardOff }, parseDashboard),
+	"retry_on":         {list: true, read: readRetryOn},
 }
 
-// Options that take one value of their own kind.
-var oneValueOptions = map[string]func(*Handler, *caddyfile.Dispenser, string) error{
-	"policy": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		if _, ok := strategies[v]; !ok {
-			return d.Errf("unknown policy %q (want one of %s)", v, strategyNames())
+// one is an option of one value, read by parse into the field. parse
+// reports what the value should have been when it is not.
+func one[T any](field func(*Handler) *T, parse func(string) (T, string)) option {
+	return option{read: func(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
+		v, want := parse(args[0])
+		if want != "" {
+			return d.Errf("%s: %q is not %s", name, args[0], want)
 		}
-		h.Policy = v
+		*field(h) = v
 		return nil
-	},
-	"max_inflight": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		if v == "unlimited" {
-			h.MaxInflight = -1
-			return nil
-		}
-		n, err := positiveInt(d, "max_inflight", v)
-		h.MaxInflight = n
-		return err
-	},
-	"queue_order": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		if _, ok := queueOrders[v]; !ok {
-			return d.Errf("unknown queue_order %q (want fifo, largest_first or smallest_first)", v)
-		}
-		h.QueueOrder = v
-		return nil
-	},
-	"default_size": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		if _, _, err := parseSize(v); err != nil {
-			return d.Errf("default_size: %q is not WIDTHxHEIGHT like 1024x1024", v)
-		}
-		h.DefaultSize = v
-		return nil
-	},
-	"cfg_factor": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		f, err := atLeastOne(d, "cfg_factor", v)
-		h.CFGFactor = f
-		return err
-	},
-	"stall_factor": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		f, err := atLeastOne(d, "stall_factor", v)
-		h.StallFactor = f
-		return err
-	},
-	"max_body": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		size, err := humanize.ParseBytes(v)
-		if err != nil || size == 0 || size > math.MaxInt64 {
-			return d.Errf("max_body: %q is not a positive size like 64MiB", v)
-		}
-		h.MaxBody = int64(size)
-		return nil
-	},
-	"dashboard": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		if v != "on" && v != "off" {
-			return d.Errf("dashboard: %q is neither on nor off", v)
-		}
-		h.DashboardOff = v == "off"
-		return nil
-	},
-	"admin_token": func(h *Handler, _ *caddyfile.Dispenser, v string) error {
-		h.AdminToken = v
-		return nil
-	},
-	"weights_mode": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		if v != modeDrain && v != modeRolling {
-			return d.Errf("unknown weights_mode %q (want drain or rolling)", v)
-		}
-		h.WeightsMode = v
-		return nil
-	},
-	"health_uri": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		if !strings.HasPrefix(v, "/") {
-			return d.Errf("health_uri: %q is not a path", v)
-		}
-		h.HealthURI = v
-		return nil
-	},
-	"health_status": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 100 || n > 599 {
-			return d.Errf("health_status: %q is not an HTTP status code", v)
-		}
-		h.HealthStatus = n
-		return nil
-	},
-	"health_body": func(h *Handler, d *caddyfile.Dispenser, v string) error {
-		if _, err := regexp.Compile(v); err != nil {
-			return d.Errf("health_body: %v", err)
-		}
-		h.HealthBody = v
-		return nil
-	},
+	}}
 }
 
-// Options that take a list of values; they may repeat and add up.
-var listOptions = map[string]func(*Handler, *caddyfile.Dispenser, []string) error{
-	"workers": func(h *Handler, d *caddyfile.Dispenser, args []string) error {
-		for _, a := range args {
-			if _, err := normalizeWorkerURL(a); err != nil {
-				return d.Errf("workers: %q: %v", a, err)
-			}
-		}
-		h.Workers = append(h.Workers, args...)
+// several is an option of several values that add up.
+func several(field func(*Handler) *[]string) option {
+	return option{list: true, read: func(h *Handler, _ *caddyfile.Dispenser, _ string, args []string) error {
+		*field(h) = append(*field(h), args...)
 		return nil
-	},
-	"admin_allow": func(h *Handler, d *caddyfile.Dispenser, args []string) error {
-		if _, err := parsePrefixes(args); err != nil {
-			return d.Err(err.Error())
+	}}
+}
+
+// A value of zero would read as "the default" in the JSON config, so the
+// parsers refuse it: leaving the option out says that.
+
+func parseText(v string) (string, string) { return v, "" }
+
+func parseWhole(v string) (int, string) {
+	n, err := strconv.Atoi(v)
+	if err != nil || n == 0 {
+		return 0, "a whole number other than 0"
+	}
+	return n, ""
+}
+
+func parseMaxInflight(v string) (int, string) {
+	if v == "unlimited" {
+		return -1, ""
+	}
+	n, want := parseWhole(v)
+	if want != "" {
+		want = "a whole number other than 0, or unlimited"
+	}
+	return n, want
+}
+
+func parseNumber(v string) (float64, string) {
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || f == 0 {
+		return 0, "a number other than 0"
+	}
+	return f, ""
+}
+
+func parseDuration(v string) (caddy.Duration, string) {
+	dur, err := caddy.ParseDuration(v)
+	if err != nil || dur == 0 {
+		return 0, "a duration like 10m, other than 0"
+	}
+	return caddy.Duration(dur), ""
+}
+
+func parseByteSize(v string) (int64, string) {
+	size, err := humanize.ParseBytes(v)
+	if err != nil || size == 0 || size > math.MaxInt64 {
+		return 0, "a positive size like 64MiB"
+	}
+	return int64(size), ""
+}
+
+func parseDashboard(v string) (bool, string) {
+	if v != "on" && v != "off" {
+		return false, "on or off"
+	}
+	return v == "off", ""
+}
+
+// readRetryOn reads retry_on, which configures the generated reverse_proxy
+// rather than the handler, so its values are checked here: no provisioning
+// sees them.
+func readRetryOn(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
+	for _, a := range args {
+		n, err := strconv.Atoi(a)
+		if err != nil || n < 400 || n > 599 {
+			return d.Errf("%s: %q is not an error status code (400-599)", name, a)
 		}
-		h.AdminAllow = append(h.AdminAllow, args...)
-		return nil
-	},
-	"weights_path_prefix": func(h *Handler, d *caddyfile.Dispenser, args []string) error {
-		for _, a := range args {
-			if !strings.HasPrefix(a, "/") && !strings.Contains(a, "://") {
-				return d.Errf("weights_path_prefix: %q is neither an absolute path nor a URL prefix", a)
-			}
-		}
-		h.WeightsPathPrefix = append(h.WeightsPathPrefix, args...)
-		return nil
-	},
-	"retry_on": func(h *Handler, d *caddyfile.Dispenser, args []string) error {
-		for _, a := range args {
-			n, err := strconv.Atoi(a)
-			if err != nil || n < 400 || n > 599 {
-				return d.Errf("retry_on: %q is not an error status code (400-599)", a)
-			}
-			h.retryOn = append(h.retryOn, n)
-		}
-		return nil
-	},
+		h.retryOn = append(h.retryOn, n)
+	}
+	return nil
 }
 
 // optionNames lists the handler's Caddyfile options for error messages.
 func optionNames() []string {
-	names := []string{"reverse_proxy"}
-	names = append(names, slices.Collect(maps.Keys(intOptions))...)
-	names = append(names, slices.Collect(maps.Keys(durationOptions))...)
-	names = append(names, slices.Collect(maps.Keys(oneValueOptions))...)
-	names = append(names, slices.Collect(maps.Keys(listOptions))...)
+	names := append(slices.Collect(maps.Keys(handlerOptions)), "reverse_proxy")
 	slices.Sort(names)
 	return names
-}
-
-// atLeastOne reads option opt's value v as a number of at least 1.
-func atLeastOne(d *caddyfile.Dispenser, opt, v string) (float64, error) {
-	f, err := strconv.ParseFloat(v, 64)
-	if err != nil || f < 1 || math.IsInf(f, 0) {
-		return 0, d.Errf("%s: %q is not a number of at least 1", opt, v)
-	}
-	return f, nil
-}
-
-// positiveInt reads option opt's value v as a positive integer.
-func positiveInt(d *caddyfile.Dispenser, opt, v string) (int, error) {
-	n, err := strconv.Atoi(v)
-	if err != nil || n <= 0 {
-		return 0, d.Errf("%s: %q is not a positive whole number", opt, v)
-	}
-	return n, nil
-}
-
-// positiveDuration reads option opt's value v as a positive duration.
-func positiveDuration(d *caddyfile.Dispenser, opt, v string) (caddy.Duration, error) {
-	dur, err := caddy.ParseDuration(v)
-	if err != nil || dur <= 0 {
-		return 0, d.Errf("%s: %q is not a positive duration like 10m", opt, v)
-	}
-	return caddy.Duration(dur), nil
 }
 
 // Interface guards

@@ -2,6 +2,7 @@ package diffusionrouter
 
 import (
 	"encoding/json"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -89,39 +90,29 @@ func TestCaddyfileEveryOption(t *testing.T) {
 	}
 	h := handlerFrom(t, cfg)
 	want := Handler{
-		Pool:              "rollout",
-		Workers:           []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
-		Policy:            "round_robin",
-		MaxInflight:       2,
-		QueueOrder:        "largest_first",
-		QueueTimeout:      caddy.Duration(90 * time.Second),
-		MaxQueue:          500,
-		DefaultSteps:      30,
-		DefaultSize:       "768x1344",
-		DefaultFrames:     33,
-		CFGFactor:         1.5,
-		MaxBody:           8 << 20,
-		AdminAllow:        []string{"10.0.0.0/8", "192.168.1.7"},
-		AdminToken:        "{env.ROUTER_TOKEN}",
-		UpstreamTimeout:   caddy.Duration(30 * time.Minute),
-		WeightsMode:       "rolling",
-		RollingBatch:      2,
-		DrainTimeout:      caddy.Duration(5 * time.Minute),
-		WeightsTimeout:    caddy.Duration(15 * time.Minute),
-		WeightsPathPrefix: []string{"/ckpt/", "s3://bucket/"},
-		HealthURI:         "/health_generate",
-		HealthInterval:    caddy.Duration(30 * time.Second),
-		HealthTimeout:     caddy.Duration(2 * time.Minute),
-		HealthFails:       5,
-		HealthPasses:      1,
-		HealthStatus:      200,
-		HealthBody:        `"ok"`,
-		StallFactor:       3.5,
-		MaxFails:          4,
-		FailWindow:        caddy.Duration(time.Minute),
-		EjectTime:         caddy.Duration(20 * time.Second),
-		MaxEjectTime:      caddy.Duration(10 * time.Minute),
-		MinReady:          2,
+		Pool:          "rollout",
+		Workers:       []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
+		LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2},
+		Queue:         Queue{Order: "largest_first", Timeout: caddy.Duration(90 * time.Second), MaxJobs: 500},
+		Cost:          CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
+		HealthChecks: HealthChecks{
+			Active: ActiveHealthChecks{
+				URI: "/health_generate", Interval: caddy.Duration(30 * time.Second), Timeout: caddy.Duration(2 * time.Minute),
+				Fails: 5, Passes: 1, ExpectStatus: 200, ExpectBody: `"ok"`,
+			},
+			Passive: PassiveHealthChecks{
+				MaxFails: 4, FailWindow: caddy.Duration(time.Minute), EjectTime: caddy.Duration(20 * time.Second),
+				MaxEjectTime: caddy.Duration(10 * time.Minute), StallFactor: 3.5,
+			},
+			MinReady: 2,
+		},
+		Weights: Weights{
+			Mode: "rolling", RollingBatch: 2, DrainTimeout: caddy.Duration(5 * time.Minute),
+			Timeout: caddy.Duration(15 * time.Minute), PathPrefixes: []string{"/ckpt/", "s3://bucket/"},
+		},
+		Admin:           Admin{Allow: []string{"10.0.0.0/8", "192.168.1.7"}, Token: "{env.ROUTER_TOKEN}"},
+		MaxBody:         8 << 20,
+		UpstreamTimeout: caddy.Duration(30 * time.Minute),
 	}
 	got, _ := json.Marshal(h)
 	exp, _ := json.Marshal(want)
@@ -165,49 +156,34 @@ func TestCaddyfileLongForm(t *testing.T) {
 	}
 }
 
-func TestCaddyfileBadInputNamesLine(t *testing.T) {
+func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 	cases := map[string]string{
-		"unknown option":       "frobnicate yes",
-		"bad worker":           "workers ftp://10.0.0.1",
-		"worker with path":     "workers http://10.0.0.1:1/v1",
-		"unknown policy":       "policy fastest",
-		"two policies":         "policy random round_robin",
-		"bad size":             "max_body lots",
-		"zero size":            "max_body 0",
-		"bad cidr":             "admin_allow 10.0.0.0/99",
-		"bad duration":         "upstream_timeout soon",
-		"negative duration":    "upstream_timeout -5s",
-		"missing value":        "admin_token",
-		"proxy sets upstreams": "reverse_proxy {\n to 10.0.0.1:1\n }",
-		"proxy sets policy":    "reverse_proxy {\n lb_policy first\n }",
-		"proxy with address":   "reverse_proxy 10.0.0.1:1",
-		"zero max_inflight":    "max_inflight 0",
-		"bad max_inflight":     "max_inflight many",
-		"unknown queue_order":  "queue_order random",
-		"bad queue_timeout":    "queue_timeout forever",
-		"negative max_queue":   "max_queue -1",
-		"zero default_steps":   "default_steps 0",
-		"bad default_size":     "default_size big",
-		"zero default_size":    "default_size 0x1024",
-		"bad default_frames":   "default_frames 1.5",
-		"cfg_factor below 1":   "cfg_factor 0.5",
-		"bad cfg_factor":       "cfg_factor double",
-		"unknown weights_mode": "weights_mode eager",
-		"zero rolling_batch":   "rolling_batch 0",
-		"bad drain_timeout":    "drain_timeout never",
-		"bad weights_timeout":  "weights_timeout 0s",
-		"relative prefix":      "weights_path_prefix ckpt",
-		"relative health_uri":  "health_uri health",
-		"bad health_interval":  "health_interval often",
-		"zero health_fails":    "health_fails 0",
-		"bad health_status":    "health_status 700",
-		"bad health_body":      "health_body (unclosed",
-		"stall_factor below 1": "stall_factor 0.5",
-		"bad max_fails":        "max_fails x",
-		"bad eject_time":       "eject_time -1s",
-		"zero min_ready":       "min_ready 0",
-		"retry_on success":     "retry_on 200",
-		"retry_on word":        "retry_on errors",
+		"unknown option":            "frobnicate yes",
+		"unknown option, two words": "workers_dns a b",
+		"two policies":              "policy random round_robin",
+		"bad size":                  "max_body lots",
+		"zero size":                 "max_body 0",
+		"bad duration":              "upstream_timeout soon",
+		"missing value":             "admin_token",
+		"proxy sets upstreams":      "reverse_proxy {\n to 10.0.0.1:1\n }",
+		"proxy sets policy":         "reverse_proxy {\n lb_policy first\n }",
+		"proxy with address":        "reverse_proxy 10.0.0.1:1",
+		"zero max_inflight":         "max_inflight 0",
+		"bad max_inflight":          "max_inflight many",
+		"bad queue_timeout":         "queue_timeout forever",
+		"zero default_steps":        "default_steps 0",
+		"bad default_frames":        "default_frames 1.5",
+		"bad cfg_factor":            "cfg_factor double",
+		"zero rolling_batch":        "rolling_batch 0",
+		"bad drain_timeout":         "drain_timeout never",
+		"zero weights_timeout":      "weights_timeout 0s",
+		"bad health_interval":       "health_interval often",
+		"zero health_fails":         "health_fails 0",
+		"bad max_fails":             "max_fails x",
+		"zero min_ready":            "min_ready 0",
+		"bad dashboard":             "dashboard maybe",
+		"retry_on success":          "retry_on 200",
+		"retry_on word":             "retry_on errors",
 	}
 	for name, line := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -217,6 +193,60 @@ func TestCaddyfileBadInputNamesLine(t *testing.T) {
 			}
 			if !strings.Contains(err.Error(), "Caddyfile:3") {
 				t.Fatalf("error %q does not name Caddyfile line 3", err)
+			}
+		})
+	}
+	_, err := adapt(t, "diffusion_router {\nworkers_dns a b\n}")
+	if err == nil || !strings.Contains(err.Error(), `unknown diffusion_router option "workers_dns"`) {
+		t.Errorf("unknown option with two values: %v; want it called unknown", err)
+	}
+}
+
+// TestBadValuesNameTheOption adapts options whose syntax is right but
+// whose values are not, and provisions them: the error names the option
+// as the Caddyfile and as the JSON config spell it.
+func TestBadValuesNameTheOption(t *testing.T) {
+	cases := []struct{ line, want string }{
+		{"workers ftp://10.0.0.1", "workers (workers):"},
+		{"workers http://10.0.0.1:1/v1", "workers (workers):"},
+		{"policy fastest", "policy (load_balancing.policy): unknown policy"},
+		{"max_inflight -2", "max_inflight (load_balancing.max_inflight):"},
+		{"queue_order random", "queue_order (queue.order): unknown order"},
+		{"queue_timeout -1s", "queue_timeout (queue.timeout):"},
+		{"max_queue -1", "max_queue (queue.max_jobs):"},
+		{"default_steps -3", "default_steps (cost.default_steps):"},
+		{"default_size big", "default_size (cost.default_size):"},
+		{"default_size 0x1024", "default_size (cost.default_size):"},
+		{"default_frames -1", "default_frames (cost.default_frames):"},
+		{"cfg_factor 0.5", "cfg_factor (cost.cfg_factor):"},
+		{"admin_allow 10.0.0.0/99", "admin_allow (admin.allow):"},
+		{"admin_token {env.DIFFUSION_ROUTER_UNSET_VAR}", "admin_token (admin.token):"},
+		{"upstream_timeout -5s", "upstream_timeout (upstream_timeout):"},
+		{"weights_mode eager", "weights_mode (weights.mode): unknown mode"},
+		{"rolling_batch -1", "rolling_batch (weights.rolling_batch):"},
+		{"drain_timeout -1m", "drain_timeout (weights.drain_timeout):"},
+		{"weights_path_prefix ckpt", "weights_path_prefix (weights.path_prefixes):"},
+		{"health_uri health", "health_uri (health_checks.active.uri):"},
+		{"health_interval -1s", "health_interval (health_checks.active.interval):"},
+		{"health_fails -1", "health_fails (health_checks.active.fails):"},
+		{"health_status 700", "health_status (health_checks.active.expect_status):"},
+		{"health_body (unclosed", "health_body (health_checks.active.expect_body):"},
+		{"stall_factor 0.5", "stall_factor (health_checks.passive.stall_factor):"},
+		{"max_fails -4", "max_fails (health_checks.passive.max_fails):"},
+		{"eject_time -1s", "eject_time (health_checks.passive.eject_time):"},
+		{"eject_time 1h", "max_eject_time (health_checks.passive.max_eject_time): must be at least eject_time"},
+		{"min_ready -1", "min_ready (health_checks.min_ready):"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.line, func(t *testing.T) {
+			cfg, err := adapt(t, "diffusion_router {\n"+tc.line+"\n}")
+			if err != nil {
+				t.Fatalf("%q: the syntax is right, yet adapting failed: %v", tc.line, err)
+			}
+			h := handlerFrom(t, cfg)
+			err = h.provisionOptions()
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("%q: provisioning said %v; want an error containing %q", tc.line, err, tc.want)
 			}
 		})
 	}
@@ -248,26 +278,35 @@ func TestSelectorAndSourceCaddyfile(t *testing.T) {
 
 func TestProvisionRejectsBadJSONConfig(t *testing.T) {
 	for name, h := range map[string]Handler{
-		"policy":      {Policy: "fastest"},
-		"worker":      {Workers: []string{"http://169.254.169.254"}},
-		"allow":       {AdminAllow: []string{"nope"}},
-		"empty token": {AdminToken: "{env.DIFFUSION_ROUTER_UNSET_VAR}"},
-		"max body":    {MaxBody: -1},
-		"inflight":    {MaxInflight: -2},
-		"order":       {QueueOrder: "lifo"},
-		"queue":       {MaxQueue: -1},
-		"size":        {DefaultSize: "1024"},
-		"cfg":         {CFGFactor: 0.5},
-		"steps":       {DefaultSteps: -3},
-		"mode":        {WeightsMode: "eager"},
-		"batch":       {RollingBatch: -1},
-		"health uri":  {HealthURI: "health"},
-		"regexp":      {HealthBody: "(x"},
-		"eject":       {EjectTime: caddy.Duration(time.Hour)}, // beyond max_eject_time
-		"status":      {HealthStatus: 42},
+		"max body": {MaxBody: -1},
+		"health":   {HealthChecks: HealthChecks{Active: ActiveHealthChecks{ExpectStatus: 42}}},
+		"passive":  {HealthChecks: HealthChecks{Passive: PassiveHealthChecks{StallFactor: math.Inf(1)}}},
+		"weights":  {Weights: Weights{Timeout: -1}},
 	} {
-		if err := h.parseOptions(); err == nil {
+		if err := h.provisionOptions(); err == nil {
 			t.Errorf("%s: bad config accepted", name)
+		}
+	}
+}
+
+func TestProvisionFillsDefaults(t *testing.T) {
+	var h Handler
+	if err := h.provisionOptions(); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := json.Marshal(h)
+	for _, want := range []string{
+		`"pool":"default"`,
+		`"load_balancing":{"policy":"least_work"}`,
+		`"queue":{"order":"fifo","max_jobs":10000}`,
+		`"cost":{"default_steps":20,"default_size":"1024x1024","default_frames":96,"cfg_factor":2}`,
+		`"active":{"uri":"/health","interval":10000000000,"timeout":5000000000,"fails":3,"passes":2}`,
+		`"min_ready":1`,
+		`"weights":{"mode":"drain","rolling_batch":1,"drain_timeout":600000000000,"timeout":600000000000}`,
+		`"max_body":67108864`,
+	} {
+		if !strings.Contains(string(got), want) {
+			t.Errorf("provisioned handler lacks %s:\n%s", want, got)
 		}
 	}
 }
@@ -309,13 +348,14 @@ func TestMaxInflightDefaultsByPolicy(t *testing.T) {
 		want int
 	}{
 		{Handler{}, 1},
-		{Handler{Policy: "least_work", MaxInflight: -1}, 0},
-		{Handler{Policy: "least_work", MaxInflight: 3}, 3},
-		{Handler{Policy: "least_request"}, 0},
-		{Handler{Policy: "round_robin", MaxInflight: 2}, 2},
+		{Handler{LoadBalancing: LoadBalancing{Policy: "least_work", MaxInflight: -1}}, 0},
+		{Handler{LoadBalancing: LoadBalancing{Policy: "least_work", MaxInflight: 3}}, 3},
+		{Handler{LoadBalancing: LoadBalancing{Policy: "least_request"}}, 0},
+		{Handler{LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2}}, 2},
 	} {
-		if err := tc.h.parseOptions(); err != nil || tc.h.dispatch.maxInflight != tc.want {
-			t.Errorf("%s/%d: max_inflight %d (%v); want %d", tc.h.Policy, tc.h.MaxInflight, tc.h.dispatch.maxInflight, err, tc.want)
+		lb := tc.h.LoadBalancing
+		if err := tc.h.provisionOptions(); err != nil || tc.h.dispatch.maxInflight != tc.want {
+			t.Errorf("%s/%d: max_inflight %d (%v); want %d", lb.Policy, lb.MaxInflight, tc.h.dispatch.maxInflight, err, tc.want)
 		}
 	}
 }

@@ -224,10 +224,10 @@ func (h *Handler) serveReady(w http.ResponseWriter, _ *http.Request) {
 		}
 	}
 	code := http.StatusOK
-	if ready < h.MinReady {
+	if ready < h.HealthChecks.MinReady {
 		code = http.StatusServiceUnavailable
 	}
-	_ = writeJSON(w, code, map[string]any{"ready": code == http.StatusOK, "serving_workers": ready, "min_ready": h.MinReady})
+	_ = writeJSON(w, code, map[string]any{"ready": code == http.StatusOK, "serving_workers": ready, "min_ready": h.HealthChecks.MinReady})
 }
 
 // serveAlive is /healthz: the router process is alive.

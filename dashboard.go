@@ -34,7 +34,7 @@ func (h *Handler) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 	stats := h.pool.stats()
 	_ = writeJSON(w, http.StatusOK, map[string]any{
 		"pool":            h.pool.name,
-		"policy":          h.Policy,
+		"policy":          h.LoadBalancing.Policy,
 		"time":            time.Now().UnixMilli(),
 		"queued":          stats.queued,
 		"completed_jobs":  stats.completed,

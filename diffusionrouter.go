@@ -17,7 +17,6 @@ import (
 	"net/http"
 	"net/netip"
 	"strings"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -27,19 +26,6 @@ import (
 func init() {
 	caddy.RegisterModule(Handler{})
 }
-
-// Defaults for options a config leaves out.
-const (
-	defaultPoolName = "default"
-	defaultMaxBody  = 64 << 20
-	probeTimeout    = 5 * time.Second
-	// reprobeInterval keeps a worker that does not answer its probe from
-	// delaying more than one request in this long.
-	reprobeInterval = 30 * time.Second
-)
-
-// defaultAdminAllow trusts only the machine the router runs on.
-var defaultAdminAllow = []string{"127.0.0.0/8", "::1/128"}
 
 // Handler is the HTTP handler diffusion_router. It answers the control
 // endpoints (worker registration, health, model list) itself, and prepares
@@ -56,107 +42,30 @@ type Handler struct {
 	// at run time through POST /workers.
 	Workers []string `json:"workers,omitempty"`
 
-	// Policy is the routing strategy: least_work (default), least_request,
-	// round_robin or random.
-	Policy string `json:"policy,omitempty"`
+	// LoadBalancing is how a worker is chosen for each job.
+	LoadBalancing LoadBalancing `json:"load_balancing,omitzero"`
 
-	// MaxInflight is how many jobs a worker is given at once; the rest wait
-	// in the pool's queue for the first worker that frees up. Default 1 for
-	// least_work (a sglang-diffusion worker runs one job at a time), no limit
-	// for the other policies; -1 means no limit.
-	MaxInflight int `json:"max_inflight,omitempty"`
+	// Queue is where jobs wait when every fitting worker is full.
+	Queue Queue `json:"queue,omitzero"`
 
-	// QueueOrder is which waiting job goes first: fifo (default),
-	// largest_first (the longest-processing-time rule, for batch makespan)
-	// or smallest_first.
-	QueueOrder string `json:"queue_order,omitempty"`
+	// Cost is how a job's cost is worked out from its request.
+	Cost CostModel `json:"cost,omitzero"`
 
-	// QueueTimeout is the longest a job waits in the queue before a 503.
-	// Default: no limit beyond the client's own.
-	QueueTimeout caddy.Duration `json:"queue_timeout,omitempty"`
+	// HealthChecks is how the router tells which workers may get jobs.
+	HealthChecks HealthChecks `json:"health_checks,omitzero"`
 
-	// MaxQueue is how many jobs may wait at once; beyond it 429. Default 10000.
-	MaxQueue int `json:"max_queue,omitempty"`
+	// Weights is how weight updates, sleep and wake run over the fleet.
+	Weights Weights `json:"weights,omitzero"`
 
-	// DefaultSteps, DefaultSize and DefaultFrames cost the requests that
-	// leave num_inference_steps, size or a video's frame count out.
-	// Defaults 20, 1024x1024 and 96.
-	DefaultSteps  int    `json:"default_steps,omitempty"`
-	DefaultSize   string `json:"default_size,omitempty"`
-	DefaultFrames int    `json:"default_frames,omitempty"`
-
-	// CFGFactor multiplies the cost of a job that asks for classifier-free
-	// guidance (guidance_scale or true_cfg_scale above 1). Default 2.
-	CFGFactor float64 `json:"cfg_factor,omitempty"`
+	// Admin is who may call the endpoints that change the fleet.
+	Admin Admin `json:"admin,omitzero"`
 
 	// MaxBody is the largest request body accepted, in bytes. Default 64 MiB.
 	MaxBody int64 `json:"max_body,omitempty"`
 
-	// AdminAllow lists the client networks (CIDR or single address) that
-	// may call the endpoints that change the fleet. Default: loopback.
-	AdminAllow []string `json:"admin_allow,omitempty"`
-
-	// AdminToken, when set, also admits a control call that carries
-	// "Authorization: Bearer <token>". Placeholders such as {env.VAR} are
-	// expanded when the config loads.
-	AdminToken string `json:"admin_token,omitempty"`
-
 	// UpstreamTimeout bounds a whole proxied exchange with a worker. Default:
 	// none, because a video can take many minutes.
 	UpstreamTimeout caddy.Duration `json:"upstream_timeout,omitempty"`
-
-	// WeightsMode is how POST /update_weights_from_disk updates the fleet
-	// when the body names no mode: drain (default: pause, let jobs in
-	// flight finish, update all, resume) or rolling (rolling_batch workers
-	// at a time while the others serve).
-	WeightsMode string `json:"weights_mode,omitempty"`
-
-	// RollingBatch is how many workers a rolling update takes at once.
-	// Default 1.
-	RollingBatch int `json:"rolling_batch,omitempty"`
-
-	// DrainTimeout bounds the wait for jobs in flight before an update,
-	// sleep or wake; beyond it 504 and nothing changes. Default 10m.
-	DrainTimeout caddy.Duration `json:"drain_timeout,omitempty"`
-
-	// WeightsTimeout bounds one worker's weight update, sleep or wake call.
-	// Default 10m.
-	WeightsTimeout caddy.Duration `json:"weights_timeout,omitempty"`
-
-	// WeightsPathPrefix, when set, restricts model_path to paths under one
-	// of these prefixes (403 otherwise).
-	WeightsPathPrefix []string `json:"weights_path_prefix,omitempty"`
-
-	// HealthURI is the path of the active health probe. Default /health.
-	HealthURI string `json:"health_uri,omitempty"`
-	// HealthInterval is how often each worker is probed. Default 10s.
-	HealthInterval caddy.Duration `json:"health_interval,omitempty"`
-	// HealthTimeout bounds one probe. Default 5s.
-	HealthTimeout caddy.Duration `json:"health_timeout,omitempty"`
-	// HealthFails consecutive failed probes mark a worker unhealthy.
-	// Default 3.
-	HealthFails int `json:"health_fails,omitempty"`
-	// HealthPasses consecutive passed probes bring it back. Default 2.
-	HealthPasses int `json:"health_passes,omitempty"`
-	// HealthStatus is the status a probe must answer. Default: any 2xx.
-	HealthStatus int `json:"health_status,omitempty"`
-	// HealthBody is a regular expression the probe's body must match.
-	HealthBody string `json:"health_body,omitempty"`
-	// StallFactor: a job running this many times longer than predicted
-	// (and at least health_timeout) makes its worker suspect: no new jobs
-	// until that job ends. Default 5.
-	StallFactor float64 `json:"stall_factor,omitempty"`
-	// MaxFails failed requests (connection refused or reset, 502, 503)
-	// within FailWindow eject a worker for EjectTime, doubling on each
-	// repeat up to MaxEjectTime; a success resets the doubling. Defaults 3,
-	// 30s, 10s and 5m.
-	MaxFails     int            `json:"max_fails,omitempty"`
-	FailWindow   caddy.Duration `json:"fail_window,omitempty"`
-	EjectTime    caddy.Duration `json:"eject_time,omitempty"`
-	MaxEjectTime caddy.Duration `json:"max_eject_time,omitempty"`
-	// MinReady is how many serving workers /readyz needs to answer 200.
-	// Default 1.
-	MinReady int `json:"min_ready,omitempty"`
 
 	// DashboardOff turns the status page at /dashboard off.
 	DashboardOff bool `json:"dashboard_off,omitempty"`
@@ -192,7 +101,7 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger()
-	if err := h.parseOptions(); err != nil {
+	if err := h.provisionOptions(); err != nil {
 		return err
 	}
 	p, err := loadPool(h.Pool)
@@ -206,7 +115,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
-	h.metrics = newPoolMetrics(p.name, h.Policy)
+	h.metrics = newPoolMetrics(p.name, h.LoadBalancing.Policy)
 	app, err := ctx.App("diffusion_health")
 	if err != nil {
 		return err

@@ -48,7 +48,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler
 	h.metrics.decisions.Inc()
 	if ce := h.logger.Check(zap.DebugLevel, "routed"); ce != nil {
 		ce.Write(zap.String("request_id", id), zap.String("worker", t.servedBy), zap.Float64("cost", t.cost),
-			zap.String("strategy", h.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
+			zap.String("strategy", h.LoadBalancing.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
 	}
 	err := h.proxy(rec, r, t, next)
 	if t.job {

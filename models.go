@@ -72,6 +72,13 @@ func (p *pool) canServe(k taskKind) bool {
 	return false
 }
 
+// Capability probes: a worker that does not answer delays at most one
+// request per reprobeInterval.
+const (
+	probeTimeout    = 5 * time.Second
+	reprobeInterval = 30 * time.Second
+)
+
 // models is a worker's answer to GET /v1/models. Entries are kept whole so
 // the router's union passes every field on.
 type models struct {

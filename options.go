@@ -3,6 +3,7 @@ package diffusionrouter
 import (
 	"cmp"
 	"fmt"
+	"math"
 	"net/netip"
 	"regexp"
 	"strings"
@@ -11,153 +12,383 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-// parseOptions fills in defaults and turns option strings into the values
-// the handler works with.
-func (h *Handler) parseOptions() error {
-	if h.Pool == "" {
-		h.Pool = defaultPoolName
+// The handler's options, grouped in its JSON config the way reverse_proxy
+// groups its own. The Caddyfile reads only their syntax; the checks of
+// their values are all here, run when the config is provisioned, and
+// every error names the option both as the Caddyfile and the JSON spell it.
+
+// LoadBalancing is how a worker is chosen for each job.
+type LoadBalancing struct {
+	// Policy is the routing strategy: least_work (default: the worker that
+	// will finish the job soonest), least_request, round_robin or random.
+	Policy string `json:"policy,omitempty"`
+
+	// MaxInflight is how many jobs a worker is given at once; the rest wait
+	// in the pool's queue for the first worker that frees up. Default 1 for
+	// least_work (a sglang-diffusion worker runs one job at a time), no
+	// limit for the other policies; -1 means no limit.
+	MaxInflight int `json:"max_inflight,omitempty"`
+}
+
+// Queue is where jobs wait when every worker that may serve them is full.
+type Queue struct {
+	// Order is which waiting job goes first: fifo (default), largest_first
+	// (the longest-processing-time rule, for batch makespan) or
+	// smallest_first (for mean latency).
+	Order string `json:"order,omitempty"`
+
+	// Timeout is the longest a job waits before a 503. Default: no limit
+	// beyond the client's own.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+
+	// MaxJobs is how many jobs may wait at once; beyond it 429. Default 10000.
+	MaxJobs int `json:"max_jobs,omitempty"`
+}
+
+// CostModel is how a job's cost is worked out from its request, for the
+// fields the request leaves out.
+type CostModel struct {
+	// DefaultSteps is the num_inference_steps of a request that names none.
+	// Default 20.
+	DefaultSteps int `json:"default_steps,omitempty"`
+
+	// DefaultSize is the size, WIDTHxHEIGHT, of a request that gives
+	// neither size nor width and height. Default 1024x1024.
+	DefaultSize string `json:"default_size,omitempty"`
+
+	// DefaultFrames is the frame count of a video that gives neither
+	// num_frames nor fps and seconds. Default 96 (24 fps for 4 s).
+	DefaultFrames int `json:"default_frames,omitempty"`
+
+	// CFGFactor multiplies the cost of a job that asks for classifier-free
+	// guidance (guidance_scale or true_cfg_scale above 1). Default 2.
+	CFGFactor float64 `json:"cfg_factor,omitempty"`
+}
+
+// HealthChecks is how the router tells which workers may get jobs.
+type HealthChecks struct {
+	// Active probes each worker on an interval.
+	Active ActiveHealthChecks `json:"active,omitzero"`
+
+	// Passive judges workers by the requests they serve.
+	Passive PassiveHealthChecks `json:"passive,omitzero"`
+
+	// MinReady is how many serving workers /readyz needs to answer 200.
+	// Default 1.
+	MinReady int `json:"min_ready,omitempty"`
+}
+
+// ActiveHealthChecks probe each worker on an interval. A worker that fails
+// keeps being probed and comes back by itself; a worker slow to answer
+// because it is busy is not counted as failing.
+type ActiveHealthChecks struct {
+	// URI is the path probed. Default /health.
+	URI string `json:"uri,omitempty"`
+
+	// Interval is how often each worker is probed. Default 10s.
+	Interval caddy.Duration `json:"interval,omitempty"`
+
+	// Timeout bounds one probe. Default 5s.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+
+	// Fails is how many consecutive failed probes mark a worker unhealthy.
+	// Default 3.
+	Fails int `json:"fails,omitempty"`
+
+	// Passes is how many consecutive passed probes bring it back. Default 2.
+	Passes int `json:"passes,omitempty"`
+
+	// ExpectStatus is the status a probe must answer. Default: any 2xx.
+	ExpectStatus int `json:"expect_status,omitempty"`
+
+	// ExpectBody is a regular expression the probe's body must match.
+	ExpectBody string `json:"expect_body,omitempty"`
+}
+
+// PassiveHealthChecks judge workers by the requests they serve.
+type PassiveHealthChecks struct {
+	// MaxFails is how many failed requests (connection refused or reset,
+	// 502, 503) within FailWindow eject a worker. Default 3.
+	MaxFails int `json:"max_fails,omitempty"`
+
+	// FailWindow is the window MaxFails counts in. Default 30s.
+	FailWindow caddy.Duration `json:"fail_window,omitempty"`
+
+	// EjectTime is how long the first ejection lasts; each repeat doubles
+	// it and a success resets the doubling. Default 10s.
+	EjectTime caddy.Duration `json:"eject_time,omitempty"`
+
+	// MaxEjectTime is the longest ejection. Default 5m.
+	MaxEjectTime caddy.Duration `json:"max_eject_time,omitempty"`
+
+	// StallFactor: a job running this many times longer than predicted
+	// (and at least the probe timeout) makes its worker suspect, with no
+	// new jobs until that job ends. Default 5.
+	StallFactor float64 `json:"stall_factor,omitempty"`
+}
+
+// Weights is how weight updates, sleep and wake run over the fleet.
+type Weights struct {
+	// Mode is how POST /update_weights_from_disk updates the fleet when
+	// the body names no mode: drain (default: pause, let the jobs in
+	// flight finish, update all, resume) or rolling (RollingBatch workers
+	// at a time while the others serve).
+	Mode string `json:"mode,omitempty"`
+
+	// RollingBatch is how many workers a rolling update takes at once.
+	// Default 1.
+	RollingBatch int `json:"rolling_batch,omitempty"`
+
+	// DrainTimeout bounds the wait for jobs in flight before an update or
+	// sleep; beyond it 504 and nothing changes. Default 10m.
+	DrainTimeout caddy.Duration `json:"drain_timeout,omitempty"`
+
+	// Timeout bounds one worker's update, sleep or wake call. Default 10m.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+
+	// PathPrefixes, when set, restrict model_path to paths under one of
+	// these prefixes (403 otherwise).
+	PathPrefixes []string `json:"path_prefixes,omitempty"`
+}
+
+// Admin is who may call the endpoints that change the fleet.
+type Admin struct {
+	// Allow lists the client networks (CIDR or single address) that may.
+	// The client address is Caddy's, so trusted_proxies is honoured.
+	// Default: loopback.
+	Allow []string `json:"allow,omitempty"`
+
+	// Token, when set, also admits a call that carries
+	// "Authorization: Bearer <token>". Placeholders such as {env.VAR} are
+	// expanded when the config loads.
+	Token string `json:"token,omitempty"`
+}
+
+// Defaults of the options that are not the cost model's, health's or
+// weights'.
+const (
+	defaultPoolName = "default"
+	defaultMaxBody  = 64 << 20
+	defaultMaxQueue = 10000
+)
+
+// defaultAdminAllow trusts only the machine the router runs on.
+var defaultAdminAllow = []string{"127.0.0.0/8", "::1/128"}
+
+// optionError is a bad option value: the option is named as the Caddyfile
+// spells it and as the JSON config does.
+func optionError(caddyfileName, jsonPath, format string, args ...any) error {
+	return fmt.Errorf("%s (%s): %s", caddyfileName, jsonPath, fmt.Sprintf(format, args...))
+}
+
+// provisionOptions fills in defaults, checks every value and turns the
+// options into the values the handler works with.
+func (h *Handler) provisionOptions() error {
+	h.Pool = cmp.Or(h.Pool, defaultPoolName)
+	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers}
+	for _, step := range steps {
+		if err := step(); err != nil {
+			return err
+		}
 	}
-	if err := h.parseDispatch(); err != nil {
-		return err
-	}
-	if err := h.parseCosts(); err != nil {
-		return err
-	}
-	if err := h.parseWeights(); err != nil {
-		return err
-	}
-	if err := h.parseHealth(); err != nil {
-		return err
-	}
-	if h.MaxBody == 0 {
-		h.MaxBody = defaultMaxBody
-	}
+	h.MaxBody = cmp.Or(h.MaxBody, defaultMaxBody)
 	if h.MaxBody < 0 {
-		return fmt.Errorf("max_body must be positive, got %d", h.MaxBody)
+		return optionError("max_body", "max_body", "must be positive, got %d", h.MaxBody)
 	}
 	if h.UpstreamTimeout < 0 {
-		return fmt.Errorf("upstream_timeout must not be negative")
-	}
-	for i, raw := range h.Workers {
-		u, err := normalizeWorkerURL(raw)
-		if err != nil {
-			return fmt.Errorf("worker %q: %v", raw, err)
-		}
-		h.Workers[i] = u
-	}
-	allow := h.AdminAllow
-	if len(allow) == 0 {
-		allow = defaultAdminAllow
-	}
-	prefixes, err := parsePrefixes(allow)
-	if err != nil {
-		return err
-	}
-	h.allow = prefixes
-	if h.AdminToken != "" {
-		h.token = caddy.NewReplacer().ReplaceAll(h.AdminToken, "")
-		if h.token == "" {
-			return fmt.Errorf("admin_token %q expands to an empty token", h.AdminToken)
-		}
+		return optionError("upstream_timeout", "upstream_timeout", "must not be negative, got %s", time.Duration(h.UpstreamTimeout))
 	}
 	return nil
 }
 
-// Defaults of the queue options.
-const defaultMaxQueue = 10000
-
-// parseDispatch reads the routing and queue options.
-func (h *Handler) parseDispatch() error {
-	d := &h.dispatch
-	h.Policy = cmp.Or(h.Policy, defaultStrategy)
+// provisionDispatch reads the routing and queue options.
+func (h *Handler) provisionDispatch() error {
+	lb, q, d := &h.LoadBalancing, &h.Queue, &h.dispatch
+	lb.Policy = cmp.Or(lb.Policy, defaultStrategy)
 	var ok bool
-	if d.strategy, ok = strategies[h.Policy]; !ok {
-		return fmt.Errorf("unknown policy %q (want one of %s)", h.Policy, strategyNames())
+	if d.strategy, ok = strategies[lb.Policy]; !ok {
+		return optionError("policy", "load_balancing.policy", "unknown policy %q (want one of %s)", lb.Policy, strategyNames())
 	}
 	switch {
-	case h.MaxInflight > 0:
-		d.maxInflight = h.MaxInflight
-	case h.MaxInflight == 0 && h.Policy == "least_work":
+	case lb.MaxInflight > 0:
+		d.maxInflight = lb.MaxInflight
+	case lb.MaxInflight == 0 && lb.Policy == "least_work":
 		d.maxInflight = 1
-	case h.MaxInflight < -1:
-		return fmt.Errorf("max_inflight must be positive or -1 (no limit), got %d", h.MaxInflight)
+	case lb.MaxInflight < -1:
+		return optionError("max_inflight", "load_balancing.max_inflight", "must be positive or -1 (no limit), got %d", lb.MaxInflight)
 	}
-	if d.order, ok = queueOrders[cmp.Or(h.QueueOrder, "fifo")]; !ok {
-		return fmt.Errorf("unknown queue_order %q (want fifo, largest_first or smallest_first)", h.QueueOrder)
+	q.Order = cmp.Or(q.Order, "fifo")
+	if d.order, ok = queueOrders[q.Order]; !ok {
+		return optionError("queue_order", "queue.order", "unknown order %q (want fifo, largest_first or smallest_first)", q.Order)
 	}
-	if h.QueueTimeout < 0 {
-		return fmt.Errorf("queue_timeout must not be negative")
+	if q.Timeout < 0 {
+		return optionError("queue_timeout", "queue.timeout", "must not be negative, got %s", time.Duration(q.Timeout))
 	}
-	d.timeout = time.Duration(h.QueueTimeout)
-	if h.MaxQueue < 0 {
-		return fmt.Errorf("max_queue must be positive, got %d", h.MaxQueue)
+	d.timeout = time.Duration(q.Timeout)
+	q.MaxJobs = cmp.Or(q.MaxJobs, defaultMaxQueue)
+	if q.MaxJobs < 0 {
+		return optionError("max_queue", "queue.max_jobs", "must be positive, got %d", q.MaxJobs)
 	}
-	d.maxQueue = cmp.Or(h.MaxQueue, defaultMaxQueue)
+	d.maxQueue = q.MaxJobs
 	return nil
 }
 
-// parseCosts reads the cost model's defaults.
-func (h *Handler) parseCosts() error {
-	c := &h.costs
+// provisionCosts reads the cost model's defaults.
+func (h *Handler) provisionCosts() error {
+	o, c := &h.Cost, &h.costs
+	o.DefaultSize = cmp.Or(o.DefaultSize, defaultSize)
 	var err error
-	if c.width, c.height, err = parseSize(cmp.Or(h.DefaultSize, defaultSize)); err != nil {
-		return fmt.Errorf("default_size %q is not WIDTHxHEIGHT", h.DefaultSize)
+	if c.width, c.height, err = parseSize(o.DefaultSize); err != nil {
+		return optionError("default_size", "cost.default_size", "%q is not WIDTHxHEIGHT like 1024x1024", o.DefaultSize)
 	}
-	c.steps = cmp.Or(h.DefaultSteps, defaultSteps)
-	c.frames = cmp.Or(h.DefaultFrames, defaultFrames)
-	c.cfgFactor = cmp.Or(h.CFGFactor, defaultCFGFactor)
-	if c.steps < 0 || c.frames < 0 || c.cfgFactor < 1 {
-		return fmt.Errorf("default_steps and default_frames must be positive and cfg_factor at least 1")
+	o.DefaultSteps = cmp.Or(o.DefaultSteps, defaultSteps)
+	o.DefaultFrames = cmp.Or(o.DefaultFrames, defaultFrames)
+	o.CFGFactor = cmp.Or(o.CFGFactor, defaultCFGFactor)
+	switch {
+	case o.DefaultSteps < 0:
+		return optionError("default_steps", "cost.default_steps", "must be positive, got %d", o.DefaultSteps)
+	case o.DefaultFrames < 0:
+		return optionError("default_frames", "cost.default_frames", "must be positive, got %d", o.DefaultFrames)
+	case !atLeastOne(o.CFGFactor):
+		return optionError("cfg_factor", "cost.cfg_factor", "must be a number of at least 1, got %g", o.CFGFactor)
+	}
+	c.steps, c.frames, c.cfgFactor = o.DefaultSteps, o.DefaultFrames, o.CFGFactor
+	return nil
+}
+
+// provisionWeights reads the weight update options.
+func (h *Handler) provisionWeights() error {
+	o, c := &h.Weights, &h.weights
+	o.Mode = cmp.Or(o.Mode, modeDrain)
+	if o.Mode != modeDrain && o.Mode != modeRolling {
+		return optionError("weights_mode", "weights.mode", "unknown mode %q (want drain or rolling)", o.Mode)
+	}
+	o.RollingBatch = cmp.Or(o.RollingBatch, 1)
+	o.DrainTimeout = cmp.Or(o.DrainTimeout, caddy.Duration(defaultDrainTimeout))
+	o.Timeout = cmp.Or(o.Timeout, caddy.Duration(defaultWeightsTimeout))
+	switch {
+	case o.RollingBatch < 0:
+		return optionError("rolling_batch", "weights.rolling_batch", "must be positive, got %d", o.RollingBatch)
+	case o.DrainTimeout < 0:
+		return optionError("drain_timeout", "weights.drain_timeout", "must be positive, got %s", time.Duration(o.DrainTimeout))
+	case o.Timeout < 0:
+		return optionError("weights_timeout", "weights.timeout", "must be positive, got %s", time.Duration(o.Timeout))
+	}
+	for _, p := range o.PathPrefixes {
+		if !strings.HasPrefix(p, "/") && !strings.Contains(p, "://") {
+			return optionError("weights_path_prefix", "weights.path_prefixes", "%q is neither an absolute path nor a URL prefix", p)
+		}
+	}
+	*c = weightsConfig{
+		mode: o.Mode, rollingBatch: o.RollingBatch, pathPrefixes: o.PathPrefixes,
+		drainTimeout: time.Duration(o.DrainTimeout), timeout: time.Duration(o.Timeout),
 	}
 	return nil
 }
 
-// parseWeights reads the weight update options.
-func (h *Handler) parseWeights() error {
-	c := &h.weights
-	c.mode = cmp.Or(h.WeightsMode, modeDrain)
-	if c.mode != modeDrain && c.mode != modeRolling {
-		return fmt.Errorf("unknown weights_mode %q (want drain or rolling)", h.WeightsMode)
+// provisionHealth reads the health options.
+func (h *Handler) provisionHealth() error {
+	a, p := &h.HealthChecks.Active, &h.HealthChecks.Passive
+	a.URI = cmp.Or(a.URI, defaultHealthURI)
+	a.Interval = cmp.Or(a.Interval, caddy.Duration(defaultHealthInterval))
+	a.Timeout = cmp.Or(a.Timeout, caddy.Duration(defaultHealthTimeout))
+	a.Fails = cmp.Or(a.Fails, defaultHealthFails)
+	a.Passes = cmp.Or(a.Passes, defaultHealthPasses)
+	p.MaxFails = cmp.Or(p.MaxFails, defaultMaxFails)
+	p.FailWindow = cmp.Or(p.FailWindow, caddy.Duration(defaultFailWindow))
+	p.EjectTime = cmp.Or(p.EjectTime, caddy.Duration(defaultEjectTime))
+	p.MaxEjectTime = cmp.Or(p.MaxEjectTime, caddy.Duration(defaultMaxEjectTime))
+	p.StallFactor = cmp.Or(p.StallFactor, defaultStallFactor)
+	h.HealthChecks.MinReady = cmp.Or(h.HealthChecks.MinReady, 1)
+	if err := checkHealth(&h.HealthChecks); err != nil {
+		return err
 	}
-	if h.RollingBatch < 0 || h.DrainTimeout < 0 || h.WeightsTimeout < 0 {
-		return fmt.Errorf("rolling_batch, drain_timeout and weights_timeout must be positive")
-	}
-	c.rollingBatch = cmp.Or(h.RollingBatch, 1)
-	c.drainTimeout = cmp.Or(time.Duration(h.DrainTimeout), defaultDrainTimeout)
-	c.timeout = cmp.Or(time.Duration(h.WeightsTimeout), defaultWeightsTimeout)
-	c.pathPrefixes = h.WeightsPathPrefix
-	return nil
-}
-
-// parseHealth reads the health options.
-func (h *Handler) parseHealth() error {
 	c := &h.health
-	c.uri = cmp.Or(h.HealthURI, defaultHealthURI)
-	c.interval = cmp.Or(time.Duration(h.HealthInterval), defaultHealthInterval)
-	c.timeout = cmp.Or(time.Duration(h.HealthTimeout), defaultHealthTimeout)
-	c.fails = cmp.Or(h.HealthFails, defaultHealthFails)
-	c.passes = cmp.Or(h.HealthPasses, defaultHealthPasses)
-	c.status = h.HealthStatus
-	c.stallFactor = cmp.Or(h.StallFactor, defaultStallFactor)
-	c.maxFails = cmp.Or(h.MaxFails, defaultMaxFails)
-	c.failWindow = cmp.Or(time.Duration(h.FailWindow), defaultFailWindow)
-	c.ejectTime = cmp.Or(time.Duration(h.EjectTime), defaultEjectTime)
-	c.maxEjectTime = cmp.Or(time.Duration(h.MaxEjectTime), defaultMaxEjectTime)
-	h.MinReady = cmp.Or(h.MinReady, 1)
-	if !strings.HasPrefix(c.uri, "/") || c.interval <= 0 || c.timeout <= 0 || c.fails < 1 || c.passes < 1 ||
-		c.stallFactor < 1 || c.maxFails < 1 || c.failWindow <= 0 || c.ejectTime <= 0 || c.maxEjectTime < c.ejectTime ||
-		h.MinReady < 1 || (c.status != 0 && (c.status < 100 || c.status > 599)) {
-		return fmt.Errorf("bad health options: health_uri must be a path; durations, counts and min_ready positive; stall_factor at least 1; max_eject_time at least eject_time; health_status a status code")
+	*c = healthConfig{
+		uri: a.URI, interval: time.Duration(a.Interval), timeout: time.Duration(a.Timeout),
+		fails: a.Fails, passes: a.Passes, status: a.ExpectStatus,
+		stallFactor: p.StallFactor, maxFails: p.MaxFails, failWindow: time.Duration(p.FailWindow),
+		ejectTime: time.Duration(p.EjectTime), maxEjectTime: time.Duration(p.MaxEjectTime),
 	}
-	if h.HealthBody != "" {
-		re, err := regexp.Compile(h.HealthBody)
+	if a.ExpectBody != "" {
+		re, err := regexp.Compile(a.ExpectBody)
 		if err != nil {
-			return fmt.Errorf("health_body: %v", err)
+			return optionError("health_body", "health_checks.active.expect_body", "%v", err)
 		}
 		c.body = re
 	}
 	h.dispatch.health = c
 	return nil
+}
+
+// checkHealth checks the health options once their defaults are in.
+func checkHealth(hc *HealthChecks) error {
+	a, p := &hc.Active, &hc.Passive
+	switch {
+	case !strings.HasPrefix(a.URI, "/"):
+		return optionError("health_uri", "health_checks.active.uri", "%q is not a path", a.URI)
+	case a.Interval <= 0:
+		return optionError("health_interval", "health_checks.active.interval", "must be positive")
+	case a.Timeout <= 0:
+		return optionError("health_timeout", "health_checks.active.timeout", "must be positive")
+	case a.Fails < 1:
+		return optionError("health_fails", "health_checks.active.fails", "must be positive, got %d", a.Fails)
+	case a.Passes < 1:
+		return optionError("health_passes", "health_checks.active.passes", "must be positive, got %d", a.Passes)
+	case a.ExpectStatus != 0 && (a.ExpectStatus < 100 || a.ExpectStatus > 599):
+		return optionError("health_status", "health_checks.active.expect_status", "%d is not an HTTP status code", a.ExpectStatus)
+	case p.MaxFails < 1:
+		return optionError("max_fails", "health_checks.passive.max_fails", "must be positive, got %d", p.MaxFails)
+	case p.FailWindow <= 0:
+		return optionError("fail_window", "health_checks.passive.fail_window", "must be positive")
+	case p.EjectTime <= 0:
+		return optionError("eject_time", "health_checks.passive.eject_time", "must be positive")
+	case p.MaxEjectTime < p.EjectTime:
+		return optionError("max_eject_time", "health_checks.passive.max_eject_time", "must be at least eject_time (%s)", time.Duration(p.EjectTime))
+	case !atLeastOne(p.StallFactor):
+		return optionError("stall_factor", "health_checks.passive.stall_factor", "must be a number of at least 1, got %g", p.StallFactor)
+	case hc.MinReady < 1:
+		return optionError("min_ready", "health_checks.min_ready", "must be positive, got %d", hc.MinReady)
+	}
+	return nil
+}
+
+// provisionAdmin reads who may change the fleet.
+func (h *Handler) provisionAdmin() error {
+	allow := h.Admin.Allow
+	if len(allow) == 0 {
+		allow = defaultAdminAllow
+	}
+	prefixes, err := parsePrefixes(allow)
+	if err != nil {
+		return optionError("admin_allow", "admin.allow", "%v", err)
+	}
+	h.allow = prefixes
+	if h.Admin.Token != "" {
+		h.token = caddy.NewReplacer().ReplaceAll(h.Admin.Token, "")
+		if h.token == "" {
+			return optionError("admin_token", "admin.token", "%q expands to an empty token", h.Admin.Token)
+		}
+	}
+	return nil
+}
+
+// provisionWorkers puts the listed worker URLs in the form the pool keys
+// them by.
+func (h *Handler) provisionWorkers() error {
+	for i, raw := range h.Workers {
+		u, err := normalizeWorkerURL(raw)
+		if err != nil {
+			return optionError("workers", "workers", "%q: %v", raw, err)
+		}
+		h.Workers[i] = u
+	}
+	return nil
+}
+
+// atLeastOne reports whether f is a finite number of at least 1.
+func atLeastOne(f float64) bool {
+	return f >= 1 && !math.IsInf(f, 0)
 }
 
 // parsePrefixes reads CIDRs and single addresses.
@@ -170,7 +401,7 @@ func parsePrefixes(list []string) ([]netip.Prefix, error) {
 		}
 		a, err := netip.ParseAddr(s)
 		if err != nil {
-			return nil, fmt.Errorf("admin_allow: %q is neither a CIDR nor an IP address", s)
+			return nil, fmt.Errorf("%q is neither a CIDR nor an IP address", s)
 		}
 		out = append(out, netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()))
 	}
