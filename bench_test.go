@@ -19,7 +19,7 @@ func benchPool(b *testing.B, n int) *pool {
 	}
 	p.declare(urls)
 	for i, w := range p.workers {
-		w.speed.value = 1 + float64(i%4)
+		w.load.speed.value = 1 + float64(i%4)
 	}
 	return p
 }

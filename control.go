@@ -134,24 +134,7 @@ type workerJSON struct {
 	PredictionError     float64  `json:"prediction_error"`
 }
 
-// stateName names where a worker is: its life cycle state, or dead,
-// unhealthy (failed probes or ejected) or suspect (stalled) while serving.
-func stateName(w workerInfo) string {
-	switch {
-	case w.Dead:
-		return "dead"
-	case w.State != serving:
-		return w.State.String()
-	case w.Down, w.Ejected:
-		return "unhealthy"
-	case w.Suspect:
-		return "suspect"
-	}
-	return "serving"
-}
-
 func newWorkerJSON(w workerInfo) workerJSON {
-	state := stateName(w)
 	var lastProbe *string
 	if !w.LastProbe.IsZero() {
 		s := w.LastProbe.UTC().Format(time.RFC3339Nano)
@@ -167,12 +150,12 @@ func newWorkerJSON(w workerInfo) workerJSON {
 		DisplayID:           u.Host,
 		URL:                 w.URL,
 		ActiveRequests:      w.Inflight,
-		IsDead:              w.Dead,
-		IsSleeping:          w.State == sleeping,
+		IsDead:              w.State == dead,
+		IsSleeping:          w.Lifecycle == sleeping,
 		WeightVersion:       w.Version,
 		ConsecutiveFailures: w.ConsecFails,
 		VideoSupport:        videoSupport(w.TaskTypes),
-		State:               state,
+		State:               w.State.String(),
 		Source:              source,
 		TaskTypes:           w.TaskTypes,
 		RequestsServed:      w.Served,
@@ -189,40 +172,34 @@ func newWorkerJSON(w workerInfo) workerJSON {
 
 func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
 	workers := h.pool.snapshot()
-	inState := map[string]int{}
-	var last workerInfo // carries the pool-wide figures
+	var inState [len(stateNames)]int
 	for _, wk := range workers {
-		inState[newWorkerJSON(wk).State]++
-		last = wk
+		inState[wk.State]++
 	}
 	status, code := "healthy", http.StatusOK
-	if inState["serving"] == 0 {
+	if inState[serving] == 0 {
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
+	stats := h.pool.stats()
 	_ = writeJSON(w, code, map[string]any{
 		"status":            status,
-		"healthy_workers":   inState["serving"],
+		"healthy_workers":   inState[serving],
 		"total_workers":     len(workers),
-		"dead_workers":      inState["dead"],
-		"sleeping_workers":  inState["sleeping"],
-		"stale_workers":     inState["stale"],
-		"unhealthy_workers": inState["unhealthy"],
-		"suspect_workers":   inState["suspect"],
-		"queued_requests":   last.Queued,
-		"weight_version":    h.pool.stats().version,
-		"updating_to":       last.UpdatingTo,
+		"dead_workers":      inState[dead],
+		"sleeping_workers":  inState[sleeping],
+		"stale_workers":     inState[stale],
+		"unhealthy_workers": inState[unhealthy],
+		"suspect_workers":   inState[suspect],
+		"queued_requests":   stats.queued,
+		"weight_version":    stats.version,
+		"updating_to":       stats.updatingTo,
 	})
 }
 
 // serveReady is /readyz, for a load balancer in front of several routers:
 // 200 when at least min_ready workers serve.
 func (h *Handler) serveReady(w http.ResponseWriter, _ *http.Request) {
-	ready := 0
-	for _, wk := range h.pool.snapshot() {
-		if newWorkerJSON(wk).State == "serving" {
-			ready++
-		}
-	}
+	ready := h.pool.servingCount()
 	code := http.StatusOK
 	if ready < h.HealthChecks.MinReady {
 		code = http.StatusServiceUnavailable
@@ -269,7 +246,7 @@ func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 	if created {
 		h.logger.Info("worker registered", zap.String("worker", info.URL))
 		h.probe(r.Context(), info.URL)
-		h.startCatchUps()
+		h.pool.fleet.startCatchUps(&h.weights)
 		info, _ = h.pool.worker(info.URL)
 	}
 	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker": newWorkerJSON(info)})

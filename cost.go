@@ -286,7 +286,6 @@ const speedWindow = 31
 // units per second, from the jobs it completes.
 type speedEstimate struct {
 	value   float64 // median of the samples; 0 until the first
-	inv     float64 // 1/value, seconds per cost unit: decisions multiply
 	relErr  float64 // moving average of |predicted - actual| / actual
 	errSeen bool
 	n       int // samples taken, up to speedWindow
@@ -318,5 +317,4 @@ func (s *speedEstimate) observe(cost float64, elapsed, predicted time.Duration) 
 	copy(sorted[:], s.samples[:s.n])
 	slices.Sort(sorted[:s.n])
 	s.value = sorted[s.n/2]
-	s.inv = 1 / s.value
 }

@@ -24,11 +24,11 @@ func serveDashboard(w http.ResponseWriter, _ *http.Request) {
 func (h *Handler) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 	workers := h.pool.snapshot()
 	out := make([]workerJSON, len(workers))
-	serving := 0
+	servingWorkers := 0
 	for i, wk := range workers {
 		out[i] = newWorkerJSON(wk)
-		if out[i].State == "serving" {
-			serving++
+		if wk.State == serving {
+			servingWorkers++
 		}
 	}
 	stats := h.pool.stats()
@@ -38,7 +38,7 @@ func (h *Handler) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 		"time":            time.Now().UnixMilli(),
 		"queued":          stats.queued,
 		"completed_jobs":  stats.completed,
-		"serving_workers": serving,
+		"serving_workers": servingWorkers,
 		"total_workers":   len(workers),
 		"weight_version":  stats.version,
 		"workers":         out,

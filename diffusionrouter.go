@@ -110,7 +110,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.pool = p
 	h.pool.declare(h.Workers)
-	h.client = new(http.Client) // every call has its own deadline
 	h.control = h.controlMux()
 	if err := registerMetrics(ctx); err != nil {
 		return err
@@ -120,7 +119,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
-	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: h.client, logger: h.logger})
+	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.client, logger: h.logger})
 	return nil
 }
 
@@ -130,7 +129,6 @@ func (h *Handler) Cleanup() error {
 		return nil
 	}
 	h.pool.undeclare(h.Workers)
-	h.client.CloseIdleConnections()
 	releasePool(h.Pool)
 	return nil
 }
@@ -144,7 +142,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		h.control.ServeHTTP(rec, r) // sets the path values Handler does not
 	} else {
 		class = endpointClass(r.URL.Path)
-		h.startCatchUps()
+		h.pool.fleet.startCatchUps(&h.weights)
 		err = h.forward(rec, r, next)
 	}
 	h.metrics.requests.WithLabelValues(class, statusClass(rec.status)).Inc()

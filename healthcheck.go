@@ -232,29 +232,29 @@ func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChang
 		return unchanged
 	}
 	now := p.now().UnixNano()
-	w.lastProbe, w.lastError = now, ""
+	w.evidence.lastProbe, w.evidence.lastError = now, ""
 	if err == nil {
-		w.probeFails = 0
-		w.probePasses++
-		if w.suspect && !p.overrunning(w, now, cfg) {
-			w.suspect = false
+		w.evidence.probeFails = 0
+		w.evidence.probePasses++
+		if w.health.suspect && !p.overrunning(w, now, cfg) {
+			w.health.suspect = false
 		}
-		if w.down && w.probePasses >= cfg.passes {
-			w.down = false
+		if w.health.down && w.evidence.probePasses >= cfg.passes {
+			w.health.down = false
 			p.dispatchLocked()
 			return becameHealthy
 		}
 		p.dispatchLocked()
 		return unchanged
 	}
-	w.lastError = err.Error()
+	w.evidence.lastError = err.Error()
 	if isTimeout(err) && p.busy(w, now, cfg) {
 		return unchanged // slow because it is working, not because it is dead
 	}
-	w.probePasses = 0
-	w.probeFails++
-	if !w.down && w.probeFails >= cfg.fails {
-		w.down = true
+	w.evidence.probePasses = 0
+	w.evidence.probeFails++
+	if !w.health.down && w.evidence.probeFails >= cfg.fails {
+		w.health.down = true
 		return becameUnhealthy
 	}
 	return unchanged
@@ -269,23 +269,23 @@ func isTimeout(err error) bool {
 // still within twice its predicted time, or one finished within the last
 // interval.
 func (p *pool) busy(w *worker, now int64, cfg *healthConfig) bool {
-	if w.inflight > 0 && float64(now-w.headSince) < 2*p.predictedHead(w) {
+	if w.load.inflight > 0 && float64(now-w.load.headSince) < 2*p.predictedHead(w) {
 		return true
 	}
-	return w.lastFinish > 0 && now-w.lastFinish < int64(cfg.interval)
+	return w.load.lastFinish > 0 && now-w.load.lastFinish < int64(cfg.interval)
 }
 
 // predictedHead is how long the running job of w is predicted to take, in
 // nanoseconds.
 func (p *pool) predictedHead(w *worker) float64 {
-	return w.headCost / p.speedOf(w) * float64(time.Second)
+	return w.load.headCost / p.speedOf(w) * float64(time.Second)
 }
 
 // overrunning reports whether w's running job has overrun its prediction
 // by the stall factor (and at least the probe timeout).
 func (p *pool) overrunning(w *worker, now int64, cfg *healthConfig) bool {
 	limit := max(cfg.stallFactor*p.predictedHead(w), float64(cfg.timeout))
-	return w.inflight > 0 && float64(now-w.headSince) > limit
+	return w.load.inflight > 0 && float64(now-w.load.headSince) > limit
 }
 
 // checkStalls marks suspect the workers whose running job has overrun its
@@ -296,8 +296,8 @@ func (p *pool) checkStalls(cfg *healthConfig) []string {
 	now := p.now().UnixNano()
 	var marked []string
 	for _, w := range p.workers {
-		if !w.suspect && p.overrunning(w, now, cfg) {
-			w.suspect = true
+		if !w.health.suspect && p.overrunning(w, now, cfg) {
+			w.health.suspect = true
 			marked = append(marked, w.url)
 		}
 	}
@@ -312,7 +312,7 @@ func (p *pool) noteOutcomeLocked(w *worker, o outcome, cfg *healthConfig) time.D
 	now := p.now().UnixNano()
 	switch o {
 	case succeeded:
-		w.ejections = 0
+		w.evidence.ejections = 0
 		return 0
 	case abandoned:
 		return 0
@@ -321,27 +321,52 @@ func (p *pool) noteOutcomeLocked(w *worker, o outcome, cfg *healthConfig) time.D
 		return 0
 	}
 	since := now - int64(cfg.failWindow)
-	kept := w.recentFails[:0]
-	for _, at := range w.recentFails {
+	kept := w.evidence.recentFails[:0]
+	for _, at := range w.evidence.recentFails {
 		if at > since {
 			kept = append(kept, at)
 		}
 	}
-	w.recentFails = append(kept, now)
-	if len(w.recentFails) < cfg.maxFails {
+	w.evidence.recentFails = append(kept, now)
+	if len(w.evidence.recentFails) < cfg.maxFails {
 		return 0
 	}
-	d := min(cfg.ejectTime<<min(w.ejections, 20), cfg.maxEjectTime)
-	w.ejectedUntil, w.recentFails = now+int64(d), w.recentFails[:0]
-	w.ejections++
-	w.ejected++
-	time.AfterFunc(d, p.dispatch) // jobs may be waiting for it
+	d := min(cfg.ejectTime<<min(w.evidence.ejections, 20), cfg.maxEjectTime)
+	w.health.ejectedUntil, w.evidence.recentFails = now+int64(d), w.evidence.recentFails[:0]
+	w.evidence.ejections++
+	w.stats.ejected++
+	p.redispatchAtLocked(w.health.ejectedUntil) // jobs may be waiting for it
 	return d
 }
 
-// dispatch hands free slots to waiting jobs.
-func (p *pool) dispatch() {
+// redispatchAtLocked makes sure free slots are handed to waiting jobs at
+// when (Unix nanoseconds), when an ejection ends. One timer serves the
+// pool: it is set for the earliest ejection end and, when it fires, for
+// the next one.
+func (p *pool) redispatchAtLocked(when int64) {
+	if p.bg.ctx.Err() != nil || p.ejectionEnds != 0 && p.ejectionEnds <= when {
+		return
+	}
+	p.ejectionEnds = when
+	d := time.Duration(when - p.now().UnixNano())
+	if p.redispatch == nil {
+		p.redispatch = time.AfterFunc(d, p.ejectionEnded)
+		return
+	}
+	p.redispatch.Reset(d)
+}
+
+// ejectionEnded hands out jobs to workers whose ejection is over and sets
+// the timer for the next ejection to end.
+func (p *pool) ejectionEnded() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.ejectionEnds = 0
+	now := p.now().UnixNano()
+	for _, w := range p.workers {
+		if w.health.ejectedUntil > now {
+			p.redispatchAtLocked(w.health.ejectedUntil)
+		}
+	}
 	p.dispatchLocked()
 }

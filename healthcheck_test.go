@@ -43,12 +43,12 @@ func TestProbesTakeWorkerOutAndBringItBack(t *testing.T) {
 func TestBusyWorkerIsNotDead(t *testing.T) {
 	p, clock := poolOf(t, 1)
 	cfg := config(leastWork{}, 1)
-	p.workers[0].speed.observe(10, 10*time.Second, 0) // 1 unit per second
-	tk, _ := choose(t, p, cfg, 60)                    // predicted to run a minute
+	p.workers[0].load.speed.observe(10, 10*time.Second, 0) // 1 unit per second
+	tk, _ := choose(t, p, cfg, 60)                         // predicted to run a minute
 	timeout := context.DeadlineExceeded
 	for range 10 {
 		clock.advance(10 * time.Second)
-		if p.recordProbe("http://a:1", timeout, testHealth) != unchanged || p.workers[0].down {
+		if p.recordProbe("http://a:1", timeout, testHealth) != unchanged || p.workers[0].health.down {
 			t.Fatal("a worker busy within twice its predicted time was marked down for slow probes")
 		}
 	}
@@ -61,7 +61,7 @@ func TestBusyWorkerIsNotDead(t *testing.T) {
 	for range 3 {
 		p.recordProbe("http://a:1", timeout, testHealth)
 	}
-	if !p.workers[0].down {
+	if !p.workers[0].health.down {
 		t.Fatal("timed-out probes past twice the predicted time do count")
 	}
 	p.release(tk, succeeded)
@@ -71,7 +71,7 @@ func TestStalledJobMakesWorkerSuspect(t *testing.T) {
 	p, clock := poolOf(t, 2)
 	cfg := config(leastRequest{}, 0)
 	for _, w := range p.workers {
-		w.speed.observe(10, 10*time.Second, 0)
+		w.load.speed.observe(10, 10*time.Second, 0)
 	}
 	stalled := &ticket{pool: p, cfg: cfg, job: true, cost: 2, pin: "http://a:1"}
 	if err := p.acquire(context.Background(), stalled); err != nil {
@@ -107,7 +107,7 @@ func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 			p.release(tk, failed)
 		}
 	}
-	ejectedFor := func() time.Duration { return time.Duration(p.workers[0].ejectedUntil - p.now().UnixNano()) }
+	ejectedFor := func() time.Duration { return time.Duration(p.workers[0].health.ejectedUntil - p.now().UnixNano()) }
 	fail(3)
 	if d := ejectedFor(); d != 10*time.Second {
 		t.Fatalf("first ejection for %v; want 10s", d)
@@ -138,7 +138,7 @@ func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 }
 
 func TestHealthFailTakesWorkerOutAndBack(t *testing.T) {
-	ws := fleet(t, 2, fakeworker.Config{})
+	ws := namedWorkers(t, 2, fakeworker.Config{})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n health_interval 20ms\n health_fails 2\n health_passes 2\n}")
 	b := ws[1].URL()
 	ws[1].SetHealthFail(true)

@@ -82,9 +82,6 @@ var (
 	descEjections = newDesc("worker_ejections_total", "Times the worker was ejected for failed requests.", workerLabels...)
 	descQueue     = newDesc("queue_length", "Generation jobs waiting in the pool's queue.", "pool")
 	descServing   = newDesc("serving_workers", "Workers of the pool that may be given jobs.", "pool")
-
-	// stateLabels are the values of the state label.
-	stateLabels = []string{"serving", "draining", "updating", "stale", "sleeping", "unhealthy", "suspect", "dead"}
 )
 
 func newDesc(name, help string, labels ...string) *prometheus.Desc {
@@ -105,15 +102,11 @@ func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
 func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 	pools.Range(func(_, v any) bool {
 		p := v.(*pool)
-		serving := 0
 		for _, w := range p.snapshot() {
 			collectWorker(ch, p.name, w)
-			if stateName(w) == "serving" {
-				serving++
-			}
 		}
 		ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, float64(p.stats().queued), p.name)
-		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(serving), p.name)
+		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.servingCount()), p.name)
 		return true
 	})
 }
@@ -128,9 +121,8 @@ func collectWorker(ch chan<- prometheus.Metric, pool string, w workerInfo) {
 	gauge(descInflight, float64(w.Inflight))
 	gauge(descWorkLeft, w.WorkLeft/w.Speed)
 	gauge(descSpeed, w.Speed)
-	state := stateName(w)
-	for _, s := range stateLabels {
-		gauge(descState, boolFloat(s == state), s)
+	for s := range workerState(len(stateNames)) {
+		gauge(descState, boolFloat(s == w.State), s.String())
 	}
 	if w.Version != "" {
 		gauge(descVersion, 1, w.Version)

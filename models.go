@@ -37,17 +37,29 @@ func hasTaskType(taskTypes, kinds []string) bool {
 	return false
 }
 
-// can reports whether w may be given a request of kind k. A worker not yet
-// probed may take images (most workers make them) but not videos, which
-// only a worker known to be video-capable gets, as in the Python router.
-func (w *worker) can(k taskKind) bool {
-	switch k {
-	case imageTask:
-		return w.makesImages
-	case videoTask:
-		return w.makesVideos
+// taskKinds is a set of task kinds, a bit for each.
+type taskKinds uint8
+
+// unprobed is what a worker not yet probed may be given: images (most
+// workers make them) but not videos, which only a worker known to be
+// video-capable gets, as in the Python router.
+const unprobed taskKinds = 1<<anyTask | 1<<imageTask
+
+// kindsOf is what a worker whose model card lists taskTypes may be given.
+func kindsOf(taskTypes []string) taskKinds {
+	kinds := taskKinds(1 << anyTask)
+	if hasTaskType(taskTypes, imageTaskTypes) {
+		kinds |= 1 << imageTask
 	}
-	return true
+	if hasTaskType(taskTypes, videoTaskTypes) {
+		kinds |= 1 << videoTask
+	}
+	return kinds
+}
+
+// can reports whether w may be given a request of kind k.
+func (w *worker) can(k taskKind) bool {
+	return w.caps.makes&(1<<k) != 0
 }
 
 // videoSupport is the Python router's video_support: null while unknown.
@@ -113,7 +125,7 @@ func (h *Handler) fetchModels(ctx context.Context, workerURL string) (models, er
 	if err != nil {
 		return m, err
 	}
-	resp, err := h.client.Do(req)
+	resp, err := h.pool.client.Do(req)
 	if err != nil {
 		return m, err
 	}
@@ -155,7 +167,7 @@ func (h *Handler) probeUnknown(ctx context.Context) {
 func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 	var urls []string
 	for _, wk := range h.pool.snapshot() {
-		if !wk.Dead && wk.State != sleeping {
+		if wk.State != dead && wk.State != sleeping {
 			urls = append(urls, wk.URL)
 		}
 	}

@@ -1,7 +1,6 @@
 package diffusionrouter
 
 import (
-	"math"
 	"math/rand/v2"
 	"net/http"
 	"slices"
@@ -39,39 +38,8 @@ const defaultStrategy = "least_work"
 // as among idle workers of one speed, are broken at random.
 type leastWork struct{}
 
-// The loop is written out, multiplications only: it runs over every
-// candidate of every decision, and a Go func value would not be inlined.
 func (leastWork) pick(p *pool, t *ticket, cands []*worker, now int64) int {
-	defaultInv, cost := 1/p.defaultSpeed, t.cost
-	start := rand.IntN(len(cands)) // equal finish times take turns
-	best, bestFinish := start, math.Inf(1)
-	for i := range cands {
-		j := i + start
-		if j >= len(cands) {
-			j -= len(cands)
-		}
-		w := cands[j]
-		inv := w.speed.inv
-		if inv == 0 {
-			inv = defaultInv
-		}
-		// (work left + cost) / speed, where the running job has done
-		// elapsed × speed of its cost.
-		finish := (w.work + cost) * inv
-		if w.inflight > 0 {
-			done := float64(now-w.headSince) * 1e-9
-			if running := w.headCost * inv; done > running {
-				done = running
-			}
-			if done > 0 {
-				finish -= done
-			}
-		}
-		if finish < bestFinish {
-			best, bestFinish = j, finish
-		}
-	}
-	return best
+	return argmin(cands, func(w *worker) float64 { return p.finishTime(w, t.cost, now) })
 }
 
 // argmin returns the index of the candidate with the least score. The scan
@@ -107,7 +75,7 @@ func strategyNames() string {
 type leastRequest struct{}
 
 func (leastRequest) pick(_ *pool, _ *ticket, cands []*worker, _ int64) int {
-	return argmin(cands, func(w *worker) float64 { return float64(w.inflight) })
+	return argmin(cands, func(w *worker) float64 { return float64(w.load.inflight) })
 }
 
 // roundRobin cycles through the candidates in pool order.

@@ -167,7 +167,7 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 	if err := p.acquire(context.Background(), poll); err != nil || poll.worker.dial != "b:1" {
 		t.Fatalf("pinned request went to %v (%v)", poll.worker, err)
 	}
-	if p.byDial["b:1"].inflight != 0 {
+	if p.byDial["b:1"].load.inflight != 0 {
 		t.Fatal("a video poll was counted as a job")
 	}
 	p.release(poll, succeeded)
@@ -187,8 +187,8 @@ func TestRetryAvoidsFailedWorker(t *testing.T) {
 		t.Fatalf("second retry: %v; every worker has failed", err)
 	}
 	for _, w := range p.workers {
-		if w.inflight != 0 || w.failures != 1 || w.consecFails != 1 {
-			t.Fatalf("%s: inflight=%d failures=%d consecutive=%d; want 0, 1, 1", w.dial, w.inflight, w.failures, w.consecFails)
+		if w.load.inflight != 0 || w.stats.failures != 1 || w.evidence.consecFails != 1 {
+			t.Fatalf("%s: inflight=%d failures=%d consecutive=%d; want 0, 1, 1", w.dial, w.load.inflight, w.stats.failures, w.evidence.consecFails)
 		}
 	}
 	p.release(tk, succeeded) // nothing held: a no-op

@@ -2,12 +2,13 @@ package diffusionrouter
 
 import (
 	"errors"
+	"go.uber.org/zap"
 	"net"
+	"net/http"
 	"net/url"
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -80,147 +81,217 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 
 // pool is a named set of sglang-diffusion workers and their state. It is
 // shared by the handler, the selection policy and the upstream source that
-// name it. One mutex guards all worker state: a routing decision is a scan
-// over the workers, microseconds even for a large fleet.
+// name it, and outlives config reloads.
+//
+// One mutex, mu, guards the registry, the scheduler, the fleet's state and
+// every worker: a routing decision reads load, health and lifecycle at
+// once and needs one consistent view of them, and a decision is a scan of
+// microseconds even for a large fleet. videos has a lock of its own, taken
+// after mu when both are held (mu, then videos.mu; never the other way).
 type pool struct {
-	name string
+	name   string
+	now    func() time.Time // the clock; tests set their own
+	logger *zap.Logger
+	client *http.Client // for the router's own calls to workers
+	bg     background   // the pool's own goroutines and timers
 
-	now func() time.Time // the clock; tests set their own
+	mu sync.Mutex
+	registry
+	scheduler
+	fleet fleet                 // weight updates, sleep and wake
+	held  map[string]*heldVideo // video jobs running on their workers, by id
 
-	mu           sync.Mutex
-	workers      []*worker          // in order of joining
-	byDial       map[string]*worker // one worker per dial address
-	declared     map[string]int     // worker URL -> number of loaded configs listing it
-	next         int                // round-robin cursor
-	queue        []*waiter          // jobs waiting for a worker, in dispatch order
-	seq          uint64             // arrival counter of the queue
-	cands        []*worker          // scratch space of routing decisions
-	speeds       []float64          // scratch space of the median speed
-	defaultSpeed float64            // median learned speed, assumed for new workers
-	completions  uint64             // jobs completed
+	videos *videoJobs // which worker made each video job
+}
 
-	videos *videoJobs
-	held   map[string]*heldVideo // video jobs running on their workers, by id
+// registry is which workers the pool has and why.
+type registry struct {
+	workers  []*worker          // in order of joining
+	byDial   map[string]*worker // one worker per dial address
+	declared map[string]int     // worker URL -> number of loaded configs listing it
+}
 
-	fleet      chan struct{}   // held by a weight update, sleep or wake: they never interleave
-	paused     bool            // a drain is on: no job is handed out
-	version    string          // weight version of the last successful update
-	updateBody []byte          // its request, for workers that join later
-	target     string          // version an update in progress moves to
-	onRelease  []chan struct{} // closed when a worker is released: drains wait on them
-	behind     atomic.Int32    // workers that joined after an update and wait to catch up
+// scheduler is the state of routing decisions and of the queue.
+type scheduler struct {
+	queue        []*waiter       // jobs waiting for a worker, in dispatch order
+	seq          uint64          // arrival counter of the queue
+	next         int             // round-robin cursor
+	cands        []*worker       // scratch space of routing decisions
+	speeds       []float64       // scratch space of the median speed
+	defaultSpeed float64         // median learned speed, assumed for new workers
+	completions  uint64          // jobs completed
+	onRelease    []chan struct{} // closed when a worker is released: drains wait on them
+	ejectionEnds int64           // when the redispatch timer fires, Unix nanoseconds; 0: not set
+	redispatch   *time.Timer     // hands out jobs when an ejection ends
 }
 
 func newPool(name string) *pool {
-	return &pool{
-		name:         name,
-		now:          time.Now,
-		byDial:       make(map[string]*worker),
-		declared:     make(map[string]int),
-		defaultSpeed: 1,
-		videos:       newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
-		held:         make(map[string]*heldVideo),
-		fleet:        make(chan struct{}, 1),
+	p := &pool{
+		name:     name,
+		now:      time.Now,
+		logger:   caddy.Log().Named("diffusion_router").With(zap.String("pool", name)),
+		client:   new(http.Client), // every call has its own deadline
+		registry: registry{byDial: make(map[string]*worker), declared: make(map[string]int)},
+		held:     make(map[string]*heldVideo),
+		videos:   newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
 	}
+	p.defaultSpeed = 1
+	p.fleet = fleet{pool: p, ops: make(chan struct{}, 1)}
+	p.bg = newBackground(p.logger)
+	return p
 }
 
-// Destruct implements caddy.Destructor: it stops the timers of held video
-// jobs, the only thing a pool runs on its own.
+// Destruct implements caddy.Destructor: when the last config using the
+// pool is unloaded, it stops what the pool runs on its own (catch-ups,
+// timers of held video jobs and of ejections) and waits for it to end.
 func (p *pool) Destruct() error {
 	p.mu.Lock()
-	defer p.mu.Unlock()
+	p.bg.cancel() // before the timers stop, so that none is set again
 	for id, hv := range p.held {
 		hv.timer.Stop()
 		delete(p.held, id)
 	}
+	if p.redispatch != nil {
+		p.redispatch.Stop()
+	}
+	p.mu.Unlock()
+	p.bg.stop()
+	p.client.CloseIdleConnections()
 	return nil
 }
 
 // worker is one sglang-diffusion server. Its fields are guarded by the
-// pool's mutex; read them through Pool.snapshot.
+// pool's mutex; read them through pool.snapshot.
 type worker struct {
-	// What every routing decision reads comes first, to share a cache line:
-	// a decision scans the whole fleet.
-	dead         bool        // marked dead by an operator (PUT /workers/{id})
-	state        workerState // where the worker is in its life
-	down         bool        // failed its health probes
-	suspect      bool        // a job of it overran its prediction: stalled
-	ejectedUntil int64       // out after failed requests until then, Unix nanoseconds
-	makesImages  bool        // taskTypes has an image type, or is unknown
-	makesVideos  bool        // taskTypes has a video type
-	inflight     int         // jobs in flight
-	work         float64     // their total cost
-	headCost     float64     // cost of the oldest of them: the one running
-	headSince    int64       // when it started running, Unix nanoseconds
-	endsAt       int64       // when its jobs are predicted to be done, Unix nanoseconds
-	speed        speedEstimate
+	// What every routing decision reads comes first, the most often read
+	// fields first in each group, so that a decision, which scans the
+	// whole fleet, reads few cache lines per worker.
+	life   workerLife
+	health workerHealth
+	load   workerLoad
+	caps   capabilities
 
 	url        string // normalized: scheme://host[:port]
 	dial       string // host:port as reverse_proxy dials it
 	registered bool   // joined at run time (POST /workers), not from a config
-	version    string // weight version the worker serves; "" until an update
-	behind     bool   // joined after an update; must load its weights first
+	evidence   healthEvidence
+	stats      workerStats
+}
 
-	jobs        []*ticket // jobs in flight, in dispatch order
-	lastFinish  int64     // when a job last ended, Unix nanoseconds
-	served      uint64    // requests answered
-	jobsDone    uint64    // generation jobs completed
-	costDone    float64   // their total cost
-	failures    uint64
-	consecFails int
+// workerLoad is the work a worker has been given.
+type workerLoad struct {
+	inflight   int     // jobs in flight
+	work       float64 // their total cost
+	headCost   float64 // cost of the oldest of them: the one running
+	headSince  int64   // when it started running, Unix nanoseconds
+	endsAt     int64   // when its jobs are predicted to be done, Unix nanoseconds
+	speed      speedEstimate
+	jobs       []*ticket // jobs in flight, in dispatch order
+	lastFinish int64     // when a job last ended, Unix nanoseconds
+}
 
+// workerHealth is the verdict on whether a worker works.
+type workerHealth struct {
+	down         bool  // failed its health probes
+	suspect      bool  // a job of it overran its prediction: stalled
+	ejectedUntil int64 // out after failed requests until then, Unix nanoseconds
+}
+
+// healthEvidence is what the verdict on a worker's health rests on.
+type healthEvidence struct {
 	probeFails  int     // consecutive failed health probes
 	probePasses int     // consecutive passed health probes
 	lastProbe   int64   // Unix nanoseconds
 	lastError   string  // of the last probe
 	recentFails []int64 // failed requests within the fail window
 	ejections   uint    // ejections since the last success
-	ejected     uint64  // ejections in all
+	consecFails int     // failed requests since the last success
+}
 
-	taskTypes []string  // from the worker's /v1/models; nil until a probe answers
+// workerLife is where a worker is in the fleet's operations.
+type workerLife struct {
+	dead    bool        // held back by an operator (PUT /workers/{id})
+	state   workerState // serving, draining, updating, stale or sleeping
+	behind  bool        // joined after an update; must load its weights first
+	version string      // weight version the worker serves; "" until known
+}
+
+// workerStats are counts for reports; no decision reads them.
+type workerStats struct {
+	served   uint64  // requests answered
+	jobsDone uint64  // generation jobs completed
+	costDone float64 // their total cost
+	failures uint64  // failed requests
+	ejected  uint64  // ejections in all
+}
+
+// capabilities are what a worker's /v1/models says it can generate.
+type capabilities struct {
+	makes     taskKinds // what the worker may be given
+	taskTypes []string  // nil until a probe answers
 	probedAt  time.Time // last capability probe attempt
 }
 
-// workerState is where a worker is in its life. Only serving workers get
-// new jobs.
+// workerState is where a worker is. The fleet's operations move it
+// through the first five; the others say what keeps a worker whose
+// lifecycle state is serving from getting jobs now. Only serving workers
+// get new jobs.
 type workerState uint8
 
 const (
-	serving  workerState = iota
-	draining             // finishing its jobs before a weight update
-	updating             // loading new weights
-	stale                // failed its last weight update: out until one succeeds
-	sleeping             // has released its GPU memory
+	serving   workerState = iota
+	draining              // finishing its jobs before a weight update
+	updating              // loading new weights
+	stale                 // failed its last weight update: out until one succeeds
+	sleeping              // has released its GPU memory
+	dead                  // held back by an operator
+	unhealthy             // failed its health probes, or ejected after failed requests
+	suspect               // a job of it overran its prediction
 )
 
-var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping"}
+var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping", "dead", "unhealthy", "suspect"}
 
 func (s workerState) String() string { return stateNames[s] }
+
+// stateAt is where w is at now (Unix nanoseconds).
+func (w *worker) stateAt(now int64) workerState {
+	switch {
+	case w.life.dead:
+		return dead
+	case w.life.state != serving:
+		return w.life.state
+	case w.health.down, now < w.health.ejectedUntil:
+		return unhealthy
+	case w.health.suspect:
+		return suspect
+	}
+	return serving
+}
+
+// serving reports whether w may be given new jobs at now.
+func (w *worker) serving(now int64) bool {
+	return w.stateAt(now) == serving
+}
 
 // workerInfo is a copy of a worker's state, safe to read without the lock.
 type workerInfo struct {
 	URL         string
 	Dial        string
 	Registered  bool
-	Dead        bool
-	State       workerState
+	State       workerState // where the worker is now
+	Lifecycle   workerState // where the fleet's operations put it
 	Version     string
 	Inflight    int
 	Served      uint64
 	Failures    uint64
 	ConsecFails int
 	TaskTypes   []string // nil while unknown
-	Down        bool     // failed its health probes
-	Suspect     bool     // a job overran its prediction
-	Ejected     bool     // out for failed requests
 	ProbeFails  int
 	LastProbe   time.Time // zero: never probed
 	LastError   string
 	Jobs        uint64  // generation jobs completed
 	Cost        float64 // their total cost
 	Ejections   uint64
-	Queued      int    // jobs waiting in the pool's queue (the same for every worker)
-	UpdatingTo  string // the version an update in progress moves to
 
 	Speed           float64 // learned cost units per second; the pool's median while unknown
 	SpeedLearned    bool
@@ -228,27 +299,21 @@ type workerInfo struct {
 	PredictionError float64 // moving average of |predicted - actual| / actual job time
 }
 
-// serving reports whether the worker may be given new jobs.
-func (w *worker) serving(now int64) bool {
-	return !w.dead && w.state == serving && !w.down && !w.suspect && now >= w.ejectedUntil
-}
-
 func (p *pool) infoLocked(w *worker) workerInfo {
 	now := p.now().UnixNano()
 	info := workerInfo{
-		URL: w.url, Dial: w.dial, Registered: w.registered, Dead: w.dead,
-		State: w.state, Version: w.version, Inflight: w.inflight, Served: w.served,
-		Failures: w.failures, ConsecFails: w.consecFails,
-		TaskTypes: slices.Clone(w.taskTypes), Queued: len(p.queue),
-		UpdatingTo: p.target,
-		Speed:      p.speedOf(w), SpeedLearned: w.speed.value > 0,
-		WorkLeft: p.workLeft(w, now), PredictionError: w.speed.relErr,
-		Down: w.down, Suspect: w.suspect, Ejected: now < w.ejectedUntil,
-		ProbeFails: w.probeFails, LastError: w.lastError,
-		Jobs: w.jobsDone, Cost: w.costDone, Ejections: w.ejected,
+		URL: w.url, Dial: w.dial, Registered: w.registered,
+		State: w.stateAt(now), Lifecycle: w.life.state, Version: w.life.version,
+		Inflight: w.load.inflight, Served: w.stats.served,
+		Failures: w.stats.failures, ConsecFails: w.evidence.consecFails,
+		TaskTypes: slices.Clone(w.caps.taskTypes),
+		Speed:     p.speedOf(w), SpeedLearned: w.load.speed.value > 0,
+		WorkLeft: p.workLeft(w, now), PredictionError: w.load.speed.relErr,
+		ProbeFails: w.evidence.probeFails, LastError: w.evidence.lastError,
+		Jobs: w.stats.jobsDone, Cost: w.stats.costDone, Ejections: w.stats.ejected,
 	}
-	if w.lastProbe > 0 {
-		info.LastProbe = time.Unix(0, w.lastProbe)
+	if w.evidence.lastProbe > 0 {
+		info.LastProbe = time.Unix(0, w.evidence.lastProbe)
 	}
 	return info
 }
@@ -319,21 +384,15 @@ func (p *pool) remove(url string) bool {
 }
 
 func (p *pool) add(u string) *worker {
-	w := &worker{url: u, dial: dialAddress(u), makesImages: true}
-	if p.updateBody != nil {
-		w.state, w.behind = updating, true
-		p.behind.Add(1)
-	}
+	w := &worker{url: u, dial: dialAddress(u), caps: capabilities{makes: unprobed}}
+	p.fleet.joinLocked(w)
 	p.workers = append(p.workers, w)
 	p.byDial[w.dial] = w
 	return w
 }
 
 func (p *pool) removeLocked(w *worker) {
-	if w.behind {
-		w.behind = false
-		p.behind.Add(-1)
-	}
+	p.fleet.leaveLocked(w)
 	delete(p.byDial, w.dial)
 	for i, x := range p.workers {
 		if x == w {
@@ -352,7 +411,7 @@ func (p *pool) setDead(url string, dead bool) (workerInfo, bool) {
 	if w == nil {
 		return workerInfo{}, false
 	}
-	w.dead = dead
+	w.life.dead = dead
 	p.dispatchLocked()
 	return p.infoLocked(w), true
 }
@@ -379,6 +438,19 @@ func (p *pool) snapshot() []workerInfo {
 	return out
 }
 
+// servingCount is how many workers may take new jobs now.
+func (p *pool) servingCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n, now := 0, p.now().UnixNano()
+	for _, w := range p.workers {
+		if w.serving(now) {
+			n++
+		}
+	}
+	return n
+}
+
 // servingDials returns the dial addresses of the workers that may take new
 // jobs now, for reverse_proxy's dynamic upstreams.
 func (p *pool) servingDials() []string {
@@ -401,12 +473,11 @@ func (p *pool) setCapabilities(url string, taskTypes []string, modelID string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if w := p.find(url); w != nil {
-		if w.version == "" {
-			w.version = modelID
+		if w.life.version == "" {
+			w.life.version = modelID
 		}
-		w.taskTypes = append([]string{}, taskTypes...)
-		w.makesImages = hasTaskType(taskTypes, imageTaskTypes)
-		w.makesVideos = hasTaskType(taskTypes, videoTaskTypes)
+		w.caps.taskTypes = append([]string{}, taskTypes...)
+		w.caps.makes = kindsOf(taskTypes)
 		p.dispatchLocked()
 	}
 }
@@ -418,8 +489,8 @@ func (p *pool) unprobed(now time.Time, interval time.Duration) []string {
 	defer p.mu.Unlock()
 	var urls []string
 	for _, w := range p.workers {
-		if w.taskTypes == nil && now.Sub(w.probedAt) >= interval {
-			w.probedAt = now
+		if w.caps.taskTypes == nil && now.Sub(w.caps.probedAt) >= interval {
+			w.caps.probedAt = now
 			urls = append(urls, w.url)
 		}
 	}
@@ -495,32 +566,33 @@ func normalizeWorkerURL(raw string) (string, error) {
 
 // poolStats are the pool-wide figures.
 type poolStats struct {
-	queued    int
-	completed uint64 // jobs completed since the pool was made
-	version   string
+	queued     int
+	completed  uint64 // jobs completed since the pool was made
+	version    string
+	updatingTo string // the version an update in progress moves to
 }
 
 func (p *pool) stats() poolStats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return poolStats{queued: len(p.queue), completed: p.completions, version: p.versionLocked()}
+	return poolStats{queued: len(p.queue), completed: p.completions, version: p.versionLocked(), updatingTo: p.fleet.target}
 }
 
 // versionLocked is the pool's weight version: that of the last update, or
 // before any, the one most workers report.
 func (p *pool) versionLocked() string {
-	if p.version != "" {
-		return p.version
+	if p.fleet.version != "" {
+		return p.fleet.version
 	}
 	count := map[string]int{}
 	best := ""
 	for _, w := range p.workers {
-		if w.version == "" {
+		if w.life.version == "" {
 			continue
 		}
-		count[w.version]++
-		if count[w.version] > count[best] {
-			best = w.version
+		count[w.life.version]++
+		if count[w.life.version] > count[best] {
+			best = w.life.version
 		}
 	}
 	return best

@@ -103,8 +103,8 @@ func TestRemoveKeepsInflightAccounting(t *testing.T) {
 		t.Fatal("remove failed")
 	}
 	p.release(tk, succeeded)
-	if w.inflight != 0 || w.served != 1 {
-		t.Fatalf("removed worker inflight=%d served=%d; want 0 and 1", w.inflight, w.served)
+	if w.load.inflight != 0 || w.stats.served != 1 {
+		t.Fatalf("removed worker inflight=%d served=%d; want 0 and 1", w.load.inflight, w.stats.served)
 	}
 	if p.remove("http://a:1") {
 		t.Fatal("second remove reported success")

@@ -156,12 +156,12 @@ func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
 	if t.pin != "" {
 		w := p.find(t.pin)
 		fitting := w != nil && fits(t.job, t.cfg.maxInflight, w, now)
-		if !fitting || !t.admits(w, now) {
+		if !fitting || !w.serving(now) || !t.mayServe(w, "") {
 			return nil, fitting
 		}
 		return w, true
 	}
-	if p.paused && t.job {
+	if p.fleet.paused && t.job {
 		return nil, false
 	}
 	cands := p.cands[:0]
@@ -172,8 +172,7 @@ func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
 			continue
 		}
 		anyFree = true
-		if w.can(t.task) && (len(t.tried) == 0 || !slices.Contains(t.tried, w)) &&
-			(t.wantVersion == "" || w.version == t.wantVersion) {
+		if t.mayServe(w, "") {
 			cands = append(cands, w)
 		}
 	}
@@ -193,32 +192,32 @@ const prefetchWindow = 5 * time.Millisecond
 // fits reports whether w has a slot at now for a request (a job, or not)
 // under a limit of jobs per worker (0: none); only jobs take slots.
 func fits(job bool, limit int, w *worker, now int64) bool {
-	if !job || limit == 0 || w.inflight < limit {
+	if !job || limit == 0 || w.load.inflight < limit {
 		return true
 	}
-	return w.inflight == limit && w.endsAt-now < int64(prefetchWindow)
+	return w.load.inflight == limit && w.load.endsAt-now < int64(prefetchWindow)
 }
 
 // updateEndsLocked predicts when w's jobs will be done, from when the
 // running one started: what fits checks for every full worker.
 func (p *pool) updateEndsLocked(w *worker) {
-	w.endsAt = w.headSince + int64(w.work/p.speedOf(w)*float64(time.Second))
+	w.load.endsAt = w.load.headSince + int64(w.load.work/p.speedOf(w)*float64(time.Second))
 }
 
-// admits reports whether w may serve t's request at now.
-func (t *ticket) admits(w *worker, now int64) bool {
-	if !w.serving(now) || !w.can(t.task) || slices.Contains(t.tried, w) {
-		return false
-	}
-	return (t.pin == "" || w.url == t.pin) && (t.wantVersion == "" || w.version == t.wantVersion)
+// mayServe reports whether t may go to w at all, whatever w's load and
+// health: w makes what t needs, is the worker t is pinned to (if any), was
+// not tried already, and serves the weight version t asks for (if any),
+// or will once an update to upcoming ends.
+func (t *ticket) mayServe(w *worker, upcoming string) bool {
+	return w.can(t.task) && (t.pin == "" || w.url == t.pin) && !slices.Contains(t.tried, w) &&
+		(t.wantVersion == "" || w.life.version == t.wantVersion || upcoming == t.wantVersion)
 }
 
 // couldServeLocked reports whether some worker of the pool, serving or not,
 // could take t: then t may wait for it.
 func (p *pool) couldServeLocked(t *ticket) bool {
 	for _, w := range p.workers {
-		if w.can(t.task) && !slices.Contains(t.tried, w) && (t.pin == "" || w.url == t.pin) &&
-			(t.wantVersion == "" || w.version == t.wantVersion || p.target == t.wantVersion) {
+		if t.mayServe(w, p.fleet.target) {
 			return true
 		}
 	}
@@ -226,16 +225,16 @@ func (p *pool) couldServeLocked(t *ticket) bool {
 }
 
 func (p *pool) assignLocked(t *ticket, w *worker) {
-	t.worker, t.servedBy, t.servedVersion = w, w.url, w.version
+	t.worker, t.servedBy, t.servedVersion = w, w.url, w.life.version
 	if !t.job {
 		return
 	}
-	if w.inflight == 0 {
+	if w.load.inflight == 0 {
 		p.startLocked(w, t, p.now().UnixNano())
 	}
-	w.inflight++
-	w.jobs = append(w.jobs, t)
-	w.work += t.cost
+	w.load.inflight++
+	w.load.jobs = append(w.load.jobs, t)
+	w.load.work += t.cost
 	t.predicted = time.Duration(t.cost / p.speedOf(w) * float64(time.Second))
 	p.updateEndsLocked(w)
 }
@@ -244,7 +243,7 @@ func (p *pool) assignLocked(t *ticket, w *worker) {
 // its jobs one at a time, in arrival order.
 func (p *pool) startLocked(w *worker, t *ticket, now int64) {
 	t.started = now
-	w.headCost, w.headSince = t.cost, now
+	w.load.headCost, w.load.headSince = t.cost, now
 }
 
 func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
@@ -259,41 +258,41 @@ func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 	p.onRelease = p.onRelease[:0]
 	switch o {
 	case succeeded:
-		w.served++
-		w.consecFails = 0
+		w.stats.served++
+		w.evidence.consecFails = 0
 	case failed:
-		w.failures++
-		w.consecFails++
+		w.stats.failures++
+		w.evidence.consecFails++
 	}
 	ejected = p.noteOutcomeLocked(w, o, t.cfg.health)
 	if !t.job {
 		return ejected
 	}
 	now := p.now().UnixNano()
-	w.lastFinish = now
+	w.load.lastFinish = now
 	if o == succeeded {
-		w.speed.observe(t.cost, time.Duration(now-t.started), t.predicted)
-		w.jobsDone++
-		w.costDone += t.cost
+		w.load.speed.observe(t.cost, time.Duration(now-t.started), t.predicted)
+		w.stats.jobsDone++
+		w.stats.costDone += t.cost
 		p.completions++
 		// The median changes when a worker learns its first speed, and
 		// slowly otherwise.
-		if w.speed.n == 1 || p.completions%256 == 0 {
+		if w.load.speed.n == 1 || p.completions%256 == 0 {
 			p.refreshDefaultSpeedLocked()
 		}
 	}
-	wasHead := len(w.jobs) > 0 && w.jobs[0] == t
-	w.inflight--
-	w.jobs = slices.DeleteFunc(w.jobs, func(x *ticket) bool { return x == t })
-	w.work -= t.cost
+	wasHead := len(w.load.jobs) > 0 && w.load.jobs[0] == t
+	w.load.inflight--
+	w.load.jobs = slices.DeleteFunc(w.load.jobs, func(x *ticket) bool { return x == t })
+	w.load.work -= t.cost
 	switch {
-	case len(w.jobs) == 0:
-		w.work = 0 // no float drift on an idle worker
+	case len(w.load.jobs) == 0:
+		w.load.work = 0 // no float drift on an idle worker
 	case wasHead:
-		p.startLocked(w, w.jobs[0], now)
+		p.startLocked(w, w.load.jobs[0], now)
 	}
 	if wasHead {
-		w.suspect = false // the stalled job, if it was one, has ended
+		w.health.suspect = false // the stalled job, if it was one, has ended
 	}
 	p.updateEndsLocked(w)
 	p.dispatchLocked()
@@ -351,8 +350,8 @@ func (p *pool) dequeueLocked(wt *waiter) bool {
 // speedOf is w's learned speed, or the pool's median speed while w has
 // completed nothing.
 func (p *pool) speedOf(w *worker) float64 {
-	if w.speed.value > 0 {
-		return w.speed.value
+	if w.load.speed.value > 0 {
+		return w.load.speed.value
 	}
 	return p.defaultSpeed
 }
@@ -362,8 +361,8 @@ func (p *pool) speedOf(w *worker) float64 {
 func (p *pool) refreshDefaultSpeedLocked() {
 	speeds := p.speeds[:0]
 	for _, w := range p.workers {
-		if w.speed.value > 0 {
-			speeds = append(speeds, w.speed.value)
+		if w.load.speed.value > 0 {
+			speeds = append(speeds, w.load.speed.value)
 		}
 	}
 	p.speeds = speeds
@@ -373,14 +372,20 @@ func (p *pool) refreshDefaultSpeedLocked() {
 	}
 }
 
+// finishTime is how long w would take, from now (Unix nanoseconds), to
+// finish the work it has and a job of cost, in seconds.
+func (p *pool) finishTime(w *worker, cost float64, now int64) float64 {
+	return (p.workLeft(w, now) + cost) / p.speedOf(w)
+}
+
 // workLeft is the predicted cost w still has to process at now (Unix
 // nanoseconds): its jobs' costs, less what the running one has done.
 func (p *pool) workLeft(w *worker, now int64) float64 {
-	if w.inflight == 0 {
+	if w.load.inflight == 0 {
 		return 0
 	}
-	done := float64(now-w.headSince) / float64(time.Second) * p.speedOf(w)
-	return w.work - min(w.headCost, max(0, done))
+	done := float64(now-w.load.headSince) / float64(time.Second) * p.speedOf(w)
+	return w.load.work - min(w.load.headCost, max(0, done))
 }
 
 // queueError is the answer for a request that got no worker.

@@ -169,8 +169,8 @@ func TestCountersReturnToZero(t *testing.T) {
 		t.Fatalf("%d jobs still queued", queued(p))
 	}
 	for _, w := range p.workers {
-		if w.inflight != 0 || len(w.jobs) != 0 || w.work != 0 {
-			t.Fatalf("%s: inflight %d, %d jobs, work %v after all requests ended", w.dial, w.inflight, len(w.jobs), w.work)
+		if w.load.inflight != 0 || len(w.load.jobs) != 0 || w.load.work != 0 {
+			t.Fatalf("%s: inflight %d, %d jobs, work %v after all requests ended", w.dial, w.load.inflight, len(w.load.jobs), w.load.work)
 		}
 	}
 }
@@ -240,7 +240,7 @@ func drainQueue(tb testing.TB, n int) {
 		p.release(<-got, succeeded)
 	}
 	wg.Wait()
-	if queued(p) != 0 || p.workers[0].inflight != 0 {
-		tb.Fatalf("after draining: %d queued, %d in flight", queued(p), p.workers[0].inflight)
+	if queued(p) != 0 || p.workers[0].load.inflight != 0 {
+		tb.Fatalf("after draining: %d queued, %d in flight", queued(p), p.workers[0].load.inflight)
 	}
 }

@@ -2,7 +2,6 @@ package diffusionrouter
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -10,7 +9,6 @@ import (
 	"net/http"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -54,18 +52,6 @@ type weightsRequest struct {
 	body      []byte
 }
 
-// result is one worker's answer to a broadcast, as the Python router
-// reports it.
-type result struct {
-	WorkerURL  string `json:"worker_url"`
-	StatusCode int    `json:"status_code"`
-	Body       any    `json:"body"`
-	ok         bool
-}
-
-// errDrainTimeout means jobs in flight did not finish within drain_timeout.
-var errDrainTimeout = errors.New("drain timeout")
-
 // serveUpdateWeights is POST /update_weights_from_disk.
 func (h *Handler) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
 	req, status, msg := h.readWeightsRequest(r)
@@ -81,7 +67,7 @@ func (h *Handler) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
 
 	log := h.logger.With(zap.String("weight_version", req.version), zap.String("mode", req.mode))
 	log.Info("weight update started")
-	results, err := h.updateWeights(r.Context(), req)
+	results, err := h.pool.fleet.update(r.Context(), req, &h.weights)
 	outcome := outcomeName(err, results)
 	weightUpdates.WithLabelValues(h.pool.name, "update_weights", outcome).Inc()
 	switch {
@@ -170,191 +156,32 @@ func stringField(v any, def string) (string, bool) {
 	return s, ok && s != ""
 }
 
-// lockFleet takes the pool's fleet lock, so that weight updates, sleep and
-// wake never interleave; with ?wait=false a held lock answers 409.
+// lockFleet takes the fleet for one operation, so that weight updates,
+// sleep and wake never interleave; with ?wait=false a busy fleet answers
+// 409 at once.
 func (h *Handler) lockFleet(w http.ResponseWriter, r *http.Request) (func(), bool) {
-	unlock := func() { <-h.pool.fleet }
-	if r.URL.Query().Get("wait") == "false" {
-		select {
-		case h.pool.fleet <- struct{}{}:
-			return unlock, true
-		default:
-			_ = writeError(w, http.StatusConflict, "another weight update, sleep or wake is in progress")
-			return nil, false
-		}
+	unlock, err := h.pool.fleet.lock(r.Context(), r.URL.Query().Get("wait") != "false")
+	if errors.Is(err, errFleetBusy) {
+		_ = writeError(w, http.StatusConflict, err.Error())
 	}
-	select {
-	case h.pool.fleet <- struct{}{}:
-		return unlock, true
-	case <-r.Context().Done():
-		return nil, false
-	}
-}
-
-// updateWeights runs one update in the request's mode.
-func (h *Handler) updateWeights(ctx context.Context, req weightsRequest) ([]result, error) {
-	p := h.pool
-	targets := p.beginUpdate(req.version, req.mode == modeDrain)
-	if len(targets) == 0 {
-		p.endUpdate(nil, nil, req)
-		return nil, errNoWorker
-	}
-	batch := len(targets)
-	if req.mode == modeRolling {
-		batch = h.weights.rollingBatch
-	}
-	var results []result
-	for group := range slices.Chunk(targets, batch) {
-		if req.mode == modeRolling {
-			p.setState(group, draining)
-		}
-		if err := p.waitIdle(ctx, group, h.weights.drainTimeout); err != nil {
-			p.setState(group, serving)
-			p.endUpdate(nil, nil, req)
-			if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
-				err = errDrainTimeout
-			}
-			return results, err
-		}
-		p.setState(group, updating)
-		res := h.broadcast(ctx, group, "/update_weights_from_disk", req.body, h.weights.timeout)
-		p.finishUpdate(group, res, req.version)
-		results = append(results, res...)
-	}
-	p.endUpdate(targets, results, req)
-	return results, nil
-}
-
-// broadcast POSTs body to path on every worker in parallel.
-func (h *Handler) broadcast(ctx context.Context, workers []*worker, path string, body []byte, timeout time.Duration) []result {
-	results := make([]result, len(workers))
-	var wg sync.WaitGroup
-	for i, w := range workers {
-		wg.Go(func() { results[i] = h.post(ctx, w.url, path, body, timeout) })
-	}
-	wg.Wait()
-	return results
-}
-
-// post sends one control call to a worker and reads its JSON answer. A
-// 2xx answer that says "success": false is a failure.
-func (h *Handler) post(ctx context.Context, workerURL, path string, body []byte, timeout time.Duration) result {
-	res := result{WorkerURL: workerURL, StatusCode: http.StatusBadGateway}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, workerURL+path, bytes.NewReader(body))
-	if err != nil {
-		res.Body = map[string]string{"error": err.Error()}
-		return res
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := h.client.Do(req)
-	if err != nil {
-		res.Body = map[string]string{"error": err.Error()}
-		return res
-	}
-	defer resp.Body.Close()
-	raw, _ := io.ReadAll(io.LimitReader(resp.Body, maxControlBody))
-	res.StatusCode = resp.StatusCode
-	if json.Unmarshal(raw, &res.Body) != nil {
-		res.Body = map[string]string{"raw": string(raw)}
-	}
-	said, _ := res.Body.(map[string]any)
-	res.ok = resp.StatusCode/100 == 2 && said["success"] != false
-	return res
-}
-
-// beginUpdate picks the workers an update goes to: those serving and those
-// stale from an earlier failed update. In drain mode the pool stops handing
-// out jobs.
-func (p *pool) beginUpdate(version string, pause bool) []*worker {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var targets []*worker
-	for _, w := range p.workers {
-		if !w.dead && (w.state == serving || w.state == stale) {
-			targets = append(targets, w)
-		}
-	}
-	p.target = version
-	p.paused = pause
-	return targets
-}
-
-// finishUpdate records which workers now serve version; the others are
-// stale.
-func (p *pool) finishUpdate(group []*worker, results []result, version string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for i, w := range group {
-		if results[i].ok {
-			w.version, w.state = version, serving
-		} else {
-			w.state = stale
-		}
-	}
-	p.dispatchLocked()
-}
-
-// endUpdate resumes handing out jobs. After a successful update it
-// remembers the new version and its body, to bring workers that join
-// later to it.
-func (p *pool) endUpdate(targets []*worker, results []result, req weightsRequest) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if slices.ContainsFunc(results, func(r result) bool { return r.ok }) {
-		p.version, p.updateBody = req.version, req.body
-	}
-	p.target, p.paused = "", false
-	p.dispatchLocked()
-}
-
-// setState moves workers to state s.
-func (p *pool) setState(workers []*worker, s workerState) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, w := range workers {
-		w.state = s
-	}
-	p.dispatchLocked()
-}
-
-// waitIdle waits until none of the workers has a job in flight.
-func (p *pool) waitIdle(ctx context.Context, workers []*worker, timeout time.Duration) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	for {
-		p.mu.Lock()
-		if !slices.ContainsFunc(workers, func(w *worker) bool { return w.inflight > 0 }) {
-			p.mu.Unlock()
-			return nil
-		}
-		released := make(chan struct{})
-		p.onRelease = append(p.onRelease, released)
-		p.mu.Unlock()
-		select {
-		case <-released:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
+	return unlock, err == nil
 }
 
 // serveSleep is POST /release_memory_occupation: drain, then put every
 // serving worker to sleep. Sleeping workers get no jobs; jobs wait in the
 // queue for them to wake.
 func (h *Handler) serveSleep(w http.ResponseWriter, r *http.Request) {
-	h.sleepOrWake(w, r, "/release_memory_occupation", serving, sleeping)
+	h.sleepOrWake(w, r, "sleep")
 }
 
 // serveWake is POST /resume_memory_occupation: wake the sleeping workers.
 func (h *Handler) serveWake(w http.ResponseWriter, r *http.Request) {
-	h.sleepOrWake(w, r, "/resume_memory_occupation", sleeping, serving)
+	h.sleepOrWake(w, r, "wake")
 }
 
-// sleepOrWake moves the workers in state from to state to by broadcasting
-// path; workers that fail the call stay as they were.
-func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, path string, from, to workerState) {
+// sleepOrWake runs a sleep or a wake over the fleet and answers with
+// every worker's result.
+func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, op string) {
 	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
 	if err != nil || (len(bytes.TrimSpace(body)) > 0 && !json.Valid(body)) {
 		_ = writeError(w, http.StatusBadRequest, "Invalid JSON body")
@@ -365,118 +192,30 @@ func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, path strin
 		return
 	}
 	defer unlock()
-	p := h.pool
-	targets, total := p.inState(from)
+	var results []result
+	if op == "sleep" {
+		results, err = h.pool.fleet.sleep(r.Context(), r.URL.Path, body, &h.weights)
+	} else {
+		results, err = h.pool.fleet.wake(r.Context(), r.URL.Path, body, &h.weights)
+	}
+	outcome := outcomeName(err, results)
+	if !errors.Is(err, errNothingToDo) {
+		weightUpdates.WithLabelValues(h.pool.name, op, outcome).Inc()
+	}
 	switch {
-	case total == 0:
-		weightUpdates.WithLabelValues(p.name, operation(to), "no_workers").Inc()
+	case errors.Is(err, errNoWorker):
 		_ = writeError(w, http.StatusServiceUnavailable, "No workers registered in the pool")
-		return
-	case len(targets) == 0: // nothing to change: calling twice is harmless
+	case errors.Is(err, errNothingToDo): // calling twice is harmless
 		_ = writeJSON(w, http.StatusOK, map[string]any{"success": true, "results": []result{}, "message": "No eligible workers available in the pool"})
-		return
-	}
-	if to == sleeping {
-		p.beginUpdate("", true)
-		err := p.waitIdle(r.Context(), targets, h.weights.drainTimeout)
-		if err != nil {
-			p.endUpdate(nil, nil, weightsRequest{})
-			weightUpdates.WithLabelValues(p.name, operation(to), "drain_timeout").Inc()
-			_ = writeError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", h.weights.drainTimeout))
-			return
+	case errors.Is(err, errDrainTimeout):
+		_ = writeError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", h.weights.drainTimeout))
+	case err != nil: // the caller left
+	default:
+		code := http.StatusOK
+		if outcome != "success" {
+			code = http.StatusBadGateway
 		}
+		h.logger.Info("workers "+op, zap.Int("workers", len(results)), zap.Int("status", code))
+		_ = writeJSON(w, code, map[string]any{"success": code == http.StatusOK, "results": results})
 	}
-	results := h.broadcast(r.Context(), targets, path, body, h.weights.timeout)
-	p.moveStates(targets, results, to)
-	if to == sleeping {
-		p.endUpdate(nil, nil, weightsRequest{})
-	}
-	code := http.StatusOK
-	if slices.ContainsFunc(results, func(res result) bool { return !res.ok }) {
-		code = http.StatusBadGateway
-	}
-	weightUpdates.WithLabelValues(p.name, operation(to), outcomeName(nil, results)).Inc()
-	h.logger.Info("workers "+to.String(), zap.Int("workers", len(targets)), zap.Int("status", code))
-	_ = writeJSON(w, code, map[string]any{"success": code == http.StatusOK, "results": results})
-}
-
-// operation names a sleep or wake for its metric.
-func operation(to workerState) string {
-	if to == sleeping {
-		return "sleep"
-	}
-	return "wake"
-}
-
-// inState returns the workers (not marked dead) in state s, and the size of
-// the pool.
-func (p *pool) inState(s workerState) ([]*worker, int) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var out []*worker
-	for _, w := range p.workers {
-		if !w.dead && w.state == s {
-			out = append(out, w)
-		}
-	}
-	return out, len(p.workers)
-}
-
-// moveStates moves the workers whose call succeeded to state s.
-func (p *pool) moveStates(workers []*worker, results []result, s workerState) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for i, w := range workers {
-		if results[i].ok {
-			w.state = s
-		}
-	}
-	p.dispatchLocked()
-}
-
-// catchUp brings a worker that joined after an update to the pool's
-// version before it gets a job; it is stale if that fails.
-func (h *Handler) catchUp(ctx context.Context, w *worker) {
-	select {
-	case h.pool.fleet <- struct{}{}: // not while another update runs
-		defer func() { <-h.pool.fleet }()
-	case <-ctx.Done():
-		return
-	}
-	h.pool.mu.Lock()
-	body, version := h.pool.updateBody, h.pool.version
-	h.pool.mu.Unlock()
-	res := h.post(ctx, w.url, "/update_weights_from_disk", body, h.weights.timeout)
-	h.pool.finishUpdate([]*worker{w}, []result{res}, version)
-	if !res.ok {
-		h.logger.Warn("worker that joined could not be brought to the current weights; it is stale",
-			zap.String("worker", w.url), zap.String("weight_version", version), zap.Int("status", res.StatusCode))
-	}
-}
-
-// startCatchUps starts bringing the workers that joined after an update to
-// the pool's version. It runs on requests rather than at provisioning,
-// which must not dial out.
-func (h *Handler) startCatchUps() {
-	if h.pool.behind.Load() == 0 {
-		return
-	}
-	for _, w := range h.pool.takeBehind() {
-		go h.catchUp(h.ctx, w)
-	}
-}
-
-// takeBehind returns the workers waiting to catch up.
-func (p *pool) takeBehind() []*worker {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var out []*worker
-	for _, w := range p.workers {
-		if w.behind {
-			w.behind = false
-			out = append(out, w)
-		}
-	}
-	p.behind.Add(-int32(len(out)))
-	return out
 }

@@ -52,7 +52,7 @@ func load(t *testing.T, r *testRouter, clients int) (stop func() []sample) {
 	}
 }
 
-func fleet(t *testing.T, n int, cfg fakeworker.Config) []*fakeworker.Worker {
+func namedWorkers(t *testing.T, n int, cfg fakeworker.Config) []*fakeworker.Worker {
 	t.Helper()
 	cfgs := make([]fakeworker.Config, n)
 	for i := range cfgs {
@@ -73,7 +73,7 @@ func workerStates(t *testing.T, r *testRouter) map[string]map[string]any {
 }
 
 func TestDrainUpdateUnderLoad(t *testing.T) {
-	ws := fleet(t, 4, fakeworker.Config{UnitMs: 20})
+	ws := namedWorkers(t, 4, fakeworker.Config{UnitMs: 20})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
 	stop := load(t, r, 12)
 	time.Sleep(200 * time.Millisecond)
@@ -120,7 +120,7 @@ func TestDrainUpdateUnderLoad(t *testing.T) {
 }
 
 func TestJobsInFlightFinishOnOldWeights(t *testing.T) {
-	ws := fleet(t, 1, fakeworker.Config{UnitMs: 100})
+	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 100})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
 	job := busyWith(t, r, ws[0].URL(), `{"prompt":"x","size":"1024x1024","num_inference_steps":5}`)
 	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"step-2"}`), 200)
@@ -136,7 +136,7 @@ func TestJobsInFlightFinishOnOldWeights(t *testing.T) {
 }
 
 func TestRollingUpdateKeepsServing(t *testing.T) {
-	ws := fleet(t, 4, fakeworker.Config{UnitMs: 20})
+	ws := namedWorkers(t, 4, fakeworker.Config{UnitMs: 20})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n weights_mode rolling\n}")
 	stop := load(t, r, 8)
 	answered := make(chan reply)
@@ -193,7 +193,7 @@ func TestFailedUpdateKeepsWorkerOut(t *testing.T) {
 }
 
 func TestUpdatesAreSerialised(t *testing.T) {
-	ws := fleet(t, 1, fakeworker.Config{UnitMs: 300})
+	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 300})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
 	busyWith(t, r, ws[0].URL(), `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`)
 	var wg sync.WaitGroup
@@ -212,7 +212,7 @@ func TestUpdatesAreSerialised(t *testing.T) {
 }
 
 func TestDrainTimeoutChangesNothing(t *testing.T) {
-	ws := fleet(t, 1, fakeworker.Config{UnitMs: 500})
+	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 500})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n drain_timeout 100ms\n}")
 	job := busyWith(t, r, ws[0].URL(), `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`)
 	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/late"}`)
@@ -229,7 +229,7 @@ func TestDrainTimeoutChangesNothing(t *testing.T) {
 }
 
 func TestSleepAndWake(t *testing.T) {
-	ws := fleet(t, 2, fakeworker.Config{})
+	ws := namedWorkers(t, 2, fakeworker.Config{})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n queue_timeout 200ms\n}")
 	expectStatus(t, "warm-up", r.post("/v1/images/generations", smallImage), 200)
 	jobs := ws[0].Stats().Jobs + ws[1].Stats().Jobs
@@ -278,7 +278,7 @@ func TestJoiningWorkerIsBroughtToCurrentWeights(t *testing.T) {
 }
 
 func TestRequestedWeightVersion(t *testing.T) {
-	ws := fleet(t, 1, fakeworker.Config{})
+	ws := namedWorkers(t, 1, fakeworker.Config{})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
 	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/9","weight_version":"step-9"}`), 200)
 	rp := r.post("/v1/images/generations", smallImage, weightVersionHeader, "step-9")
@@ -291,7 +291,7 @@ func TestRequestedWeightVersion(t *testing.T) {
 }
 
 func TestBadWeightUpdates(t *testing.T) {
-	ws := fleet(t, 1, fakeworker.Config{})
+	ws := namedWorkers(t, 1, fakeworker.Config{})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n weights_path_prefix /ckpt/ s3://bucket/\n}")
 	for body, want := range map[string]int{
 		`model_path=/ckpt/1`:                   400,

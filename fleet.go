@@ -1,0 +1,374 @@
+package diffusionrouter
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// fleet runs the operations that change every worker of a pool at once:
+// weight updates, sleep and wake, and bringing workers that missed an
+// update to the pool's weights. One operation runs at a time. The handler
+// calls these operations; it never takes the pool's lock itself.
+type fleet struct {
+	pool *pool
+	ops  chan struct{} // held by the operation that runs
+
+	// Guarded by pool.mu.
+	paused     bool   // a drain is on: no job is handed out
+	version    string // weight version of the last successful update
+	lastUpdate []byte // its request, sent to workers that join later
+	target     string // version an update in progress moves to
+
+	behind atomic.Int32 // workers that joined after an update and wait to catch up
+}
+
+// Why a fleet operation did not run.
+var (
+	errFleetBusy    = errors.New("another weight update, sleep or wake is in progress")
+	errDrainTimeout = errors.New("drain timeout")
+	errNothingToDo  = errors.New("no worker is in the state the operation changes")
+)
+
+// lock waits for the fleet to be free and takes it; without wait it fails
+// at once with errFleetBusy when another operation runs.
+func (f *fleet) lock(ctx context.Context, wait bool) (unlock func(), err error) {
+	unlock = func() { <-f.ops }
+	if !wait {
+		select {
+		case f.ops <- struct{}{}:
+			return unlock, nil
+		default:
+			return nil, errFleetBusy
+		}
+	}
+	select {
+	case f.ops <- struct{}{}:
+		return unlock, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// update loads the weights req names on every serving or stale worker: in
+// drain mode all at once after the jobs in flight finish, in rolling mode
+// cfg.rollingBatch at a time while the others serve. The caller holds the
+// fleet's lock.
+func (f *fleet) update(ctx context.Context, req weightsRequest, cfg *weightsConfig) ([]result, error) {
+	targets := f.begin(req.version, req.mode == modeDrain)
+	if len(targets) == 0 {
+		f.end(nil, req)
+		return nil, errNoWorker
+	}
+	batch := len(targets)
+	if req.mode == modeRolling {
+		batch = cfg.rollingBatch
+	}
+	var results []result
+	for group := range slices.Chunk(targets, batch) {
+		if req.mode == modeRolling {
+			f.setState(group, draining)
+		}
+		if err := f.waitIdle(ctx, group, cfg.drainTimeout); err != nil {
+			f.setState(group, serving)
+			f.end(nil, req)
+			return results, drainError(ctx, err)
+		}
+		f.setState(group, updating)
+		res := f.broadcast(ctx, group, "/update_weights_from_disk", req.body, cfg.timeout)
+		f.finishUpdate(group, res, req.version)
+		results = append(results, res...)
+	}
+	f.end(results, req)
+	return results, nil
+}
+
+// drainError tells a drain that ran out of time from a caller that left.
+func drainError(ctx context.Context, err error) error {
+	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+		return errDrainTimeout
+	}
+	return err
+}
+
+// sleep drains the serving workers and sends each path with body, which
+// releases its GPU memory; those that answer well are sleeping. The caller
+// holds the fleet's lock.
+func (f *fleet) sleep(ctx context.Context, path string, body []byte, cfg *weightsConfig) ([]result, error) {
+	targets, err := f.inState(serving)
+	if err != nil {
+		return nil, err
+	}
+	f.pause()
+	defer f.resume()
+	if err := f.waitIdle(ctx, targets, cfg.drainTimeout); err != nil {
+		return nil, drainError(ctx, err)
+	}
+	results := f.broadcast(ctx, targets, path, body, cfg.timeout)
+	f.moveStates(targets, results, sleeping)
+	return results, nil
+}
+
+// wake sends path with body to the sleeping workers; those that answer
+// well serve again. The caller holds the fleet's lock.
+func (f *fleet) wake(ctx context.Context, path string, body []byte, cfg *weightsConfig) ([]result, error) {
+	targets, err := f.inState(sleeping)
+	if err != nil {
+		return nil, err
+	}
+	results := f.broadcast(ctx, targets, path, body, cfg.timeout)
+	f.moveStates(targets, results, serving)
+	return results, nil
+}
+
+// pause stops handing out jobs; they wait in the queue.
+func (f *fleet) pause() {
+	p := f.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	f.paused = true
+}
+
+// resume hands out jobs again.
+func (f *fleet) resume() {
+	p := f.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	f.paused = false
+	p.dispatchLocked()
+}
+
+// begin picks the workers an update goes to (those serving and those
+// stale from an earlier failed update) and, for a drain, pauses.
+func (f *fleet) begin(version string, pause bool) []*worker {
+	p := f.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var targets []*worker
+	for _, w := range p.workers {
+		if !w.life.dead && (w.life.state == serving || w.life.state == stale) {
+			targets = append(targets, w)
+		}
+	}
+	f.target, f.paused = version, pause
+	return targets
+}
+
+// finishUpdate records which workers now serve version; the others are
+// stale.
+func (f *fleet) finishUpdate(group []*worker, results []result, version string) {
+	p := f.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i, w := range group {
+		if results[i].ok {
+			w.life.version, w.life.state = version, serving
+		} else {
+			w.life.state = stale
+		}
+	}
+	p.dispatchLocked()
+}
+
+// end resumes handing out jobs. After an update that succeeded anywhere it
+// remembers the new version and its request, to bring workers that join
+// later to it.
+func (f *fleet) end(results []result, req weightsRequest) {
+	p := f.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if slices.ContainsFunc(results, func(r result) bool { return r.ok }) {
+		f.version, f.lastUpdate = req.version, req.body
+	}
+	f.target, f.paused = "", false
+	p.dispatchLocked()
+}
+
+// setState moves workers to state s.
+func (f *fleet) setState(workers []*worker, s workerState) {
+	p := f.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, w := range workers {
+		w.life.state = s
+	}
+	p.dispatchLocked()
+}
+
+// moveStates moves the workers whose call succeeded to state s.
+func (f *fleet) moveStates(workers []*worker, results []result, s workerState) {
+	p := f.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i, w := range workers {
+		if results[i].ok {
+			w.life.state = s
+		}
+	}
+	p.dispatchLocked()
+}
+
+// inState returns the workers (not held back) in state s: errNoWorker when
+// the pool has none at all, errNothingToDo when none is in s.
+func (f *fleet) inState(s workerState) ([]*worker, error) {
+	p := f.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.workers) == 0 {
+		return nil, errNoWorker
+	}
+	var out []*worker
+	for _, w := range p.workers {
+		if !w.life.dead && w.life.state == s {
+			out = append(out, w)
+		}
+	}
+	if len(out) == 0 {
+		return nil, errNothingToDo
+	}
+	return out, nil
+}
+
+// waitIdle waits until none of the workers has a job in flight.
+func (f *fleet) waitIdle(ctx context.Context, workers []*worker, timeout time.Duration) error {
+	p := f.pool
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for {
+		p.mu.Lock()
+		if !slices.ContainsFunc(workers, func(w *worker) bool { return w.load.inflight > 0 }) {
+			p.mu.Unlock()
+			return nil
+		}
+		released := make(chan struct{})
+		p.onRelease = append(p.onRelease, released)
+		p.mu.Unlock()
+		select {
+		case <-released:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// joinLocked holds a worker that joins after an update back until it has
+// loaded the pool's weights.
+func (f *fleet) joinLocked(w *worker) {
+	if f.lastUpdate != nil {
+		w.life.state, w.life.behind = updating, true
+		f.behind.Add(1)
+	}
+}
+
+// leaveLocked forgets a worker that leaves before it caught up.
+func (f *fleet) leaveLocked(w *worker) {
+	if w.life.behind {
+		w.life.behind = false
+		f.behind.Add(-1)
+	}
+}
+
+// startCatchUps starts bringing the workers that joined after an update to
+// the pool's version, in the pool's background. It runs on requests
+// rather than at provisioning, which must not dial out.
+func (f *fleet) startCatchUps(cfg *weightsConfig) {
+	if f.behind.Load() == 0 {
+		return
+	}
+	for _, w := range f.takeBehind() {
+		f.pool.bg.Go("catch-up of "+w.url, func(ctx context.Context) { f.catchUp(ctx, w, cfg) })
+	}
+}
+
+// takeBehind returns the workers waiting to catch up.
+func (f *fleet) takeBehind() []*worker {
+	p := f.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []*worker
+	for _, w := range p.workers {
+		if w.life.behind {
+			w.life.behind = false
+			out = append(out, w)
+		}
+	}
+	f.behind.Add(-int32(len(out)))
+	return out
+}
+
+// catchUp sends a worker that joined after an update the pool's last
+// update before it gets a job; it is stale if that fails.
+func (f *fleet) catchUp(ctx context.Context, w *worker, cfg *weightsConfig) {
+	unlock, err := f.lock(ctx, true) // not while another operation runs
+	if err != nil {
+		return
+	}
+	defer unlock()
+	p := f.pool
+	p.mu.Lock()
+	body, version := f.lastUpdate, f.version
+	p.mu.Unlock()
+	res := f.post(ctx, w.url, "/update_weights_from_disk", body, cfg.timeout)
+	f.finishUpdate([]*worker{w}, []result{res}, version)
+	if !res.ok {
+		p.logger.Warn("worker that joined could not be brought to the current weights; it is stale",
+			zap.String("worker", w.url), zap.String("weight_version", version), zap.Int("status", res.StatusCode))
+	}
+}
+
+// result is one worker's answer to a fleet operation, as the Python router
+// reports it.
+type result struct {
+	WorkerURL  string `json:"worker_url"`
+	StatusCode int    `json:"status_code"`
+	Body       any    `json:"body"`
+	ok         bool
+}
+
+// broadcast POSTs body to path on every worker in parallel.
+func (f *fleet) broadcast(ctx context.Context, workers []*worker, path string, body []byte, timeout time.Duration) []result {
+	results := make([]result, len(workers))
+	var wg sync.WaitGroup
+	for i, w := range workers {
+		wg.Go(func() { results[i] = f.post(ctx, w.url, path, body, timeout) })
+	}
+	wg.Wait()
+	return results
+}
+
+// post sends one call to a worker and reads its JSON answer. A 2xx answer
+// that says "success": false is a failure.
+func (f *fleet) post(ctx context.Context, workerURL, path string, body []byte, timeout time.Duration) result {
+	res := result{WorkerURL: workerURL, StatusCode: http.StatusBadGateway}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, workerURL+path, bytes.NewReader(body))
+	if err != nil {
+		res.Body = map[string]string{"error": err.Error()}
+		return res
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := f.pool.client.Do(req)
+	if err != nil {
+		res.Body = map[string]string{"error": err.Error()}
+		return res
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(io.LimitReader(resp.Body, maxControlBody))
+	res.StatusCode = resp.StatusCode
+	if json.Unmarshal(raw, &res.Body) != nil {
+		res.Body = map[string]string{"raw": string(raw)}
+	}
+	said, _ := res.Body.(map[string]any)
+	res.ok = resp.StatusCode/100 == 2 && said["success"] != false
+	return res
+}
