@@ -339,7 +339,7 @@ func (f *fleet) broadcast(ctx context.Context, workers []*worker, path string, b
 	results := make([]result, len(workers))
 	var wg sync.WaitGroup
 	for i, w := range workers {
-		wg.Go(func() { results[i] = f.post(ctx, w.url, path, body, timeout) })
+		goSafely(&wg, f.pool.logger, path+" on "+w.url, func() { results[i] = f.post(ctx, w.url, path, body, timeout) })
 	}
 	wg.Wait()
 	return results

@@ -99,7 +99,7 @@ func (a *HealthApp) Start() error {
 	ctx, cancel := context.WithCancel(context.Background())
 	a.cancel = cancel
 	for _, pr := range a.probers {
-		a.finished.Go(func() { pr.run(ctx) })
+		goSafely(&a.finished, pr.logger, "health checks of pool "+pr.pool.name, func() { pr.run(ctx) })
 	}
 	return nil
 }
@@ -138,7 +138,7 @@ func (pr *prober) run(ctx context.Context) {
 			continue
 		}
 		for _, u := range urls {
-			probes.Go(func() { pr.probe(ctx, u) })
+			goSafely(&probes, pr.logger, "health probe of "+u, func() { pr.probe(ctx, u) })
 			if !sleep(ctx, round/time.Duration(len(urls))) {
 				return
 			}

@@ -157,7 +157,7 @@ func (h *Handler) probeUnknown(ctx context.Context) {
 	urls := h.pool.unprobed(time.Now(), reprobeInterval)
 	var wg sync.WaitGroup
 	for _, u := range urls {
-		wg.Go(func() { h.probe(ctx, u) })
+		goSafely(&wg, h.logger, "capability probe of "+u, func() { h.probe(ctx, u) })
 	}
 	wg.Wait()
 }
@@ -179,7 +179,7 @@ func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 	errs := make([]error, len(urls))
 	var wg sync.WaitGroup
 	for i, u := range urls {
-		wg.Go(func() { lists[i], errs[i] = h.fetchModels(r.Context(), u) })
+		goSafely(&wg, h.logger, "model list of "+u, func() { lists[i], errs[i] = h.fetchModels(r.Context(), u) })
 	}
 	wg.Wait()
 

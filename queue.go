@@ -51,6 +51,14 @@ var (
 // context from the handler, which acquires a worker for it, through
 // reverse_proxy, which proxies to that worker, and back to the handler,
 // which releases it.
+//
+// Who may touch a ticket: the request's own goroutine sets it up and reads
+// it; everything the pool decides (worker, servedBy, servedVersion,
+// started, predicted, tried) is written only under the pool's lock, while
+// the request either holds that lock or waits for the pool to close its
+// waiter's ready channel. After release, t.worker is nil and nothing but
+// the request reads the ticket again; a held video job's ticket passes to
+// the pool, which releases it when the job ends.
 type ticket struct {
 	pool *pool
 	cfg  *dispatchConfig
