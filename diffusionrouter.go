@@ -84,7 +84,6 @@ type Handler struct {
 	allow    []netip.Prefix
 	token    string
 	control  *http.ServeMux
-	client   *http.Client
 	logger   *zap.Logger
 }
 
