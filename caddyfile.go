@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"maps"
 	"math"
+	"net/http"
 	"slices"
 	"strconv"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/headers"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/dustin/go-humanize"
 )
@@ -114,6 +116,8 @@ func wireProxy(rp *reverseproxy.Handler, h *Handler) {
 	if rp.FlushInterval == 0 {
 		rp.FlushInterval = -1
 	}
+	guardTransport(rp)
+	workerHost(rp)
 	if len(h.retryOn) > 0 {
 		codes := make([]string, len(h.retryOn))
 		for i, c := range h.retryOn {
@@ -123,6 +127,41 @@ func wireProxy(rp *reverseproxy.Handler, h *Handler) {
 		rp.LoadBalancing.RetryMatchRaw = append(rp.LoadBalancing.RetryMatchRaw, caddy.ModuleMap{"expression": caddyconfig.JSON(expr, nil)})
 		// A retried request is sent again, so reverse_proxy must keep its body.
 		rp.RequestBuffers = cmp.Or(h.MaxBody, defaultMaxBody)
+	}
+}
+
+// guardTransport makes the proxy dial through the diffusion transport,
+// which refuses addresses that are never workers. Options given for
+// Caddy's http transport carry over unchanged: the diffusion transport is
+// the http transport with a guard.
+func guardTransport(rp *reverseproxy.Handler) {
+	if rp.TransportRaw == nil {
+		rp.TransportRaw = caddyconfig.JSONModuleObject(struct{}{}, "protocol", "diffusion", nil)
+		return
+	}
+	var t map[string]json.RawMessage
+	if json.Unmarshal(rp.TransportRaw, &t) == nil && string(t["protocol"]) == `"http"` {
+		t["protocol"] = json.RawMessage(`"diffusion"`)
+		rp.TransportRaw = caddyconfig.JSON(t, nil)
+	}
+}
+
+// workerHost sends each request with the worker's own host:port as its
+// Host, as a client of the worker would, rather than the client's Host:
+// nothing a client writes decides what a worker, or whatever else listens
+// there, takes the request to be for.
+func workerHost(rp *reverseproxy.Handler) {
+	if rp.Headers == nil {
+		rp.Headers = new(headers.Handler)
+	}
+	if rp.Headers.Request == nil {
+		rp.Headers.Request = new(headers.HeaderOps)
+	}
+	if rp.Headers.Request.Set == nil {
+		rp.Headers.Request.Set = http.Header{}
+	}
+	if rp.Headers.Request.Set.Get("Host") == "" {
+		rp.Headers.Request.Set.Set("Host", "{http.reverse_proxy.upstream.hostport}")
 	}
 }
 
@@ -175,6 +214,7 @@ func wireProxy(rp *reverseproxy.Handler, h *Handler) {
 //	    admin_token      <token>
 //
 //	    # requests
+//	    max_workers      <n>
 //	    max_body         <size>
 //	    upstream_timeout <duration>
 //	    retry_on         <status...>
@@ -284,6 +324,7 @@ var handlerOptions = map[string]option{
 	"admin_allow": several(func(h *Handler) *[]string { return &h.Admin.Allow }),
 	"admin_token": one(func(h *Handler) *string { return &h.Admin.Token }, parseText),
 
+	"max_workers":      one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),
 	"max_body":         one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
 	"upstream_timeout": one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),
 	"dashboard":        one(func(h *Handler) *bool { return &h.DashboardOff }, parseDashboard),

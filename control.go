@@ -233,14 +233,14 @@ func (h *Handler) serveListWorkers(w http.ResponseWriter, _ *http.Request) {
 // serveAddWorker registers a worker named by ?url=, ?worker_url= or a JSON
 // body {"url"} / {"worker_url"}, and learns what it can generate.
 func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
-	raw, err := workerURLFrom(r)
+	u, err := h.workerURLFrom(r)
 	if err != nil {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	info, created, err := h.pool.register(raw)
+	info, created, err := h.pool.register(u, h.MaxWorkers)
 	if err != nil {
-		_ = writeError(w, http.StatusBadRequest, err.Error())
+		_ = writeError(w, http.StatusTooManyRequests, fmt.Sprintf("%v (%d)", err, h.MaxWorkers))
 		return
 	}
 	if created {
@@ -252,8 +252,22 @@ func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker": newWorkerJSON(info)})
 }
 
-// workerURLFrom reads a worker URL from the query or the JSON body.
-func workerURLFrom(r *http.Request) (string, error) {
+// workerURLFrom reads a worker URL from the query or the JSON body, and
+// returns it in canonical form if it may be a worker.
+func (h *Handler) workerURLFrom(r *http.Request) (string, error) {
+	raw, err := rawWorkerURL(r)
+	if err != nil {
+		return "", err
+	}
+	u, err := parseWorkerURL(raw)
+	if err == nil && h.guard.refusesURL(u) {
+		err = errWorkerURLAdmin
+	}
+	return u, err
+}
+
+// rawWorkerURL reads a worker URL from the query or the JSON body.
+func rawWorkerURL(r *http.Request) (string, error) {
 	q := r.URL.Query()
 	if u := cmp.Or(q.Get("url"), q.Get("worker_url")); u != "" {
 		return u, nil
@@ -298,7 +312,7 @@ func decodeJSONBody(r *http.Request, v any) error {
 // workerFromPath finds the worker named by /workers/{id}, answering the
 // client itself when there is none.
 func (h *Handler) workerFromPath(w http.ResponseWriter, r *http.Request) (workerInfo, bool) {
-	u, err := normalizeWorkerURL(r.PathValue("id"))
+	u, err := parseWorkerURL(r.PathValue("id"))
 	if err != nil {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
 		return workerInfo{}, false
@@ -355,7 +369,7 @@ func parseWorkerUpdate(update map[string]json.RawMessage) (isDead *bool, refresh
 			return nil, false, fmt.Errorf("Unsupported fields: %s", field)
 		}
 		var v bool
-		if json.Unmarshal(raw, &v) != nil {
+		if string(raw) == "null" || json.Unmarshal(raw, &v) != nil { // null would leave v false: a revival nobody asked for
 			return nil, false, fmt.Errorf("%s must be a boolean", field)
 		}
 		if field == "is_dead" {
@@ -375,12 +389,7 @@ func (h *Handler) serveDeleteWorker(w http.ResponseWriter, r *http.Request) {
 
 // serveRemoveWorker is miles' POST /remove_worker?url=.
 func (h *Handler) serveRemoveWorker(w http.ResponseWriter, r *http.Request) {
-	raw, err := workerURLFrom(r)
-	if err != nil {
-		_ = writeError(w, http.StatusBadRequest, err.Error())
-		return
-	}
-	u, err := normalizeWorkerURL(raw)
+	u, err := h.workerURLFrom(r)
 	if err != nil {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
 		return

@@ -35,6 +35,13 @@ const (
 	defaultFrames    = 96 // sglang's 24 fps × 4 s
 	defaultCFGFactor = 2
 	maxFieldBytes    = 4 << 10 // a form field the cost model reads
+
+	// maxJobCost is beyond any job a GPU runs (a 1024x1024 image step takes
+	// a tenth of a second or more: this is months), so that a prediction is
+	// always a finite, positive time; minJobCost keeps a 1x1 job from
+	// costing nothing.
+	maxJobCost = 1e8
+	minJobCost = 1e-6
 )
 
 // fieldError is a request field whose value cannot be right.
@@ -73,7 +80,12 @@ func (m costModel) cost(path string, f fields) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
-	return float64(w) * float64(h) / (1024 * 1024) * float64(steps) * float64(frames) * float64(outputs) * cfg, nil
+	c := float64(w) * float64(h) / (1024 * 1024) * float64(steps) * float64(frames) * float64(outputs) * cfg
+	if c > maxJobCost {
+		return 0, &fieldError{"size, num_inference_steps, num_frames and n", fmt.Sprintf(
+			"together ask for %.3g cost units, more than any GPU could run (the limit is %g, a 1024x1024 image step being 1)", c, float64(maxJobCost))}
+	}
+	return max(c, minJobCost), nil
 }
 
 // size reads width and height, which override size ("WxH").

@@ -150,7 +150,7 @@ func TestPredictionErrorTracked(t *testing.T) {
 func TestNewWorkerStartsFromPoolMedianSpeed(t *testing.T) {
 	p, clock := poolOf(t, 3)
 	teach(t, p, clock, config(leastWork{}, 0), map[string]float64{"a": 1, "b": 3, "c": 5})
-	p.register("http://d:1")
+	registerRaw(p, "http://d:1")
 	d, _ := p.worker("http://d:1")
 	if d.SpeedLearned || math.Abs(d.Speed-3) > 1e-6 {
 		t.Fatalf("new worker's speed %v (learned %v); want the median 3", d.Speed, d.SpeedLearned)

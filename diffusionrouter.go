@@ -67,6 +67,10 @@ type Handler struct {
 	// none, because a video can take many minutes.
 	UpstreamTimeout caddy.Duration `json:"upstream_timeout,omitempty"`
 
+	// MaxWorkers is how many workers the pool may have; a registration
+	// beyond it gets 429. Default 4096.
+	MaxWorkers int `json:"max_workers,omitempty"`
+
 	// DashboardOff turns the status page at /dashboard off.
 	DashboardOff bool `json:"dashboard_off,omitempty"`
 
@@ -84,6 +88,7 @@ type Handler struct {
 	allow    []netip.Prefix
 	token    string
 	control  *http.ServeMux
+	guard    *dialGuard
 	logger   *zap.Logger
 }
 
@@ -103,11 +108,18 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionOptions(); err != nil {
 		return err
 	}
+	h.guard = newDialGuard(ctx)
+	for _, u := range h.Workers {
+		if h.guard.refusesURL(u) {
+			return optionError("workers", "workers", "%q: %v", u, errWorkerURLAdmin)
+		}
+	}
 	p, err := loadPool(h.Pool)
 	if err != nil {
 		return err
 	}
 	h.pool = p
+	p.useGuard(h.guard)
 	h.pool.declare(h.Workers)
 	h.control = h.controlMux()
 	if err := registerMetrics(ctx); err != nil {

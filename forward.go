@@ -109,8 +109,13 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 	if !h.trackVideoJob(r, t, rec, err) {
 		release(outcomeOf(r.Context(), err, rec.status))
 	}
-	if err != nil && rec.status == 0 {
+	switch {
+	case err != nil && rec.status == 0:
 		return h.proxyError(ctx, rec, t, err)
+	case err != nil && released && r.Context().Err() == nil:
+		// The answer began, so the worker's slot went free as a success,
+		// but the worker cut it short: that is a failure after all.
+		h.pool.noteCutShort(t)
 	}
 	return err // non-nil only when the response had begun; Caddy logs it
 }
@@ -206,6 +211,10 @@ var generationPaths = map[string]bool{
 // naming the field instead of on a worker; other bodies stream through.
 func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (int, string) {
 	if r.ContentLength > h.MaxBody {
+		// Without this, Go's server first reads up to 256 KiB of the body
+		// it is about to refuse, which a client that sent only the
+		// headers never sends: the 413 would not go out.
+		w.Header().Set("Connection", "close")
 		return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
 	}
 	if r.Body == nil || r.Body == http.NoBody {
@@ -218,6 +227,7 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (i
 	body, err := io.ReadAll(r.Body)
 	if err != nil {
 		if isMaxBytes(err) {
+			w.Header().Set("Connection", "close") // the rest of the body stays unread
 			return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
 		}
 		return http.StatusBadRequest, "reading request body: " + err.Error()
@@ -267,6 +277,7 @@ func (h *Handler) proxyError(ctx context.Context, w http.ResponseWriter, t *tick
 	case errors.Is(ctx.Err(), context.DeadlineExceeded):
 		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("worker did not answer within upstream_timeout (%s)", time.Duration(h.UpstreamTimeout))
 	case isMaxBytes(err):
+		w.Header().Set("Connection", "close") // the rest of the body stays unread
 		status, msg = http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
 	case status == http.StatusServiceUnavailable:
 		_, msg = queueError(h.pool, t, errNoWorker)

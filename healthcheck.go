@@ -339,6 +339,20 @@ func (p *pool) noteOutcomeLocked(w *worker, o outcome, cfg *healthConfig) time.D
 	return d
 }
 
+// noteCutShort counts a failure against the worker that served t, whose
+// answer began and then broke off.
+func (p *pool) noteCutShort(t *ticket) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.find(t.servedBy)
+	if w == nil {
+		return
+	}
+	w.stats.failures++
+	w.evidence.consecFails++
+	p.noteOutcomeLocked(w, failed, t.cfg.health)
+}
+
 // redispatchAtLocked makes sure free slots are handed to waiting jobs at
 // when (Unix nanoseconds), when an ejection ends. One timer serves the
 // pool: it is set for the earliest ejection end and, when it fires, for

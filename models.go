@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -116,6 +117,10 @@ func (m models) modelID() string {
 	return id
 }
 
+// maxModelsBody bounds a worker's /v1/models answer: a list of the one
+// model a sglang-diffusion worker serves is a kilobyte or two.
+const maxModelsBody = 1 << 20
+
 // fetchModels asks one worker for its model list.
 func (h *Handler) fetchModels(ctx context.Context, workerURL string) (models, error) {
 	var m models
@@ -133,7 +138,14 @@ func (h *Handler) fetchModels(ctx context.Context, workerURL string) (models, er
 	if resp.StatusCode != http.StatusOK {
 		return m, fmt.Errorf("status=%d", resp.StatusCode)
 	}
-	if err := json.NewDecoder(resp.Body).Decode(&m); err != nil {
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxModelsBody+1))
+	switch {
+	case err != nil:
+		return m, err
+	case len(body) > maxModelsBody:
+		return m, fmt.Errorf("models payload larger than %d bytes", maxModelsBody)
+	}
+	if err := json.Unmarshal(body, &m); err != nil {
 		return m, fmt.Errorf("invalid models payload: %v", err)
 	}
 	return m, nil
@@ -163,7 +175,9 @@ func (h *Handler) probeUnknown(ctx context.Context) {
 }
 
 // serveModels answers GET /v1/models with the union of the serving
-// workers' lists, deduplicated by model id.
+// workers' lists, deduplicated by model id. Anyone may ask, and each
+// union costs a call to every worker, so a union is kept for
+// modelsLifetime and callers that come while one is made wait for it.
 func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 	var urls []string
 	for _, wk := range h.pool.snapshot() {
@@ -171,15 +185,41 @@ func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 			urls = append(urls, wk.URL)
 		}
 	}
+	key := strings.Join(urls, " ")
+	c := &h.pool.models
+	c.mu.Lock()
+	if key != c.workers || time.Since(c.made) >= modelsLifetime {
+		c.status, c.answer = h.modelUnion(context.WithoutCancel(r.Context()), urls)
+		c.workers, c.made = key, time.Now()
+	}
+	status, answer := c.status, c.answer
+	c.mu.Unlock()
+	_ = writeJSON(w, status, answer)
+}
+
+// modelsLifetime is how long a union of model lists is kept.
+const modelsLifetime = 2 * time.Second
+
+// modelCache is the last union of the workers' model lists.
+type modelCache struct {
+	mu      sync.Mutex // held while a union is made
+	workers string     // whose lists it is made of
+	made    time.Time
+	status  int
+	answer  any
+}
+
+// modelUnion asks the workers (those not held back or asleep) for their
+// model lists and merges them.
+func (h *Handler) modelUnion(ctx context.Context, urls []string) (int, any) {
 	if len(urls) == 0 {
-		_ = writeError(w, http.StatusServiceUnavailable, "No healthy workers available in the pool")
-		return
+		return http.StatusServiceUnavailable, map[string]string{"error": "No healthy workers available in the pool"}
 	}
 	lists := make([]models, len(urls))
 	errs := make([]error, len(urls))
 	var wg sync.WaitGroup
 	for i, u := range urls {
-		goSafely(&wg, h.logger, "model list of "+u, func() { lists[i], errs[i] = h.fetchModels(r.Context(), u) })
+		goSafely(&wg, h.logger, "model list of "+u, func() { lists[i], errs[i] = h.fetchModels(ctx, u) })
 	}
 	wg.Wait()
 
@@ -200,10 +240,9 @@ func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	if len(details) == len(urls) {
-		_ = writeJSON(w, http.StatusBadGateway, map[string]any{"error": "Failed to fetch models from workers", "details": details})
-		return
+		return http.StatusBadGateway, map[string]any{"error": "Failed to fetch models from workers", "details": details}
 	}
-	_ = writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": merged})
+	return http.StatusOK, map[string]any{"object": "list", "data": merged}
 }
 
 // modelKey identifies a model entry: its id, or the whole entry when it

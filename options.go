@@ -167,9 +167,10 @@ type Admin struct {
 // Defaults of the options that are not the cost model's, health's or
 // weights'.
 const (
-	defaultPoolName = "default"
-	defaultMaxBody  = 64 << 20
-	defaultMaxQueue = 10000
+	defaultPoolName   = "default"
+	defaultMaxBody    = 64 << 20
+	defaultMaxQueue   = 10000
+	defaultMaxWorkers = 4096
 )
 
 // defaultAdminAllow trusts only the machine the router runs on.
@@ -190,6 +191,10 @@ func (h *Handler) provisionOptions() error {
 		if err := step(); err != nil {
 			return err
 		}
+	}
+	h.MaxWorkers = cmp.Or(h.MaxWorkers, defaultMaxWorkers)
+	if h.MaxWorkers < 0 {
+		return optionError("max_workers", "max_workers", "must be positive, got %d", h.MaxWorkers)
 	}
 	h.MaxBody = cmp.Or(h.MaxBody, defaultMaxBody)
 	if h.MaxBody < 0 {
@@ -377,7 +382,7 @@ func (h *Handler) provisionAdmin() error {
 // them by.
 func (h *Handler) provisionWorkers() error {
 	for i, raw := range h.Workers {
-		u, err := normalizeWorkerURL(raw)
+		u, err := parseWorkerURL(raw)
 		if err != nil {
 			return optionError("workers", "workers", "%q: %v", raw, err)
 		}

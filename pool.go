@@ -7,8 +7,8 @@ import (
 	"net/http"
 	"net/url"
 	"slices"
-	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -93,7 +93,8 @@ type pool struct {
 	now    func() time.Time // the clock; tests set their own
 	logger *zap.Logger
 	client *http.Client // for the router's own calls to workers
-	bg     background   // the pool's own goroutines and timers
+	guard  atomic.Pointer[dialGuard]
+	bg     background // the pool's own goroutines and timers
 
 	mu sync.Mutex
 	registry
@@ -102,13 +103,15 @@ type pool struct {
 	held  map[string]*heldVideo // video jobs running on their workers, by id
 
 	videos *videoJobs // which worker made each video job
+	models modelCache // the last union of the workers' model lists
 }
 
 // registry is which workers the pool has and why.
 type registry struct {
-	workers  []*worker          // in order of joining
-	byDial   map[string]*worker // one worker per dial address
-	declared map[string]int     // worker URL -> number of loaded configs listing it
+	workers   []*worker          // in order of joining
+	byDial    map[string]*worker // one worker per dial address
+	declared  map[string]int     // worker URL -> number of loaded configs listing it
+	departing map[string]*worker // removed workers whose jobs have not ended, by dial address
 }
 
 // scheduler is the state of routing decisions and of the queue.
@@ -130,15 +133,21 @@ func newPool(name string) *pool {
 		name:     name,
 		now:      time.Now,
 		logger:   caddy.Log().Named("diffusion_router").With(zap.String("pool", name)),
-		client:   new(http.Client), // every call has its own deadline
-		registry: registry{byDial: make(map[string]*worker), declared: make(map[string]int)},
+		registry: registry{byDial: make(map[string]*worker), declared: make(map[string]int), departing: make(map[string]*worker)},
 		held:     make(map[string]*heldVideo),
 		videos:   newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
 	}
 	p.defaultSpeed = 1
+	p.client = guardedClient(func() *dialGuard { return p.guard.Load() })
 	p.fleet = fleet{pool: p, ops: make(chan struct{}, 1)}
 	p.bg = newBackground(p.logger)
 	return p
+}
+
+// useGuard makes the pool's own calls to workers check their addresses
+// with g: the guard of the config loaded last.
+func (p *pool) useGuard(g *dialGuard) {
+	p.guard.Store(g)
 }
 
 // Destruct implements caddy.Destructor: when the last config using the
@@ -211,6 +220,7 @@ type healthEvidence struct {
 // workerLife is where a worker is in the fleet's operations.
 type workerLife struct {
 	dead    bool        // held back by an operator (PUT /workers/{id})
+	removed bool        // left the pool while jobs of it still ran
 	state   workerState // serving, draining, updating, stale or sleeping
 	behind  bool        // joined after an update; must load its weights first
 	version string      // weight version the worker serves; "" until known
@@ -350,19 +360,21 @@ func (p *pool) undeclare(urls []string) {
 	}
 }
 
-// register adds a worker at run time. It reports whether the worker is new;
+// errTooManyWorkers refuses a registration beyond max_workers.
+var errTooManyWorkers = errors.New("the pool has max_workers workers already")
+
+// register adds a worker, given by its canonical URL, at run time. It reports whether the worker is new;
 // registering a known worker is a no-op apart from making it outlive the
 // configs that list it.
-func (p *pool) register(rawURL string) (workerInfo, bool, error) {
-	u, err := normalizeWorkerURL(rawURL)
-	if err != nil {
-		return workerInfo{}, false, err
-	}
+func (p *pool) register(u string, maxWorkers int) (workerInfo, bool, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.find(u)
 	created := w == nil
 	if created {
+		if len(p.workers) >= maxWorkers {
+			return workerInfo{}, false, errTooManyWorkers
+		}
 		w = p.add(u)
 	}
 	w.registered = true
@@ -384,7 +396,14 @@ func (p *pool) remove(url string) bool {
 }
 
 func (p *pool) add(u string) *worker {
-	w := &worker{url: u, dial: dialAddress(u), caps: capabilities{makes: unprobed}}
+	dial := dialAddress(u)
+	w := p.departing[dial]
+	if w != nil { // back before its last jobs ended: they still count
+		delete(p.departing, dial)
+		w.url, w.life.removed = u, false
+	} else {
+		w = &worker{url: u, dial: dial, caps: capabilities{makes: unprobed}}
+	}
 	p.fleet.joinLocked(w)
 	p.workers = append(p.workers, w)
 	p.byDial[w.dial] = w
@@ -401,6 +420,10 @@ func (p *pool) removeLocked(w *worker) {
 		}
 	}
 	p.videos.forgetWorker(w.url)
+	if w.load.inflight > 0 {
+		w.life.removed = true
+		p.departing[w.dial] = w
+	}
 }
 
 // setDead marks a worker dead (no new jobs) or alive again.
@@ -518,50 +541,6 @@ func dialAddress(workerURL string) string {
 		port = "443"
 	}
 	return net.JoinHostPort(u.Hostname(), port)
-}
-
-// blockedHosts are cloud metadata endpoints: registering them would let
-// anyone who can reach the router read instance credentials through it.
-var blockedHosts = map[string]bool{
-	"169.254.169.254":          true,
-	"metadata.google.internal": true,
-}
-
-// normalizeWorkerURL validates a worker URL as the Python router does and
-// returns it as scheme://host[:port], so one worker has one identity.
-func normalizeWorkerURL(raw string) (string, error) {
-	raw = strings.TrimSpace(raw)
-	if raw == "" {
-		return "", errors.New("worker_url cannot be empty")
-	}
-	u, err := url.Parse(raw)
-	switch {
-	case err != nil && !strings.Contains(raw, "://"), err == nil && u.Scheme != "http" && u.Scheme != "https":
-		return "", errors.New("worker_url must start with http:// or https://")
-	case err != nil:
-		return "", errors.New("worker_url is not a valid URL")
-	case u.Host == "" || u.Hostname() == "":
-		return "", errors.New("worker_url must include host and port")
-	case u.User != nil:
-		return "", errors.New("worker_url must not include user credentials")
-	case u.RawQuery != "" || u.ForceQuery || u.Fragment != "":
-		return "", errors.New("worker_url must not include query or fragment")
-	case u.Path != "" && u.Path != "/":
-		return "", errors.New("worker_url path is not allowed")
-	}
-	host := strings.ToLower(u.Hostname())
-	if blockedHosts[host] {
-		return "", errors.New("worker_url host is blocked")
-	}
-	if ip := net.ParseIP(host); ip != nil && (ip.IsLinkLocalUnicast() || ip.IsLinkLocalMulticast()) {
-		return "", errors.New("link-local worker_url hosts are blocked")
-	}
-	if port := u.Port(); port != "" {
-		host = net.JoinHostPort(host, port)
-	} else if strings.Contains(host, ":") {
-		host = "[" + host + "]"
-	}
-	return u.Scheme + "://" + host, nil
 }
 
 // poolStats are the pool-wide figures.

@@ -209,7 +209,7 @@ func fits(job bool, limit int, w *worker, now int64) bool {
 // updateEndsLocked predicts when w's jobs will be done, from when the
 // running one started: what fits checks for every full worker.
 func (p *pool) updateEndsLocked(w *worker) {
-	w.load.endsAt = w.load.headSince + int64(w.load.work/p.speedOf(w)*float64(time.Second))
+	w.load.endsAt = w.load.headSince + int64(p.timeFor(w, w.load.work))
 }
 
 // mayServe reports whether t may go to w at all, whatever w's load and
@@ -243,7 +243,7 @@ func (p *pool) assignLocked(t *ticket, w *worker) {
 	w.load.inflight++
 	w.load.jobs = append(w.load.jobs, t)
 	w.load.work += t.cost
-	t.predicted = time.Duration(t.cost / p.speedOf(w) * float64(time.Second))
+	t.predicted = p.timeFor(w, t.cost)
 	p.updateEndsLocked(w)
 }
 
@@ -301,6 +301,9 @@ func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 	}
 	if wasHead {
 		w.health.suspect = false // the stalled job, if it was one, has ended
+	}
+	if w.life.removed && w.load.inflight == 0 {
+		delete(p.departing, w.dial)
 	}
 	p.updateEndsLocked(w)
 	p.dispatchLocked()
@@ -378,6 +381,15 @@ func (p *pool) refreshDefaultSpeedLocked() {
 		slices.Sort(speeds)
 		p.defaultSpeed = speeds[len(speeds)/2]
 	}
+}
+
+// maxPrediction bounds a predicted time, so that no prediction overflows
+// a time.Duration or an end time.
+const maxPrediction = 30 * 24 * time.Hour
+
+// timeFor is how long w is predicted to take over work of cost.
+func (p *pool) timeFor(w *worker, cost float64) time.Duration {
+	return time.Duration(min(cost/p.speedOf(w), maxPrediction.Seconds()) * float64(time.Second))
 }
 
 // finishTime is how long w would take, from now (Unix nanoseconds), to

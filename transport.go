@@ -1,0 +1,49 @@
+package diffusionrouter
+
+import (
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+)
+
+func init() {
+	caddy.RegisterModule(DiffusionTransport{})
+}
+
+// DiffusionTransport is the reverse_proxy transport `diffusion`: Caddy's
+// http transport, with the address of every connection it makes checked
+// once the worker's name is resolved, so that no request goes to a cloud
+// metadata service, a link-local address or Caddy's own admin API, however
+// a worker's name resolves. Its options are the http transport's; the
+// reverse_proxy that diffusion_router generates uses it.
+type DiffusionTransport struct {
+	reverseproxy.HTTPTransport
+}
+
+// CaddyModule returns the Caddy module information.
+func (DiffusionTransport) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.reverse_proxy.transport.diffusion",
+		New: func() caddy.Module { return new(DiffusionTransport) },
+	}
+}
+
+// Provision sets up Caddy's http transport and puts the guard on its dials.
+func (t *DiffusionTransport) Provision(ctx caddy.Context) error {
+	if err := t.HTTPTransport.Provision(ctx); err != nil {
+		return err
+	}
+	g := newDialGuard(ctx)
+	t.Transport.DialContext = g.wrapDial(t.Transport.DialContext)
+	if t.Transport.DialTLSContext != nil {
+		t.Transport.DialTLSContext = g.wrapDial(t.Transport.DialTLSContext)
+	}
+	return nil
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner         = (*DiffusionTransport)(nil)
+	_ caddy.CleanerUpper        = (*DiffusionTransport)(nil)
+	_ reverseproxy.TLSTransport = (*DiffusionTransport)(nil)
+	_ reverseproxy.H2CTransport = (*DiffusionTransport)(nil)
+)
