@@ -2,12 +2,14 @@ package diffusionrouter
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"io"
 	"mime/multipart"
 	"net"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"os"
 	"runtime"
@@ -74,7 +76,40 @@ func (r *testRouter) load(site string) {
 		r.t.Fatal(err)
 	}
 	client.CloseIdleConnections() // the old config's server closes them
+	// Each config listens on a socket of its own (SO_REUSEPORT), and the
+	// kernel spreads new connections over both while the old one is open;
+	// closing it resets those still waiting to be accepted, requests no
+	// server has read. Caddy.Load returns before the old server has closed
+	// its socket, so wait for that before a test sends anything.
+	addr := fmt.Sprintf("127.0.0.1:%d", r.port)
+	if !waitUntilOr(30*time.Second, func() bool { return listeners(addr) <= 1 }) {
+		r.t.Fatalf("%d sockets still listen on %s 30 s after a reload", listeners(addr), addr)
+	}
+}
 
+// listeners counts the sockets listening on addr, an IPv4 host:port: from
+// /proc/net/tcp where there is one, otherwise the configs using it.
+func listeners(addr string) int {
+	data, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		return caddy.ListenerUsage("tcp", addr)
+	}
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		panic(err)
+	}
+	ip := ap.Addr().As4()
+	// The address as the kernel writes it: the IPv4 address as a
+	// native-endian 32-bit number, then the port, both in hex.
+	local := fmt.Sprintf("%08X:%04X", binary.NativeEndian.Uint32(ip[:]), ap.Port())
+	n := 0
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 3 && f[1] == local && f[3] == "0A" { // TCP_LISTEN
+			n++
+		}
+	}
+	return n
 }
 
 func adaptSite(port int, globals, site string) ([]byte, error) {
@@ -707,6 +742,19 @@ func waitFor(t *testing.T, cond func() bool) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// waitUntilOr polls cond every few milliseconds until it holds or d has
+// passed, and reports whether it held.
+func waitUntilOr(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return true
 }
 
 func TestVideoJobKeepsItsWorkerUntilDone(t *testing.T) {
