@@ -12,7 +12,6 @@ import (
 	"net/netip"
 	"net/url"
 	"os"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -79,7 +78,7 @@ func (r *testRouter) load(site string) {
 	// Each config listens on a socket of its own (SO_REUSEPORT), and the
 	// kernel spreads new connections over both while the old one is open;
 	// closing it resets those still waiting to be accepted, requests no
-	// server has read. Caddy.Load returns before the old server has closed
+	// server has read. caddy.Load returns before the old server has closed
 	// its socket, so wait for that before a test sends anything.
 	addr := fmt.Sprintf("127.0.0.1:%d", r.port)
 	if !waitUntilOr(30*time.Second, func() bool { return listeners(addr) <= 1 }) {
@@ -637,8 +636,25 @@ func TestRegisteredWorkersSurviveReload(t *testing.T) {
 }
 
 func TestValidateStartsNothing(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "w"})
-	cfgJSON, err := adaptSite(freePort(t), "", "diffusion_router validate-pool {\n workers "+urlsOf(ws)+"\n}")
+	// The worker is a bare listener that counts the connections made to it.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	conns := make(chan net.Conn, 100)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				close(conns)
+				return
+			}
+			conns <- c
+		}
+	}()
+	worker := "http://" + ln.Addr().String()
+	cfgJSON, err := adaptSite(freePort(t), "", "diffusion_router validate-pool {\n workers "+worker+"\n}")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -646,17 +662,27 @@ func TestValidateStartsNothing(t *testing.T) {
 	if err := json.Unmarshal(cfgJSON, &cfg); err != nil {
 		t.Fatal(err)
 	}
-	before := runtime.NumGoroutine()
+	before := packageGoroutines()
 	if err := caddy.Validate(&cfg); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
+	waitNoNewPackageGoroutines(t, "caddy validate", before)
+
+	// Connections are accepted in the order they were made: once the
+	// test's own arrives, any the router made has been counted.
+	mine, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
 	}
-	if after := runtime.NumGoroutine(); after > before {
-		t.Fatalf("caddy validate left %d goroutines running (before %d)", after, before)
+	defer mine.Close()
+	for c := range conns {
+		c.Close()
+		if c.RemoteAddr().String() == mine.LocalAddr().String() {
+			break
+		}
+		t.Errorf("caddy validate connected to the worker, from %s", c.RemoteAddr())
 	}
+
 	p, _ := loadPool("validate-pool")
 	defer releasePool("validate-pool")
 	if len(p.snapshot()) != 0 {
