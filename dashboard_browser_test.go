@@ -82,7 +82,16 @@ func TestDashboardInBrowser(t *testing.T) {
 		// Load that rises and falls, so that both charts have a shape; the
 		// shot is taken while it falls, with jobs still in flight.
 		go func() { defer close(loaded); generateLoad(r, 16*time.Second) }()
-		time.Sleep(13 * time.Second)
+		waitUntil(t, 60*time.Second, "the queue chart to rise and fall", func() bool {
+			select {
+			case <-loaded:
+				t.Fatal("the load ended before the page showed the queue rise and fall")
+			default:
+			}
+			var q struct{ Peak, Last int }
+			wd.execute(`const q = samples.map((s) => s.queued); return {peak: Math.max(0, ...q), last: q[q.length - 1] || 0}`, &q)
+			return q.Peak >= 4 && 2*q.Last <= q.Peak
+		})
 	} else {
 		close(loaded)
 	}

@@ -69,12 +69,6 @@ func value(t *testing.T, r *testRouter, name string, want map[string]string) flo
 func TestMetricsCountWhatHappened(t *testing.T) {
 	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
 	r := startRouter(t, metricsSite("diffusion_router metrics-pool {\n workers "+urlsOf(ws)+"\n}"))
-	for range 3 {
-		expectStatus(t, "image", r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":2}`), 200)
-	}
-	expectStatus(t, "bad JSON", r.post("/v1/images/generations", `{`), 400)
-	expectStatus(t, "workers", r.get("/workers"), 200)
-	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/m","weight_version":"m1"}`), 200)
 
 	pool := map[string]string{"pool": "metrics-pool"}
 	with := func(kv ...string) map[string]string {
@@ -84,7 +78,11 @@ func TestMetricsCountWhatHappened(t *testing.T) {
 		}
 		return m
 	}
-	for _, c := range []struct {
+	// The counters and histograms live as long as the process, over every
+	// config and test that used the pool name: what this test did is how
+	// much they grew. The per-worker series and gauges are read from the
+	// pool, which is this test's own.
+	grown := []struct {
 		name string
 		want map[string]string
 		v    float64
@@ -93,12 +91,35 @@ func TestMetricsCountWhatHappened(t *testing.T) {
 		{"caddy_diffusion_requests_total", with("endpoint", "images", "code", "4xx"), 1},
 		{"caddy_diffusion_requests_total", with("endpoint", "control", "code", "2xx"), 2},
 		{"caddy_diffusion_routing_decisions_total", with("strategy", "least_work"), 3},
-		{"caddy_diffusion_worker_jobs_total", pool, 3},
-		{"caddy_diffusion_worker_cost_total", pool, 6}, // 3 jobs of 1024² x 2 steps
 		{"caddy_diffusion_job_duration_seconds_count", pool, 3},
 		{"caddy_diffusion_queue_wait_seconds_count", pool, 3},
 		{"caddy_diffusion_prediction_error_ratio_count", pool, 3},
 		{"caddy_diffusion_weight_updates_total", with("operation", "update_weights", "outcome", "success"), 1},
+	}
+	start := make([]float64, len(grown))
+	for i, c := range grown {
+		start[i] = value(t, r, c.name, c.want)
+	}
+
+	for range 3 {
+		expectStatus(t, "image", r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":2}`), 200)
+	}
+	expectStatus(t, "bad JSON", r.post("/v1/images/generations", `{`), 400)
+	expectStatus(t, "workers", r.get("/workers"), 200)
+	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/m","weight_version":"m1"}`), 200)
+
+	for i, c := range grown {
+		if got := value(t, r, c.name, c.want) - start[i]; got != c.v {
+			t.Errorf("%s%v grew by %v, want %v", c.name, c.want, got, c.v)
+		}
+	}
+	for _, c := range []struct {
+		name string
+		want map[string]string
+		v    float64
+	}{
+		{"caddy_diffusion_worker_jobs_total", pool, 3},
+		{"caddy_diffusion_worker_cost_total", pool, 6}, // 3 jobs of 1024² x 2 steps
 		{"caddy_diffusion_worker_weight_version_info", with("version", "m1"), 2},
 		{"caddy_diffusion_worker_state", with("state", "serving"), 2},
 		{"caddy_diffusion_worker_state", with("state", "unhealthy"), 0},

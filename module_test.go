@@ -2,15 +2,16 @@ package diffusionrouter
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"io"
 	"mime/multipart"
 	"net"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"os"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -74,7 +75,40 @@ func (r *testRouter) load(site string) {
 		r.t.Fatal(err)
 	}
 	client.CloseIdleConnections() // the old config's server closes them
+	// Each config listens on a socket of its own (SO_REUSEPORT), and the
+	// kernel spreads new connections over both while the old one is open;
+	// closing it resets those still waiting to be accepted, requests no
+	// server has read. caddy.Load returns before the old server has closed
+	// its socket, so wait for that before a test sends anything.
+	addr := fmt.Sprintf("127.0.0.1:%d", r.port)
+	if !waitUntilOr(30*time.Second, func() bool { return listeners(addr) <= 1 }) {
+		r.t.Fatalf("%d sockets still listen on %s 30 s after a reload", listeners(addr), addr)
+	}
+}
 
+// listeners counts the sockets listening on addr, an IPv4 host:port: from
+// /proc/net/tcp where there is one, otherwise the configs using it.
+func listeners(addr string) int {
+	data, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		return caddy.ListenerUsage("tcp", addr)
+	}
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		panic(err)
+	}
+	ip := ap.Addr().As4()
+	// The address as the kernel writes it: the IPv4 address as a
+	// native-endian 32-bit number, then the port, both in hex.
+	local := fmt.Sprintf("%08X:%04X", binary.NativeEndian.Uint32(ip[:]), ap.Port())
+	n := 0
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 3 && f[1] == local && f[3] == "0A" { // TCP_LISTEN
+			n++
+		}
+	}
+	return n
 }
 
 func adaptSite(port int, globals, site string) ([]byte, error) {
@@ -602,8 +636,25 @@ func TestRegisteredWorkersSurviveReload(t *testing.T) {
 }
 
 func TestValidateStartsNothing(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "w"})
-	cfgJSON, err := adaptSite(freePort(t), "", "diffusion_router validate-pool {\n workers "+urlsOf(ws)+"\n}")
+	// The worker is a bare listener that counts the connections made to it.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	conns := make(chan net.Conn, 100)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				close(conns)
+				return
+			}
+			conns <- c
+		}
+	}()
+	worker := "http://" + ln.Addr().String()
+	cfgJSON, err := adaptSite(freePort(t), "", "diffusion_router validate-pool {\n workers "+worker+"\n}")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -611,17 +662,27 @@ func TestValidateStartsNothing(t *testing.T) {
 	if err := json.Unmarshal(cfgJSON, &cfg); err != nil {
 		t.Fatal(err)
 	}
-	before := runtime.NumGoroutine()
+	before := packageGoroutines()
 	if err := caddy.Validate(&cfg); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
+	waitNoNewPackageGoroutines(t, "caddy validate", before)
+
+	// Connections are accepted in the order they were made: once the
+	// test's own arrives, any the router made has been counted.
+	mine, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
 	}
-	if after := runtime.NumGoroutine(); after > before {
-		t.Fatalf("caddy validate left %d goroutines running (before %d)", after, before)
+	defer mine.Close()
+	for c := range conns {
+		c.Close()
+		if c.RemoteAddr().String() == mine.LocalAddr().String() {
+			break
+		}
+		t.Errorf("caddy validate connected to the worker, from %s", c.RemoteAddr())
 	}
+
 	p, _ := loadPool("validate-pool")
 	defer releasePool("validate-pool")
 	if len(p.snapshot()) != 0 {
@@ -707,6 +768,19 @@ func waitFor(t *testing.T, cond func() bool) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// waitUntilOr polls cond every few milliseconds until it holds or d has
+// passed, and reports whether it held.
+func waitUntilOr(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return true
 }
 
 func TestVideoJobKeepsItsWorkerUntilDone(t *testing.T) {

@@ -194,15 +194,9 @@ func runJob(p *pool, cfg *dispatchConfig, rng *rand.Rand) {
 }
 
 func TestTenThousandWaitingJobsDrain(t *testing.T) {
-	before := runtime.NumGoroutine()
+	before := packageGoroutines()
 	drainQueue(t, 10_000)
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
-		time.Sleep(time.Millisecond)
-	}
-	if n := runtime.NumGoroutine(); n > before {
-		t.Fatalf("%d goroutines left behind", n-before)
-	}
+	waitNoNewPackageGoroutines(t, "draining 10,000 jobs", before)
 }
 
 // drainQueue fills one worker's queue with n jobs, then completes them all.

@@ -19,8 +19,9 @@ type sample struct {
 }
 
 // load keeps clients generation requests in flight until the returned stop
-// is called, which reports every request.
-func load(t *testing.T, r *testRouter, clients int) (stop func() []sample) {
+// is called, which reports every request; meanwhile answered counts the
+// requests answered so far that match.
+func load(t *testing.T, r *testRouter, clients int) (stop func() []sample, answered func(match func(sample) bool) int) {
 	t.Helper()
 	var (
 		mu      sync.Mutex
@@ -45,11 +46,26 @@ func load(t *testing.T, r *testRouter, clients int) (stop func() []sample) {
 			}
 		})
 	}
-	return func() []sample {
-		close(done)
-		wg.Wait()
+	var once sync.Once
+	stop = func() []sample {
+		once.Do(func() { close(done); wg.Wait() })
+		mu.Lock()
+		defer mu.Unlock()
 		return samples
 	}
+	t.Cleanup(func() { stop() }) // when the test ends early
+	answered = func(match func(sample) bool) int {
+		mu.Lock()
+		defer mu.Unlock()
+		n := 0
+		for _, s := range samples {
+			if match(s) {
+				n++
+			}
+		}
+		return n
+	}
+	return stop, answered
 }
 
 func namedWorkers(t *testing.T, n int, cfg fakeworker.Config) []*fakeworker.Worker {
@@ -75,14 +91,16 @@ func workerStates(t *testing.T, r *testRouter) map[string]map[string]any {
 func TestDrainUpdateUnderLoad(t *testing.T) {
 	ws := namedWorkers(t, 4, fakeworker.Config{UnitMs: 20})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	stop := load(t, r, 12)
-	time.Sleep(200 * time.Millisecond)
+	stop, answered := load(t, r, 12)
+	all := func(sample) bool { return true }
+	waitFor(t, func() bool { return answered(all) >= 12 }) // a round of requests before the update
 
 	start := time.Now()
 	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/step-1","flush_cache":true}`)
-	answered := time.Now()
+	updated := time.Now()
 	expectStatus(t, "update", rp, 200)
-	time.Sleep(200 * time.Millisecond)
+	sentAfter := func(s sample) bool { return s.sent.After(updated) }
+	waitFor(t, func() bool { return answered(sentAfter) >= 12 }) // and a round after it
 	samples := stop()
 
 	body := rp.json(t)
@@ -96,11 +114,11 @@ func TestDrainUpdateUnderLoad(t *testing.T) {
 			t.Fatalf("a request failed during the update: %d", s.status)
 		case s.version != oldVersion && s.version != "/ckpt/step-1":
 			t.Fatalf("response from version %q", s.version)
-		case s.sent.After(answered) && s.version != "/ckpt/step-1":
+		case s.sent.After(updated) && s.version != "/ckpt/step-1":
 			t.Fatal("a request sent after the update answered was served by the old weights")
 		case s.received.Before(start):
 			before++
-		case s.sent.After(answered):
+		case s.sent.After(updated):
 			after++
 		}
 	}
@@ -138,7 +156,7 @@ func TestJobsInFlightFinishOnOldWeights(t *testing.T) {
 func TestRollingUpdateKeepsServing(t *testing.T) {
 	ws := namedWorkers(t, 4, fakeworker.Config{UnitMs: 20})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n weights_mode rolling\n}")
-	stop := load(t, r, 8)
+	stop, _ := load(t, r, 8)
 	answered := make(chan reply)
 	go func() { answered <- r.post("/update_weights_from_disk", `{"model_path":"/ckpt/r"}`) }()
 	var rp reply

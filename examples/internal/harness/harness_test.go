@@ -66,8 +66,22 @@ func TestRouterInFrontOfFleet(t *testing.T) {
 }
 
 func TestAdaptRejectsBadCaddyfile(t *testing.T) {
-	if _, _, err := Adapt([]byte(":1 {\n\tdiffusion_router p {\n\t\tpolicy nosuch\n\t}\n}\n"), "bad.Caddyfile"); err == nil {
-		t.Error("an unknown policy adapted")
+	_, _, err := Adapt([]byte(":1 {\n\tdiffusion_router p {\n\t\tpolcy round_robin\n\t}\n}\n"), "bad.Caddyfile")
+	if err == nil || !strings.Contains(err.Error(), "bad.Caddyfile") || !strings.Contains(err.Error(), "polcy") {
+		t.Errorf("an unknown option adapted, or its error names neither the file nor the option: %v", err)
+	}
+}
+
+// The Caddyfile adapter reads syntax only; a bad value is refused when
+// the router loads the config.
+func TestStartRouterRefusesBadValue(t *testing.T) {
+	cfg, _, err := Adapt([]byte("{\n\tadmin off\n}\n:1 {\n\tdiffusion_router p {\n\t\tpolicy nosuch\n\t}\n}\n"), "bad.Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = StartRouter(context.Background(), cfg, "http://127.0.0.1:1")
+	if !errors.Is(err, ErrLoad) || !strings.Contains(err.Error(), "nosuch") {
+		t.Errorf("got %v, want an error wrapping ErrLoad that names the policy", err)
 	}
 }
 
