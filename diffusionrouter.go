@@ -14,6 +14,7 @@ package diffusionrouter
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/netip"
 	"strings"
@@ -149,12 +150,16 @@ func (h *Handler) Cleanup() error {
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	class, err := "control", error(nil)
-	if h.isControl(r) {
-		h.control.ServeHTTP(rec, r) // sets the path values Handler does not
-	} else {
+	switch {
+	case !h.isControl(r):
 		class = endpointClass(r.URL.Path)
 		h.pool.fleet.startCatchUps(&h.weights)
 		err = h.forward(rec, r, next)
+	case r.ContentLength > maxControlBody:
+		rec.Header().Set("Connection", "close") // the body stays unread
+		err = writeError(rec, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body is larger than the %d bytes a control call may send", maxControlBody))
+	default:
+		h.control.ServeHTTP(rec, r) // sets the path values Handler does not
 	}
 	h.metrics.requests.WithLabelValues(class, statusClass(rec.status)).Inc()
 	return err

@@ -99,6 +99,23 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.servedBy), zap.Duration("for", d))
 		}
 	}
+	defer func() {
+		// reverse_proxy aborts an answer that broke off after it began by
+		// panicking with http.ErrAbortHandler. The worker is released all
+		// the same, and if its slot already went free as a success, the
+		// worker, not a client that left, cut it short: a failure after all.
+		if v := recover(); v != nil {
+			switch {
+			case r.Context().Err() != nil:
+				release(abandoned)
+			case released:
+				h.pool.noteCutShort(t)
+			default:
+				release(failed)
+			}
+			panic(v)
+		}
+	}()
 	rec.ticket = t
 	if readsVideoJob(r) {
 		rec.peekLimit = maxVideoResponsePeek
@@ -109,13 +126,8 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 	if !h.trackVideoJob(r, t, rec, err) {
 		release(outcomeOf(r.Context(), err, rec.status))
 	}
-	switch {
-	case err != nil && rec.status == 0:
+	if err != nil && rec.status == 0 {
 		return h.proxyError(ctx, rec, t, err)
-	case err != nil && released && r.Context().Err() == nil:
-		// The answer began, so the worker's slot went free as a success,
-		// but the worker cut it short: that is a failure after all.
-		h.pool.noteCutShort(t)
 	}
 	return err // non-nil only when the response had begun; Caddy logs it
 }
