@@ -214,6 +214,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    admin_token      <token>
 //
 //	    # requests
+//	    forward_paths    <path|prefix*|sglang...>
 //	    max_workers      <n>
 //	    max_body         <size>
 //	    upstream_timeout <duration>
@@ -221,7 +222,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    dashboard        on|off
 //	}
 //
-// workers, admin_allow, weights_path_prefix and retry_on may repeat; each
+// workers, admin_allow, weights_path_prefix, forward_paths and retry_on may repeat; each
 // adds to the list. retry_on configures the reverse_proxy that the
 // directive generates, so the handler's JSON has no field for it. Sizes
 // read like Caddy's request_body max_size (64MiB, 10MB, 1048576).
@@ -324,6 +325,7 @@ var handlerOptions = map[string]option{
 	"admin_allow": several(func(h *Handler) *[]string { return &h.Admin.Allow }),
 	"admin_token": one(func(h *Handler) *string { return &h.Admin.Token }, parseText),
 
+	"forward_paths":    several(func(h *Handler) *[]string { return &h.ForwardPaths }),
 	"max_workers":      one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),
 	"max_body":         one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
 	"upstream_timeout": one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),

@@ -236,6 +236,9 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"eject_time -1s", "eject_time (health_checks.passive.eject_time):"},
 		{"eject_time 1h", "max_eject_time (health_checks.passive.max_eject_time): must be at least eject_time"},
 		{"min_ready -1", "min_ready (health_checks.min_ready):"},
+		{"forward_paths v1", "forward_paths (forward_paths):"},
+		{"forward_paths /v1/*/x", "forward_paths (forward_paths):"},
+		{"max_workers -1", "max_workers (max_workers):"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.line, func(t *testing.T) {

@@ -68,6 +68,12 @@ type Handler struct {
 	// none, because a video can take many minutes.
 	UpstreamTimeout caddy.Duration `json:"upstream_timeout,omitempty"`
 
+	// ForwardPaths, when set, are the only paths sent on to workers; any
+	// other path that is not the router's own gets 404. A path ending in *
+	// is a prefix, and "sglang" stands for every path sglang-diffusion
+	// serves. Default: every path, as the Python router does.
+	ForwardPaths []string `json:"forward_paths,omitempty"`
+
 	// MaxWorkers is how many workers the pool may have; a registration
 	// beyond it gets 429. Default 4096.
 	MaxWorkers int `json:"max_workers,omitempty"`
@@ -90,6 +96,7 @@ type Handler struct {
 	token    string
 	control  *http.ServeMux
 	guard    *dialGuard
+	forwards pathSet
 	logger   *zap.Logger
 }
 
@@ -151,6 +158,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	class, err := "control", error(nil)
 	switch {
+	case !h.isControl(r) && !h.forwards.has(r.URL.Path):
+		class = endpointClass(r.URL.Path)
+		err = writeError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
 	case !h.isControl(r):
 		class = endpointClass(r.URL.Path)
 		h.pool.fleet.startCatchUps(&h.weights)

@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"mime"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -303,4 +304,42 @@ func (h *Handler) proxyError(ctx context.Context, w http.ResponseWriter, t *tick
 func isMaxBytes(err error) bool {
 	_, ok := errors.AsType[*http.MaxBytesError](err)
 	return ok
+}
+
+// pathSet is a set of paths and path prefixes (written with a trailing *).
+// An empty set has every path.
+type pathSet struct {
+	exact    map[string]bool
+	prefixes []string
+}
+
+func (s *pathSet) add(paths ...string) {
+	if s.exact == nil {
+		s.exact = map[string]bool{}
+	}
+	for _, p := range paths {
+		if prefix, ok := strings.CutSuffix(p, "*"); ok {
+			s.prefixes = append(s.prefixes, prefix)
+		} else {
+			s.exact[p] = true
+		}
+	}
+}
+
+// has reports whether path is in the set.
+func (s pathSet) has(path string) bool {
+	if s.exact == nil || s.exact[path] {
+		return true
+	}
+	return slices.ContainsFunc(s.prefixes, func(p string) bool { return strings.HasPrefix(path, p) })
+}
+
+// sglangPaths are the paths sglang-diffusion serves: forward_paths sglang.
+var sglangPaths = []string{
+	"/health", "/health_generate", "/model_info", "/server_info", "/models", "/v1/models",
+	"/v1/images/generations", "/v1/images/generations/stream", "/v1/images/edits", "/v1/images/*",
+	"/v1/videos", "/v1/videos/*", "/v1/diffusion/generate", "/rollout/generate",
+	"/update_weights_from_disk", "/update_weights_from_tensor", "/get_weights_checksum",
+	"/v1/set_lora", "/v1/merge_lora_weights", "/v1/unmerge_lora_weights",
+	"/release_memory_occupation", "/resume_memory_occupation",
 }

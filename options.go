@@ -186,7 +186,7 @@ func optionError(caddyfileName, jsonPath, format string, args ...any) error {
 // options into the values the handler works with.
 func (h *Handler) provisionOptions() error {
 	h.Pool = cmp.Or(h.Pool, defaultPoolName)
-	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers}
+	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers, h.provisionForwardPaths}
 	for _, step := range steps {
 		if err := step(); err != nil {
 			return err
@@ -387,6 +387,22 @@ func (h *Handler) provisionWorkers() error {
 			return optionError("workers", "workers", "%q: %v", raw, err)
 		}
 		h.Workers[i] = u
+	}
+	return nil
+}
+
+// provisionForwardPaths reads which paths go on to workers.
+func (h *Handler) provisionForwardPaths() error {
+	h.forwards = pathSet{}
+	for _, p := range h.ForwardPaths {
+		if p == "sglang" {
+			h.forwards.add(sglangPaths...)
+			continue
+		}
+		if !strings.HasPrefix(p, "/") || strings.Contains(strings.TrimSuffix(p, "*"), "*") {
+			return optionError("forward_paths", "forward_paths", "%q is neither a path, a path prefix ending in * nor sglang", p)
+		}
+		h.forwards.add(p)
 	}
 	return nil
 }

@@ -343,3 +343,26 @@ func TestCutShortAnswerIsAFailure(t *testing.T) {
 		return w["failures"] == 1.0
 	})
 }
+
+func TestForwardPaths(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n forward_paths sglang\n}")
+	for _, path := range []string{"/config/", "/any/path", "/debug/pprof/", "/v2/images/generations"} {
+		rp := r.get(path)
+		expectStatus(t, "GET "+path+" with forward_paths sglang", rp, http.StatusNotFound)
+		if !strings.Contains(rp.errorText(t), "forward_paths") {
+			t.Errorf("GET %s: error %q does not name forward_paths", path, rp.errorText(t))
+		}
+	}
+	expectStatus(t, "a generation", r.post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
+	expectStatus(t, "the router's own /health", r.get("/health"), http.StatusOK)
+
+	r.load("diffusion_router {\n workers " + urlsOf(ws) + "\n forward_paths /v1/images/*\n}")
+	expectStatus(t, "under a prefix", r.post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
+	expectStatus(t, "outside the prefix", r.post("/rollout/generate", `{"prompt":"a"}`), http.StatusNotFound)
+
+	// By default every path goes on, as in the Python router: with no
+	// worker, a path nobody knows gets 503.
+	r.load("diffusion_router\n")
+	expectStatus(t, "catch-all without workers", r.get("/any/path"), http.StatusServiceUnavailable)
+}
