@@ -34,6 +34,8 @@ func TestCaddyfileShortFormExpands(t *testing.T) {
 		`"selection_policy":{"policy":"diffusion"}`,
 		`"retries":2`,
 		`"flush_interval":-1`,
+		`"transport":{"protocol":"diffusion"}`,
+		`"Host":["{http.reverse_proxy.upstream.hostport}"]`,
 	} {
 		if !strings.Contains(cfg, want) {
 			t.Errorf("adapted config lacks %s:\n%s", want, cfg)
@@ -121,6 +123,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 	}
 	for _, want := range []string{
 		`"dial_timeout":3000000000`,
+		`"protocol":"diffusion"`,
 		`"X-Rollout":["yes"]`,
 		`"dynamic_upstreams":{"pool":"rollout","source":"diffusion"}`,
 		`"selection_policy":{"policy":"diffusion","pool":"rollout"}`,
@@ -143,6 +146,10 @@ func TestCaddyfileLongForm(t *testing.T) {
 		reverse_proxy {
 			dynamic diffusion
 			lb_policy diffusion
+			header_up Host {upstream_hostport}
+			transport diffusion {
+				response_header_timeout 30m
+			}
 		}
 	}`)
 	if err != nil {
@@ -150,6 +157,9 @@ func TestCaddyfileLongForm(t *testing.T) {
 	}
 	if n := strings.Count(cfg, `"handler":"reverse_proxy"`); n != 1 {
 		t.Fatalf("long form has %d reverse_proxy handlers; want only the user's:\n%s", n, cfg)
+	}
+	if !strings.Contains(cfg, `"protocol":"diffusion","response_header_timeout":1800000000000`) {
+		t.Fatalf("transport diffusion does not take the http transport's options:\n%s", cfg)
 	}
 	if !strings.Contains(cfg, `"dynamic_upstreams":{"source":"diffusion"}`) || !strings.Contains(cfg, `"selection_policy":{"policy":"diffusion"}`) {
 		t.Fatalf("explicit reverse_proxy not wired to the pool:\n%s", cfg)
