@@ -118,9 +118,13 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 		}
 	}()
 	rec.ticket = t
-	if readsVideoJob(r) {
+	switch {
+	case readsVideoJob(r):
 		rec.peekLimit = maxVideoResponsePeek
-	} else {
+	case streams(r):
+		// The worker generates while it sends events: its slot is taken
+		// until the stream ends.
+	default:
 		rec.onHeader = func(status int) { release(outcomeOf(r.Context(), nil, status)) }
 	}
 	err := next.ServeHTTP(rec, r.WithContext(ctx))
@@ -175,6 +179,9 @@ func retryAfter(t *ticket) int {
 func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
 	t := &ticket{pool: h.pool, cfg: &h.dispatch, wantVersion: r.Header.Get(weightVersionHeader)}
 	id, isJobPath := videoJobID(r.URL.Path)
+	if poll := r.URL.Query(); r.URL.Path == "/v1/videos" && r.Method == http.MethodGet && poll.Has("video_id") {
+		id, isJobPath = poll.Get("video_id"), true
+	}
 	switch {
 	case isJobPath:
 		worker, ok := h.pool.videos.worker(id)
@@ -191,9 +198,18 @@ func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
 	case strings.HasPrefix(r.URL.Path, "/v1/images/"):
 		t.task = imageTask
 		h.probeUnknown(r.Context())
+		if !h.pool.anyMakes(imageTask) { // as the Python router does: let a worker answer
+			t.task = anyTask
+		}
 	}
 	t.job = r.Method == http.MethodPost && generationPaths[r.URL.Path]
 	return t, 0, ""
+}
+
+// streams reports whether r's answer is a stream of server-sent events
+// that lasts as long as its generation.
+func streams(r *http.Request) bool {
+	return r.URL.Path == "/v1/images/generations/stream"
 }
 
 // videoJobID returns the job id of /v1/videos/{id} and /v1/videos/{id}/content.
@@ -212,11 +228,12 @@ func videoJobID(path string) (string, bool) {
 // generationPaths are the endpoints whose POSTs are generation jobs: they
 // occupy a worker, so they are costed, take a slot and may wait for one.
 var generationPaths = map[string]bool{
-	"/v1/images/generations": true,
-	"/v1/images/edits":       true,
-	"/v1/diffusion/generate": true,
-	"/v1/videos":             true,
-	"/rollout/generate":      true,
+	"/v1/images/generations":        true,
+	"/v1/images/generations/stream": true,
+	"/v1/images/edits":              true,
+	"/v1/diffusion/generate":        true,
+	"/v1/videos":                    true,
+	"/rollout/generate":             true,
 }
 
 // readBody caps the request body at max_body. A generation's body is read

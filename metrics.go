@@ -149,6 +149,8 @@ func endpointClass(path string) string {
 	switch path {
 	case "/v1/images/generations":
 		return "images"
+	case "/v1/images/generations/stream":
+		return "image_stream"
 	case "/v1/images/edits":
 		return "image_edits"
 	case "/v1/videos":

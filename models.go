@@ -92,6 +92,14 @@ const (
 	reprobeInterval = 30 * time.Second
 )
 
+// anyMakes reports whether some worker of the pool, serving or not, is
+// known or assumed to make requests of kind k.
+func (p *pool) anyMakes(k taskKind) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.ContainsFunc(p.workers, func(w *worker) bool { return w.can(k) })
+}
+
 // models is a worker's answer to GET /v1/models. Entries are kept whole so
 // the router's union passes every field on.
 type models struct {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // The handler's options, grouped in its JSON config the way reverse_proxy
@@ -153,9 +154,10 @@ type Weights struct {
 
 // Admin is who may call the endpoints that change the fleet.
 type Admin struct {
-	// Allow lists the client networks (CIDR or single address) that may.
-	// The client address is Caddy's, so trusted_proxies is honoured.
-	// Default: loopback.
+	// Allow lists the client networks (CIDR or single address) that may;
+	// private_ranges stands for the private and loopback ranges, as in
+	// Caddy's trusted_proxies. The client address is Caddy's, so
+	// trusted_proxies is honoured. Default: loopback.
 	Allow []string `json:"allow,omitempty"`
 
 	// Token, when set, also admits a call that carries
@@ -360,9 +362,16 @@ func checkHealth(hc *HealthChecks) error {
 
 // provisionAdmin reads who may change the fleet.
 func (h *Handler) provisionAdmin() error {
-	allow := h.Admin.Allow
-	if len(allow) == 0 {
-		allow = defaultAdminAllow
+	allow, given := []string(nil), h.Admin.Allow
+	if len(given) == 0 {
+		given = defaultAdminAllow
+	}
+	for _, a := range given {
+		if a == "private_ranges" { // as in Caddy's trusted_proxies
+			allow = append(allow, caddyhttp.PrivateRangesCIDR()...)
+		} else {
+			allow = append(allow, a)
+		}
 	}
 	prefixes, err := parsePrefixes(allow)
 	if err != nil {

@@ -2,7 +2,6 @@ package diffusionrouter
 
 import (
 	"errors"
-	"go.uber.org/zap"
 	"net"
 	"net/http"
 	"net/url"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"go.uber.org/zap"
 )
 
 // pools holds every named pool across config reloads: a new config is

@@ -45,6 +45,7 @@ var (
 	errQueueFull    = errors.New("queue full")
 	errQueueTimeout = errors.New("queue timeout")
 	errNoVersion    = errors.New("no worker is or will be on the weight version asked for")
+	errAsleep       = errors.New("every worker that could serve it is asleep")
 )
 
 // ticket is one request's claim on the pool, carried in the request
@@ -98,12 +99,9 @@ func (p *pool) acquire(ctx context.Context, t *ticket) error {
 			return nil
 		}
 	}
-	if !t.job || !p.couldServeLocked(t) {
+	if err := p.waitErrorLocked(t); err != nil {
 		p.mu.Unlock()
-		if t.wantVersion != "" {
-			return errNoVersion
-		}
-		return errNoWorker
+		return err
 	}
 	if len(p.queue) >= t.cfg.maxQueue {
 		p.mu.Unlock()
@@ -221,15 +219,28 @@ func (t *ticket) mayServe(w *worker, upcoming string) bool {
 		(t.wantVersion == "" || w.life.version == t.wantVersion || upcoming == t.wantVersion)
 }
 
-// couldServeLocked reports whether some worker of the pool, serving or not,
-// could take t: then t may wait for it.
-func (p *pool) couldServeLocked(t *ticket) bool {
+// waitErrorLocked says why t may not wait in the queue for a worker, or
+// nil when it may: it is a job and some worker that may serve it could
+// take it later. A job is not held for workers that are all asleep: a
+// trainer that put the fleet to sleep is training, and a generation then
+// is a mistake to report, not to hold.
+func (p *pool) waitErrorLocked(t *ticket) error {
+	awake, asleep := false, false
 	for _, w := range p.workers {
 		if t.mayServe(w, p.fleet.target) {
-			return true
+			awake = awake || w.life.state != sleeping
+			asleep = asleep || w.life.state == sleeping
 		}
 	}
-	return false
+	switch {
+	case awake && t.job:
+		return nil
+	case asleep && !awake:
+		return errAsleep
+	case t.wantVersion != "":
+		return errNoVersion
+	}
+	return errNoWorker
 }
 
 func (p *pool) assignLocked(t *ticket, w *worker) {
@@ -415,6 +426,8 @@ func queueError(p *pool, t *ticket, err error) (int, string) {
 		return 429, fmt.Sprintf("the queue of pool %q is full (%d jobs waiting, max_queue %d)", p.name, t.cfg.maxQueue, t.cfg.maxQueue)
 	case errors.Is(err, errQueueTimeout):
 		return 503, fmt.Sprintf("no worker of pool %q was free within queue_timeout (%s); the job waited in the pool's queue", p.name, t.cfg.timeout)
+	case errors.Is(err, errAsleep):
+		return 503, fmt.Sprintf("every worker of pool %q that could serve this request is asleep (release_memory_occupation); wake them with resume_memory_occupation", p.name)
 	case errors.Is(err, errNoVersion):
 		return 409, fmt.Sprintf("no worker of pool %q is or will be on weight version %q", p.name, t.wantVersion)
 	case t.pin != "":

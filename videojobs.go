@@ -132,7 +132,7 @@ type videoJobStatus struct {
 // must read: a new job, or a job's status.
 func readsVideoJob(r *http.Request) bool {
 	if r.URL.Path == "/v1/videos" {
-		return r.Method == http.MethodPost
+		return r.Method == http.MethodPost || r.Method == http.MethodGet && r.URL.Query().Has("video_id")
 	}
 	rest, ok := strings.CutPrefix(r.URL.Path, "/v1/videos/")
 	return ok && r.Method == http.MethodGet && rest != "" && !strings.Contains(rest, "/")
