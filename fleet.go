@@ -26,7 +26,7 @@ type fleet struct {
 	// Guarded by pool.mu.
 	paused     bool   // a drain is on: no job is handed out
 	version    string // weight version of the last successful update
-	lastUpdate []byte // its request, sent to workers that join later
+	history    []weightsRequest // the last update and the LoRA calls since: what brings a worker to version
 	target     string // version an update in progress moves to
 
 	behind atomic.Int32 // workers that joined after an update and wait to catch up
@@ -84,7 +84,7 @@ func (f *fleet) update(ctx context.Context, req weightsRequest, cfg *weightsConf
 			return results, drainError(ctx, err)
 		}
 		f.setState(group, updating)
-		res := f.broadcast(ctx, group, "/update_weights_from_disk", req.body, cfg.timeout)
+		res := f.broadcast(ctx, group, req.path, req.body, cfg.timeout)
 		f.finishUpdate(group, res, req.version)
 		results = append(results, res...)
 	}
@@ -180,14 +180,18 @@ func (f *fleet) finishUpdate(group []*worker, results []result, version string) 
 }
 
 // end resumes handing out jobs. After an update that succeeded anywhere it
-// remembers the new version and its request, to bring workers that join
-// later to it.
+// remembers the new version and how to reach it from the weights the
+// workers started with, to bring workers that missed it there.
 func (f *fleet) end(results []result, req weightsRequest) {
 	p := f.pool
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if slices.ContainsFunc(results, func(r result) bool { return r.ok }) {
-		f.version, f.lastUpdate = req.version, req.body
+		f.version = req.version
+		if req.path == diskUpdatePath {
+			f.history = f.history[:0]
+		}
+		f.history = append(f.history, req)
 	}
 	f.target, f.paused = "", false
 	p.dispatchLocked()
@@ -212,6 +216,7 @@ func (f *fleet) moveStates(workers []*worker, results []result, s workerState) {
 	for i, w := range workers {
 		if results[i].ok {
 			w.life.state = s
+			f.holdIfBehindLocked(w) // woken with the weights it slept on
 		}
 	}
 	p.dispatchLocked()
@@ -260,13 +265,15 @@ func (f *fleet) waitIdle(ctx context.Context, workers []*worker, timeout time.Du
 	}
 }
 
-// joinLocked holds a worker that joins after an update back until it has
-// loaded the pool's weights.
-func (f *fleet) joinLocked(w *worker) {
-	if f.lastUpdate != nil {
-		w.life.state, w.life.behind = updating, true
-		f.behind.Add(1)
+// holdIfBehindLocked holds a worker that missed an update (it joined
+// later, slept through it, or was held back by an operator) out of
+// serving until it has caught up with the pool's version.
+func (f *fleet) holdIfBehindLocked(w *worker) {
+	if len(f.history) == 0 || w.life.version == f.version || w.life.behind || w.life.dead || w.life.state != serving {
+		return
 	}
+	w.life.state, w.life.behind = updating, true
+	f.behind.Add(1)
 }
 
 // leaveLocked forgets a worker that leaves before it caught up.
@@ -305,22 +312,29 @@ func (f *fleet) takeBehind() []*worker {
 	return out
 }
 
-// catchUp sends a worker that joined after an update the pool's last
-// update before it gets a job; it is stale if that fails.
+// catchUp brings a worker that missed updates to the pool's version
+// before it gets a job, replaying the last update and the LoRA calls
+// since; it is stale if one fails.
 func (f *fleet) catchUp(ctx context.Context, w *worker, cfg *weightsConfig) {
 	unlock, err := f.lock(ctx, true) // not while another operation runs
 	if err != nil {
+		f.setState([]*worker{w}, stale) // the pool is closing; never leave it updating
 		return
 	}
 	defer unlock()
 	p := f.pool
 	p.mu.Lock()
-	body, version := f.lastUpdate, f.version
+	history, version := slices.Clone(f.history), f.version
 	p.mu.Unlock()
-	res := f.post(ctx, w.url, "/update_weights_from_disk", body, cfg.timeout)
+	res := result{ok: true}
+	for _, req := range history {
+		if res = f.post(ctx, w.url, req.path, req.body, cfg.timeout); !res.ok {
+			break
+		}
+	}
 	f.finishUpdate([]*worker{w}, []result{res}, version)
 	if !res.ok {
-		p.logger.Warn("worker that joined could not be brought to the current weights; it is stale",
+		p.logger.Warn("worker that missed an update could not be brought to the current weights; it is stale",
 			zap.String("worker", w.url), zap.String("weight_version", version), zap.Int("status", res.StatusCode))
 	}
 }

@@ -404,7 +404,7 @@ func (p *pool) add(u string) *worker {
 	} else {
 		w = &worker{url: u, dial: dial, caps: capabilities{makes: unprobed}}
 	}
-	p.fleet.joinLocked(w)
+	p.fleet.holdIfBehindLocked(w)
 	p.workers = append(p.workers, w)
 	p.byDial[w.dial] = w
 	return w
@@ -435,6 +435,7 @@ func (p *pool) setDead(url string, dead bool) (workerInfo, bool) {
 		return workerInfo{}, false
 	}
 	w.life.dead = dead
+	p.fleet.holdIfBehindLocked(w) // back after an update it was held out of
 	p.dispatchLocked()
 	return p.infoLocked(w), true
 }

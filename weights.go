@@ -46,11 +46,15 @@ type weightsConfig struct {
 // weightsRequest is what the router reads of an update_weights_from_disk
 // body; the body itself goes to the workers untouched.
 type weightsRequest struct {
+	path      string // the workers' endpoint: update_weights_from_disk or a LoRA call
 	modelPath string
-	version   string
+	version   string // the weight version the workers serve once it is done
 	mode      string
 	body      []byte
 }
+
+// diskUpdatePath is where workers load new weights from disk.
+const diskUpdatePath = "/update_weights_from_disk"
 
 // serveUpdateWeights is POST /update_weights_from_disk.
 func (h *Handler) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
@@ -59,17 +63,24 @@ func (h *Handler) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
 		_ = writeError(w, status, msg)
 		return
 	}
+	req.path = diskUpdatePath
+	h.runUpdate(w, r, req, "update_weights")
+}
+
+// runUpdate runs a weight update (or LoRA call) over the fleet as a
+// barrier and answers with every worker's result; op names it in metrics.
+func (h *Handler) runUpdate(w http.ResponseWriter, r *http.Request, req weightsRequest, op string) {
 	unlock, ok := h.lockFleet(w, r)
 	if !ok {
 		return
 	}
 	defer unlock()
 
-	log := h.logger.With(zap.String("weight_version", req.version), zap.String("mode", req.mode))
+	log := h.logger.With(zap.String("operation", op), zap.String("weight_version", req.version), zap.String("mode", req.mode))
 	log.Info("weight update started")
 	results, err := h.pool.fleet.update(r.Context(), req, &h.weights)
 	outcome := outcomeName(err, results)
-	weightUpdates.WithLabelValues(h.pool.name, "update_weights", outcome).Inc()
+	weightUpdates.WithLabelValues(h.pool.name, op, outcome).Inc()
 	switch {
 	case errors.Is(err, errNoWorker):
 		_ = writeError(w, http.StatusServiceUnavailable, errNoWorker.Error())
