@@ -39,6 +39,7 @@ func (h *Handler) controlMux() *http.ServeMux {
 		{"POST /remove_worker", h.admin(h.serveRemoveWorker)},
 		{"GET /list_workers", h.serveListWorkers},
 		{"GET /v1/models", h.serveModels},
+		{"GET /engine_metrics", h.serveEngineMetrics},
 		{"POST /update_weights_from_disk", h.admin(h.serveUpdateWeights)},
 		{"POST /release_memory_occupation", h.admin(h.serveSleep)},
 		{"POST /resume_memory_occupation", h.admin(h.serveWake)},

@@ -184,8 +184,7 @@ func (h *Handler) probeUnknown(ctx context.Context) {
 
 // serveModels answers GET /v1/models with the union of the serving
 // workers' lists, deduplicated by model id. Anyone may ask, and each
-// union costs a call to every worker, so a union is kept for
-// modelsLifetime and callers that come while one is made wait for it.
+// union costs a call to every worker, so it is a shared answer.
 func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 	var urls []string
 	for _, wk := range h.pool.snapshot() {
@@ -193,28 +192,41 @@ func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 			urls = append(urls, wk.URL)
 		}
 	}
-	key := strings.Join(urls, " ")
-	c := &h.pool.models
-	c.mu.Lock()
-	if key != c.workers || time.Since(c.made) >= modelsLifetime {
-		c.status, c.answer = h.modelUnion(context.WithoutCancel(r.Context()), urls)
-		c.workers, c.made = key, time.Now()
-	}
-	status, answer := c.status, c.answer
-	c.mu.Unlock()
-	_ = writeJSON(w, status, answer)
+	status, contentType, body := h.pool.models.get(strings.Join(urls, " "), func() (int, string, []byte) {
+		status, answer := h.modelUnion(context.WithoutCancel(r.Context()), urls)
+		body, _ := json.Marshal(answer)
+		return status, "application/json", body
+	})
+	w.Header().Set("Content-Type", contentType)
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
 }
 
-// modelsLifetime is how long a union of model lists is kept.
-const modelsLifetime = 2 * time.Second
+// sharedLifetime is how long an answer made from every worker's is kept.
+const sharedLifetime = 2 * time.Second
 
-// modelCache is the last union of the workers' model lists.
-type modelCache struct {
-	mu      sync.Mutex // held while a union is made
-	workers string     // whose lists it is made of
-	made    time.Time
-	status  int
-	answer  any
+// sharedAnswer is an answer that costs a call to every worker: anyone may
+// ask for it, so it is kept for sharedLifetime and callers that come while
+// one is made wait for it rather than make their own.
+type sharedAnswer struct {
+	mu          sync.Mutex // held while an answer is made
+	key         string     // what it was made from
+	made        time.Time
+	status      int
+	contentType string
+	body        []byte
+}
+
+// get returns the answer for key, making it anew when there is none for
+// key younger than sharedLifetime.
+func (s *sharedAnswer) get(key string, make func() (status int, contentType string, body []byte)) (int, string, []byte) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if key != s.key || time.Since(s.made) >= sharedLifetime {
+		s.status, s.contentType, s.body = make()
+		s.key, s.made = key, time.Now()
+	}
+	return s.status, s.contentType, s.body
 }
 
 // modelUnion asks the workers (those not held back or asleep) for their

@@ -102,8 +102,9 @@ type pool struct {
 	fleet fleet                 // weight updates, sleep and wake
 	held  map[string]*heldVideo // video jobs running on their workers, by id
 
-	videos *videoJobs // which worker made each video job
-	models modelCache // the last union of the workers' model lists
+	videos  *videoJobs   // which worker made each video job
+	models  sharedAnswer // the union of the workers' model lists
+	metrics sharedAnswer // the workers' engine metrics
 }
 
 // registry is which workers the pool has and why.

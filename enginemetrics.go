@@ -1,0 +1,117 @@
+package diffusionrouter
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+)
+
+// GET /engine_metrics is what miles scrapes for its engines' metrics (its
+// wandb forwarding reads {router}/engine_metrics), in the shape the SGLang
+// model gateway gives it: every worker's Prometheus /metrics, each sample
+// labelled with the worker_addr it came from.
+
+// maxMetricsBody bounds one worker's /metrics answer.
+const maxMetricsBody = 4 << 20
+
+// serveEngineMetrics is GET /engine_metrics.
+func (h *Handler) serveEngineMetrics(w http.ResponseWriter, r *http.Request) {
+	var urls []string
+	for _, wk := range h.pool.snapshot() {
+		if wk.State != dead {
+			urls = append(urls, wk.URL)
+		}
+	}
+	status, contentType, body := h.pool.metrics.get(strings.Join(urls, " "), func() (int, string, []byte) {
+		return h.engineMetrics(context.WithoutCancel(r.Context()), urls)
+	})
+	w.Header().Set("Content-Type", contentType)
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}
+
+// engineMetrics gathers the workers' metrics; a worker that does not
+// answer is left out, and if none answers the answer is 503.
+func (h *Handler) engineMetrics(ctx context.Context, urls []string) (int, string, []byte) {
+	texts := make([][]byte, len(urls))
+	var wg sync.WaitGroup
+	for i, u := range urls {
+		goSafely(&wg, h.logger, "metrics of "+u, func() { texts[i], _ = h.fetchMetrics(ctx, u) })
+	}
+	wg.Wait()
+	var out bytes.Buffer
+	seen := map[string]bool{} // HELP and TYPE lines, once per metric
+	answered := 0
+	for i, text := range texts {
+		if text != nil {
+			answered++
+			labelSamples(&out, text, dialAddress(urls[i]), seen)
+		}
+	}
+	if answered == 0 && len(urls) > 0 {
+		return http.StatusServiceUnavailable, "application/json", []byte(`{"error":"no worker answered /metrics"}` + "\n")
+	}
+	return http.StatusOK, "text/plain; version=0.0.4; charset=utf-8", out.Bytes()
+}
+
+// fetchMetrics reads one worker's /metrics.
+func (h *Handler) fetchMetrics(ctx context.Context, workerURL string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, workerURL+"/metrics", nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := h.pool.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxMetricsBody+1))
+	switch {
+	case err != nil:
+		return nil, err
+	case resp.StatusCode != http.StatusOK:
+		return nil, fmt.Errorf("status=%d", resp.StatusCode)
+	case len(body) > maxMetricsBody:
+		return nil, fmt.Errorf("metrics larger than %d bytes", maxMetricsBody)
+	}
+	return body, nil
+}
+
+// labelSamples copies Prometheus text to out with worker_addr="addr" added
+// to every sample; HELP and TYPE lines already in seen are left out.
+func labelSamples(out *bytes.Buffer, text []byte, addr string, seen map[string]bool) {
+	label := `worker_addr="` + addr + `"`
+	sc := bufio.NewScanner(bytes.NewReader(text))
+	sc.Buffer(nil, maxMetricsBody)
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		switch {
+		case line == "":
+			continue
+		case strings.HasPrefix(line, "#"):
+			if seen[line] {
+				continue
+			}
+			seen[line] = true
+		case strings.IndexByte(line, '{') >= 0:
+			i := strings.IndexByte(line, '{') + 1
+			sep := ","
+			if strings.HasPrefix(line[i:], "}") {
+				sep = ""
+			}
+			line = line[:i] + label + sep + line[i:]
+		default:
+			name, rest, _ := strings.Cut(line, " ")
+			line = name + "{" + label + "} " + rest
+		}
+		out.WriteString(line)
+		out.WriteByte('\n')
+	}
+}
