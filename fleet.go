@@ -24,10 +24,10 @@ type fleet struct {
 	ops  chan struct{} // held by the operation that runs
 
 	// Guarded by pool.mu.
-	paused     bool   // a drain is on: no job is handed out
-	version    string // weight version of the last successful update
-	history    []weightsRequest // the last update and the LoRA calls since: what brings a worker to version
-	target     string // version an update in progress moves to
+	paused  bool             // a drain is on: no job is handed out
+	version string           // weight version of the last successful update
+	history []weightsRequest // the last update and the LoRA calls since: what brings a worker to version
+	target  string           // version an update in progress moves to
 
 	behind atomic.Int32 // workers that joined after an update and wait to catch up
 }
