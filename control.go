@@ -40,6 +40,7 @@ func (h *Handler) controlMux() *http.ServeMux {
 		{"GET /list_workers", h.serveListWorkers},
 		{"GET /v1/models", h.serveModels},
 		{"GET /engine_metrics", h.serveEngineMetrics},
+		{"POST /update_weights_from_tensor", serveTensorUpdate},
 		{"POST /update_weights_from_disk", h.admin(h.serveUpdateWeights)},
 		{"POST /release_memory_occupation", h.admin(h.serveSleep)},
 		{"POST /resume_memory_occupation", h.admin(h.serveWake)},
@@ -59,6 +60,13 @@ func (h *Handler) controlMux() *http.ServeMux {
 		mux.HandleFunc(path, serveMethodNotAllowed)
 	}
 	return mux
+}
+
+// serveTensorUpdate refuses POST /update_weights_from_tensor: its payload
+// holds tensor handles that are valid on one engine's node only, so no
+// router can send one payload to several engines.
+func serveTensorUpdate(w http.ResponseWriter, _ *http.Request) {
+	_ = writeError(w, http.StatusBadRequest, "update_weights_from_tensor carries tensor handles valid on one engine's node only: send it to each engine directly, not through the router")
 }
 
 func serveMethodNotAllowed(w http.ResponseWriter, r *http.Request) {

@@ -29,3 +29,12 @@ func TestMilesExampleAdapts(t *testing.T) {
 		t.Fatalf("the example does not provision: %v", err)
 	}
 }
+
+func TestTensorUpdateIsRefused(t *testing.T) {
+	r := startRouter(t, "diffusion_router\n")
+	rp := r.post("/update_weights_from_tensor", `{"serialized_named_tensors":["x"]}`)
+	expectStatus(t, "update_weights_from_tensor through the router", rp, 400)
+	if !strings.Contains(rp.errorText(t), "each engine") {
+		t.Fatalf("error %q does not say where to send it", rp.errorText(t))
+	}
+}
