@@ -4,8 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -41,7 +39,7 @@ func (h *Handler) engineMetrics(ctx context.Context, urls []string) (int, string
 	texts := make([][]byte, len(urls))
 	var wg sync.WaitGroup
 	for i, u := range urls {
-		goSafely(&wg, h.logger, "metrics of "+u, func() { texts[i], _ = h.fetchMetrics(ctx, u) })
+		goSafely(&wg, h.logger, "metrics of "+u, func() { texts[i], _ = h.pool.get(ctx, u+"/metrics", maxMetricsBody) })
 	}
 	wg.Wait()
 	var out bytes.Buffer
@@ -57,31 +55,6 @@ func (h *Handler) engineMetrics(ctx context.Context, urls []string) (int, string
 		return http.StatusServiceUnavailable, "application/json", []byte(`{"error":"no worker answered /metrics"}` + "\n")
 	}
 	return http.StatusOK, "text/plain; version=0.0.4; charset=utf-8", out.Bytes()
-}
-
-// fetchMetrics reads one worker's /metrics.
-func (h *Handler) fetchMetrics(ctx context.Context, workerURL string) ([]byte, error) {
-	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, workerURL+"/metrics", nil)
-	if err != nil {
-		return nil, err
-	}
-	resp, err := h.pool.client.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxMetricsBody+1))
-	switch {
-	case err != nil:
-		return nil, err
-	case resp.StatusCode != http.StatusOK:
-		return nil, fmt.Errorf("status=%d", resp.StatusCode)
-	case len(body) > maxMetricsBody:
-		return nil, fmt.Errorf("metrics larger than %d bytes", maxMetricsBody)
-	}
-	return body, nil
 }
 
 // labelSamples copies Prometheus text to out with worker_addr="addr" added

@@ -132,31 +132,38 @@ const maxModelsBody = 1 << 20
 // fetchModels asks one worker for its model list.
 func (h *Handler) fetchModels(ctx context.Context, workerURL string) (models, error) {
 	var m models
-	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, workerURL+"/v1/models", nil)
+	body, err := h.pool.get(ctx, workerURL+"/v1/models", maxModelsBody)
 	if err != nil {
 		return m, err
-	}
-	resp, err := h.pool.client.Do(req)
-	if err != nil {
-		return m, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return m, fmt.Errorf("status=%d", resp.StatusCode)
-	}
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxModelsBody+1))
-	switch {
-	case err != nil:
-		return m, err
-	case len(body) > maxModelsBody:
-		return m, fmt.Errorf("models payload larger than %d bytes", maxModelsBody)
 	}
 	if err := json.Unmarshal(body, &m); err != nil {
 		return m, fmt.Errorf("invalid models payload: %v", err)
 	}
 	return m, nil
+}
+
+// get reads a worker's answer to a GET of u, which must be 200 and at
+// most limit bytes, within probeTimeout.
+func (p *pool) get(ctx context.Context, u string, limit int64) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("status=%d", resp.StatusCode)
+	}
+	body, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
+	if err == nil && int64(len(body)) > limit {
+		err = fmt.Errorf("answer larger than %d bytes", limit)
+	}
+	return body, err
 }
 
 // probe learns what one worker can generate from its /v1/models. A worker
