@@ -135,7 +135,8 @@ type workerJSON struct {
 	RequestsServed      uint64   `json:"requests_served"`
 	Failures            uint64   `json:"failures"`
 	ProbeFailures       int      `json:"probe_failures"`
-	LastProbe           *string  `json:"last_probe"` // RFC 3339; null: never probed
+	LastProbe           *string  `json:"last_probe"`    // RFC 3339; null: never probed
+	EjectedUntil        *string  `json:"ejected_until"` // RFC 3339; null: not ejected
 	LastError           string   `json:"last_error"`
 	Speed               float64  `json:"speed"` // cost units per second
 	SpeedLearned        bool     `json:"speed_learned"`
@@ -144,11 +145,7 @@ type workerJSON struct {
 }
 
 func newWorkerJSON(w workerInfo) workerJSON {
-	var lastProbe *string
-	if !w.LastProbe.IsZero() {
-		s := w.LastProbe.UTC().Format(time.RFC3339Nano)
-		lastProbe = &s
-	}
+
 	source := "config"
 	if w.Registered {
 		source = "registered"
@@ -170,13 +167,23 @@ func newWorkerJSON(w workerInfo) workerJSON {
 		RequestsServed:      w.Served,
 		Failures:            w.Failures,
 		ProbeFailures:       w.ProbeFails,
-		LastProbe:           lastProbe,
+		LastProbe:           timeJSON(w.LastProbe),
+		EjectedUntil:        timeJSON(w.EjectedTill),
 		LastError:           w.LastError,
 		Speed:               w.Speed,
 		SpeedLearned:        w.SpeedLearned,
 		PredictedWork:       w.WorkLeft / w.Speed,
 		PredictionError:     w.PredictionError,
 	}
+}
+
+// timeJSON is t in RFC 3339, or nil for the zero time.
+func timeJSON(t time.Time) *string {
+	if t.IsZero() {
+		return nil
+	}
+	s := t.UTC().Format(time.RFC3339Nano)
+	return &s
 }
 
 func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
@@ -198,6 +205,7 @@ func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		"sleeping_workers":  inState[sleeping],
 		"stale_workers":     inState[stale],
 		"unhealthy_workers": inState[unhealthy],
+		"ejected_workers":   inState[ejected],
 		"suspect_workers":   inState[suspect],
 		"queued_requests":   stats.queued,
 		"weight_version":    stats.version,

@@ -173,6 +173,8 @@ func (pr *prober) probe(ctx context.Context, workerURL string) {
 			zap.String("worker", workerURL), zap.Error(err))
 	case becameHealthy:
 		pr.logger.Info("worker passed its health checks again", zap.String("worker", workerURL))
+	case ejectionEnded:
+		pr.logger.Info("ejected worker passed a health check; its ejection ends", zap.String("worker", workerURL))
 	}
 }
 
@@ -210,6 +212,7 @@ const (
 	unchanged healthChange = iota
 	becameUnhealthy
 	becameHealthy
+	ejectionEnded
 )
 
 // urls returns the pool's worker URLs.
@@ -234,18 +237,9 @@ func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChang
 	now := p.now().UnixNano()
 	w.evidence.lastProbe, w.evidence.lastError = now, ""
 	if err == nil {
-		w.evidence.probeFails = 0
-		w.evidence.probePasses++
-		if w.health.suspect && !p.overrunning(w, now, cfg) {
-			w.health.suspect = false
-		}
-		if w.health.down && w.evidence.probePasses >= cfg.passes {
-			w.health.down = false
-			p.dispatchLocked()
-			return becameHealthy
-		}
+		change := p.probePassedLocked(w, now, cfg)
 		p.dispatchLocked()
-		return unchanged
+		return change
 	}
 	w.evidence.lastError = err.Error()
 	if isTimeout(err) && p.busy(w, now, cfg) {
@@ -258,6 +252,25 @@ func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChang
 		return becameUnhealthy
 	}
 	return unchanged
+}
+
+// probePassedLocked counts a passed probe of w.
+func (p *pool) probePassedLocked(w *worker, now int64, cfg *healthConfig) healthChange {
+	w.evidence.probeFails = 0
+	w.evidence.probePasses++
+	if w.health.suspect && !p.overrunning(w, now, cfg) {
+		w.health.suspect = false
+	}
+	change := unchanged
+	if now < w.health.ejectedUntil { // as Envoy does: a passed active check ends an ejection
+		w.health.ejectedUntil = 0
+		change = ejectionEnded
+	}
+	if w.health.down && w.evidence.probePasses >= cfg.passes {
+		w.health.down = false
+		change = becameHealthy
+	}
+	return change
 }
 
 func isTimeout(err error) bool {

@@ -261,7 +261,7 @@ func TestDeadWorkerIsEjected(t *testing.T) {
 		expectStatus(t, fmt.Sprint("request ", i), r.post("/v1/images/generations", smallImage), 200)
 	}
 	st := workerStates(t, r)[dead]
-	if st["failures"] != 2.0 || st["state"] != "unhealthy" {
+	if st["failures"] != 2.0 || st["state"] != "ejected" || st["ejected_until"] == nil {
 		t.Fatalf("dead worker after 20 requests: %v; want ejected after 2 failures and tried no more", st)
 	}
 }
@@ -300,5 +300,25 @@ func TestReloadsLeaveNoGoroutines(t *testing.T) {
 	}) {
 		t.Fatalf("after 20 reloads %d goroutines (%d before), %d of this package (%d before); this package's, by creator:\n%s",
 			after, before, len(pkg), beforePkg, describeGoroutines(pkg))
+	}
+}
+
+func TestPassedProbeEndsEjection(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	cfg := config(leastRequest{}, 0)
+	cfg.health = testHealth
+	for range 3 {
+		tk, _ := choose(t, p, cfg, 1)
+		p.release(tk, failed)
+	}
+	w := p.snapshot()[0]
+	if w.State != ejected || w.EjectedTill.IsZero() {
+		t.Fatalf("after 3 failures the worker is %v until %v; want ejected", w.State, w.EjectedTill)
+	}
+	if change := p.recordProbe(w.URL, nil, testHealth); change != ejectionEnded {
+		t.Fatalf("a passed probe of an ejected worker changed %v; want its ejection ended", change)
+	}
+	if w := p.snapshot()[0]; w.State != serving || !w.EjectedTill.IsZero() {
+		t.Fatalf("after a passed probe the worker is %v until %v; want serving", w.State, w.EjectedTill)
 	}
 }

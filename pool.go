@@ -256,11 +256,12 @@ const (
 	stale                 // failed its last weight update: out until one succeeds
 	sleeping              // has released its GPU memory
 	dead                  // held back by an operator
-	unhealthy             // failed its health probes, or ejected after failed requests
+	unhealthy             // failed its health probes
+	ejected               // out for a while after failed requests
 	suspect               // a job of it overran its prediction
 )
 
-var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping", "dead", "unhealthy", "suspect"}
+var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping", "dead", "unhealthy", "ejected", "suspect"}
 
 func (s workerState) String() string { return stateNames[s] }
 
@@ -271,8 +272,10 @@ func (w *worker) stateAt(now int64) workerState {
 		return dead
 	case w.life.state != serving:
 		return w.life.state
-	case w.health.down, now < w.health.ejectedUntil:
+	case w.health.down:
 		return unhealthy
+	case now < w.health.ejectedUntil:
+		return ejected
 	case w.health.suspect:
 		return suspect
 	}
@@ -303,6 +306,7 @@ type workerInfo struct {
 	Jobs        uint64  // generation jobs completed
 	Cost        float64 // their total cost
 	Ejections   uint64
+	EjectedTill time.Time // zero: not ejected
 
 	Speed           float64 // learned cost units per second; the pool's median while unknown
 	SpeedLearned    bool
@@ -322,6 +326,9 @@ func (p *pool) infoLocked(w *worker) workerInfo {
 		WorkLeft: p.workLeft(w, now), PredictionError: w.load.speed.relErr,
 		ProbeFails: w.evidence.probeFails, LastError: w.evidence.lastError,
 		Jobs: w.stats.jobsDone, Cost: w.stats.costDone, Ejections: w.stats.ejected,
+	}
+	if now < w.health.ejectedUntil {
+		info.EjectedTill = time.Unix(0, w.health.ejectedUntil)
 	}
 	if w.evidence.lastProbe > 0 {
 		info.LastProbe = time.Unix(0, w.evidence.lastProbe)
