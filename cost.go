@@ -294,6 +294,14 @@ func formFields(body []byte, contentType string) (fields, error) {
 // stalled job or two moves the median hardly at all.
 const speedWindow = 31
 
+// A learned speed stays within these bounds, in cost units per second: far
+// beyond any GPU (a 1024x1024 image step takes a GPU tens of milliseconds
+// at the least) and far below one that works at all.
+const (
+	minSpeed = 1e-4
+	maxSpeed = 1e6
+)
+
 // speedEstimate learns how fast a worker turns cost into time, in cost
 // units per second, from the jobs it completes.
 type speedEstimate struct {
@@ -322,7 +330,7 @@ func (s *speedEstimate) observe(cost float64, elapsed, predicted time.Duration) 
 	if s.samples == nil {
 		s.samples = new([speedWindow]float64)
 	}
-	s.samples[s.next] = cost / elapsed.Seconds()
+	s.samples[s.next] = min(max(cost/elapsed.Seconds(), minSpeed), maxSpeed)
 	s.next = (s.next + 1) % speedWindow
 	s.n = min(s.n+1, speedWindow)
 	var sorted [speedWindow]float64

@@ -158,13 +158,16 @@ func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, wait
 }
 
 // outcomeOf tells how the exchange with the worker ended, as evidence of
-// the worker's health.
+// the worker's health: a 5xx is the worker's failure, as Envoy counts
+// them; a 4xx is the request's fault and says nothing of the worker.
 func outcomeOf(clientCtx context.Context, err error, status int) outcome {
 	switch {
 	case clientCtx.Err() != nil:
 		return abandoned
-	case err != nil, status == http.StatusBadGateway, status == http.StatusServiceUnavailable:
+	case err != nil, status >= 500:
 		return failed
+	case status >= 400:
+		return refused
 	}
 	return succeeded
 }

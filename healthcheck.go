@@ -327,7 +327,7 @@ func (p *pool) noteOutcomeLocked(w *worker, o outcome, cfg *healthConfig) time.D
 	case succeeded:
 		w.evidence.ejections = 0
 		return 0
-	case abandoned:
+	case abandoned, refused:
 		return 0
 	}
 	if cfg == nil || cfg.maxFails == 0 {

@@ -322,3 +322,57 @@ func TestPassedProbeEndsEjection(t *testing.T) {
 		t.Fatalf("after a passed probe the worker is %v until %v; want serving", w.State, w.EjectedTill)
 	}
 }
+
+func TestOnlyWorkerFaultsCountAgainstIt(t *testing.T) {
+	p, clock := poolOf(t, 1)
+	cfg := config(leastRequest{}, 0)
+	cfg.health = testHealth
+	good, _ := choose(t, p, cfg, 10)
+	clock.advance(time.Second)
+	p.release(good, succeeded)
+	learned := p.snapshot()[0].Speed
+	for range 10 { // the worker refuses bad requests at once
+		tk, _ := choose(t, p, cfg, 1e6)
+		clock.advance(time.Millisecond)
+		p.release(tk, refused)
+	}
+	w := p.snapshot()[0]
+	if w.State != serving || w.Failures != 0 || w.Speed != learned {
+		t.Fatalf("after 10 refused requests: %v, %d failures, speed %v (was %v); a 4xx says nothing of the worker", w.State, w.Failures, w.Speed, learned)
+	}
+	for range 3 {
+		tk, _ := choose(t, p, cfg, 1)
+		p.release(tk, failed)
+	}
+	if w := p.snapshot()[0]; w.State != ejected || w.Failures != 3 || w.Speed != learned {
+		t.Fatalf("after 3 failures: %v, %d failures, speed %v; want ejected, 3, and the speed unlearned from them", w.State, w.Failures, w.Speed)
+	}
+}
+
+func TestOutcomeOfAnAnswer(t *testing.T) {
+	live, gone := context.Background(), canceledContext()
+	for _, tc := range []struct {
+		ctx    context.Context
+		err    error
+		status int
+		want   outcome
+	}{
+		{live, nil, 200, succeeded},
+		{live, nil, 400, refused},
+		{live, nil, 422, refused},
+		{live, nil, 500, failed},
+		{live, nil, 502, failed},
+		{live, errors.New("reset"), 0, failed},
+		{gone, nil, 500, abandoned},
+	} {
+		if got := outcomeOf(tc.ctx, tc.err, tc.status); got != tc.want {
+			t.Errorf("outcomeOf(%d, %v) = %v; want %v", tc.status, tc.err, got, tc.want)
+		}
+	}
+}
+
+func canceledContext() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}

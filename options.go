@@ -109,7 +109,8 @@ type ActiveHealthChecks struct {
 // PassiveHealthChecks judge workers by the requests they serve.
 type PassiveHealthChecks struct {
 	// MaxFails is how many failed requests (connection refused or reset,
-	// 502, 503) within FailWindow eject a worker. Default 3.
+	// 5xx answers, answers cut short) within FailWindow eject a worker; a
+	// 4xx is the request's fault and counts against nothing. Default 3.
 	MaxFails int `json:"max_fails,omitempty"`
 
 	// FailWindow is the window MaxFails counts in. Default 30s.

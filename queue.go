@@ -35,6 +35,7 @@ type outcome int
 
 const (
 	succeeded outcome = iota // the worker answered
+	refused                  // the worker refused the request (4xx): the request's fault, not the worker's
 	failed                   // the worker could not be reached or failed
 	abandoned                // the client left; says nothing of the worker
 )
@@ -279,6 +280,8 @@ func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 	case succeeded:
 		w.stats.served++
 		w.evidence.consecFails = 0
+	case refused:
+		w.stats.served++
 	case failed:
 		w.stats.failures++
 		w.evidence.consecFails++
