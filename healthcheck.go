@@ -295,10 +295,15 @@ func (p *pool) predictedHead(w *worker) float64 {
 }
 
 // overrunning reports whether w's running job has overrun its prediction
-// by the stall factor (and at least the probe timeout).
+// by the stall factor (and at least the probe timeout). A held video job
+// never does: nobody waits on its connection, and its worker answers its
+// polls.
 func (p *pool) overrunning(w *worker, now int64, cfg *healthConfig) bool {
+	if w.load.inflight == 0 || w.load.jobs[0].held {
+		return false
+	}
 	limit := max(cfg.stallFactor*p.predictedHead(w), float64(cfg.timeout))
-	return w.load.inflight > 0 && float64(now-w.load.headSince) > limit
+	return float64(now-w.load.headSince) > limit
 }
 
 // checkStalls marks suspect the workers whose running job has overrun its

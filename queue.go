@@ -77,6 +77,7 @@ type ticket struct {
 	started   int64   // when the job reached the head of its worker, Unix nanoseconds
 	predicted time.Duration
 	tried     []*worker // workers a retry must avoid
+	held      bool      // a video job answered at once and running on its worker
 	lookups   int       // upstream lookups by reverse_proxy; more than one is a retry
 }
 
@@ -162,8 +163,14 @@ func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
 	now := p.now().UnixNano()
 	if t.pin != "" {
 		w := p.find(t.pin)
-		fitting := w != nil && fits(t.job, t.cfg.maxInflight, w, now)
-		if !fitting || !w.serving(now) || !t.mayServe(w, "") {
+		if w == nil || !t.mayServe(w, "") {
+			return nil, w != nil
+		}
+		if !t.job { // a poll or delete of a job the worker holds goes there, whatever its health
+			return w, true
+		}
+		fitting := fits(t.job, t.cfg.maxInflight, w, now)
+		if !fitting || !w.serving(now) {
 			return nil, fitting
 		}
 		return w, true

@@ -111,9 +111,8 @@ const maxVideoResponsePeek = 64 << 10
 
 // A video job is answered at once and then runs on its worker for minutes,
 // so its ticket keeps the worker's slot and predicted work until a status
-// poll or a DELETE shows the job has ended. A job nobody polls gives its
-// slot back after heldVideoGrace plus three times its predicted time.
-const heldVideoGrace = time.Minute
+// poll or a DELETE shows the job has ended, or, for a job nobody polls,
+// until it is predicted to end.
 
 // heldVideo is a video job's claim on its worker after the creating
 // request has been answered.
@@ -172,8 +171,11 @@ func (p *pool) holdVideo(t *ticket, id string) bool {
 	if t.worker == nil {
 		return false
 	}
+	t.held = true
 	hv := &heldVideo{t: t}
-	hv.timer = time.AfterFunc(heldVideoGrace+3*t.predicted, func() { p.endVideo(id, abandoned) })
+	// Unpolled, the job gives its worker back when it is predicted to end.
+	ends := time.Duration(t.worker.load.endsAt - p.now().UnixNano())
+	hv.timer = time.AfterFunc(max(ends, 0), func() { p.endVideo(id, abandoned) })
 	p.held[id] = hv
 	return true
 }
