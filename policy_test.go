@@ -171,9 +171,18 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 		t.Fatal("a video poll was counted as a job")
 	}
 	p.release(poll, succeeded)
-	deadPin := &ticket{pool: p, cfg: cfg, pin: "http://a:1"}
-	if err := p.acquire(context.Background(), deadPin); err != errNoWorker {
-		t.Fatalf("request pinned to a dead worker: %v", err)
+	// A poll of a job a held-back worker runs still reaches it; a job pinned
+	// there does not.
+	deadPoll := &ticket{pool: p, cfg: cfg, pin: "http://a:1"}
+	if err := p.acquire(context.Background(), deadPoll); err != nil || deadPoll.worker.dial != "a:1" {
+		t.Fatalf("poll pinned to a held-back worker went to %v (%v); want that worker", deadPoll.worker, err)
+	}
+	p.release(deadPoll, succeeded)
+	deadJob := &ticket{pool: p, cfg: cfg, pin: "http://a:1", job: true}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if err := p.acquire(ctx, deadJob); err == nil {
+		t.Fatal("a job pinned to a held-back worker was given it")
 	}
 }
 
