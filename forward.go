@@ -127,6 +127,7 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 	default:
 		rec.onHeader = func(status int) { release(outcomeOf(r.Context(), nil, status)) }
 	}
+	t.sent = true
 	err := next.ServeHTTP(rec, r.WithContext(ctx))
 	if !h.trackVideoJob(r, t, rec, err) {
 		release(outcomeOf(r.Context(), err, rec.status))

@@ -99,8 +99,9 @@ type pool struct {
 	mu sync.Mutex
 	registry
 	scheduler
-	fleet fleet                 // weight updates, sleep and wake
-	held  map[string]*heldVideo // video jobs running on their workers, by id
+	fleet  fleet                   // weight updates, sleep and wake
+	held   map[string]*heldVideo   // video jobs running on their workers, by id
+	ghosts map[*ticket]*time.Timer // jobs whose clients left, until their predicted end
 
 	videos  *videoJobs   // which worker made each video job
 	models  sharedAnswer // the union of the workers' model lists
@@ -136,6 +137,7 @@ func newPool(name string) *pool {
 		logger:   caddy.Log().Named("diffusion_router").With(zap.String("pool", name)),
 		registry: registry{byDial: make(map[string]*worker), declared: make(map[string]int), departing: make(map[string]*worker)},
 		held:     make(map[string]*heldVideo),
+		ghosts:   make(map[*ticket]*time.Timer),
 		videos:   newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
 	}
 	p.defaultSpeed = 1
@@ -160,6 +162,10 @@ func (p *pool) Destruct() error {
 	for id, hv := range p.held {
 		hv.timer.Stop()
 		delete(p.held, id)
+	}
+	for t, timer := range p.ghosts {
+		timer.Stop()
+		delete(p.ghosts, t)
 	}
 	if p.redispatch != nil {
 		p.redispatch.Stop()

@@ -78,6 +78,8 @@ type ticket struct {
 	predicted time.Duration
 	tried     []*worker // workers a retry must avoid
 	held      bool      // a video job answered at once and running on its worker
+	sent      bool      // the request went to the worker
+	ghost     bool      // its client left; the worker still computes it
 	lookups   int       // upstream lookups by reverse_proxy; more than one is a retry
 }
 
@@ -278,6 +280,10 @@ func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 	if w == nil {
 		return 0
 	}
+	if o == abandoned && t.job && t.sent && !t.held && !t.ghost {
+		p.keepGhostLocked(t)
+		return 0
+	}
 	t.worker = nil
 	for _, released := range p.onRelease {
 		close(released)
@@ -329,6 +335,29 @@ func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 	p.updateEndsLocked(w)
 	p.dispatchLocked()
 	return ejected
+}
+
+// keepGhostLocked keeps a job whose client left on its worker until the
+// worker would have finished it: the GPU goes on computing it, and the
+// next job is placed knowing that.
+func (p *pool) keepGhostLocked(t *ticket) {
+	t.ghost = true
+	end := t.worker.load.endsAt
+	if t.started > 0 {
+		end = t.started + int64(t.predicted)
+	}
+	d := time.Duration(end - p.now().UnixNano())
+	p.ghosts[t] = time.AfterFunc(max(d, 0), func() { p.endGhost(t) })
+}
+
+// endGhost lets go of a job whose client left, at its predicted end.
+func (p *pool) endGhost(t *ticket) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, ok := p.ghosts[t]; ok {
+		delete(p.ghosts, t)
+		p.releaseLocked(t, abandoned)
+	}
 }
 
 // dispatchLocked hands free slots to waiting jobs, in queue order; a job

@@ -238,3 +238,31 @@ func drainQueue(tb testing.TB, n int) {
 		tb.Fatalf("after draining: %d queued, %d in flight", queued(p), p.workers[0].load.inflight)
 	}
 }
+
+func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	cfg := config(leastWork{}, 1)
+	left, _ := choose(t, p, cfg, 100)
+	left.sent = true
+	p.release(left, abandoned) // the client left; the worker computes on
+	w := p.byDial[left.servedBy[len("http://"):]]
+	if info, _ := p.worker(left.servedBy); info.Inflight != 1 || info.WorkLeft <= 0 {
+		t.Fatalf("after its client left, the job's worker has %d in flight and %v work left; want the job still counted", info.Inflight, info.WorkLeft)
+	}
+	next, _ := choose(t, p, cfg, 1)
+	if next.worker == w {
+		t.Fatal("the next job went to the worker still computing the abandoned one")
+	}
+	p.release(next, succeeded)
+	p.endGhost(left)
+	if info, _ := p.worker(left.servedBy); info.Inflight != 0 {
+		t.Fatalf("at its predicted end the abandoned job still holds its worker: %d in flight", info.Inflight)
+	}
+	p.endGhost(left) // a second end changes nothing
+	// A job that never reached its worker leaves at once.
+	unsent, _ := choose(t, p, cfg, 100)
+	p.release(unsent, abandoned)
+	if info, _ := p.worker(unsent.servedBy); info.Inflight != 0 {
+		t.Fatal("a job its client left before it was sent still holds its worker")
+	}
+}
