@@ -2,19 +2,23 @@
 // serve` with a diffusion model) for tests, demos and benchmarks on machines
 // without a GPU.
 //
-// It answers the worker's HTTP API with sglang's paths, field names, defaults
-// and error shapes: the OpenAI-style image and video endpoints, the RL
-// endpoints /v1/diffusion/generate and /rollout/generate, weight updates and
-// sleep/wake. Above all it keeps the property a router must cope with: a
-// worker runs one job at a time, first come first served, and a job keeps it
-// busy for a time proportional to its cost (pixels × steps × frames ×
-// outputs, see Cost). Generated media are zero-filled stand-ins of a
-// configurable size.
+// It answers the worker's HTTP API as sglang's source does: the same paths,
+// field names, defaults, status codes and messages, for the OpenAI-style
+// image and video endpoints, the native /v1/diffusion/generate, the RL
+// endpoint /rollout/generate (a JSON list, tensors as base64 safetensors),
+// weight updates, checksums, LoRA and sleep/wake; the README lists every
+// endpoint and what differs. Like the real server it reports no weight
+// version: what a worker runs is for the router to record. Above all it keeps
+// the property a router must cope with: a worker runs one job at a time,
+// first come first served, and a job keeps it busy for a time proportional
+// to its cost (pixels × steps × frames × outputs, see Cost). Generated media
+// are zero-filled stand-ins of a configurable size.
 //
-// Errors take FastAPI's shapes, as sglang's do: {"detail": "..."} for the
-// errors sglang's handlers raise, and status 422 with {"detail": [{"type",
-// "loc", "msg"}]} when a request does not fit the endpoint's schema. The
-// weight and memory endpoints answer {"success": false, "message": "..."}.
+// Errors take sglang's shapes: FastAPI's {"detail": ...} for the errors its
+// handlers raise, status 422 with {"detail": [{"type", "loc", "msg"}]} when
+// a request does not fit the endpoint's schema, 500 "Internal Server Error"
+// in plain text where sglang lets an exception through, and
+// {"success": false, "message"} from the weight and memory endpoints.
 package fakeworker
 
 import (
@@ -26,6 +30,7 @@ import (
 	mrand "math/rand/v2"
 	"net"
 	"net/http"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -34,8 +39,8 @@ import (
 
 // Config describes a fake worker. Zero values take the defaults noted.
 type Config struct {
-	Name        string        // reported in the X-Fake-Worker response header and /server_info; default "fake"
-	ModelPath   string        // default "fake/diffusion-model"; also the initial weight version
+	Name        string        // reported in the X-Fake-Worker response header; default "fake"
+	ModelPath   string        // the model the worker serves, its id in /v1/models; default "fake/diffusion-model"
 	TaskType    string        // T2I (default), I2I, TI2I, T2V, I2V or TI2V
 	Speed       float64       // default 1; service time = cost * UnitMs / Speed
 	UnitMs      float64       // milliseconds per unit of cost, default 100
@@ -46,7 +51,17 @@ type Config struct {
 	HealthDelay time.Duration // /health waits this long before answering
 	HangAfter   int           // after N finished jobs, every later job holds the worker until Close (0 = never)
 	CrashAfter  int           // after N finished jobs, the next job kills the worker: listener and connections close unanswered (0 = never)
-	UpdateFail  bool          // weight updates fail: 500 {"success": false}, and the old weights stay, as sglang rolls back
+	UpdateFail  bool          // weight updates fail: 400 {"success": false}, and the old weights stay, as sglang rolls back
+	// CloudStorage is the base URL of the storage generated media are
+	// uploaded to, as sglang does with SGLANG_CLOUD_STORAGE_TYPE=s3; a
+	// medium's URL is CloudStorage/<file name>. Empty (the default): none,
+	// as on a worker without storage configured, so response_format "url"
+	// (the default of /v1/images/generations) answers 400.
+	CloudStorage string
+	// PipelineName and PipelineClass are what the model card reports of
+	// the pipeline sglang's registry resolved; defaults depend on the task
+	// type.
+	PipelineName, PipelineClass string
 }
 
 func (c Config) withDefaults() Config {
@@ -62,6 +77,13 @@ func (c Config) withDefaults() Config {
 	if c.ImageBytes <= 0 {
 		c.ImageBytes = 1024
 	}
+	c.CloudStorage = strings.TrimRight(c.CloudStorage, "/")
+	name, class := "flux", "FluxPipeline"
+	if c.videoTask() {
+		name, class = "wan", "WanPipeline"
+	}
+	c.PipelineName = cmp.Or(c.PipelineName, name)
+	c.PipelineClass = cmp.Or(c.PipelineClass, class)
 	return c
 }
 
@@ -77,12 +99,14 @@ type Stats struct {
 // Worker is a fake sglang-diffusion server. Its methods are safe for
 // concurrent use.
 type Worker struct {
-	cfg        Config
-	output     []byte // the fake image or video every output returns
-	outputB64  string
-	mediaToken string // stands for outputB64 in answers before it is spliced in
-	// outputTensor is the rollout API's generated_output, built on first use.
-	outputTensor func() mpMap
+	cfg Config
+	// media returns the fake output of a file extension (jpg, png, webp,
+	// mp4), built on first use.
+	media      func(ext string) medium
+	mediaToken string // stands for base64 media in answers before it is spliced in
+	// outputTensor is the base64 safetensors file of the rollout API's
+	// generated_output, built on first use.
+	outputTensor func() string
 	handler      http.Handler
 	slot         slotQueue
 
@@ -95,15 +119,39 @@ type Worker struct {
 	// healthFail starts as Config.HealthFail; SetHealthFail changes it.
 	healthFail atomic.Bool
 
-	mu       sync.Mutex   // guards the fields below
-	srv      *http.Server // set once serving
-	url      string
-	version  string
-	asleep   bool
-	rng      *mrand.Rand
-	stats    Stats
-	videos   map[string]*videoJob
-	videoSeq int
+	mu     sync.Mutex   // guards the fields below
+	srv    *http.Server // set once serving
+	url    string
+	asleep bool
+	// weights names, per module, the weights loaded: the model path of the
+	// last update from disk, or a digest of the last tensors loaded.
+	weights map[string]string
+	loras   map[string]string // LoRA adapters loaded, nickname → path
+	rng     *mrand.Rand
+	stats   Stats
+	videos  map[string]*videoJob
+	images  imageStore
+	clock   func() time.Time // time.Now; tests may stop it
+}
+
+// modules are the pipeline's updatable modules, in the order sglang lists
+// them for a typical pipeline.
+var modules = []string{"transformer", "vae", "text_encoder"}
+
+// outputDir is where the real server would write its outputs (its default
+// output_path "outputs/"); answers name files in it.
+var outputDir = func() string {
+	dir, err := filepath.Abs("outputs")
+	if err != nil {
+		return "outputs"
+	}
+	return dir
+}()
+
+// medium is a fake output and its base64.
+type medium struct {
+	data []byte
+	b64  string
 }
 
 // Cost is the work a request asks for, in units of one 1024×1024 image
@@ -122,14 +170,29 @@ func New(cfg Config) *Worker {
 		cfg:     cfg,
 		life:    life,
 		stop:    stop,
-		version: cfg.ModelPath,
+		weights: make(map[string]string),
+		loras:   make(map[string]string),
 		rng:     mrand.New(mrand.NewPCG(uint64(cfg.Seed), 0)),
 		videos:  make(map[string]*videoJob),
+		images:  imageStore{entries: make(map[string]*imageEntry)},
+		clock:   time.Now,
 	}
-	w.output = fakeMedia(w.isVideoTask(), cfg.ImageBytes)
-	w.outputB64 = base64.StdEncoding.EncodeToString(w.output)
+	for _, m := range modules {
+		w.weights[m] = cfg.ModelPath
+	}
+	media := make(map[string]func() medium)
+	for ext, magic := range mediaMagic {
+		media[ext] = sync.OnceValue(func() medium {
+			b := make([]byte, cfg.ImageBytes)
+			copy(b, magic)
+			return medium{b, base64.StdEncoding.EncodeToString(b)}
+		})
+	}
+	w.media = func(ext string) medium { return media[ext]() }
 	w.mediaToken = "media-" + newID()
-	w.outputTensor = sync.OnceValue(func() mpMap { return tensorValue(max(1, cfg.ImageBytes/4)) })
+	w.outputTensor = sync.OnceValue(func() string {
+		return base64.StdEncoding.EncodeToString(safetensors([]int{max(1, cfg.ImageBytes/4)}))
+	})
 	w.handler = w.routes()
 	w.healthFail.Store(cfg.HealthFail)
 	return w
@@ -214,37 +277,39 @@ func (w *Worker) Stats() Stats {
 	return w.stats
 }
 
-// WeightVersion is the version of the loaded weights: ModelPath at first,
-// then whatever the last weight update set.
-func (w *Worker) WeightVersion() string {
+// Weights names the transformer's weights: ModelPath at first, then the
+// model_path of the last successful update from disk, or "tensor:" and a
+// digest of the tensors of the last update from tensors. The HTTP API does
+// not report it, as sglang does not; tests use it to see what a worker
+// runs.
+func (w *Worker) Weights() string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.version
+	return w.weights["transformer"]
 }
 
-func (w *Worker) isVideoTask() bool {
-	switch w.cfg.TaskType {
+func (c Config) videoTask() bool {
+	switch c.TaskType {
 	case "T2V", "I2V", "TI2V":
 		return true
 	}
 	return false
 }
 
+func (w *Worker) isVideoTask() bool { return w.cfg.videoTask() }
+
 // serviceTime is how long work of the given cost keeps the worker busy.
 func (w *Worker) serviceTime(cost float64) time.Duration {
 	return time.Duration(cost * w.cfg.UnitMs / w.cfg.Speed * float64(time.Millisecond))
 }
 
-// fakeMedia is a zero-filled output of n bytes that starts like a PNG, or
-// like an MP4 for video models, so that sniffers recognise it.
-func fakeMedia(video bool, n int) []byte {
-	magic := "\x89PNG\r\n\x1a\n"
-	if video {
-		magic = "\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isommp42"
-	}
-	b := make([]byte, n)
-	copy(b, magic)
-	return b
+// mediaMagic starts the zero-filled fake output of each file extension, so
+// that sniffers recognise it.
+var mediaMagic = map[string]string{
+	"jpg":  "\xff\xd8\xff\xe0\x00\x10JFIF\x00",
+	"png":  "\x89PNG\r\n\x1a\n",
+	"webp": "RIFF\x00\x00\x00\x00WEBPVP8 ",
+	"mp4":  "\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isommp42",
 }
 
 // SetHealthFail makes /health fail (503) or pass from now on, as a worker

@@ -119,9 +119,28 @@ func waitQueue(t *testing.T, w *Worker, waiting int) {
 	})
 }
 
-// imageJob is an image request of cost steps.
-func imageJob(steps int) string {
-	return `{"prompt":"p","size":"1024x1024","num_inference_steps":` + strconv.Itoa(steps) + `}`
+// imageBody is an image request of cost steps, asking for base64 as real
+// clients do (sglang's default, "url", needs cloud storage).
+func imageBody(steps int) string {
+	return `{"prompt":"p","size":"1024x1024","response_format":"b64_json","num_inference_steps":` + strconv.Itoa(steps) + `}`
+}
+
+// plain500 checks sglang's answer to an exception it lets through.
+func (r reply) plain500(t *testing.T) {
+	t.Helper()
+	if r.status != 500 || r.header.Get("Content-Type") != "text/plain; charset=utf-8" || string(r.body) != "Internal Server Error" {
+		t.Errorf("got %d %q %.200q, want 500 Internal Server Error in plain text", r.status, r.header.Get("Content-Type"), r.body)
+	}
+}
+
+// list decodes a JSON list body.
+func (r reply) list(t *testing.T) []map[string]any {
+	t.Helper()
+	var l []map[string]any
+	if err := json.Unmarshal(r.body, &l); err != nil {
+		t.Fatalf("body %.200q: %v", r.body, err)
+	}
+	return l
 }
 
 func TestCost(t *testing.T) {
@@ -137,83 +156,128 @@ func TestInfoEndpoints(t *testing.T) {
 	w := start(t, Config{Name: "w1", TaskType: "t2v"})
 	for _, path := range []string{"/health", "/health_generate"} {
 		r := call(t, w, "GET", path, "")
-		if body := r.expect(t, 200); body["status"] != "ok" {
+		if body := r.expect(t, 200); len(body) != 1 || body["status"] != "ok" {
 			t.Errorf("%s = %v", path, body)
 		}
 		if got := r.header.Get("X-Fake-Worker"); got != "w1" {
 			t.Errorf("X-Fake-Worker = %q", got)
 		}
 	}
-	for _, path := range []string{"/model_info", "/v1/model_info", "/server_info"} {
-		body := call(t, w, "GET", path, "").expect(t, 200)
-		if body["model_path"] != "fake/diffusion-model" || body["task_type"] != "T2V" || body["weight_version"] != "fake/diffusion-model" {
-			t.Errorf("%s = %v", path, body)
-		}
+	info := call(t, w, "GET", "/server_info", "").expect(t, 200)
+	if len(info) != 5 || info["model_path"] != "fake/diffusion-model" || info["served_model_name"] != "fake/diffusion-model" ||
+		info["tp_size"] != 1.0 || info["dp_size"] != 1.0 || info["version"] == nil {
+		t.Errorf("/server_info = %v", info)
+	}
+	model := call(t, w, "GET", "/model_info", "").expect(t, 200)
+	if model["model_type"] != "diffusion" || model["task_type"] != "T2V" || model["is_image_gen"] != false ||
+		model["is_generation"] != true || model["has_image_understanding"] != false ||
+		!slices.Equal(model["architectures"].([]any), []any{"WanPipeline"}) {
+		t.Errorf("/model_info = %v", model)
+	}
+	if v1 := call(t, w, "GET", "/v1/model_info", "").expect(t, 200); len(v1) != 1 || v1["model_path"] != "fake/diffusion-model" {
+		t.Errorf("/v1/model_info = %v", v1)
+	}
+	legacy := call(t, w, "GET", "/models", "").expect(t, 200)
+	if legacy["pipeline_name"] != "wan" || legacy["pipeline_class"] != "WanPipeline" || legacy["task_type"] != "T2V" {
+		t.Errorf("/models = %v", legacy)
 	}
 	models := call(t, w, "GET", "/v1/models", "").expect(t, 200)
 	card := models["data"].([]any)[0].(map[string]any)
-	if models["object"] != "list" || card["id"] != "fake/diffusion-model" || card["object"] != "model" || card["task_type"] != "T2V" {
+	if models["object"] != "list" || card["id"] != "fake/diffusion-model" || card["object"] != "model" || card["task_type"] != "T2V" ||
+		card["owned_by"] != "sglang" || card["pipeline_name"] != "wan" || card["pipeline_class"] != "WanPipeline" {
 		t.Errorf("/v1/models = %v", models)
 	}
 	call(t, w, "GET", "/v1/models/fake/diffusion-model", "").expect(t, 200)
 	notFound := call(t, w, "GET", "/v1/models/other", "").expect(t, 404)
-	if e := notFound["error"].(map[string]any); e["code"] != "model_not_found" {
+	if e := notFound["error"].(map[string]any); e["code"] != "model_not_found" || e["message"] != "The model 'other' does not exist" {
 		t.Errorf("unknown model = %v", notFound)
+	}
+
+	custom := start(t, Config{TaskType: "TI2I", PipelineName: "qwen_image_edit", PipelineClass: "QwenImageEditPipeline"})
+	card = call(t, custom, "GET", "/v1/models", "").expect(t, 200)["data"].([]any)[0].(map[string]any)
+	model = call(t, custom, "GET", "/model_info", "").expect(t, 200)
+	if card["pipeline_name"] != "qwen_image_edit" || model["has_image_understanding"] != true || model["is_image_gen"] != true {
+		t.Errorf("TI2I worker: card %v, model_info %v", card, model)
 	}
 }
 
 func TestImageGenerations(t *testing.T) {
 	w := start(t, Config{ImageBytes: 100})
-	r := call(t, w, "POST", "/v1/images/generations", `{"prompt":"cat","size":"64x32","num_inference_steps":4,"n":3}`)
+	r := call(t, w, "POST", "/v1/images/generations", `{"prompt":"cat","size":"64x32","num_inference_steps":4,"n":3,"response_format":"b64_json"}`)
 	body := r.expect(t, 200)
 	data := body["data"].([]any)
 	if len(data) != 3 {
 		t.Fatalf("%d outputs, want 3", len(data))
 	}
-	img, err := base64.StdEncoding.DecodeString(data[0].(map[string]any)["b64_json"].(string))
-	if err != nil || len(img) != 100 || !bytes.HasPrefix(img, []byte("\x89PNG")) {
-		t.Errorf("image: %d bytes, err %v", len(img), err)
+	first := data[0].(map[string]any)
+	img, err := base64.StdEncoding.DecodeString(first["b64_json"].(string))
+	if err != nil || len(img) != 100 || !bytes.HasPrefix(img, []byte("\xff\xd8\xff")) {
+		t.Errorf("image: %d bytes, err %v; sglang's default output is a JPEG", len(img), err)
 	}
-	if body["weight_version"] != "fake/diffusion-model" || r.header.Get("X-Weight-Version") != "fake/diffusion-model" {
-		t.Errorf("weight version: body %v, header %q", body["weight_version"], r.header.Get("X-Weight-Version"))
+	id, _ := body["id"].(string)
+	if first["revised_prompt"] != "cat" || first["url"] != nil || !strings.HasSuffix(first["file_path"].(string), id+"_0.jpg") ||
+		id == "" || body["inference_time_s"] == nil {
+		t.Errorf("answer = %v", body)
+	}
+	if _, ok := body["weight_version"]; ok || r.header.Get("X-Weight-Version") != "" {
+		t.Errorf("the worker named a weight version: %v %v", body["weight_version"], r.header)
 	}
 	if s := w.Stats(); s.Jobs != 1 || s.Cost != Cost(64, 32, 4, 1, 3) || s.Busy <= 0 {
 		t.Errorf("stats = %+v", s)
 	}
 
-	clamped := call(t, w, "POST", "/v1/images/generations", `{"prompt":"cat","size":"8x8","n":50}`).expect(t, 200)
+	clamped := call(t, w, "POST", "/v1/images/generations", `{"prompt":"cat","size":"8x8","n":50,"response_format":"b64_json"}`).expect(t, 200)
 	if n := len(clamped["data"].([]any)); n != maxImagesPerPrompt {
 		t.Errorf("n=50 gave %d outputs, want %d", n, maxImagesPerPrompt)
 	}
+	png := call(t, w, "POST", "/v1/images/generations", `{"prompt":"cat","size":"8x8","response_format":"B64_JSON","output_format":"png"}`).expect(t, 200)
+	if b, _ := base64.StdEncoding.DecodeString(png["data"].([]any)[0].(map[string]any)["b64_json"].(string)); !bytes.HasPrefix(b, []byte("\x89PNG")) {
+		t.Errorf("output_format png gave %q", b[:4])
+	}
+	// An explicit null is None, not the default "url": base64 then.
+	call(t, w, "POST", "/v1/images/generations", `{"prompt":"cat","size":"8x8","response_format":null}`).expect(t, 200)
+	// A size that does not parse is ignored, as _parse_size does.
+	call(t, w, "POST", "/v1/images/generations", `{"prompt":"cat","size":"big","num_inference_steps":1,"response_format":"b64_json"}`).expect(t, 200)
+	if s := w.Stats(); s.Cost != Cost(64, 32, 4, 1, 3)+Cost(8, 8, 20, 1, 10)+2*Cost(8, 8, 20, 1, 1)+Cost(1024, 1024, 1, 1, 1) {
+		t.Errorf("cost %v", s.Cost)
+	}
+	// Image requests run on video models too: sglang's image API does not check.
+	video := start(t, Config{TaskType: "T2V"})
+	call(t, video, "POST", "/v1/images/generations", `{"prompt":"p","size":"8x8","response_format":"b64_json"}`).expect(t, 200)
 }
 
 func TestImageGenerationErrors(t *testing.T) {
 	tests := []struct {
-		name, task, body string
-		status           int
-		detail           string // a substring of a string detail, or the type of the first field error
-		jobs             int    // jobs the worker ran anyway
+		name, body string
+		status     int
+		detail     string // a substring of a string detail, the type of the first field error, or "" for plain text
+		jobs       int    // jobs the worker ran anyway
 	}{
-		{"invalid JSON", "", `{"prompt":`, 422, "json_invalid", 0},
-		{"empty body", "", ``, 422, "missing", 0},
-		{"no prompt", "", `{"n":1}`, 422, "missing", 0},
-		{"n not an int", "", `{"prompt":"p","n":"two"}`, 422, "int_type", 0},
-		{"bad size", "", `{"prompt":"p","size":"big"}`, 400, "invalid size", 0},
-		{"zero steps", "", `{"prompt":"p","num_inference_steps":0}`, 400, "must be positive", 0},
-		{"url format", "", `{"prompt":"p","size":"8x8","response_format":"url"}`, 400, "cloud storage", 1},
-		{"unknown format", "", `{"prompt":"p","size":"8x8","response_format":"gif"}`, 400, "not supported", 1},
-		{"video model", "T2V", `{"prompt":"p"}`, 400, "cannot generate images", 0},
+		{"invalid JSON", `{"prompt":`, 422, "json_invalid", 0},
+		{"empty body", ``, 422, "missing", 0},
+		{"no prompt", `{"n":1}`, 422, "missing", 0},
+		{"n not an int", `{"prompt":"p","n":"two"}`, 422, "int_type", 0},
+		{"zero steps", `{"prompt":"p","num_inference_steps":0}`, 500, "", 0},
+		{"stream", `{"prompt":"p","stream":true}`, 400, "Use /v1/images/generations/stream for realtime streaming responses.", 0},
+		{"default format is url", `{"prompt":"p","size":"8x8"}`, 400, "response_format='url' requires cloud storage to be configured.", 1},
+		{"url format", `{"prompt":"p","size":"8x8","response_format":"url"}`, 400, "cloud storage", 1},
+		{"unknown format", `{"prompt":"p","size":"8x8","response_format":"gif"}`, 400, "response_format=gif is not supported", 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			w := start(t, Config{TaskType: tt.task})
-			body := call(t, w, "POST", "/v1/images/generations", tt.body).expect(t, tt.status)
-			if tt.status == 422 {
-				if got := firstFieldError(t, body)["type"]; got != tt.detail {
+			w := start(t, Config{})
+			r := call(t, w, "POST", "/v1/images/generations", tt.body)
+			switch {
+			case tt.detail == "":
+				r.plain500(t)
+			case tt.status == 422:
+				if got := firstFieldError(t, r.expect(t, 422))["type"]; got != tt.detail {
 					t.Errorf("field error type %v, want %s", got, tt.detail)
 				}
-			} else if d, _ := body["detail"].(string); !strings.Contains(d, tt.detail) {
-				t.Errorf("detail %q, want it to contain %q", d, tt.detail)
+			default:
+				if d, _ := r.expect(t, tt.status)["detail"].(string); !strings.Contains(d, tt.detail) {
+					t.Errorf("detail %q, want it to contain %q", d, tt.detail)
+				}
 			}
 			if got := w.Stats().Jobs; got != tt.jobs {
 				t.Errorf("%d jobs ran, want %d", got, tt.jobs)
@@ -222,8 +286,6 @@ func TestImageGenerationErrors(t *testing.T) {
 	}
 }
 
-// multipartBody builds a form with the given fields and one small file per
-// name in files.
 func multipartBody(t *testing.T, fields map[string]string, files ...string) (contentType string, body []byte) {
 	t.Helper()
 	var buf bytes.Buffer
@@ -261,8 +323,20 @@ func TestImageEdits(t *testing.T) {
 	if n := len(ok["data"].([]any)); n != 2 {
 		t.Errorf("%d outputs, want 2", n)
 	}
+	if ok["data"].([]any)[0].(map[string]any)["b64_json"] == nil {
+		t.Errorf("edits default to b64_json: %v", ok)
+	}
 	if s := w.Stats(); s.Cost != Cost(64, 64, 3, 1, 2) {
 		t.Errorf("cost %v", s.Cost)
+	}
+	// Without cloud storage, a "url" edit names the worker's own copy.
+	url := postForm(t, w, "/v1/images/edits", map[string]string{"prompt": "p", "response_format": "url"}, "image").expect(t, 200)
+	item := url["data"].([]any)[0].(map[string]any)
+	if want := "/v1/images/" + url["id"].(string) + "/content"; item["url"] != want || item["b64_json"] != nil {
+		t.Errorf("url edit = %v, want url %s", item, want)
+	}
+	if r := call(t, w, "GET", item["url"].(string), ""); r.status != 200 {
+		t.Errorf("GET %s: %d", item["url"], r.status)
 	}
 
 	noImage := postForm(t, w, "/v1/images/edits", fields).expect(t, 422)
@@ -279,6 +353,142 @@ func TestImageEdits(t *testing.T) {
 	}
 }
 
+func TestImageContentAndDelete(t *testing.T) {
+	w := start(t, Config{ImageBytes: 50})
+	made := call(t, w, "POST", "/v1/images/generations", `{"prompt":"p","size":"8x8","response_format":"b64_json","output_format":"webp"}`).expect(t, 200)
+	id := made["id"].(string)
+	content := call(t, w, "GET", "/v1/images/"+id+"/content", "")
+	if content.status != 200 || content.header.Get("Content-Type") != "image/webp" || len(content.body) != 50 ||
+		!bytes.HasPrefix(content.body, []byte("RIFF")) || content.header.Get("Content-Disposition") != `attachment; filename="`+id+`.webp"` {
+		t.Errorf("content: %d %v %d bytes", content.status, content.header, len(content.body))
+	}
+	// A url request fails after the job, but its images are kept.
+	before := w.Stats().Jobs
+	call(t, w, "POST", "/v1/images/generations", `{"prompt":"p","size":"8x8"}`).expect(t, 400)
+	if w.Stats().Jobs != before+1 {
+		t.Error("the url request did not run")
+	}
+	if deleted := call(t, w, "DELETE", "/v1/images/"+id, "").expect(t, 200); deleted["id"] != id || deleted["status"] != "deleted" {
+		t.Errorf("delete = %v", deleted)
+	}
+	for _, r := range []reply{
+		call(t, w, "GET", "/v1/images/"+id+"/content", ""),
+		call(t, w, "DELETE", "/v1/images/"+id, ""),
+		call(t, w, "GET", "/v1/images/unknown/content", ""),
+	} {
+		if body := r.expect(t, 404); body["detail"] != "Image not found" {
+			t.Errorf("unknown image = %v", body)
+		}
+	}
+}
+
+func TestCloudStorage(t *testing.T) {
+	w := start(t, Config{CloudStorage: "http://bucket.test/outputs/"})
+	body := call(t, w, "POST", "/v1/images/generations", `{"prompt":"p","size":"8x8","n":2}`).expect(t, 200)
+	id := body["id"].(string)
+	data := body["data"].([]any)
+	if item := data[0].(map[string]any); len(data) != 1 || item["url"] != "http://bucket.test/outputs/"+id+"_0.jpg" || item["b64_json"] != nil {
+		t.Errorf("url answer = %v; sglang names the first upload only", body)
+	}
+	r := call(t, w, "GET", "/v1/images/"+id+"/content", "").expect(t, 400)
+	if r["detail"] != "Image has been uploaded to cloud storage. Please use the cloud URL: http://bucket.test/outputs/"+id+"_0.jpg" {
+		t.Errorf("content of an uploaded image = %v", r)
+	}
+
+	video := start(t, Config{TaskType: "T2V", CloudStorage: "http://bucket.test"})
+	vid := call(t, video, "POST", "/v1/videos", `{"prompt":"p","size":"8x8","num_frames":1,"num_inference_steps":1}`).expect(t, 200)["id"].(string)
+	var job map[string]any
+	waitFor(t, "video", func() bool {
+		job = call(t, video, "GET", "/v1/videos/"+vid, "").expect(t, 200)
+		return job["status"] == "completed"
+	})
+	if job["url"] != "http://bucket.test/"+vid+".mp4" || job["file_path"] != nil {
+		t.Errorf("uploaded video = %v", job)
+	}
+	if r := call(t, video, "GET", "/v1/videos/"+vid+"/content", "").expect(t, 400); !strings.HasPrefix(r["detail"].(string), "Video has been uploaded to cloud storage") {
+		t.Errorf("content of an uploaded video = %v", r)
+	}
+}
+
+// events reads a server-sent event stream.
+func events(t *testing.T, body []byte) (evs []map[string]any, done bool) {
+	t.Helper()
+	for _, block := range strings.Split(strings.TrimSuffix(string(body), "\n\n"), "\n\n") {
+		lines := strings.Split(block, "\n")
+		data, ok := strings.CutPrefix(lines[len(lines)-1], "data: ")
+		if !ok {
+			t.Fatalf("event without data: %q", block)
+		}
+		if data == "[DONE]" {
+			return evs, true
+		}
+		var ev map[string]any
+		if err := json.Unmarshal([]byte(data), &ev); err != nil {
+			t.Fatalf("event %q: %v", data, err)
+		}
+		if want := "id: " + strconv.Itoa(int(ev["seq"].(float64))); lines[0] != want {
+			t.Errorf("event id line %q, want %q", lines[0], want)
+		}
+		evs = append(evs, ev)
+	}
+	return evs, false
+}
+
+func TestImageStream(t *testing.T) {
+	w := start(t, Config{ImageBytes: 20})
+	r := call(t, w, "POST", "/v1/images/generations/stream", `{"prompt":"p","size":"8x8","response_format":"b64_json"}`)
+	if r.status != 200 || r.header.Get("Content-Type") != "text/event-stream; charset=utf-8" {
+		t.Fatalf("stream: %d %v", r.status, r.header)
+	}
+	evs, done := events(t, r.body)
+	if len(evs) != 2 || !done {
+		t.Fatalf("events %v, [DONE] %v", evs, done)
+	}
+	accepted, completed := evs[0], evs[1]
+	id := accepted["id"].(string)
+	if accepted["type"] != "accepted" || accepted["kind"] != "image" || accepted["cancel_on_disconnect"] != false || accepted["expires_at"] == nil {
+		t.Errorf("accepted = %v", accepted)
+	}
+	result, _ := completed["result"].(map[string]any)
+	if completed["type"] != "completed" || completed["id"] != id || result["id"] != id || len(result["data"].([]any)) != 1 {
+		t.Errorf("completed = %v", completed)
+	}
+	if r := call(t, w, "GET", "/v1/images/"+id+"/content", ""); r.status != 200 {
+		t.Errorf("content of a streamed job: %d", r.status)
+	}
+	if d := call(t, w, "DELETE", "/v1/images/"+id, "").expect(t, 200); d["status"] != "deleted" {
+		t.Errorf("delete of a finished stream = %v", d)
+	}
+
+	// The default response_format, url, fails in the stream once the job ran.
+	evs, _ = events(t, call(t, w, "POST", "/v1/images/generations/stream", `{"prompt":"p","size":"8x8"}`).body)
+	if last := evs[len(evs)-1]; last["type"] != "error" || last["error"] != "400: response_format='url' requires cloud storage to be configured." {
+		t.Errorf("url stream ended with %v", last)
+	}
+	call(t, w, "POST", "/v1/images/generations/stream", `{"prompt":"p","realtime_session_ttl_seconds":-1}`).expect(t, 400)
+
+	// A DELETE cancels a streamed job that has not ended.
+	slow := start(t, Config{UnitMs: 10})
+	got := make(chan reply)
+	go func() { got <- call(t, slow, "POST", "/v1/images/generations/stream", imageBody(100)) }()
+	var id2 string
+	waitFor(t, "stream job", func() bool {
+		slow.mu.Lock()
+		defer slow.mu.Unlock()
+		for k := range slow.images.entries {
+			id2 = k
+		}
+		return id2 != ""
+	})
+	if d := call(t, slow, "DELETE", "/v1/images/"+id2, "").expect(t, 200); d["status"] != "cancelling" {
+		t.Errorf("delete of a running stream = %v", d)
+	}
+	evs, done = events(t, (<-got).body)
+	if last := evs[len(evs)-1]; last["type"] != "cancelled" || !done {
+		t.Errorf("cancelled stream ended with %v", evs)
+	}
+}
+
 func TestJobsRunOneAtATimeInArrivalOrder(t *testing.T) {
 	// 200 ms a job: each must still run when the next arrives, even on a
 	// loaded machine.
@@ -288,7 +498,7 @@ func TestJobsRunOneAtATimeInArrivalOrder(t *testing.T) {
 	finished := make(chan int, jobs)
 	for i := range jobs {
 		go func() {
-			call(t, w, "POST", "/v1/images/generations", imageJob(steps)).expect(t, 200)
+			call(t, w, "POST", "/v1/images/generations", imageBody(steps)).expect(t, 200)
 			finished <- i
 		}()
 		waitQueue(t, w, i) // job i is queued before job i+1 is sent
@@ -312,13 +522,13 @@ func TestQueuedJobIsDroppedWhenClientLeaves(t *testing.T) {
 	w := start(t, Config{UnitMs: 10})
 	done := make(chan reply)
 	// 1 s: long enough to still run while the second job comes and goes.
-	go func() { done <- call(t, w, "POST", "/v1/images/generations", imageJob(100)) }()
+	go func() { done <- call(t, w, "POST", "/v1/images/generations", imageBody(100)) }()
 	waitQueue(t, w, 0)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	left := make(chan error)
 	go func() {
-		_, err := send(ctx, "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageJob(1)))
+		_, err := send(ctx, "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageBody(1)))
 		left <- err
 	}()
 	waitQueue(t, w, 1)
@@ -341,7 +551,7 @@ func TestRunningJobOutlivesClient(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	left := make(chan error)
 	go func() {
-		_, err := send(ctx, "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageJob(10)))
+		_, err := send(ctx, "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageBody(10)))
 		left <- err
 	}()
 	waitQueue(t, w, 0)
@@ -349,7 +559,7 @@ func TestRunningJobOutlivesClient(t *testing.T) {
 	if err := <-left; err == nil {
 		t.Fatal("cancelled request succeeded")
 	}
-	call(t, w, "POST", "/v1/images/generations", imageJob(1)).expect(t, 200)
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).expect(t, 200)
 	if elapsed := time.Since(begin); elapsed < 100*time.Millisecond {
 		t.Errorf("second job done after %v: it did not wait for the abandoned 100 ms job", elapsed)
 	}
@@ -360,10 +570,15 @@ func TestRunningJobOutlivesClient(t *testing.T) {
 
 func TestVideoLifecycle(t *testing.T) {
 	w := start(t, Config{TaskType: "T2V", ImageBytes: 64})
+	stopped := time.Now()
+	w.mu.Lock()
+	w.clock = func() time.Time { return stopped }
+	w.mu.Unlock()
 	created := call(t, w, "POST", "/v1/videos", `{"prompt":"p","size":"1024x1024","num_inference_steps":10,"num_frames":20}`).expect(t, 200)
 	id, _ := created["id"].(string)
 	if created["object"] != "video" || created["status"] != "queued" || created["model"] != "sora-2" ||
-		created["size"] != "1024x1024" || created["seconds"] != "1" || id == "" {
+		created["size"] != "1024x1024" || created["seconds"] != "1" || !strings.HasPrefix(id, "video_") ||
+		created["url"] != nil || !strings.HasSuffix(created["file_path"].(string), id+".mp4") {
 		t.Errorf("created = %v", created)
 	}
 	early := call(t, w, "GET", "/v1/videos/"+id+"/content", "").expect(t, 404)
@@ -376,13 +591,14 @@ func TestVideoLifecycle(t *testing.T) {
 		job = call(t, w, "GET", "/v1/videos/"+id, "").expect(t, 200)
 		return job["status"] == "completed"
 	})
-	if job["progress"] != 100.0 || job["weight_version"] != "fake/diffusion-model" || job["completed_at"] == nil {
+	if _, ok := job["weight_version"]; ok || job["progress"] != 100.0 || job["completed_at"] == nil || job["inference_time_s"] == nil {
 		t.Errorf("completed job = %v", job)
 	}
 	content := call(t, w, "GET", "/v1/videos/"+id+"/content", "")
-	if content.status != 200 || content.header.Get("Content-Type") != "video/mp4" ||
-		len(content.body) != 64 || string(content.body[4:8]) != "ftyp" {
-		t.Errorf("content: %d %q %d bytes", content.status, content.header.Get("Content-Type"), len(content.body))
+	if content.status != 200 || content.header.Get("Content-Type") != "video/mp4" || content.header.Get("X-Weight-Version") != "" ||
+		len(content.body) != 64 || string(content.body[4:8]) != "ftyp" ||
+		content.header.Get("Content-Disposition") != `attachment; filename="`+id+`.mp4"` {
+		t.Errorf("content: %d %v %d bytes", content.status, content.header, len(content.body))
 	}
 	if s := w.Stats(); s.Jobs != 1 || s.Cost != 200 {
 		t.Errorf("stats %+v", s)
@@ -390,6 +606,10 @@ func TestVideoLifecycle(t *testing.T) {
 
 	second := call(t, w, "POST", "/v1/videos", `{"prompt":"q","size":"64x64","extra_body":{"num_frames":4}}`).expect(t, 200)
 	secondID := second["id"].(string)
+	w.mu.Lock()
+	w.clock = func() time.Time { return stopped.Add(time.Second) }
+	w.mu.Unlock()
+	third := call(t, w, "POST", "/v1/videos", `{"prompt":"r","size":"64x64","num_frames":1}`).expect(t, 200)["id"].(string)
 	listIDs := func(query string) []string {
 		var ids []string
 		for _, j := range call(t, w, "GET", "/v1/videos"+query, "").expect(t, 200)["data"].([]any) {
@@ -397,18 +617,27 @@ func TestVideoLifecycle(t *testing.T) {
 		}
 		return ids
 	}
+	// By created_at, in seconds; jobs of the same second stay in creation
+	// order, descending or not, as Python's stable sort leaves them.
 	for query, want := range map[string][]string{
-		"":                       {secondID, id},
-		"?order=asc":             {id, secondID},
-		"?limit=1":               {secondID},
-		"?order=asc&after=" + id: {secondID},
-		"?after=unknown":         nil,
+		"":                              {third, id, secondID},
+		"?order=asc":                    {id, secondID, third},
+		"?order=sideways":               {third, id, secondID},
+		"?limit=1":                      {third},
+		"?order=asc&after=" + id:        {secondID, third},
+		"?after=unknown":                nil,
+		"?video_id=" + secondID:         {third, id, secondID}, // not a filter: the whole list
+		"?video_id=x&order=asc&limit=2": {id, secondID},
 	} {
 		if got := listIDs(query); !slices.Equal(got, want) {
 			t.Errorf("list%s = %v, want %v", query, got, want)
 		}
 	}
-	call(t, w, "GET", "/v1/videos?limit=0", "").expect(t, 422)
+	for query, typ := range map[string]string{"0": "greater_than_equal", "101": "less_than_equal", "x": "int_parsing"} {
+		if fe := firstFieldError(t, call(t, w, "GET", "/v1/videos?limit="+query, "").expect(t, 422)); fe["type"] != typ {
+			t.Errorf("limit=%s: %v", query, fe)
+		}
+	}
 
 	if deleted := call(t, w, "DELETE", "/v1/videos/"+id, "").expect(t, 200); deleted["status"] != "deleted" {
 		t.Errorf("deleted = %v", deleted)
@@ -426,15 +655,21 @@ func TestVideoLifecycle(t *testing.T) {
 
 func TestVideoRequestErrors(t *testing.T) {
 	w := start(t, Config{TaskType: "I2V"})
-	for _, body := range []string{`{"seconds":4}`, `{"prompt":`} {
+	noReference := "input_reference or reference_url is required for image-to-video generation"
+	for body, want := range map[string]string{
+		`{"seconds":4}`:  "Invalid request body: 400: " + noReference,
+		`{"prompt":`:     "Invalid request body: 400: " + noReference,
+		`{"prompt":"p"}`: "Invalid request body: 400: " + noReference,
+		`{"seconds":4,"reference_url":"http://x/i.png"}`: "Invalid request body: ",
+	} {
 		r := call(t, w, "POST", "/v1/videos", body).expect(t, 400)
-		if d, _ := r["detail"].(string); !strings.HasPrefix(d, "Invalid request body") {
-			t.Errorf("%s: %v", body, r)
+		if d, _ := r["detail"].(string); !strings.HasPrefix(d, want) {
+			t.Errorf("%s: %v, want %q", body, r, want)
 		}
 	}
 	fields := map[string]string{"prompt": "p", "size": "64x64", "num_frames": "4"}
 	noRef := postForm(t, w, "/v1/videos", fields).expect(t, 400)
-	if noRef["detail"] != "input_reference file is required" {
+	if noRef["detail"] != noReference {
 		t.Errorf("no input_reference: %v", noRef)
 	}
 	noPrompt := postForm(t, w, "/v1/videos", map[string]string{"size": "64x64"}, "input_reference").expect(t, 400)
@@ -444,99 +679,209 @@ func TestVideoRequestErrors(t *testing.T) {
 	if ok := postForm(t, w, "/v1/videos", fields, "input_reference").expect(t, 200); ok["status"] != "queued" {
 		t.Errorf("multipart video = %v", ok)
 	}
+	call(t, w, "POST", "/v1/videos", `{"prompt":"p","size":"64x64","num_frames":1,"input_reference":"/in.png"}`).expect(t, 200)
+	if r := call(t, w, "POST", "/v1/videos", `{"prompt":"p","num_frames":0,"input_reference":"/in.png"}`).expect(t, 400); !strings.Contains(r["detail"].(string), "must be positive") {
+		t.Errorf("zero frames: %v", r)
+	}
 
+	// sglang's video API takes a request on any model.
 	image := start(t, Config{TaskType: "T2I"})
-	r := call(t, image, "POST", "/v1/videos", `{"prompt":"p"}`).expect(t, 400)
-	if d, _ := r["detail"].(string); !strings.Contains(d, "video-capable") {
+	if r := call(t, image, "POST", "/v1/videos", `{"prompt":"p","size":"8x8","num_frames":1}`).expect(t, 200); r["status"] != "queued" {
 		t.Errorf("image model: %v", r)
+	}
+}
+
+func TestFailedVideo(t *testing.T) {
+	w := start(t, Config{TaskType: "T2V", FailRate: 1})
+	id := call(t, w, "POST", "/v1/videos", `{"prompt":"p","size":"8x8","num_frames":1}`).expect(t, 200)["id"].(string)
+	var job map[string]any
+	waitFor(t, "failure", func() bool {
+		job = call(t, w, "GET", "/v1/videos/"+id, "").expect(t, 200)
+		return job["status"] == "failed"
+	})
+	if e := job["error"].(map[string]any); e["message"] != "Model generation returned no output. Error from scheduler: injected failure (--fail-rate)" {
+		t.Errorf("failed job = %v", job)
+	}
+	if r := call(t, w, "GET", "/v1/videos/"+id+"/content", "").expect(t, 404); r["detail"] != "Generation is still in-progress" {
+		t.Errorf("content of a failed job = %v", r)
 	}
 }
 
 func TestWeightUpdateWaitsForQueuedJobs(t *testing.T) {
 	w := start(t, Config{UnitMs: 10})
 	type result struct {
-		name string
-		r    reply
+		name    string
+		r       reply
+		weights string // what the worker ran when the answer came
 	}
 	results := make(chan result, 3)
 	submit := func(name, path, body string, waiting int) {
-		go func() { results <- result{name, call(t, w, "POST", path, body)} }()
+		go func() {
+			r := call(t, w, "POST", path, body)
+			results <- result{name, r, w.Weights()}
+		}()
 		waitQueue(t, w, waiting)
 	}
-	submit("before", "/v1/images/generations", imageJob(10), 0)
+	submit("before", "/v1/images/generations", imageBody(10), 0)
 	submit("update", "/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"v2"}`, 1)
-	submit("after", "/v1/images/generations", imageJob(1), 2)
+	submit("after", "/v1/images/generations", imageBody(1), 2)
 
 	var order []string
-	got := map[string]reply{}
+	got := map[string]result{}
 	for range 3 {
 		res := <-results
 		order = append(order, res.name)
-		got[res.name] = res.r
+		got[res.name] = res
 	}
 	if !slices.Equal(order, []string{"before", "update", "after"}) {
 		t.Errorf("completion order %v", order)
 	}
-	if v := got["before"].expect(t, 200)["weight_version"]; v != "fake/diffusion-model" {
-		t.Errorf("job queued before the update ran with %v", v)
+	if got["before"].weights != "fake/diffusion-model" {
+		t.Errorf("job queued before the update ended on %q", got["before"].weights)
 	}
-	if u := got["update"].expect(t, 200); u["success"] != true {
+	u := got["update"].r.expect(t, 200)
+	if len(u) != 2 || u["success"] != true || u["message"] != "Updated 3 modules (transformer, vae, text_encoder)." {
 		t.Errorf("update = %v", u)
 	}
-	after := got["after"]
-	if v := after.expect(t, 200)["weight_version"]; v != "v2" || after.header.Get("X-Weight-Version") != "v2" {
-		t.Errorf("job queued after the update ran with %v (header %q)", v, after.header.Get("X-Weight-Version"))
+	got["after"].r.expect(t, 200)
+	if got["after"].weights != "/ckpt/2" || got["after"].r.header.Get("X-Weight-Version") != "" {
+		t.Errorf("job queued after the update: weights %q, header %q", got["after"].weights, got["after"].r.header.Get("X-Weight-Version"))
 	}
 
-	call(t, w, "POST", "/update_weights_from_disk", `{"model_path":"/ckpt/3"}`).expect(t, 200)
-	if v := w.WeightVersion(); v != "/ckpt/3" {
-		t.Errorf("version %q, want the model path", v)
+	partial := call(t, w, "POST", "/update_weights_from_disk", `{"model_path":"/ckpt/3","target_modules":["transformer"]}`).expect(t, 200)
+	if w.Weights() != "/ckpt/3" || partial["message"] != "Updated 1 modules (transformer)." {
+		t.Errorf("weights %q after %v", w.Weights(), partial)
 	}
-	for _, body := range []string{`{"flush_cache":true}`, `{"model_path":`, `{"model_path":"x","target_modules":"all"}`} {
-		if r := call(t, w, "POST", "/update_weights_from_disk", body).expect(t, 400); r["success"] != false {
-			t.Errorf("%s: %v", body, r)
+	for body, want := range map[string]string{
+		`{"flush_cache":true}`:                         "model_path is required",
+		`{"model_path":""}`:                            "model_path is required",
+		`{"model_path":"x","target_modules":["unet"]}`: "Module(s) requested for update not found in pipeline: ['unet']. Available Module(s): ['transformer', 'vae', 'text_encoder']",
+		`{"model_path":"x","target_modules":"vae"}`:    "Module(s) requested for update not found in pipeline: ['v', 'a', 'e']. Available Module(s): ['transformer', 'vae', 'text_encoder']",
+	} {
+		if r := call(t, w, "POST", "/update_weights_from_disk", body).expect(t, 400); r["success"] != false || r["message"] != want {
+			t.Errorf("%s: %v, want %q", body, r, want)
 		}
+	}
+	for _, body := range []string{``, `{"model_path":`, `["x"]`, `null`} {
+		call(t, w, "POST", "/update_weights_from_disk", body).plain500(t)
+	}
+	if w.Weights() != "/ckpt/3" {
+		t.Errorf("refused updates changed the weights to %q", w.Weights())
+	}
+}
+
+func TestUpdateFail(t *testing.T) {
+	w := start(t, Config{UpdateFail: true})
+	disk := call(t, w, "POST", "/update_weights_from_disk", `{"model_path":"/ckpt/2"}`).expect(t, 400)
+	if disk["success"] != false || disk["message"] != "Failed to update module 'transformer': injected failure (--update-fail). All modules rolled back to original weights." {
+		t.Errorf("failed update = %v", disk)
+	}
+	tensor := call(t, w, "POST", "/update_weights_from_tensor", `{"serialized_named_tensors":["abc"]}`).expect(t, 400)
+	if d, _ := tensor["message"].(string); tensor["success"] != false || !strings.HasPrefix(d, "Failed to update module 'transformer' from tensor: ") {
+		t.Errorf("failed tensor update = %v", tensor)
+	}
+	if w.Weights() != "fake/diffusion-model" {
+		t.Errorf("failed updates left %q", w.Weights())
 	}
 }
 
 func TestTensorUpdateAndChecksum(t *testing.T) {
 	w := start(t, Config{})
-	before := call(t, w, "POST", "/get_weights_checksum", "").expect(t, 200)
-	call(t, w, "POST", "/update_weights_from_tensor", `{"serialized_named_tensors":[]}`).expect(t, 400)
-	call(t, w, "POST", "/update_weights_from_tensor", `{"serialized_named_tensors":["abc"]}`).expect(t, 200)
-	if v := w.WeightVersion(); v != "fake/diffusion-model" {
-		t.Errorf("version changed to %q without weight_version", v)
+	before := call(t, w, "POST", "/get_weights_checksum", `{}`).expect(t, 200)
+	for body, want := range map[string]string{
+		`{"serialized_named_tensors":[]}`:        "serialized_named_tensors is required",
+		`{}`:                                     "serialized_named_tensors is required",
+		`{"serialized_named_tensors":"abc"}`:     "serialized_named_tensors must be a list",
+		`{"serialized_named_tensors":["a","b"]}`: "serialized_named_tensors size must be 1 or tp_size (1), got 2",
+		`{"serialized_named_tensors":["a"],"target_modules":["x"]}`: "Module(s) requested for update not found in pipeline: ['x']. Available Module(s): ['transformer', 'vae', 'text_encoder']",
+	} {
+		if r := call(t, w, "POST", "/update_weights_from_tensor", body).expect(t, 400); r["message"] != want {
+			t.Errorf("%s: %v, want %q", body, r, want)
+		}
 	}
-	call(t, w, "POST", "/update_weights_from_tensor", `{"serialized_named_tensors":["abc"],"weight_version":"v3"}`).expect(t, 200)
-	if v := w.WeightVersion(); v != "v3" {
-		t.Errorf("version %q, want v3", v)
+	ok := call(t, w, "POST", "/update_weights_from_tensor", `{"serialized_named_tensors":["abc"],"weight_version":"v3"}`).expect(t, 200)
+	if ok["message"] != "Updated 1 modules from tensor (transformer)." || !strings.HasPrefix(w.Weights(), "tensor:") {
+		t.Errorf("tensor update = %v, weights %q", ok, w.Weights())
 	}
-	after := call(t, w, "POST", "/get_weights_checksum", `{"module_names":["transformer"]}`).expect(t, 200)
-	if len(after) != 1 || after["transformer"] == before["transformer"] || len(before) != 3 {
+	after := call(t, w, "POST", "/get_weights_checksum", `{"module_names":["transformer","vae","unet"]}`).expect(t, 200)
+	if len(before) != 3 || len(after) != 3 || after["transformer"] == before["transformer"] ||
+		after["vae"] != before["vae"] || after["unet"] != "not_found" || len(after["vae"].(string)) != 64 {
 		t.Errorf("checksums before %v, after %v", before, after)
 	}
+	call(t, w, "POST", "/get_weights_checksum", "").plain500(t)
 }
 
 func TestSleepAndWake(t *testing.T) {
-	w := start(t, Config{})
-	for range 2 {
-		if r := call(t, w, "POST", "/release_memory_occupation", "").expect(t, 200); r["success"] != true {
-			t.Errorf("release = %v", r)
+	w := start(t, Config{TaskType: "T2V"})
+	for i, want := range []string{"released GPU memory (moved active modules to CPU)", "already sleeping"} {
+		r := call(t, w, "POST", "/release_memory_occupation", "").expect(t, 200)
+		if len(r) != 3 || r["success"] != true || r["sleeping"] != true || r["message"] != want {
+			t.Errorf("release %d = %v", i, r)
 		}
 	}
-	asleep := call(t, w, "POST", "/v1/images/generations", imageJob(1)).expect(t, 503)
-	if d, _ := asleep["detail"].(string); !strings.Contains(d, "resume_memory_occupation") {
-		t.Errorf("asleep = %v", asleep)
+	const asleep = "Server is sleeping. Call resume_memory_occupation first."
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).plain500(t)
+	call(t, w, "POST", "/v1/diffusion/generate", `{"prompt":"p","size":"8x8"}`).plain500(t)
+	if r := call(t, w, "POST", "/rollout/generate", `{"prompt":"p","seed":1}`).expect(t, 500); r["detail"] != asleep {
+		t.Errorf("rollout while asleep = %v", r)
 	}
-	if info := call(t, w, "GET", "/server_info", "").expect(t, 200); info["is_sleeping"] != true {
-		t.Errorf("server_info = %v", info)
+	evs, _ := events(t, call(t, w, "POST", "/v1/images/generations/stream", imageBody(1)).body)
+	if last := evs[len(evs)-1]; last["error"] != "Model generation returned no output. Error from scheduler: "+asleep {
+		t.Errorf("stream while asleep ended with %v", last)
 	}
-	for range 2 {
-		call(t, w, "POST", "/resume_memory_occupation", "").expect(t, 200)
+	vid := call(t, w, "POST", "/v1/videos", `{"prompt":"p","size":"8x8","num_frames":1}`).expect(t, 200)["id"].(string)
+	waitFor(t, "video failure", func() bool {
+		return call(t, w, "GET", "/v1/videos/"+vid, "").expect(t, 200)["status"] == "failed"
+	})
+	update := call(t, w, "POST", "/update_weights_from_disk", `{"model_path":"/ckpt/2"}`).expect(t, 500)
+	if update["success"] != false || update["message"] != "Cannot update weights while the server is sleeping. Call resume_memory_occupation first." {
+		t.Errorf("update while asleep = %v", update)
 	}
-	call(t, w, "POST", "/v1/images/generations", imageJob(1)).expect(t, 200)
+	call(t, w, "POST", "/update_weights_from_tensor", `{"serialized_named_tensors":["abc"]}`).expect(t, 200)
+	call(t, w, "POST", "/get_weights_checksum", `{}`).expect(t, 200)
+
+	for i, want := range []string{"resumed GPU memory (restored modules to original devices)", "already awake"} {
+		r := call(t, w, "POST", "/resume_memory_occupation", "").expect(t, 200)
+		if r["success"] != true || r["sleeping"] != false || r["message"] != want {
+			t.Errorf("resume %d = %v", i, r)
+		}
+	}
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).expect(t, 200)
 	if s := w.Stats(); s.Jobs != 1 {
 		t.Errorf("%d jobs, want 1", s.Jobs)
+	}
+}
+
+func TestLora(t *testing.T) {
+	w := start(t, Config{})
+	for body, want := range map[string]string{
+		`{"lora_nickname":"a","lora_path":"/loras/a"}`: "Successfully set LoRA adapter(s): a (target: all, strength: 1.00)",
+		`{"lora_nickname":"a"}`:                        "Successfully set LoRA adapter(s): a (target: all, strength: 1.00)",
+		`{"lora_nickname":["a","b"],"lora_path":["/loras/a","/loras/b"],"target":["transformer","transformer_2"],"strength":[0.5,1]}`: "Successfully set LoRA adapter(s): a, b (target: transformer, transformer_2, strength: 0.50, 1.00)",
+	} {
+		if r := call(t, w, "POST", "/v1/set_lora", body).expect(t, 200); len(r) != 2 || r["status"] != "ok" || r["message"] != want {
+			t.Errorf("%s: %v, want %q", body, r, want)
+		}
+	}
+	if r := call(t, w, "POST", "/v1/set_lora", `{"lora_nickname":"c"}`).expect(t, 500); !strings.HasPrefix(r["detail"].(string), "Failed to set LoRA adapter: ") {
+		t.Errorf("unknown adapter without a path = %v", r)
+	}
+	if fe := firstFieldError(t, call(t, w, "POST", "/v1/set_lora", `{"lora_path":"/x"}`).expect(t, 422)); fe["type"] != "missing" {
+		t.Errorf("no nickname: %v", fe)
+	}
+	for path, body := range map[string]string{
+		"Successfully merged LoRA weights (target: all, strength: 1.0)":         "",
+		"Successfully merged LoRA weights (target: transformer, strength: 0.5)": `{"target":"transformer","strength":0.5}`,
+		"Successfully unmerged LoRA weights (target: all)":                      "-",
+		"Successfully unmerged LoRA weights (target: transformer_2)":            `-{"target":"transformer_2"}`,
+	} {
+		endpoint := "/v1/merge_lora_weights"
+		if rest, ok := strings.CutPrefix(body, "-"); ok {
+			endpoint, body = "/v1/unmerge_lora_weights", rest
+		}
+		if r := call(t, w, "POST", endpoint, body).expect(t, 200); r["message"] != path {
+			t.Errorf("%s %s: %v", endpoint, body, r)
+		}
 	}
 }
 
@@ -554,11 +899,11 @@ func TestHealthFaults(t *testing.T) {
 
 func TestFailRate(t *testing.T) {
 	w := start(t, Config{FailRate: 1})
-	r := call(t, w, "POST", "/v1/images/generations", imageJob(1)).expect(t, 500)
-	if d, _ := r["detail"].(string); !strings.HasPrefix(d, "Generation failed") {
-		t.Errorf("failure = %v", r)
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).plain500(t)
+	if r := call(t, w, "POST", "/rollout/generate", `{"prompt":"p","size":"8x8","seed":1}`).expect(t, 500); r["detail"] != "injected failure (--fail-rate)" {
+		t.Errorf("rollout failure = %v", r)
 	}
-	if s := w.Stats(); s.Failed != 1 || s.Jobs != 0 {
+	if s := w.Stats(); s.Failed != 2 || s.Jobs != 0 {
 		t.Errorf("stats %+v", s)
 	}
 
@@ -566,7 +911,7 @@ func TestFailRate(t *testing.T) {
 		w := start(t, Config{FailRate: 0.5, Seed: 42})
 		var got []int
 		for range 8 {
-			got = append(got, call(t, w, "POST", "/v1/images/generations", imageJob(1)).status)
+			got = append(got, call(t, w, "POST", "/v1/images/generations", imageBody(1)).status)
 		}
 		return got
 	}
@@ -578,8 +923,8 @@ func TestFailRate(t *testing.T) {
 
 func TestCrashAfter(t *testing.T) {
 	w := start(t, Config{CrashAfter: 1})
-	call(t, w, "POST", "/v1/images/generations", imageJob(1)).expect(t, 200)
-	if r, err := send(context.Background(), "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageJob(1))); err == nil {
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).expect(t, 200)
+	if r, err := send(context.Background(), "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageBody(1))); err == nil {
 		t.Errorf("job after the crash got an answer: %d %s", r.status, r.body)
 	}
 	if r, err := send(context.Background(), "GET", w.URL()+"/health", "", nil); err == nil {
@@ -592,13 +937,13 @@ func TestCrashAfter(t *testing.T) {
 
 func TestHangAfter(t *testing.T) {
 	w := start(t, Config{HangAfter: 1})
-	call(t, w, "POST", "/v1/images/generations", imageJob(1)).expect(t, 200)
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).expect(t, 200)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	hung := make(chan error, 1)
 	go func() {
-		_, err := send(ctx, "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageJob(1)))
+		_, err := send(ctx, "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageBody(1)))
 		hung <- err
 	}()
 	waitQueue(t, w, 0) // the hung job runs
@@ -610,7 +955,7 @@ func TestHangAfter(t *testing.T) {
 
 	queued := make(chan error)
 	go func() {
-		_, err := send(context.Background(), "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageJob(1)))
+		_, err := send(context.Background(), "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageBody(1)))
 		queued <- err
 	}()
 	waitQueue(t, w, 1)
@@ -645,27 +990,28 @@ func TestDiffusionGenerate(t *testing.T) {
 	w := start(t, Config{ImageBytes: 32})
 	body := call(t, w, "POST", "/v1/diffusion/generate",
 		`{"prompt":"p","width":64,"height":64,"num_inference_steps":2,"num_outputs_per_prompt":2,"get_latents":true,"get_log_probs":true}`).expect(t, 200)
-	if out, _ := base64.StdEncoding.DecodeString(body["output_b64"].(string)); len(out) != 32 || body["output_format"] != "png" {
-		t.Errorf("output: %d bytes, format %v", len(out), body["output_format"])
+	if out, _ := base64.StdEncoding.DecodeString(body["output_b64"].(string)); len(out) != 32 || body["output_format"] != "png" ||
+		!strings.HasSuffix(body["file_path"].(string), body["id"].(string)+".png") {
+		t.Errorf("output: %d bytes, answer %v", len(out), body)
 	}
 	traj := body["trajectory"].(map[string]any)
 	if h := npyHeader(t, traj["latents"].(string)); !strings.Contains(h, "'shape': (2, 3, 16, 1, 8, 8)") {
 		t.Errorf("latents header %q", h)
 	}
-	if h := npyHeader(t, traj["log_probs"].(string)); !strings.Contains(h, "'shape': (2, 2)") {
-		t.Errorf("log_probs header %q", h)
+	if traj["log_probs"] != nil {
+		t.Errorf("log_probs %v: sglang's pipeline is not asked for them", traj["log_probs"])
 	}
 	if ts := traj["timesteps"].([]any); len(ts) != 2 || !strings.Contains(npyHeader(t, ts[0].(string)), "'shape': ()") {
 		t.Errorf("timesteps %v", ts)
 	}
-	plain := call(t, w, "POST", "/v1/diffusion/generate", `{"prompt":"p","size":"64x64"}`).expect(t, 200)
-	if plain["trajectory"] != nil {
-		t.Errorf("unrequested trajectory: %v", plain["trajectory"])
+	for _, req := range []string{`{"prompt":"p","size":"64x64"}`, `{"prompt":"p","size":"64x64","get_log_probs":true}`} {
+		if plain := call(t, w, "POST", "/v1/diffusion/generate", req).expect(t, 200); plain["trajectory"] != nil {
+			t.Errorf("%s: unrequested trajectory %v", req, plain["trajectory"])
+		}
 	}
 	call(t, w, "POST", "/v1/diffusion/generate", `{"size":"64x64"}`).expect(t, 422)
 }
 
-// safetensorsHeader checks a rollout tensor and returns its safetensors header.
 func safetensorsHeader(t *testing.T, tensor any) map[string]any {
 	t.Helper()
 	m := tensor.(map[string]any)
@@ -691,7 +1037,7 @@ func safetensorsHeader(t *testing.T, tensor any) map[string]any {
 func toInts(a []any) []int {
 	ns := make([]int, len(a))
 	for i, v := range a {
-		ns[i] = int(v.(int64))
+		ns[i] = int(v.(float64))
 	}
 	return ns
 }
@@ -699,21 +1045,21 @@ func toInts(a []any) []int {
 func TestRollout(t *testing.T) {
 	w := start(t, Config{ImageBytes: 40})
 	r := call(t, w, "POST", "/rollout/generate",
-		`{"prompt":"p","width":64,"height":64,"num_inference_steps":3,"num_outputs_per_prompt":2,"seed":7,"rollout_return_dit_trajectory":true}`)
-	if r.status != 200 || r.header.Get("Content-Type") != "application/msgpack" || r.header.Get("X-Weight-Version") == "" {
+		`{"prompt":"p","width":64,"height":64,"num_inference_steps":3,"num_outputs_per_prompt":2,"seed":7,"rollout_return_dit_trajectory":true,"rollout_return_denoising_env":true}`)
+	if r.status != 200 || r.header.Get("Content-Type") != "application/json" || r.header.Get("X-Weight-Version") != "" {
 		t.Fatalf("rollout: %d %v", r.status, r.header)
 	}
-	decoded, err := decodeMsgpack(r.body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	samples := decoded.([]any)
+	samples := r.list(t)
 	if len(samples) != 2 {
 		t.Fatalf("%d samples, want 2", len(samples))
 	}
-	s := samples[0].(map[string]any)
-	if s["seed"] != int64(7) || s["prompt"] != "p" || s["request_id"] != samples[1].(map[string]any)["request_id"] ||
-		s["denoising_env"] != nil || s["weight_version"] != "fake/diffusion-model" {
+	s := samples[0]
+	keys := []string{"request_id", "prompt", "seed", "generated_output", "rollout_log_probs", "rollout_debug_tensors",
+		"denoising_env", "dit_trajectory", "inference_time_s", "peak_memory_mb"}
+	if len(s) != len(keys) {
+		t.Errorf("sample keys %v, want %v", s, keys)
+	}
+	if s["seed"] != 7.0 || s["prompt"] != "p" || s["request_id"] != samples[1]["request_id"] || s["peak_memory_mb"] != nil {
 		t.Errorf("sample = %v", s)
 	}
 	if h := safetensorsHeader(t, s["generated_output"]); h["dtype"] != "F32" {
@@ -723,20 +1069,36 @@ func TestRollout(t *testing.T) {
 	if debug := s["rollout_debug_tensors"].(map[string]any); len(debug) != 4 {
 		t.Errorf("debug tensors %v", debug)
 	}
-	latents := s["dit_trajectory"].(map[string]any)["latents"]
-	if shape := toInts(latents.(map[string]any)["shape"].([]any)); !slices.Equal(shape, []int{4, 16, 1, 8, 8}) {
-		t.Errorf("latents shape %v", shape)
+	if env := s["denoising_env"].(map[string]any); len(env) != 4 {
+		t.Errorf("denoising_env %v", env)
 	}
+	dit := s["dit_trajectory"].(map[string]any)
+	if shape := toInts(dit["latents"].(map[string]any)["shape"].([]any)); len(dit) != 2 || !slices.Equal(shape, []int{4, 16, 1, 8, 8}) {
+		t.Errorf("dit_trajectory %v, latents shape %v", dit, shape)
+	}
+	safetensorsHeader(t, dit["timesteps"])
 
-	r = call(t, w, "POST", "/rollout/generate", `{"prompt":"p","width":64,"height":64,"rollout":false}`)
-	decoded, err = decodeMsgpack(r.body)
-	if err != nil {
-		t.Fatal(err)
+	eval := call(t, w, "POST", "/rollout/generate", `{"prompt":"p","width":64,"height":64,"rollout":false,"seed":1}`).list(t)
+	if s := eval[0]; len(s) != len(keys) || s["rollout_log_probs"] != nil || s["rollout_debug_tensors"] != nil || s["generated_output"] == nil {
+		t.Errorf("evaluation sample: %v", s)
 	}
-	if s := decoded.([]any)[0].(map[string]any); s["rollout_log_probs"] != nil || s["rollout_debug_tensors"] != nil {
-		t.Errorf("evaluation sample carries RL tensors: %v", s)
+	noDebug := call(t, w, "POST", "/rollout/generate", `{"prompt":"p","width":8,"height":8,"rollout_debug_mode":false,"seed":1}`).list(t)
+	if s := noDebug[0]; s["rollout_debug_tensors"] != nil || s["rollout_log_probs"] == nil {
+		t.Errorf("without debug mode: %v", s)
+	}
+	extra := call(t, w, "POST", "/rollout/generate", `{"prompt":"p","width":8,"height":8,"seed":1,"extra_sampling_params":{"num_outputs_per_prompt":3}}`).list(t)
+	if len(extra) != 3 {
+		t.Errorf("extra_sampling_params asked for 3 outputs, got %d", len(extra))
 	}
 	call(t, w, "POST", "/rollout/generate", `{"prompt":1}`).expect(t, 422)
+	if r := call(t, w, "POST", "/rollout/generate", `{"prompt":"p","num_inference_steps":0,"seed":1}`).expect(t, 400); !strings.HasPrefix(r["detail"].(string), "Invalid sampling params: ") {
+		t.Errorf("zero steps: %v", r)
+	}
+	jobs := w.Stats().Jobs
+	call(t, w, "POST", "/rollout/generate", `{"prompt":"p","width":8,"height":8}`).plain500(t)
+	if w.Stats().Jobs != jobs+1 {
+		t.Error("a rollout without a seed fails only after its job, as sglang's does")
+	}
 }
 
 func TestServeAndClose(t *testing.T) {
@@ -763,7 +1125,7 @@ func TestHandlerServedElsewhere(t *testing.T) {
 	defer w.Close()
 	srv := httptest.NewServer(w.Handler())
 	defer srv.Close()
-	r, err := send(context.Background(), "POST", srv.URL+"/v1/images/generations", "application/json", []byte(imageJob(1)))
+	r, err := send(context.Background(), "POST", srv.URL+"/v1/images/generations", "application/json", []byte(imageBody(1)))
 	if err != nil || r.status != 200 || r.header.Get("X-Fake-Worker") != "mounted" {
 		t.Errorf("mounted handler: %d %v %v", r.status, r.header, err)
 	}

@@ -1,12 +1,15 @@
 package fakeworker
 
 import (
-	"cmp"
+	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
+	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
+	"slices"
+	"strings"
 	"time"
 )
 
@@ -14,23 +17,32 @@ import (
 const (
 	weightUpdateUnits = 5
 	memoryToggleUnits = 1
+	loraUnits         = 1
 )
 
 // serverVersion is what /server_info reports as the sglang version.
 const serverVersion = "fake"
 
+// The paths follow sglang's runtime/entrypoints: http_server.py (health,
+// /models, /server_info, /model_info), openai/common_api.py (/v1/...),
+// openai/image_api.py, openai/video_api.py, diffusion_api.py and
+// post_training/{rollout_api,weights_api}.py.
 func (w *Worker) routes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", w.handleHealth)
 	mux.HandleFunc("GET /health_generate", w.handleHealth)
-	for _, path := range []string{"/model_info", "/v1/model_info", "/server_info"} {
-		mux.HandleFunc("GET "+path, w.handleInfo)
-	}
+	mux.HandleFunc("GET /models", w.handleLegacyModels)
+	mux.HandleFunc("GET /server_info", w.handleServerInfo)
+	mux.HandleFunc("GET /model_info", w.handleModelInfo)
+	mux.HandleFunc("GET /v1/model_info", w.handleV1ModelInfo)
 	mux.HandleFunc("GET /v1/models", w.handleModels)
 	mux.HandleFunc("GET /v1/models/{model...}", w.handleModel)
 
 	mux.HandleFunc("POST /v1/images/generations", w.handleImageGenerations)
+	mux.HandleFunc("POST /v1/images/generations/stream", w.handleImageStream)
 	mux.HandleFunc("POST /v1/images/edits", w.handleImageEdits)
+	mux.HandleFunc("GET /v1/images/{id}/content", w.handleImageContent)
+	mux.HandleFunc("DELETE /v1/images/{id}", w.handleDeleteImage)
 	mux.HandleFunc("POST /v1/videos", w.handleCreateVideo)
 	mux.HandleFunc("GET /v1/videos", w.handleListVideos)
 	mux.HandleFunc("GET /v1/videos/{id}", w.handleGetVideo)
@@ -44,6 +56,9 @@ func (w *Worker) routes() http.Handler {
 	mux.HandleFunc("POST /get_weights_checksum", w.handleChecksum)
 	mux.HandleFunc("POST /release_memory_occupation", w.handleMemory(true))
 	mux.HandleFunc("POST /resume_memory_occupation", w.handleMemory(false))
+	mux.HandleFunc("POST /v1/set_lora", w.handleSetLora)
+	mux.HandleFunc("POST /v1/merge_lora_weights", w.handleMergeLora)
+	mux.HandleFunc("POST /v1/unmerge_lora_weights", w.handleUnmergeLora)
 
 	return http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		if w.crashed.Load() {
@@ -54,6 +69,9 @@ func (w *Worker) routes() http.Handler {
 	})
 }
 
+// handleHealth serves /health and /health_generate, which sglang answers
+// {"status": "ok"} without asking the scheduler; --health-fail and
+// --health-delay are faults of the fake.
 func (w *Worker) handleHealth(rw http.ResponseWriter, r *http.Request) {
 	if d := w.cfg.HealthDelay; d > 0 {
 		t := time.NewTimer(d)
@@ -71,39 +89,67 @@ func (w *Worker) handleHealth(rw http.ResponseWriter, r *http.Request) {
 	writeJSON(rw, http.StatusOK, map[string]string{"status": "ok"})
 }
 
-// handleInfo serves /model_info and /server_info. sglang's /model_info has
-// only model_path; one superset serves both.
-func (w *Worker) handleInfo(rw http.ResponseWriter, _ *http.Request) {
-	w.mu.Lock()
-	version, asleep := w.version, w.asleep
-	w.mu.Unlock()
-	writeVersioned(rw, version, map[string]any{
+// handleServerInfo is http_server.py's /server_info, the fields the model
+// gateway discovers workers by.
+func (w *Worker) handleServerInfo(rw http.ResponseWriter, _ *http.Request) {
+	writeJSON(rw, http.StatusOK, map[string]any{
 		"model_path":        w.cfg.ModelPath,
 		"served_model_name": w.cfg.ModelPath,
-		"task_type":         w.cfg.TaskType,
-		"num_gpus":          1,
 		"tp_size":           1,
 		"dp_size":           1,
 		"version":           serverVersion,
-		"weight_version":    version,
-		"is_sleeping":       asleep,
-		"fake_worker":       w.cfg.Name,
 	})
 }
 
+// handleModelInfo is http_server.py's /model_info.
+func (w *Worker) handleModelInfo(rw http.ResponseWriter, _ *http.Request) {
+	imageInput := strings.HasPrefix(w.cfg.TaskType, "I") || strings.HasPrefix(w.cfg.TaskType, "TI")
+	writeJSON(rw, http.StatusOK, map[string]any{
+		"model_path":              w.cfg.ModelPath,
+		"is_generation":           true,
+		"model_type":              "diffusion",
+		"architectures":           []string{w.cfg.PipelineClass},
+		"has_image_understanding": imageInput,
+		"has_audio_understanding": false,
+		"task_type":               w.cfg.TaskType,
+		"is_image_gen":            !w.isVideoTask(),
+	})
+}
+
+// handleV1ModelInfo is common_api.py's /v1/model_info.
+func (w *Worker) handleV1ModelInfo(rw http.ResponseWriter, _ *http.Request) {
+	writeJSON(rw, http.StatusOK, map[string]any{"model_path": w.cfg.ModelPath})
+}
+
+// handleLegacyModels is http_server.py's deprecated /models.
+func (w *Worker) handleLegacyModels(rw http.ResponseWriter, _ *http.Request) {
+	writeJSON(rw, http.StatusOK, map[string]any{
+		"model_path":     w.cfg.ModelPath,
+		"num_gpus":       1,
+		"task_type":      w.cfg.TaskType,
+		"dit_precision":  "bf16",
+		"vae_precision":  "fp32",
+		"pipeline_name":  w.cfg.PipelineName,
+		"pipeline_class": w.cfg.PipelineClass,
+	})
+}
+
+// modelCard is common_api.py's DiffusionModelCard.
 func (w *Worker) modelCard() map[string]any {
 	return map[string]any{
-		"id":            w.cfg.ModelPath,
-		"object":        "model",
-		"created":       time.Now().Unix(),
-		"owned_by":      "sglang",
-		"root":          w.cfg.ModelPath,
-		"parent":        nil,
-		"max_model_len": nil,
-		"num_gpus":      1,
-		"task_type":     w.cfg.TaskType,
-		"dit_precision": "bf16",
-		"vae_precision": "fp32",
+		"id":             w.cfg.ModelPath,
+		"object":         "model",
+		"created":        time.Now().Unix(),
+		"owned_by":       "sglang",
+		"root":           w.cfg.ModelPath,
+		"parent":         nil,
+		"max_model_len":  nil,
+		"num_gpus":       1,
+		"task_type":      w.cfg.TaskType,
+		"dit_precision":  "bf16",
+		"vae_precision":  "fp32",
+		"pipeline_name":  w.cfg.PipelineName,
+		"pipeline_class": w.cfg.PipelineClass,
 	}
 }
 
@@ -126,13 +172,14 @@ func (w *Worker) handleModel(rw http.ResponseWriter, r *http.Request) {
 	writeJSON(rw, http.StatusOK, w.modelCard())
 }
 
-// writeResult answers the weight and memory endpoints: {"success",
-// "message"}, 200 on success.
+// writeResult answers the weight endpoints: {"success", "message"}, 200
+// on success and 400 on failure, as weights_api.py does.
 func writeResult(rw http.ResponseWriter, status int, message string) {
 	writeJSON(rw, status, map[string]any{"success": status == http.StatusOK, "message": message})
 }
 
-// failControl answers a weight or memory operation that could not run.
+// failControl answers a weight or memory operation that raised: 500 with
+// the exception's text.
 func (w *Worker) failControl(rw http.ResponseWriter, err error) {
 	if w.crashed.Load() {
 		panic(http.ErrAbortHandler)
@@ -140,98 +187,176 @@ func (w *Worker) failControl(rw http.ResponseWriter, err error) {
 	writeResult(rw, http.StatusInternalServerError, err.Error())
 }
 
-// decodeControl reads the JSON body of a weight endpoint; sglang reads these
-// bodies without a schema, so a bad one is simply a 400.
-func decodeControl(rw http.ResponseWriter, r *http.Request, v any) bool {
-	if err := decodeJSON(r, v); err != nil {
-		writeResult(rw, http.StatusBadRequest, "invalid request body: "+err.Error())
-		return false
+// errUpdateAsleep is what the scheduler raises for an update from disk
+// while the memory occupation is released.
+const errUpdateAsleep = "Cannot update weights while the server is sleeping. Call resume_memory_occupation first."
+
+// targetModules resolves a target_modules field as WeightsUpdater does:
+// null or absent gives def; names the pipeline lacks are an error (a string
+// is iterated, as Python would, character by character).
+func targetModules(raw json.RawMessage, def []string) ([]string, string) {
+	var v any
+	if len(raw) > 0 {
+		json.Unmarshal(raw, &v) // readObject parsed the whole body already
 	}
-	return true
+	var names []string
+	switch v := v.(type) {
+	case nil:
+		return def, ""
+	case string:
+		names = strings.Split(v, "")
+	case []any:
+		for _, n := range v {
+			names = append(names, fmt.Sprint(n))
+		}
+	default:
+		names = []string{fmt.Sprint(v)}
+	}
+	var unknown []string
+	for _, n := range names {
+		if !slices.Contains(modules, n) {
+			unknown = append(unknown, n)
+		}
+	}
+	if len(unknown) > 0 {
+		return nil, fmt.Sprintf("Module(s) requested for update not found in pipeline: %s. Available Module(s): %s",
+			pyList(unknown), pyList(modules))
+	}
+	if len(names) == 0 {
+		return nil, fmt.Sprintf("No matching modules found for update. Requested: []. Available nn.Module(s): %s", pyList(modules))
+	}
+	return names, ""
 }
 
-// updateFromDiskRequest is sglang's UpdateWeightFromDiskReqInput plus
-// weight_version. Fields the fake ignores are declared so that their types are
-// checked.
-type updateFromDiskRequest struct {
-	ModelPath     string   `json:"model_path"`
-	FlushCache    *bool    `json:"flush_cache"`
-	TargetModules []string `json:"target_modules"`
-	WeightVersion string   `json:"weight_version"`
-}
-
-// handleUpdateFromDisk swaps the weights once the jobs queued before it are
-// done, so no job runs on a mix of versions.
+// handleUpdateFromDisk is weights_api.py's update_weights_from_disk. The
+// update waits for the jobs queued before it, so no job runs on a mix of
+// weights. sglang ignores any weight_version in the body; so does the fake.
 func (w *Worker) handleUpdateFromDisk(rw http.ResponseWriter, r *http.Request) {
-	var req updateFromDiskRequest
-	if !decodeControl(rw, r, &req) {
+	body, ok := readObject(rw, r)
+	if !ok {
 		return
 	}
-	if req.ModelPath == "" {
+	if !truthy(body["model_path"]) {
 		writeResult(rw, http.StatusBadRequest, "model_path is required")
 		return
 	}
-	version := cmp.Or(req.WeightVersion, req.ModelPath)
-	w.updateWeights(rw, r, version, "Updated model weights from "+req.ModelPath)
-}
-
-type updateFromTensorRequest struct {
-	SerializedNamedTensors []any    `json:"serialized_named_tensors"`
-	TargetModules          []string `json:"target_modules"`
-	WeightVersion          string   `json:"weight_version"`
-}
-
-// handleUpdateFromTensor accepts any non-empty serialized_named_tensors and
-// changes the weight version only if the body names one.
-func (w *Worker) handleUpdateFromTensor(rw http.ResponseWriter, r *http.Request) {
-	var req updateFromTensorRequest
-	if !decodeControl(rw, r, &req) {
-		return
+	var modelPath string
+	if json.Unmarshal(body["model_path"], &modelPath) != nil {
+		modelPath = string(body["model_path"])
 	}
-	if len(req.SerializedNamedTensors) == 0 {
-		writeResult(rw, http.StatusBadRequest, "serialized_named_tensors is required")
-		return
-	}
-	w.updateWeights(rw, r, req.WeightVersion, fmt.Sprintf("Updated %d tensors", len(req.SerializedNamedTensors)))
-}
-
-// updateWeights queues a weight update that sets the weight version, unless
-// version is empty.
-func (w *Worker) updateWeights(rw http.ResponseWriter, r *http.Request, version, message string) {
-	err := w.runControl(r.Context(), w.serviceTime(weightUpdateUnits), func() {
-		if version != "" && !w.cfg.UpdateFail {
-			w.version = version
+	targets, targetErr := targetModules(body["target_modules"], modules)
+	status, message := 0, ""
+	err := w.runControl(r.Context(), func() time.Duration {
+		switch {
+		case w.asleep:
+			status, message = http.StatusInternalServerError, errUpdateAsleep
+			return 0
+		case targetErr != "":
+			status, message = http.StatusBadRequest, targetErr
+			return 0
+		case w.cfg.UpdateFail:
+			status, message = http.StatusBadRequest, fmt.Sprintf(
+				"Failed to update module '%s': injected failure (--update-fail). All modules rolled back to original weights.", targets[0])
+		default:
+			status, message = http.StatusOK, fmt.Sprintf("Updated %d modules (%s).", len(targets), strings.Join(targets, ", "))
+		}
+		return w.serviceTime(weightUpdateUnits)
+	}, func() {
+		if status == http.StatusOK {
+			for _, m := range targets {
+				w.weights[m] = modelPath
+			}
 		}
 	})
-	if err == nil && w.cfg.UpdateFail {
-		err = errors.New("Failed to load weights; rolled back to the previous weights")
-	}
 	if err != nil {
 		w.failControl(rw, err)
 		return
 	}
-	writeResult(rw, http.StatusOK, message)
+	writeResult(rw, status, message)
 }
 
-// handleChecksum answers a checksum per module that changes with the weight
-// version, so tests can tell versions apart as RL trainers do.
-func (w *Worker) handleChecksum(rw http.ResponseWriter, r *http.Request) {
-	var req struct {
-		ModuleNames []string `json:"module_names"`
-	}
-	if r.ContentLength != 0 && !decodeControl(rw, r, &req) {
+// handleUpdateFromTensor is weights_api.py's update_weights_from_tensor,
+// with the checks GPUWorker makes of the payload list for tp_size 1. The
+// fake cannot deserialize tensors: any payload loads, and names the
+// weights by its digest.
+func (w *Worker) handleUpdateFromTensor(rw http.ResponseWriter, r *http.Request) {
+	body, ok := readObject(rw, r)
+	if !ok {
 		return
 	}
-	if len(req.ModuleNames) == 0 {
-		req.ModuleNames = []string{"transformer", "vae", "text_encoder"}
+	if !truthy(body["serialized_named_tensors"]) {
+		writeResult(rw, http.StatusBadRequest, "serialized_named_tensors is required")
+		return
 	}
-	sums := make(map[string]string, len(req.ModuleNames))
-	err := w.runControl(r.Context(), 0, func() {
-		for _, m := range req.ModuleNames {
-			sum := sha256.Sum256([]byte(w.version + "/" + m))
-			sums[m] = hex.EncodeToString(sum[:])
+	var payloads []json.RawMessage
+	if json.Unmarshal(body["serialized_named_tensors"], &payloads) != nil {
+		writeResult(rw, http.StatusBadRequest, "serialized_named_tensors must be a list")
+		return
+	}
+	if len(payloads) != 1 {
+		writeResult(rw, http.StatusBadRequest, fmt.Sprintf("serialized_named_tensors size must be 1 or tp_size (1), got %d", len(payloads)))
+		return
+	}
+	sum := sha256.Sum256(payloads[0])
+	loaded := "tensor:" + hex.EncodeToString(sum[:8])
+	targets, targetErr := targetModules(body["target_modules"], []string{"transformer"})
+	status, message := 0, ""
+	err := w.runControl(r.Context(), func() time.Duration {
+		switch {
+		case targetErr != "":
+			status, message = http.StatusBadRequest, targetErr
+			return 0
+		case w.cfg.UpdateFail:
+			status, message = http.StatusBadRequest, fmt.Sprintf("Failed to update module '%s' from tensor: injected failure (--update-fail). "+
+				"The pipeline may be partially updated. Please discard the whole weights and reload from a known-good checkpoint.", targets[0])
+		default:
+			status, message = http.StatusOK, fmt.Sprintf("Updated %d modules from tensor (%s).", len(targets), strings.Join(targets, ", "))
+		}
+		return w.serviceTime(weightUpdateUnits)
+	}, func() {
+		if status == http.StatusOK {
+			for _, m := range targets {
+				w.weights[m] = loaded
+			}
 		}
 	})
+	if err != nil {
+		w.failControl(rw, err)
+		return
+	}
+	writeResult(rw, status, message)
+}
+
+// handleChecksum is weights_api.py's get_weights_checksum: a SHA-256 per
+// module (all by default, "not_found" for a name the pipeline lacks) that
+// changes with the weights loaded, so tests tell weights apart as RL
+// trainers do.
+func (w *Worker) handleChecksum(rw http.ResponseWriter, r *http.Request) {
+	body, ok := readObject(rw, r)
+	if !ok {
+		return
+	}
+	var names []string
+	if raw := body["module_names"]; len(raw) > 0 && json.Unmarshal(raw, &names) != nil {
+		internalServerError(rw)
+		return
+	}
+	if names == nil {
+		names = modules
+	}
+	sums := make(map[string]string, len(names))
+	err := w.runControl(r.Context(), func() time.Duration {
+		for _, m := range names {
+			loaded, ok := w.weights[m]
+			if !ok {
+				sums[m] = "not_found"
+				continue
+			}
+			sum := sha256.Sum256([]byte(loaded + "/" + m))
+			sums[m] = hex.EncodeToString(sum[:])
+		}
+		return 0
+	}, nil)
 	if err != nil {
 		w.fail(rw, err)
 		return
@@ -240,30 +365,198 @@ func (w *Worker) handleChecksum(rw http.ResponseWriter, r *http.Request) {
 }
 
 // handleMemory puts the worker to sleep or wakes it, after the jobs queued
-// before; both directions are idempotent.
+// before, and answers as MemoryOccupationController does: {"success",
+// "sleeping", "message"}. Both directions are idempotent.
 func (w *Worker) handleMemory(sleep bool) http.HandlerFunc {
 	return func(rw http.ResponseWriter, r *http.Request) {
 		var message string
-		err := w.runControl(r.Context(), w.serviceTime(memoryToggleUnits), func() {
-			message = memoryMessage(sleep, w.asleep == sleep)
-			w.asleep = sleep
-		})
+		err := w.runControl(r.Context(), func() time.Duration {
+			if w.asleep == sleep {
+				message = "already awake"
+				if sleep {
+					message = "already sleeping"
+				}
+				return 0
+			}
+			message = "resumed GPU memory (restored modules to original devices)"
+			if sleep {
+				message = "released GPU memory (moved active modules to CPU)"
+			}
+			return w.serviceTime(memoryToggleUnits)
+		}, func() { w.asleep = sleep })
 		if err != nil {
 			w.failControl(rw, err)
 			return
 		}
-		writeResult(rw, http.StatusOK, message)
+		writeJSON(rw, http.StatusOK, map[string]any{"success": true, "sleeping": sleep, "message": message})
 	}
 }
 
-func memoryMessage(sleep, already bool) string {
-	switch {
-	case sleep && already:
-		return "memory occupation already released"
-	case sleep:
-		return "memory occupation released"
-	case already:
-		return "memory occupation already resumed"
+// stringOrList reads a LoRA field that takes a string or a list of
+// strings; def applies when it is absent.
+func stringOrList(raw json.RawMessage, field string, def []string) ([]string, error) {
+	if len(raw) == 0 {
+		return def, nil
 	}
-	return "memory occupation resumed"
+	var one string
+	if json.Unmarshal(raw, &one) == nil {
+		return []string{one}, nil
+	}
+	var list []string
+	if json.Unmarshal(raw, &list) == nil {
+		return list, nil
+	}
+	return nil, invalid(fieldError{Type: "string_type", Loc: []any{"body", field}, Msg: "Input should be a valid string"})
+}
+
+// strengths reads a LoRA strength: a number or a list of numbers.
+func strengths(raw json.RawMessage) ([]float64, error) {
+	if len(raw) == 0 {
+		return []float64{1}, nil
+	}
+	var one float64
+	if json.Unmarshal(raw, &one) == nil {
+		return []float64{one}, nil
+	}
+	var list []float64
+	if json.Unmarshal(raw, &list) == nil {
+		return list, nil
+	}
+	return nil, invalid(fieldError{Type: "float_type", Loc: []any{"body", "strength"}, Msg: "Input should be a valid number"})
+}
+
+// loraBody reads the embedded Body parameters of the LoRA endpoints; an
+// empty body leaves every parameter to its default.
+func loraBody(r *http.Request) (map[string]json.RawMessage, error) {
+	b, err := io.ReadAll(r.Body)
+	if err != nil {
+		return nil, badRequest("reading body: %v", err)
+	}
+	body := map[string]json.RawMessage{}
+	if len(bytes.TrimSpace(b)) == 0 {
+		return body, nil
+	}
+	if err := parseJSON(b, &body); err != nil {
+		return nil, err
+	}
+	return body, nil
+}
+
+// writeLoraOK answers a LoRA operation as _handle_lora_request does.
+func writeLoraOK(rw http.ResponseWriter, message string) {
+	writeJSON(rw, http.StatusOK, map[string]string{"status": "ok", "message": message})
+}
+
+// handleSetLora is common_api.py's /v1/set_lora: lora_nickname (a string
+// or a list), lora_path, target ("all"), strength (1.0). A nickname loads
+// from its lora_path; one loaded before may come without it.
+func (w *Worker) handleSetLora(rw http.ResponseWriter, r *http.Request) {
+	body, err := loraBody(r)
+	if err != nil {
+		w.fail(rw, err)
+		return
+	}
+	if _, ok := body["lora_nickname"]; !ok {
+		w.fail(rw, invalid(missing("body", "lora_nickname")))
+		return
+	}
+	nicks, err := stringOrList(body["lora_nickname"], "lora_nickname", nil)
+	if err == nil && string(body["lora_path"]) == "null" {
+		delete(body, "lora_path")
+	}
+	var paths []string
+	if err == nil {
+		paths, err = stringOrList(body["lora_path"], "lora_path", nil)
+	}
+	var targets []string
+	if err == nil {
+		targets, err = stringOrList(body["target"], "target", []string{"all"})
+	}
+	var strength []float64
+	if err == nil {
+		strength, err = strengths(body["strength"])
+	}
+	if err != nil {
+		w.fail(rw, err)
+		return
+	}
+	var failure string
+	err = w.runControl(r.Context(), func() time.Duration {
+		if paths != nil && len(paths) != len(nicks) {
+			failure = "lora_path must have as many entries as lora_nickname"
+			return 0
+		}
+		for i, nick := range nicks {
+			if paths == nil || paths[i] == "" {
+				if _, ok := w.loras[nick]; !ok {
+					failure = fmt.Sprintf("LoRA adapter '%s' is not loaded and no lora_path was given", nick)
+					return 0
+				}
+			}
+		}
+		return w.serviceTime(loraUnits)
+	}, func() {
+		if failure != "" {
+			return
+		}
+		for i, nick := range nicks {
+			if paths != nil && paths[i] != "" {
+				w.loras[nick] = paths[i]
+			}
+		}
+	})
+	if err == nil && failure != "" {
+		err = &httpError{http.StatusInternalServerError, "Failed to set LoRA adapter: " + failure}
+	}
+	if err != nil {
+		w.fail(rw, err)
+		return
+	}
+	nickStr := strings.Join(nicks, ", ")
+	targetStr := strings.Join(targets, ", ")
+	strs := make([]string, len(strength))
+	for i, s := range strength {
+		strs[i] = fmt.Sprintf("%.2f", s)
+	}
+	writeLoraOK(rw, fmt.Sprintf("Successfully set LoRA adapter(s): %s (target: %s, strength: %s)",
+		nickStr, targetStr, strings.Join(strs, ", ")))
+}
+
+// handleMergeLora is common_api.py's /v1/merge_lora_weights: target
+// ("all") and strength (1.0).
+func (w *Worker) handleMergeLora(rw http.ResponseWriter, r *http.Request) {
+	w.loraOp(rw, r, true)
+}
+
+// handleUnmergeLora is common_api.py's /v1/unmerge_lora_weights: target
+// ("all").
+func (w *Worker) handleUnmergeLora(rw http.ResponseWriter, r *http.Request) {
+	w.loraOp(rw, r, false)
+}
+
+func (w *Worker) loraOp(rw http.ResponseWriter, r *http.Request, merge bool) {
+	body, err := loraBody(r)
+	if err != nil {
+		w.fail(rw, err)
+		return
+	}
+	target := "all"
+	if raw := body["target"]; len(raw) > 0 && json.Unmarshal(raw, &target) != nil {
+		w.fail(rw, invalid(fieldError{Type: "string_type", Loc: []any{"body", "target"}, Msg: "Input should be a valid string"}))
+		return
+	}
+	strength := 1.0
+	if raw := body["strength"]; merge && len(raw) > 0 && json.Unmarshal(raw, &strength) != nil {
+		w.fail(rw, invalid(fieldError{Type: "float_type", Loc: []any{"body", "strength"}, Msg: "Input should be a valid number"}))
+		return
+	}
+	if err := w.runControl(r.Context(), func() time.Duration { return w.serviceTime(loraUnits) }, nil); err != nil {
+		w.fail(rw, err)
+		return
+	}
+	if merge {
+		writeLoraOK(rw, fmt.Sprintf("Successfully merged LoRA weights (target: %s, strength: %s)", target, pyFloat(strength)))
+		return
+	}
+	writeLoraOK(rw, fmt.Sprintf("Successfully unmerged LoRA weights (target: %s)", target))
 }

@@ -72,28 +72,23 @@ func (q *slotQueue) handOff() {
 	q.waiters = q.waiters[1:]
 }
 
-// jobResult describes a generation job that completed.
-type jobResult struct {
-	version string        // weights the job ran with
-	elapsed time.Duration // service time
-}
-
 // runJob queues a generation job of the given cost and waits for its end. If
 // ctx ends while the job waits, the job is dropped; once it runs, it keeps the
 // worker busy for its whole service time whether or not anyone still waits
 // for it, as a GPU kernel would. onStart, if not nil, learns the planned
-// service time (forever for a hung job) when the job starts.
-func (w *Worker) runJob(ctx context.Context, cost float64, onStart func(time.Duration)) (jobResult, error) {
+// service time (forever for a hung job) when the job starts. runJob returns
+// the time the job took.
+func (w *Worker) runJob(ctx context.Context, cost float64, onStart func(time.Duration)) (time.Duration, error) {
 	if err := w.acquire(ctx); err != nil {
-		return jobResult{}, err
+		return 0, err
 	}
-	hang, fail, version, err := w.admit()
+	hang, fail, err := w.admit()
 	if err != nil {
 		w.slot.release()
 		if errors.Is(err, errCrashed) {
 			w.crash()
 		}
-		return jobResult{}, err
+		return 0, err
 	}
 	d := w.serviceTime(cost)
 	if hang {
@@ -103,39 +98,39 @@ func (w *Worker) runJob(ctx context.Context, cost float64, onStart func(time.Dur
 		onStart(d)
 	}
 
-	var res jobResult
+	var took time.Duration
 	var completed bool
 	done := w.occupy(d, func(elapsed time.Duration, ok bool) {
-		res, completed = jobResult{version, elapsed}, ok
+		took, completed = elapsed, ok
 		w.record(cost, elapsed, ok, fail)
 	})
 	if err := awaitDone(ctx, done); err != nil {
-		return jobResult{}, err
+		return 0, err
 	}
 	switch {
 	case !completed:
-		return jobResult{}, errClosed
+		return 0, errClosed
 	case fail:
-		return jobResult{}, errInjected
+		return 0, errInjected
 	}
-	return res, nil
+	return took, nil
 }
 
 // admit decides, when a job gets the slot, what becomes of it. Deciding here
 // rather than on arrival keeps faults and failures in FIFO order.
-func (w *Worker) admit() (hang, fail bool, version string, err error) {
+func (w *Worker) admit() (hang, fail bool, err error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	finished := w.stats.Jobs + w.stats.Failed
 	switch {
 	case w.asleep:
-		return false, false, "", errAsleep
+		return false, false, errAsleep
 	case w.cfg.CrashAfter > 0 && finished >= w.cfg.CrashAfter:
-		return false, false, "", errCrashed
+		return false, false, errCrashed
 	case w.cfg.HangAfter > 0 && finished >= w.cfg.HangAfter:
-		return true, false, w.version, nil
+		return true, false, nil
 	}
-	return false, w.rng.Float64() < w.cfg.FailRate, w.version, nil
+	return false, w.rng.Float64() < w.cfg.FailRate, nil
 }
 
 func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed bool) {
@@ -152,17 +147,21 @@ func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed b
 	}
 }
 
-// runControl queues an engine operation (weight update, sleep, wake,
-// checksum) that keeps the worker busy for d and then applies its effect
-// under w.mu, before the next job starts.
-func (w *Worker) runControl(ctx context.Context, d time.Duration, apply func()) error {
+// runControl queues an engine operation (weight update, sleep, wake, LoRA,
+// checksum). Once the operation has the worker, start decides under w.mu
+// what it does and how long it keeps the worker busy; then apply, if not
+// nil, makes its effect under w.mu, before the next job starts.
+func (w *Worker) runControl(ctx context.Context, start func() time.Duration, apply func()) error {
 	if err := w.acquire(ctx); err != nil {
 		return err
 	}
+	w.mu.Lock()
+	d := start()
+	w.mu.Unlock()
 	var completed bool
 	done := w.occupy(d, func(_ time.Duration, ok bool) {
 		completed = ok
-		if !ok {
+		if !ok || apply == nil {
 			return
 		}
 		w.mu.Lock()

@@ -21,13 +21,30 @@ type httpError struct {
 
 func (e *httpError) Error() string { return fmt.Sprint(e.detail) }
 
+// schedulerError is an error sglang's scheduler reports for a job in its
+// OutputBatch.error rather than raising it over HTTP; each endpoint turns it
+// into its own answer (see failGeneration).
+type schedulerError string
+
+func (e schedulerError) Error() string { return string(e) }
+
 // Errors of jobs that do not complete.
 var (
-	errAsleep   = &httpError{http.StatusServiceUnavailable, "memory occupation is released (sleeping): call /resume_memory_occupation first"}
-	errInjected = &httpError{http.StatusInternalServerError, "Generation failed: injected failure (fail rate)"}
+	// errAsleep is the scheduler's answer to a generation while the memory
+	// occupation is released (Scheduler._handle_generation).
+	errAsleep   = schedulerError("Server is sleeping. Call resume_memory_occupation first.")
+	errInjected = schedulerError("injected failure (--fail-rate)")
 	errClosed   = &httpError{http.StatusServiceUnavailable, "worker is shutting down"}
 	errCrashed  = &httpError{http.StatusServiceUnavailable, "worker crashed"}
+	// errCancelled ends a streamed job that its client or a DELETE cancelled.
+	errCancelled = errors.New("cancelled")
 )
+
+// noOutput is how the OpenAI-style endpoints word a scheduler error
+// (process_generation_batch raises it as a RuntimeError).
+func noOutput(err error) string {
+	return "Model generation returned no output. Error from scheduler: " + err.Error()
+}
 
 func badRequest(format string, args ...any) error {
 	return &httpError{http.StatusBadRequest, fmt.Sprintf(format, args...)}
@@ -64,31 +81,35 @@ func writeJSON(rw http.ResponseWriter, status int, v any) {
 	json.NewEncoder(rw).Encode(v) // a write error means the client left; nothing to do
 }
 
-// writeVersioned answers a generation result, whose body names the weight
-// version, and repeats the version in a header for routers that do not parse
-// bodies.
-func writeVersioned(rw http.ResponseWriter, version string, v any) {
-	rw.Header().Set("X-Weight-Version", version)
-	writeJSON(rw, http.StatusOK, v)
+// internalServerError answers as Starlette does when a handler raises an
+// exception it does not turn into an HTTPException.
+func internalServerError(rw http.ResponseWriter) {
+	rw.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	rw.WriteHeader(http.StatusInternalServerError)
+	io.WriteString(rw, "Internal Server Error") // a write error means the client left; nothing to do
 }
 
-// writeMedia is writeVersioned for answers that carry the fake media: v
-// holds w.mediaToken wherever the base64 media goes, and the media is spliced
-// into the encoded answer. This spares encoding/json a scan of every byte of
-// what may be megabytes per output; base64 needs no escaping.
-func (w *Worker) writeMedia(rw http.ResponseWriter, version string, v any) {
+// writeMedia answers v, with status 200, where v holds w.mediaToken wherever
+// the base64 media b64 goes: the media is spliced into the encoded answer.
+// This spares encoding/json a scan of every byte of what may be megabytes
+// per output; base64 needs no escaping.
+func (w *Worker) writeMedia(rw http.ResponseWriter, b64 string, v any) {
 	b, err := json.Marshal(v)
 	if err != nil {
 		w.fail(rw, err)
 		return
 	}
 	rw.Header().Set("Content-Type", "application/json")
-	rw.Header().Set("X-Weight-Version", version)
+	w.spliceMedia(rw, b, b64)
+}
+
+// spliceMedia writes b with every w.mediaToken replaced by b64.
+func (w *Worker) spliceMedia(out io.Writer, b []byte, b64 string) {
 	for i, part := range bytes.Split(b, []byte(w.mediaToken)) {
 		if i > 0 {
-			io.WriteString(rw, w.outputB64) // a write error means the client left; nothing to do
+			io.WriteString(out, b64) // a write error means the client left; nothing to do
 		}
-		rw.Write(part)
+		out.Write(part)
 	}
 }
 
@@ -103,6 +124,18 @@ func (w *Worker) fail(rw http.ResponseWriter, err error) {
 		he = &httpError{http.StatusInternalServerError, err.Error()}
 	}
 	writeJSON(rw, he.status, map[string]any{"detail": he.detail})
+}
+
+// failGeneration answers a job of the OpenAI-style or native endpoints
+// that did not complete: a scheduler error becomes the RuntimeError those
+// endpoints raise unhandled, which Starlette answers 500 in plain text.
+func (w *Worker) failGeneration(rw http.ResponseWriter, err error) {
+	var se schedulerError
+	if errors.As(err, &se) && !w.crashed.Load() {
+		internalServerError(rw)
+		return
+	}
+	w.fail(rw, err)
 }
 
 // kindErrors are pydantic's complaints about a JSON value of the wrong type,
@@ -125,7 +158,13 @@ func decodeJSON(r *http.Request, v any) error {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return invalid(missing("body"))
 	}
-	err = json.Unmarshal(body, v)
+	return parseJSON(body, v)
+}
+
+// parseJSON parses a JSON request body into v and reports failures as
+// FastAPI's request validation does.
+func parseJSON(body []byte, v any) error {
+	err := json.Unmarshal(body, v)
 	var syntax *json.SyntaxError
 	var typ *json.UnmarshalTypeError
 	switch {
@@ -225,4 +264,87 @@ func parseField[T any](f *formReader, name string, parse func(string) (T, error)
 		return nil
 	}
 	return &v
+}
+
+// readObject reads a body the way sglang's weight endpoints do, with
+// `await request.json()` and then `body.get(...)`: anything but a JSON
+// object raises, and Starlette answers 500 in plain text (false is
+// returned after answering).
+func readObject(rw http.ResponseWriter, r *http.Request) (map[string]json.RawMessage, bool) {
+	var body map[string]json.RawMessage
+	b, err := io.ReadAll(r.Body)
+	if err == nil {
+		err = json.Unmarshal(b, &body)
+	}
+	if err != nil || body == nil {
+		internalServerError(rw)
+		return nil, false
+	}
+	return body, true
+}
+
+// truthy reports whether a JSON value is true in Python: present, not
+// null, false, 0, "", [] or {}.
+func truthy(raw json.RawMessage) bool {
+	var v any
+	if len(raw) == 0 || json.Unmarshal(raw, &v) != nil {
+		return false
+	}
+	switch v := v.(type) {
+	case nil:
+		return false
+	case bool:
+		return v
+	case float64:
+		return v != 0
+	case string:
+		return v != ""
+	case []any:
+		return len(v) > 0
+	case map[string]any:
+		return len(v) > 0
+	}
+	return true
+}
+
+// optional is a request field whose default applies only when the field is
+// absent: an explicit null is None in Python, not the default.
+type optional[T any] struct {
+	set   bool // the field was in the request
+	value *T   // nil for null
+}
+
+func (o *optional[T]) UnmarshalJSON(b []byte) error {
+	o.set = true
+	return json.Unmarshal(b, &o.value)
+}
+
+// or is the field's value, def when absent, zero when null.
+func (o optional[T]) or(def T) (v T, null bool) {
+	switch {
+	case !o.set:
+		return def, false
+	case o.value == nil:
+		return v, true
+	}
+	return *o.value, false
+}
+
+// pyList formats strings as Python prints a list of them: ['a', 'b'].
+func pyList(items []string) string {
+	quoted := make([]string, len(items))
+	for i, s := range items {
+		quoted[i] = "'" + s + "'"
+	}
+	return "[" + strings.Join(quoted, ", ") + "]"
+}
+
+// pyFloat formats f as Python's str(float) does for ordinary values: 1.0,
+// 0.5.
+func pyFloat(f float64) string {
+	s := strconv.FormatFloat(f, 'f', -1, 64)
+	if !strings.ContainsAny(s, ".eEnN") {
+		s += ".0"
+	}
+	return s
 }

@@ -3,9 +3,12 @@ package fakeworker
 import (
 	"encoding/base64"
 	"encoding/binary"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"net/http"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -16,8 +19,8 @@ import (
 // FLUX-style VAEs.
 const latentChannels = 16
 
-// diffusionRequest is sglang's DiffusionGenerateRequest, as far as the fake
-// needs.
+// diffusionRequest is diffusion_api.py's DiffusionGenerateRequest, as far
+// as the fake needs.
 type diffusionRequest struct {
 	promptField
 	NumOutputsPerPrompt *int `json:"num_outputs_per_prompt"`
@@ -26,72 +29,56 @@ type diffusionRequest struct {
 	genParams
 }
 
-// runRL decodes one of the RL APIs' requests into req, whose generation
-// parameters are params and outputs, and runs it as a job. It answers the
-// client itself when that fails.
-func (w *Worker) runRL(rw http.ResponseWriter, r *http.Request, req interface{ hasPrompt() bool }, params *genParams, outputs **int) (shape, jobResult, bool) {
-	if err := decodePrompted(r, req); err != nil {
-		w.fail(rw, err)
-		return shape{}, jobResult{}, false
-	}
-	s, err := params.shape(w.defaultSize(), w.frames(params.NumFrames), outputsPerPrompt(*outputs, math.MaxInt))
-	if err != nil {
-		w.fail(rw, err)
-		return shape{}, jobResult{}, false
-	}
-	res, err := w.runJob(r.Context(), s.cost(), nil)
-	if err != nil {
-		w.fail(rw, err)
-		return shape{}, jobResult{}, false
-	}
-	return s, res, true
-}
-
 // handleDiffusionGenerate serves sglang's native API, which returns the
-// first output as output_b64 plus, when asked, the denoising trajectory.
+// first output as output_b64 plus, with get_latents, the denoising
+// trajectory. get_log_probs is accepted but, as in diffusion_api.py, asks
+// the pipeline for nothing, so log_probs stay null.
 func (w *Worker) handleDiffusionGenerate(rw http.ResponseWriter, r *http.Request) {
 	var req diffusionRequest
-	s, res, ok := w.runRL(rw, r, &req, &req.genParams, &req.NumOutputsPerPrompt)
-	if !ok {
+	if err := decodePrompted(r, &req); err != nil {
+		w.fail(rw, err)
 		return
 	}
-	format := "png"
-	if w.isVideoTask() {
-		format = "mp4"
+	s, err := req.shape(w.defaultSize(), w.frames(req.NumFrames), outputsPerPrompt(req.NumOutputsPerPrompt, math.MaxInt))
+	if err != nil {
+		internalServerError(rw) // build_sampling_params raises, unhandled
+		return
 	}
-	w.writeMedia(rw, res.version, map[string]any{
-		"id":               newID(),
+	took, err := w.runJob(r.Context(), s.cost(), nil)
+	if err != nil {
+		w.failGeneration(rw, err)
+		return
+	}
+	ext := "png"
+	if w.isVideoTask() {
+		ext = "mp4"
+	}
+	id := newID()
+	w.writeMedia(rw, w.media(ext).b64, map[string]any{
+		"id":               id,
 		"created":          time.Now().Unix(),
 		"output_b64":       w.mediaToken,
-		"output_format":    format,
-		"file_path":        nil,
+		"output_format":    ext,
+		"file_path":        filepath.Join(outputDir, id+"."+ext),
 		"peak_memory_mb":   nil,
-		"inference_time_s": res.elapsed.Seconds(),
-		"trajectory":       trajectory(s, req.GetLatents, req.GetLogProbs),
-		"weight_version":   res.version,
+		"inference_time_s": took.Seconds(),
+		"trajectory":       trajectory(s, req.GetLatents),
 	})
 }
 
 // trajectory is sglang's TrajectoryData with zero-filled .npy blobs of the
-// shapes a latent diffusion model produces, or nil when none was asked for.
-func trajectory(s shape, latents, logProbs bool) map[string]any {
-	if !latents && !logProbs {
+// shapes a latent diffusion model produces, or nil when no latents were
+// asked for.
+func trajectory(s shape, latents bool) map[string]any {
+	if !latents {
 		return nil
 	}
-	t := map[string]any{
-		"latents": nil, "latents_shape": nil, "latents_dtype": nil,
-		"timesteps": nil, "log_probs": nil, "log_probs_shape": nil,
+	shape := append([]int{s.outputs}, latentShape(s)...)
+	return map[string]any{
+		"latents": npyBase64(shape), "latents_shape": shape, "latents_dtype": "torch.float32",
+		"timesteps": slices.Repeat([]string{npyBase64(nil)}, s.steps),
+		"log_probs": nil, "log_probs_shape": nil,
 	}
-	if latents {
-		shape := append([]int{s.outputs}, latentShape(s)...)
-		t["latents"], t["latents_shape"], t["latents_dtype"] = npyBase64(shape), shape, "torch.float32"
-		t["timesteps"] = slices.Repeat([]string{npyBase64(nil)}, s.steps)
-	}
-	if logProbs {
-		shape := []int{s.outputs, s.steps}
-		t["log_probs"], t["log_probs_shape"] = npyBase64(shape), shape
-	}
-	return t
 }
 
 // latentShape is the shape of one output's latents over the denoising loop:
@@ -100,92 +87,154 @@ func latentShape(s shape) []int {
 	return []int{s.steps + 1, latentChannels, (s.frames + 3) / 4, max(1, s.height/8), max(1, s.width/8)}
 }
 
-// rolloutRequest is sglang's RolloutRequest, a JSON body, as far as the fake
-// needs.
+// rolloutRequest is io_struct.py's RolloutRequest, a JSON body, as far as
+// the fake needs.
 type rolloutRequest struct {
 	promptField
-	NumOutputsPerPrompt        *int  `json:"num_outputs_per_prompt"`
-	Rollout                    *bool `json:"rollout"`            // default true
-	RolloutDebugMode           *bool `json:"rollout_debug_mode"` // default true
-	RolloutReturnDenoisingEnv  bool  `json:"rollout_return_denoising_env"`
-	RolloutReturnDitTrajectory bool  `json:"rollout_return_dit_trajectory"`
+	NumOutputsPerPrompt        *int            `json:"num_outputs_per_prompt"`
+	Rollout                    *bool           `json:"rollout"`            // default true
+	RolloutDebugMode           *bool           `json:"rollout_debug_mode"` // default true
+	RolloutReturnDenoisingEnv  bool            `json:"rollout_return_denoising_env"`
+	RolloutReturnDitTrajectory bool            `json:"rollout_return_dit_trajectory"`
+	RolloutSDEStepIndices      []int           `json:"rollout_sde_step_indices"`
+	RolloutReturnStepIndices   []int           `json:"rollout_return_step_indices"`
+	ImagePath                  []string        `json:"image_path"`
+	ExtraSamplingParams        json.RawMessage `json:"extra_sampling_params"`
 	genParams
 }
 
-// handleRollout serves the RL rollout API: a msgpack array with one map per
-// output, tensors encoded as sglang encodes them.
-func (w *Worker) handleRollout(rw http.ResponseWriter, r *http.Request) {
-	var req rolloutRequest
-	s, res, ok := w.runRL(rw, r, &req, &req.genParams, &req.NumOutputsPerPrompt)
-	if !ok {
-		return
-	}
-	body := appendMsgpack(nil, w.rolloutSamples(req, s, res))
-	rw.Header().Set("Content-Type", "application/msgpack")
-	rw.Header().Set("Content-Length", strconv.Itoa(len(body)))
-	rw.Header().Set("X-Weight-Version", res.version)
-	rw.Write(body) // a write error means the client left; nothing to do
+// rolloutParams are the sampling parameters extra_sampling_params may
+// override.
+type rolloutParams struct {
+	NumOutputsPerPrompt *int `json:"num_outputs_per_prompt"`
+	genParams
 }
 
-// rolloutSamples builds sglang's RolloutResponse list. generated_output is a
-// flat float32 tensor of ImageBytes bytes, so that the knob sets the answer's
-// size; the per-step RL tensors are small stand-ins.
-func (w *Worker) rolloutSamples(req rolloutRequest, s shape, res jobResult) []any {
-	var logProbs, debug, env, dit any // nil unless asked for
-	if valueOr(req.Rollout, true) {
-		logProbs = tensorValue(s.steps)
-		if valueOr(req.RolloutDebugMode, true) {
-			perStep := tensorValue(s.steps)
-			debug = mpMap{
-				{"rollout_variance_noises", perStep}, {"rollout_prev_sample_means", perStep},
-				{"rollout_noise_std_devs", perStep}, {"rollout_model_outputs", perStep},
-			}
-		}
-		if req.RolloutReturnDenoisingEnv {
-			env = mpMap{{"image_kwargs", nil}, {"pos_cond_kwargs", nil}, {"neg_cond_kwargs", nil}, {"guidance", nil}}
-		}
-		if req.RolloutReturnDitTrajectory {
-			dit = mpMap{
-				{"latents", tensorValue(latentShape(s)...)},
-				{"timesteps", tensorValue(s.steps)},
-				{"sigmas", tensorValue(s.steps + 1)},
-			}
+// tensor is a tensor as post_training/utils.py's _maybe_serialize writes
+// it: base64 of a safetensors file holding it as "t".
+type tensor struct {
+	Tensor bool   `json:"__tensor__"`
+	Data   string `json:"data"`
+	Shape  []int  `json:"shape"`
+	Dtype  string `json:"dtype"`
+}
+
+// zeros is a zero-filled float32 tensor.
+func zeros(shape ...int) *tensor {
+	return &tensor{true, base64.StdEncoding.EncodeToString(safetensors(shape)), shape, "torch.float32"}
+}
+
+type debugTensors struct {
+	VarianceNoises  *tensor `json:"rollout_variance_noises"`
+	PrevSampleMeans *tensor `json:"rollout_prev_sample_means"`
+	NoiseStdDevs    *tensor `json:"rollout_noise_std_devs"`
+	ModelOutputs    *tensor `json:"rollout_model_outputs"`
+}
+
+type denoisingEnv struct {
+	ImageKwargs   any `json:"image_kwargs"`
+	PosCondKwargs any `json:"pos_cond_kwargs"`
+	NegCondKwargs any `json:"neg_cond_kwargs"`
+	Guidance      any `json:"guidance"`
+}
+
+type ditTrajectory struct {
+	Latents   *tensor `json:"latents"`
+	Timesteps *tensor `json:"timesteps"`
+}
+
+// rolloutResponse is io_struct.py's RolloutResponse, its fields in order.
+type rolloutResponse struct {
+	RequestID           string         `json:"request_id"`
+	Prompt              string         `json:"prompt"`
+	Seed                int            `json:"seed"`
+	GeneratedOutput     *tensor        `json:"generated_output"`
+	RolloutLogProbs     *tensor        `json:"rollout_log_probs"`
+	RolloutDebugTensors *debugTensors  `json:"rollout_debug_tensors"`
+	DenoisingEnv        *denoisingEnv  `json:"denoising_env"`
+	DitTrajectory       *ditTrajectory `json:"dit_trajectory"`
+	InferenceTimeS      *float64       `json:"inference_time_s"`
+	PeakMemoryMB        *float64       `json:"peak_memory_mb"`
+}
+
+// handleRollout serves rollout_api.py's /rollout/generate: a JSON list with
+// one RolloutResponse per output, tensors as _maybe_serialize encodes them.
+// A scheduler error is 500 {"detail"}. A request without a seed runs and
+// then fails 500 in plain text, as sglang's does: RolloutResponse requires
+// an int seed.
+func (w *Worker) handleRollout(rw http.ResponseWriter, r *http.Request) {
+	var req rolloutRequest
+	if err := decodePrompted(r, &req); err != nil {
+		w.fail(rw, err)
+		return
+	}
+	params := rolloutParams{req.NumOutputsPerPrompt, req.genParams}
+	if len(req.ExtraSamplingParams) > 0 && string(req.ExtraSamplingParams) != "null" {
+		if err := parseJSON(req.ExtraSamplingParams, &params); err != nil {
+			w.fail(rw, badRequest("Invalid sampling params: %v", err))
+			return
 		}
 	}
-	id, output := newID(), w.outputTensor()
-	samples := make([]any, s.outputs)
+	s, err := params.shape(w.defaultSize(), w.frames(params.NumFrames), outputsPerPrompt(params.NumOutputsPerPrompt, math.MaxInt))
+	if err != nil {
+		w.fail(rw, badRequest("Invalid sampling params: %v", err))
+		return
+	}
+	took, err := w.runJob(r.Context(), s.cost(), nil)
+	var se schedulerError
+	switch {
+	case errors.As(err, &se) && !w.crashed.Load():
+		writeJSON(rw, http.StatusInternalServerError, map[string]any{"detail": err.Error()})
+		return
+	case err != nil:
+		w.fail(rw, err)
+		return
+	case req.Seed == nil:
+		internalServerError(rw)
+		return
+	}
+	w.writeMedia(rw, w.outputTensor(), w.rolloutSamples(req, s, took))
+}
+
+// rolloutSamples builds the RolloutResponse list. generated_output is a
+// flat float32 tensor of ImageBytes bytes, so that the knob sets the
+// answer's size; the per-step RL tensors are small stand-ins.
+func (w *Worker) rolloutSamples(req rolloutRequest, s shape, took time.Duration) []rolloutResponse {
+	var logProbs *tensor
+	var debug *debugTensors
+	var env *denoisingEnv
+	var dit *ditTrajectory
+	if valueOr(req.Rollout, true) {
+		logProbs = zeros(s.steps)
+		if valueOr(req.RolloutDebugMode, true) {
+			perStep := zeros(s.steps)
+			debug = &debugTensors{perStep, perStep, perStep, perStep}
+		}
+		if req.RolloutReturnDenoisingEnv {
+			env = &denoisingEnv{}
+		}
+		if req.RolloutReturnDitTrajectory {
+			dit = &ditTrajectory{Latents: zeros(latentShape(s)...), Timesteps: zeros(s.steps)}
+		}
+	}
+	id := newID()
+	output := &tensor{true, w.mediaToken, []int{max(1, w.cfg.ImageBytes/4)}, "torch.float32"}
+	seconds := took.Seconds()
+	samples := make([]rolloutResponse, s.outputs)
 	for i := range samples {
-		samples[i] = mpMap{
-			{"request_id", id},
-			{"prompt", *req.Prompt},
-			{"seed", valueOr(req.Seed, defaultSeed)},
-			{"generated_output", output},
-			{"rollout_log_probs", logProbs},
-			{"rollout_debug_tensors", debug},
-			{"denoising_env", env},
-			{"dit_trajectory", dit},
-			{"inference_time_s", res.elapsed.Seconds()},
-			{"peak_memory_mb", nil},
-			{"weight_version", res.version},
+		samples[i] = rolloutResponse{
+			RequestID:           id,
+			Prompt:              *req.Prompt,
+			Seed:                *req.Seed,
+			GeneratedOutput:     output,
+			RolloutLogProbs:     logProbs,
+			RolloutDebugTensors: debug,
+			DenoisingEnv:        env,
+			DitTrajectory:       dit,
+			InferenceTimeS:      &seconds,
 		}
 	}
 	return samples
-}
-
-// tensorValue is a tensor as sglang's rollout API ships it: a marker map
-// whose data is base64 of a safetensors file holding one tensor, "t" (here
-// zero-filled float32).
-func tensorValue(shape ...int) mpMap {
-	dims := make([]any, len(shape))
-	for i, d := range shape {
-		dims[i] = d
-	}
-	return mpMap{
-		{"__tensor__", true},
-		{"data", base64.StdEncoding.EncodeToString(safetensors(shape))},
-		{"shape", dims},
-		{"dtype", "torch.float32"},
-	}
 }
 
 // safetensors is a safetensors file with one zero-filled float32 tensor "t".

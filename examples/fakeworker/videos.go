@@ -3,35 +3,42 @@ package fakeworker
 import (
 	"cmp"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
 	"math"
 	"net/http"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
-// videoJob is a video job as sglang's video API reports it, plus the weight
-// version it ran with.
+// videoJob is a video job as sglang's video API reports it (protocol.py's
+// VideoResponse).
 type videoJob struct {
-	ID             string            `json:"id"`
-	Object         string            `json:"object"`
-	Model          string            `json:"model"`
-	Status         string            `json:"status"` // queued, in_progress, completed, failed; deleted in a DELETE answer
-	Progress       int               `json:"progress"`
-	CreatedAt      int64             `json:"created_at"`
-	Size           string            `json:"size"`
-	Seconds        string            `json:"seconds"`
-	Quality        string            `json:"quality"`
-	CompletedAt    *int64            `json:"completed_at"`
-	Error          map[string]string `json:"error"`
-	InferenceTimeS *float64          `json:"inference_time_s"`
-	WeightVersion  string            `json:"weight_version,omitempty"`
+	ID                 string            `json:"id"`
+	Object             string            `json:"object"`
+	Model              string            `json:"model"`
+	Status             string            `json:"status"` // queued, in_progress, completed, failed; deleted in a DELETE answer
+	Progress           int               `json:"progress"`
+	CreatedAt          int64             `json:"created_at"`
+	Size               string            `json:"size"`
+	Seconds            string            `json:"seconds"`
+	Quality            string            `json:"quality"`
+	URL                *string           `json:"url"` // in cloud storage
+	RemixedFromVideoID *string           `json:"remixed_from_video_id"`
+	CompletedAt        *int64            `json:"completed_at"`
+	ExpiresAt          *int64            `json:"expires_at"`
+	Error              map[string]string `json:"error"`
+	FilePath           *string           `json:"file_path"`
+	PeakMemoryMB       *float64          `json:"peak_memory_mb"`
+	InferenceTimeS     *float64          `json:"inference_time_s"`
 
-	seq      int           // creation order, for listing
+	seq      uint64        // creation order, for listing
 	started  time.Time     // when the job got the worker
 	duration time.Duration // planned service time; forever if hung
 }
@@ -50,12 +57,15 @@ var (
 	errVideoInProgress = &httpError{http.StatusNotFound, "Generation is still in-progress"}
 )
 
-// videoRequest is sglang's VideoGenerationsRequest, as far as cost goes.
+// videoRequest is sglang's VideoGenerationsRequest, as far as the fake
+// needs.
 type videoRequest struct {
-	Prompt  *string `json:"prompt"`
-	Model   string  `json:"model"`
-	Seconds *int    `json:"seconds"`
-	FPS     *int    `json:"fps"`
+	Prompt         *string `json:"prompt"`
+	Model          string  `json:"model"`
+	Seconds        *int    `json:"seconds"`
+	FPS            *int    `json:"fps"`
+	InputReference *string `json:"input_reference"`
+	ReferenceURL   *string `json:"reference_url"`
 	genParams
 }
 
@@ -69,19 +79,24 @@ func (req videoRequest) shape() (shape, error) {
 	return req.genParams.shape(defaultVideoSize, frames, 1)
 }
 
+// errNoReference is create_video's answer to a request without an image
+// for a model that needs one.
+var errNoReference = badRequest("input_reference or reference_url is required for image-to-video generation")
+
 // parseVideoRequest reads a JSON or multipart video request as sglang's
 // create_video does.
-func parseVideoRequest(r *http.Request) (videoRequest, error) {
+func (w *Worker) parseVideoRequest(r *http.Request) (videoRequest, error) {
 	if strings.Contains(strings.ToLower(r.Header.Get("Content-Type")), "multipart/form-data") {
-		return parseVideoForm(r)
+		return w.parseVideoForm(r)
 	}
-	return parseVideoJSON(r)
+	return w.parseVideoJSON(r)
 }
 
-// parseVideoJSON merges an "extra_body" object into the top level and, like
-// sglang, answers every problem with 400 "Invalid request body: ...";
-// an unreadable body counts as {}, which lacks a prompt.
-func parseVideoJSON(r *http.Request) (videoRequest, error) {
+// parseVideoJSON merges an "extra_body" (or "extra_json") object into the
+// top level and, like sglang, answers every problem with 400 "Invalid
+// request body: ..."; an unreadable body counts as {}, which lacks a
+// prompt.
+func (w *Worker) parseVideoJSON(r *http.Request) (videoRequest, error) {
 	var req videoRequest
 	body, err := io.ReadAll(r.Body)
 	if err != nil {
@@ -91,11 +106,16 @@ func parseVideoJSON(r *http.Request) (videoRequest, error) {
 	if json.Unmarshal(body, &payload) != nil {
 		payload = map[string]json.RawMessage{}
 	}
-	var extra map[string]json.RawMessage
-	if json.Unmarshal(payload["extra_body"], &extra) == nil {
+	for _, key := range []string{"extra_body", "extra_json"} {
+		var extra map[string]json.RawMessage
+		json.Unmarshal(payload[key], &extra) // not an object: dropped
+		delete(payload, key)
 		maps.Copy(payload, extra)
 	}
-	delete(payload, "extra_body")
+	if w.needsImage() && !truthy(payload["reference_url"]) && !truthy(payload["input_reference"]) {
+		// raised inside create_video's try, so wrapped as any other error
+		return videoRequest{}, badRequest("Invalid request body: 400: %v", errNoReference)
+	}
 	merged, err := json.Marshal(payload)
 	if err == nil {
 		err = json.Unmarshal(merged, &req)
@@ -109,11 +129,12 @@ func parseVideoJSON(r *http.Request) (videoRequest, error) {
 	return req, nil
 }
 
-// parseVideoForm reads sglang's multipart fields: prompt and an
-// input_reference file (both required), model, seconds, size, fps,
-// num_frames, and extra_body, a JSON object whose fps and num_frames apply
-// when the form fields are absent.
-func parseVideoForm(r *http.Request) (videoRequest, error) {
+// parseVideoForm reads sglang's multipart fields: prompt (required), an
+// input_reference file or reference_url (required by image-to-video
+// models), model, seconds, size, fps, num_frames, num_inference_steps, and
+// extra_body, a JSON object whose fps and num_frames apply when the form
+// fields are absent.
+func (w *Worker) parseVideoForm(r *http.Request) (videoRequest, error) {
 	f, err := readForm(r)
 	if err != nil {
 		return videoRequest{}, err
@@ -124,15 +145,15 @@ func parseVideoForm(r *http.Request) (videoRequest, error) {
 		Seconds: f.int("seconds"),
 		FPS:     f.int("fps"),
 	}
-	req.Size, req.NumFrames = f.str("size"), f.int("num_frames")
+	req.Size, req.NumFrames, req.NumInferenceSteps = f.str("size"), f.int("num_frames"), f.int("num_inference_steps")
 	if err := f.err(); err != nil {
 		return req, err
 	}
 	if valueOr(req.Prompt, "") == "" {
 		return req, badRequest("prompt is required")
 	}
-	if !f.hasFile("input_reference") {
-		return req, badRequest("input_reference file is required")
+	if w.needsImage() && !f.hasFile("input_reference") && valueOr(f.str("reference_url"), "") == "" {
+		return req, errNoReference
 	}
 	var extra struct {
 		FPS       *int `json:"fps"`
@@ -145,22 +166,24 @@ func parseVideoForm(r *http.Request) (videoRequest, error) {
 	return req, nil
 }
 
+// needsImage reports whether the model generates only from an image
+// (TaskType.requires_image_input).
+func (w *Worker) needsImage() bool {
+	return w.cfg.TaskType == "I2V" || w.cfg.TaskType == "I2I"
+}
+
 // handleCreateVideo answers at once with a queued job, which then waits its
-// turn in the worker's queue like any other job.
+// turn in the worker's queue like any other job. Like sglang it takes a
+// video request on any model.
 func (w *Worker) handleCreateVideo(rw http.ResponseWriter, r *http.Request) {
-	if !w.isVideoTask() {
-		w.fail(rw, badRequest("model %s has task type %s and cannot generate videos; video-capable task types are T2V, I2V and TI2V",
-			w.cfg.ModelPath, w.cfg.TaskType))
-		return
-	}
-	req, err := parseVideoRequest(r)
+	req, err := w.parseVideoRequest(r)
 	if err != nil {
 		w.fail(rw, err)
 		return
 	}
 	s, err := req.shape()
 	if err != nil {
-		w.fail(rw, err)
+		w.fail(rw, badRequest("%v", err))
 		return
 	}
 	job := w.addVideo(req, s)
@@ -171,38 +194,52 @@ func (w *Worker) handleCreateVideo(rw http.ResponseWriter, r *http.Request) {
 func (w *Worker) addVideo(req videoRequest, s shape) videoJob {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.videoSeq++
+	id := "video_" + newID()
+	file := filepath.Join(outputDir, id+".mp4")
 	job := &videoJob{
-		ID:        "video_" + newID(),
+		ID:        id,
 		Object:    "video",
 		Model:     cmp.Or(req.Model, "sora-2"), // sglang's default
 		Status:    "queued",
-		CreatedAt: time.Now().Unix(),
+		CreatedAt: w.clock().Unix(),
 		Size:      fmt.Sprintf("%dx%d", s.width, s.height),
 		Seconds:   strconv.Itoa(int(math.Round(float64(s.frames) / float64(req.fps())))),
 		Quality:   "standard",
-		seq:       w.videoSeq,
+		FilePath:  &file,
+		seq:       videoSeq.Add(1),
 	}
 	w.videos[job.ID] = job
 	return *job
 }
 
+// videoSeq orders video jobs by creation.
+var videoSeq atomic.Uint64
+
 // runVideo runs a video job in the background; it outlives the request that
 // made it and ends only with the worker.
 func (w *Worker) runVideo(id string, cost float64) {
-	res, err := w.runJob(w.life, cost, func(d time.Duration) {
+	took, err := w.runJob(w.life, cost, func(d time.Duration) {
 		w.updateVideo(id, func(j *videoJob) {
 			j.Status, j.started, j.duration = "in_progress", time.Now(), d
 		})
 	})
+	url := w.upload(id + ".mp4")
 	w.updateVideo(id, func(j *videoJob) {
-		if err != nil {
+		var se schedulerError
+		switch {
+		case errors.As(err, &se):
+			j.Status, j.Error = "failed", map[string]string{"message": noOutput(err)}
+			return
+		case err != nil:
 			j.Status, j.Error = "failed", map[string]string{"message": err.Error()}
 			return
 		}
-		completed, seconds := time.Now().Unix(), res.elapsed.Seconds()
-		j.Status, j.Progress, j.WeightVersion = "completed", 100, res.version
+		completed, seconds := time.Now().Unix(), took.Seconds()
+		j.Status, j.Progress = "completed", 100
 		j.CompletedAt, j.InferenceTimeS = &completed, &seconds
+		if url != "" {
+			j.URL, j.FilePath = &url, nil
+		}
 	})
 }
 
@@ -226,21 +263,13 @@ func (w *Worker) video(id string) (videoJob, error) {
 	return j.snapshot(), nil
 }
 
-func writeVideo(rw http.ResponseWriter, job videoJob) {
-	if job.WeightVersion != "" {
-		writeVersioned(rw, job.WeightVersion, job)
-		return
-	}
-	writeJSON(rw, http.StatusOK, job)
-}
-
 func (w *Worker) handleGetVideo(rw http.ResponseWriter, r *http.Request) {
 	job, err := w.video(r.PathValue("id"))
 	if err != nil {
 		w.fail(rw, err)
 		return
 	}
-	writeVideo(rw, job)
+	writeJSON(rw, http.StatusOK, job)
 }
 
 func (w *Worker) handleDeleteVideo(rw http.ResponseWriter, r *http.Request) {
@@ -255,34 +284,51 @@ func (w *Worker) handleDeleteVideo(rw http.ResponseWriter, r *http.Request) {
 	}
 	job := j.snapshot()
 	job.Status = "deleted"
-	writeVideo(rw, job)
+	writeJSON(rw, http.StatusOK, job)
 }
 
 func (w *Worker) handleVideoContent(rw http.ResponseWriter, r *http.Request) {
 	job, err := w.video(r.PathValue("id"))
-	if err == nil && job.Status != "completed" {
+	switch {
+	case err != nil:
+	case job.URL != nil:
+		err = badRequest("Video has been uploaded to cloud storage. Please use the cloud URL: %s", *job.URL)
+	case job.Status != "completed":
 		err = errVideoInProgress // sglang answers this for failed jobs too
 	}
 	if err != nil {
 		w.fail(rw, err)
 		return
 	}
+	media := w.media("mp4")
 	rw.Header().Set("Content-Type", "video/mp4")
-	rw.Header().Set("Content-Length", strconv.Itoa(len(w.output)))
-	rw.Header().Set("X-Weight-Version", job.WeightVersion)
-	rw.Write(w.output) // a write error means the client left; nothing to do
+	rw.Header().Set("Content-Length", strconv.Itoa(len(media.data)))
+	rw.Header().Set("Content-Disposition", fmt.Sprintf(`attachment; filename="%s.mp4"`, job.ID))
+	rw.Write(media.data) // a write error means the client left; nothing to do
 }
 
 // handleListVideos takes sglang's query parameters: after (a job id), limit
-// (1..100) and order (desc by default, or asc).
+// (1..100) and order (desc by default, or asc); others, such as video_id,
+// are ignored, so a poll by query gets the whole list. Jobs are ordered by
+// created_at, in seconds, and those of the same second stay in creation
+// order either way, as Python's stable sort leaves them.
 func (w *Worker) handleListVideos(rw http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	limit := 0
-	if s := q.Get("limit"); s != "" {
+	if s := q.Get("limit"); q.Has("limit") {
 		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 || n > 100 {
-			w.fail(rw, invalid(fieldError{Type: "value_error", Loc: []any{"query", "limit"},
-				Msg: "Input should be an integer from 1 to 100"}))
+		var fe *fieldError
+		switch {
+		case err != nil:
+			fe = &fieldError{Type: "int_parsing", Msg: "Input should be a valid integer, unable to parse string as an integer"}
+		case n < 1:
+			fe = &fieldError{Type: "greater_than_equal", Msg: "Input should be greater than or equal to 1"}
+		case n > 100:
+			fe = &fieldError{Type: "less_than_equal", Msg: "Input should be less than or equal to 100"}
+		}
+		if fe != nil {
+			fe.Loc = []any{"query", "limit"}
+			w.fail(rw, invalid(*fe))
 			return
 		}
 		limit = n
@@ -295,8 +341,10 @@ func (w *Worker) handleListVideos(rw http.ResponseWriter, r *http.Request) {
 	w.mu.Unlock()
 
 	slices.SortFunc(jobs, func(a, b videoJob) int { return cmp.Compare(a.seq, b.seq) })
-	if !strings.EqualFold(q.Get("order"), "asc") {
-		slices.Reverse(jobs)
+	if strings.ToLower(q.Get("order")) == "asc" {
+		slices.SortStableFunc(jobs, func(a, b videoJob) int { return cmp.Compare(a.CreatedAt, b.CreatedAt) })
+	} else {
+		slices.SortStableFunc(jobs, func(a, b videoJob) int { return cmp.Compare(b.CreatedAt, a.CreatedAt) })
 	}
 	if after := q.Get("after"); q.Has("after") {
 		if i := slices.IndexFunc(jobs, func(j videoJob) bool { return j.ID == after }); i >= 0 {

@@ -29,8 +29,8 @@ func run() error {
 	host := flag.String("host", "127.0.0.1", "address to listen on")
 	port := flag.Int("port", 30000, "port to listen on")
 	var cfg fakeworker.Config
-	flag.StringVar(&cfg.Name, "name", "fake", "name reported in the X-Fake-Worker header and /server_info")
-	flag.StringVar(&cfg.ModelPath, "model-path", "fake/diffusion-model", "model path reported, and the initial weight version")
+	flag.StringVar(&cfg.Name, "name", "fake", "name reported in the X-Fake-Worker header")
+	flag.StringVar(&cfg.ModelPath, "model-path", "fake/diffusion-model", "model path served, the model id in /v1/models")
 	flag.StringVar(&cfg.TaskType, "task-type", "T2I", "T2I, I2I, TI2I (image) or T2V, I2V, TI2V (video)")
 	flag.Float64Var(&cfg.Speed, "speed", 1, "relative speed; service time = cost * unit-ms / speed")
 	flag.Float64Var(&cfg.UnitMs, "unit-ms", 100, "milliseconds per cost unit (one 1024x1024 image, one step)")
@@ -41,7 +41,8 @@ func run() error {
 	flag.DurationVar(&cfg.HealthDelay, "health-delay", 0, "delay before answering /health")
 	flag.IntVar(&cfg.HangAfter, "hang-after", 0, "after N finished jobs, later jobs hang (0 = never)")
 	flag.IntVar(&cfg.CrashAfter, "crash-after", 0, "after N finished jobs, the next job kills the worker (0 = never)")
-	flag.BoolVar(&cfg.UpdateFail, "update-fail", false, "weight updates fail and roll back")
+	flag.BoolVar(&cfg.UpdateFail, "update-fail", false, "weight updates fail (400) and roll back")
+	flag.StringVar(&cfg.CloudStorage, "cloud-storage", "", "base URL of the cloud storage outputs are uploaded to; empty: none, so response_format \"url\" fails (400) as on a worker without storage")
 	flag.Parse()
 
 	ln, err := net.Listen("tcp", net.JoinHostPort(*host, strconv.Itoa(*port)))
