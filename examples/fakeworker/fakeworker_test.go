@@ -722,7 +722,7 @@ func TestWeightUpdateWaitsForQueuedJobs(t *testing.T) {
 		}()
 		waitQueue(t, w, waiting)
 	}
-	submit("before", "/v1/images/generations", imageBody(10), 0)
+	submit("before", "/v1/images/generations", imageBody(50), 0)
 	submit("update", "/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"v2"}`, 1)
 	submit("after", "/v1/images/generations", imageBody(1), 2)
 
@@ -854,13 +854,14 @@ func TestSleepAndWake(t *testing.T) {
 
 func TestLora(t *testing.T) {
 	w := start(t, Config{})
-	for body, want := range map[string]string{
-		`{"lora_nickname":"a","lora_path":"/loras/a"}`: "Successfully set LoRA adapter(s): a (target: all, strength: 1.00)",
-		`{"lora_nickname":"a"}`:                        "Successfully set LoRA adapter(s): a (target: all, strength: 1.00)",
-		`{"lora_nickname":["a","b"],"lora_path":["/loras/a","/loras/b"],"target":["transformer","transformer_2"],"strength":[0.5,1]}`: "Successfully set LoRA adapter(s): a, b (target: transformer, transformer_2, strength: 0.50, 1.00)",
+	for _, c := range []struct{ body, want string }{ // in order: a loads before it is set again by name
+		{`{"lora_nickname":"a","lora_path":"/loras/a"}`, "Successfully set LoRA adapter(s): a (target: all, strength: 1.00)"},
+		{`{"lora_nickname":"a"}`, "Successfully set LoRA adapter(s): a (target: all, strength: 1.00)"},
+		{`{"lora_nickname":["a","b"],"lora_path":["/loras/a","/loras/b"],"target":["transformer","transformer_2"],"strength":[0.5,1]}`,
+			"Successfully set LoRA adapter(s): a, b (target: transformer, transformer_2, strength: 0.50, 1.00)"},
 	} {
-		if r := call(t, w, "POST", "/v1/set_lora", body).expect(t, 200); len(r) != 2 || r["status"] != "ok" || r["message"] != want {
-			t.Errorf("%s: %v, want %q", body, r, want)
+		if r := call(t, w, "POST", "/v1/set_lora", c.body).expect(t, 200); len(r) != 2 || r["status"] != "ok" || r["message"] != c.want {
+			t.Errorf("%s: %v, want %q", c.body, r, c.want)
 		}
 	}
 	if r := call(t, w, "POST", "/v1/set_lora", `{"lora_nickname":"c"}`).expect(t, 500); !strings.HasPrefix(r["detail"].(string), "Failed to set LoRA adapter: ") {
