@@ -231,7 +231,7 @@ func generateLoad(r *testRouter, d time.Duration) {
 					time.Sleep(50 * time.Millisecond)
 					continue
 				}
-				body := fmt.Sprintf(`{"prompt":"a cat","size":"512x512","num_inference_steps":%d}`, 2+(c+i)%5)
+				body := fmt.Sprintf(`{"response_format":"b64_json","prompt":"a cat","size":"512x512","num_inference_steps":%d}`, 2+(c+i)%5)
 				resp, err := client.Post(r.base+"/v1/images/generations", "application/json", strings.NewReader(body))
 				if err == nil {
 					_, _ = io.Copy(io.Discard, resp.Body)

@@ -205,6 +205,10 @@ func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
 		if !h.pool.anyMakes(imageTask) { // as the Python router does: let a worker answer
 			t.task = anyTask
 		}
+	case r.Method == http.MethodPost && generationPaths[r.URL.Path]:
+		// Before any update, a worker's weight version is the model id its
+		// /v1/models reports: learn it before the worker's first job.
+		h.probeUnknown(r.Context())
 	}
 	t.job = r.Method == http.MethodPost && generationPaths[r.URL.Path]
 	return t, 0, ""

@@ -226,10 +226,10 @@ func TestBusyWorkerWithSlowProbesStaysServing(t *testing.T) {
 	// while the worker is busy no slow probe counts as a failure.
 	ws := startWorkers(t, fakeworker.Config{Name: "busy", UnitMs: 500, HealthDelay: 300 * time.Millisecond})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n health_interval 30ms\n health_timeout 50ms\n health_fails 1000\n}")
-	expectStatus(t, "learn the speed", r.post("/v1/images/generations", `{"prompt":"x","size":"512x512","num_inference_steps":1}`), 200)
+	expectStatus(t, "learn the speed", r.post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"512x512","num_inference_steps":1}`), 200)
 	long := make(chan reply)
 	go func() {
-		long <- r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":4}`)
+		long <- r.post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":4}`)
 	}() // 2 s
 	u := ws[0].URL()
 	var failures any // probe failures counted before the job started

@@ -102,7 +102,7 @@ func TestMetricsCountWhatHappened(t *testing.T) {
 	}
 
 	for range 3 {
-		expectStatus(t, "image", r.post("/v1/images/generations", `{"prompt":"x","size":"1024x1024","num_inference_steps":2}`), 200)
+		expectStatus(t, "image", r.post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":2}`), 200)
 	}
 	expectStatus(t, "bad JSON", r.post("/v1/images/generations", `{`), 400)
 	expectStatus(t, "workers", r.get("/workers"), 200)
@@ -174,7 +174,7 @@ func TestFinishedJobIsLogged(t *testing.T) {
 	ws := startWorkers(t, fakeworker.Config{Name: "a"})
 	jobLog := "log jobs {\n output file " + logFile + "\n format json\n level INFO\n include http.handlers.diffusion_router\n}"
 	r := startRouterWith(t, jobLog, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	rp := r.post("/v1/images/generations", `{"prompt":"a secret prompt","size":"512x512","num_inference_steps":4}`, requestIDHeader, "req-42")
+	rp := r.post("/v1/images/generations", `{"response_format":"b64_json","prompt":"a secret prompt","size":"512x512","num_inference_steps":4}`, requestIDHeader, "req-42")
 	expectStatus(t, "image", rp, 200)
 	if rp.header.Get(requestIDHeader) != "req-42" {
 		t.Fatalf("request id echoed as %q", rp.header.Get(requestIDHeader))

@@ -227,7 +227,7 @@ func (r *testRouter) post(path, body string, header ...string) reply {
 	return do(r.t, "POST", r.base+path, strings.NewReader(body), header...)
 }
 
-const smallImage = `{"prompt":"a cat","size":"256x256","num_inference_steps":2}`
+const smallImage = `{"response_format":"b64_json","prompt":"a cat","size":"256x256","num_inference_steps":2}`
 
 func expectStatus(t *testing.T, what string, rp reply, want int) {
 	t.Helper()
@@ -253,13 +253,14 @@ func TestForwardsEveryEndpoint(t *testing.T) {
 	expectStatus(t, "images/edits", r.post("/v1/images/edits", body, "Content-Type", ctype), 200)
 	expectStatus(t, "diffusion/generate", r.post("/v1/diffusion/generate", smallImage), 200)
 
-	rp = r.post("/rollout/generate", `{"prompt":"a cat","width":64,"height":64,"num_inference_steps":2}`)
+	rp = r.post("/rollout/generate", `{"prompt":"a cat","width":64,"height":64,"num_inference_steps":2,"seed":7}`)
 	expectStatus(t, "rollout/generate", rp, 200)
-	if ct := rp.header.Get("Content-Type"); ct != "application/msgpack" {
-		t.Fatalf("rollout/generate Content-Type %q", ct)
+	var samples []map[string]any
+	if err := json.Unmarshal(rp.body, &samples); err != nil || len(samples) != 1 || samples[0]["seed"] != 7.0 {
+		t.Fatalf("rollout/generate body is not the worker's JSON list: %.200s (%v)", rp.body, err)
 	}
-	if len(rp.body) < 2 || rp.body[0] != 0x91 || rp.body[1]&0xf0 != 0x80 && rp.body[1] != 0xde {
-		t.Fatalf("rollout/generate body is not the worker's msgpack array of maps: % x", rp.body[:min(8, len(rp.body))])
+	if v := rp.header.Get(weightVersionHeader); v != "fake/diffusion-model" {
+		t.Fatalf("rollout/generate served on %q; want the model id", v)
 	}
 
 	expectStatus(t, "model_info", r.get("/model_info"), 200)
@@ -582,7 +583,7 @@ func TestLeastRequestSpreadsABatch(t *testing.T) {
 	var wg sync.WaitGroup
 	for range 8 {
 		wg.Go(func() {
-			rp := r.post("/v1/images/generations", `{"prompt":"a cat","size":"1024x1024","num_inference_steps":4}`)
+			rp := r.post("/v1/images/generations", `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":4}`)
 			if rp.status != 200 {
 				t.Errorf("status %d: %s", rp.status, rp.body)
 			}
@@ -694,7 +695,7 @@ func TestUpstreamTimeout(t *testing.T) {
 	// A 1024² 4-step job takes 40 s on this worker: far past the limit.
 	ws := startWorkers(t, fakeworker.Config{Name: "slow", UnitMs: 10_000})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n upstream_timeout 300ms\n}")
-	rp := r.post("/v1/images/generations", `{"prompt":"a cat","size":"1024x1024","num_inference_steps":4}`)
+	rp := r.post("/v1/images/generations", `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":4}`)
 	expectStatus(t, "slow worker", rp, 504)
 	if !strings.Contains(rp.errorText(t), "upstream_timeout") {
 		t.Fatalf("504 error: %s", rp.body)
@@ -709,6 +710,13 @@ func TestWorkerErrorsPassThrough(t *testing.T) {
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
 	rp := r.post("/v1/images/generations", smallImage)
 	direct := do(t, "POST", ws[0].URL()+"/v1/images/generations", strings.NewReader(smallImage))
+	if rp.status != 500 || direct.status != 500 || string(rp.body) != string(direct.body) ||
+		rp.header.Get("Content-Type") != direct.header.Get("Content-Type") {
+		t.Fatalf("worker's 500 %s became %d %s", direct.body, rp.status, rp.body)
+	}
+	const rollout = `{"prompt":"a cat","width":64,"height":64,"num_inference_steps":2,"seed":1}`
+	rp = r.post("/rollout/generate", rollout)
+	direct = do(t, "POST", ws[0].URL()+"/rollout/generate", strings.NewReader(rollout))
 	if rp.status != 500 || direct.status != 500 || rp.json(t)["detail"] != direct.json(t)["detail"] {
 		t.Fatalf("worker's 500 %s became %d %s", direct.body, rp.status, rp.body)
 	}
@@ -743,7 +751,7 @@ func TestFullQueueAnswers429(t *testing.T) {
 	// One worker busy for 4 s; one job may wait; the third is refused.
 	ws := startWorkers(t, fakeworker.Config{Name: "w", UnitMs: 1000})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n max_queue 1\n}")
-	slow := `{"prompt":"a cat","size":"1024x1024","num_inference_steps":4}`
+	slow := `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":4}`
 	running := busyWith(t, r, ws[0].URL(), slow)
 	var wg sync.WaitGroup
 	wg.Go(func() { r.post("/v1/images/generations", slow) })

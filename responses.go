@@ -51,19 +51,34 @@ type recorder struct {
 	peek      []byte
 }
 
-// WriteHeader records the final status; informational ones pass by. A
-// worker that names its weight version itself is believed.
+// WriteHeader records the final status; informational ones pass by. The
+// weight version a proxied answer names is the router's record of the
+// worker that served it, never the worker's word: sglang reports none.
 func (rec *recorder) WriteHeader(status int) {
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
-		if t := rec.ticket; t != nil && t.servedVersion != "" && rec.Header().Get(weightVersionHeader) == "" {
-			rec.Header().Set(weightVersionHeader, t.servedVersion)
+		if t := rec.ticket; t != nil {
+			if v := t.versionServed(); v != "" {
+				rec.Header().Set(weightVersionHeader, v)
+			} else {
+				rec.Header().Del(weightVersionHeader)
+			}
 		}
 		if rec.onHeader != nil {
 			rec.onHeader(status)
 		}
 	}
 	rec.ResponseWriterWrapper.WriteHeader(status)
+}
+
+// versionServed is the weight version the router records for the worker
+// that served t; for a worker whose model id is not known yet (its
+// /v1/models did not answer), the pool's.
+func (t *ticket) versionServed() string {
+	if t.servedVersion != "" || t.pool == nil {
+		return t.servedVersion
+	}
+	return t.pool.stats().version
 }
 
 // Write keeps up to peekLimit bytes of the body.

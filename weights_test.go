@@ -1,6 +1,9 @@
 package diffusionrouter
 
 import (
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -38,7 +41,7 @@ func load(t *testing.T, r *testRouter, clients int) (stop func() []sample, answe
 				default:
 				}
 				s := sample{sent: time.Now()}
-				rp := do(t, "POST", r.base+"/v1/images/generations", strings.NewReader(`{"prompt":"x","size":"512x512","num_inference_steps":4}`))
+				rp := do(t, "POST", r.base+"/v1/images/generations", strings.NewReader(`{"response_format":"b64_json","prompt":"x","size":"512x512","num_inference_steps":4}`))
 				s.received, s.status, s.version = time.Now(), rp.status, rp.header.Get(weightVersionHeader)
 				mu.Lock()
 				samples = append(samples, s)
@@ -126,8 +129,8 @@ func TestDrainUpdateUnderLoad(t *testing.T) {
 		t.Fatalf("load did not span the update: %d before, %d after", before, after)
 	}
 	for _, w := range ws {
-		if w.WeightVersion() != "/ckpt/step-1" {
-			t.Fatalf("worker on %q", w.WeightVersion())
+		if w.Weights() != "/ckpt/step-1" {
+			t.Fatalf("worker on %q", w.Weights())
 		}
 	}
 	for u, w := range workerStates(t, r) {
@@ -140,7 +143,7 @@ func TestDrainUpdateUnderLoad(t *testing.T) {
 func TestJobsInFlightFinishOnOldWeights(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 100})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	job := busyWith(t, r, ws[0].URL(), `{"prompt":"x","size":"1024x1024","num_inference_steps":5}`)
+	job := busyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":5}`)
 	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"step-2"}`), 200)
 	long := <-job
 	expectStatus(t, "job in flight", long, 200)
@@ -185,8 +188,8 @@ func TestRollingUpdateKeepsServing(t *testing.T) {
 		}
 	}
 	for _, w := range ws {
-		if w.WeightVersion() != "/ckpt/r" {
-			t.Fatalf("worker on %q after the rolling update", w.WeightVersion())
+		if w.Weights() != "/ckpt/r" {
+			t.Fatalf("worker on %q after the rolling update", w.Weights())
 		}
 	}
 }
@@ -213,7 +216,7 @@ func TestFailedUpdateKeepsWorkerOut(t *testing.T) {
 func TestUpdatesAreSerialised(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 300})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	busyWith(t, r, ws[0].URL(), `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`)
+	busyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":3}`)
 	var wg sync.WaitGroup
 	var first, second reply
 	wg.Go(func() { first = r.post("/update_weights_from_disk", `{"model_path":"/ckpt/a"}`) })
@@ -224,15 +227,15 @@ func TestUpdatesAreSerialised(t *testing.T) {
 	wg.Wait()
 	expectStatus(t, "first update", first, 200)
 	expectStatus(t, "second update", second, 200)
-	if ws[0].WeightVersion() != "/ckpt/b" {
-		t.Fatalf("worker ended on %q; the second update runs after the first", ws[0].WeightVersion())
+	if ws[0].Weights() != "/ckpt/b" {
+		t.Fatalf("worker ended on %q; the second update runs after the first", ws[0].Weights())
 	}
 }
 
 func TestDrainTimeoutChangesNothing(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 500})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n drain_timeout 100ms\n}")
-	job := busyWith(t, r, ws[0].URL(), `{"prompt":"x","size":"1024x1024","num_inference_steps":3}`)
+	job := busyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":3}`)
 	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/late"}`)
 	expectStatus(t, "update behind a long job", rp, 504)
 	if !strings.Contains(rp.errorText(t), "drain_timeout") {
@@ -241,8 +244,8 @@ func TestDrainTimeoutChangesNothing(t *testing.T) {
 	expectStatus(t, "the long job", <-job, 200)
 	rp = r.post("/v1/images/generations", smallImage)
 	expectStatus(t, "after the timed-out update", rp, 200)
-	if ws[0].WeightVersion() != oldVersion || rp.header.Get(weightVersionHeader) != oldVersion {
-		t.Fatalf("a timed-out update changed the weights to %q", ws[0].WeightVersion())
+	if ws[0].Weights() != oldVersion || rp.header.Get(weightVersionHeader) != oldVersion {
+		t.Fatalf("a timed-out update changed the weights to %q", ws[0].Weights())
 	}
 }
 
@@ -282,8 +285,8 @@ func TestJoiningWorkerIsBroughtToCurrentWeights(t *testing.T) {
 		s := workerStates(t, r)
 		return s[ws[1].URL()]["state"] == "serving" && s[ws[2].URL()]["state"] == "stale"
 	})
-	if ws[1].WeightVersion() != "step-7" || workerStates(t, r)[ws[1].URL()]["weight_version"] != "step-7" {
-		t.Fatalf("late worker on %q", ws[1].WeightVersion())
+	if ws[1].Weights() != "/ckpt/7" || workerStates(t, r)[ws[1].URL()]["weight_version"] != "step-7" {
+		t.Fatalf("late worker on %q", ws[1].Weights())
 	}
 	for range 6 {
 		if v := r.post("/v1/images/generations", smallImage).header.Get(weightVersionHeader); v != "step-7" {
@@ -305,6 +308,45 @@ func TestRequestedWeightVersion(t *testing.T) {
 	expectStatus(t, "a version nobody has", rp, 409)
 	if !strings.Contains(rp.errorText(t), "step-8") {
 		t.Fatalf("409 answer: %s", rp.body)
+	}
+}
+
+// The weight version a proxied answer names is the router's record, never
+// the worker's word (sglang names none): before any update, the model id
+// the worker's /v1/models reports, learned before its first job of any
+// kind.
+func TestWeightVersionIsTheRouters(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "w", ModelPath: "org/model-a"})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	rp := r.post("/rollout/generate", `{"prompt":"a cat","width":64,"height":64,"num_inference_steps":2,"seed":1}`)
+	expectStatus(t, "first job, a rollout", rp, 200)
+	if v := rp.header.Get(weightVersionHeader); v != "org/model-a" {
+		t.Fatalf("the first job was served on %q; want the worker's model id", v)
+	}
+	if v := r.get("/health").header.Get(weightVersionHeader); v != "" {
+		t.Fatalf("the router's own answer names %q", v)
+	}
+
+	// A worker that names a version itself is not believed.
+	liar := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		w.Header().Set(weightVersionHeader, "worker-says")
+		switch req.URL.Path {
+		case "/v1/models":
+			http.Error(w, "no model card", http.StatusInternalServerError)
+		default:
+			_, _ = io.WriteString(w, `{"status":"ok"}`)
+		}
+	}))
+	t.Cleanup(liar.Close)
+	r = startRouter(t, "diffusion_router {\n workers "+liar.URL+"\n}")
+	rp = r.post("/rollout/generate", `{"prompt":"a cat","seed":1}`)
+	expectStatus(t, "job on a worker whose model is unknown", rp, 200)
+	if v, ok := rp.header[weightVersionHeader]; ok {
+		t.Fatalf("answer names %q; the router knows no version for it", v)
+	}
+	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/1","weight_version":"step-1"}`), 200)
+	if v := r.get("/model_info").header.Get(weightVersionHeader); v != "step-1" {
+		t.Fatalf("after the update: %q", v)
 	}
 }
 
@@ -333,8 +375,8 @@ func TestBadWeightUpdates(t *testing.T) {
 			rp.errorText(t)
 		}
 	}
-	if ws[0].WeightVersion() != "/ckpt/ok" {
-		t.Fatalf("worker on %q; only the one good update may reach it", ws[0].WeightVersion())
+	if ws[0].Weights() != "/ckpt/ok" {
+		t.Fatalf("worker on %q; only the one good update may reach it", ws[0].Weights())
 	}
 	for _, path := range []string{"/update_weights_from_disk", "/release_memory_occupation", "/resume_memory_occupation"} {
 		r.load("diffusion_router {\n workers " + urlsOf(ws) + "\n admin_allow 10.0.0.0/8\n}")

@@ -48,7 +48,7 @@ func TestRouterInFrontOfFleet(t *testing.T) {
 	defer StopRouter()
 
 	resp, err := http.Post(url+"/v1/images/generations", "application/json",
-		strings.NewReader(`{"prompt": "a cat", "size": "64x64", "num_inference_steps": 1}`))
+		strings.NewReader(`{"prompt": "a cat", "size": "64x64", "num_inference_steps": 1, "response_format": "b64_json"}`))
 	if err != nil {
 		t.Fatal(err)
 	}
