@@ -204,60 +204,41 @@ func (f fields) positiveInt(name string, def int) (int, error) {
 	return int(n), nil
 }
 
-// jsonFields reads a JSON object body. The OpenAI video API's extra_body
-// object adds fields, as sglang merges it.
+// jsonFields reads a JSON object body, by exact key as the workers do. The
+// OpenAI video API's extra_body object adds fields, as sglang merges it.
 func jsonFields(body []byte) (fields, error) {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber()
-	var c costFields
-	if err := dec.Decode(&c); err != nil || dec.More() {
-		if _, ok := errors.AsType[*json.UnmarshalTypeError](err); ok && !bytes.HasPrefix(bytes.TrimSpace(body), []byte("{")) {
-			return nil, errors.New("request body must be a JSON object")
-		}
-		return nil, errors.New("Invalid JSON body")
-	}
-	if !bytes.HasPrefix(bytes.TrimSpace(body), []byte("{")) {
-		return nil, errors.New("request body must be a JSON object")
+	members, err := strictObject(body)
+	if err != nil {
+		return nil, err
 	}
 	f := fields{}
-	c.addTo(f)
-	if c.ExtraBody != nil {
-		c.ExtraBody.addTo(f)
+	addCostFields(f, members)
+	if raw, ok := members["extra_body"]; ok && string(raw) != "null" {
+		extra, err := strictObject(raw)
+		if err != nil {
+			return nil, &fieldError{"extra_body", "must be a JSON object"}
+		}
+		addCostFields(f, extra)
 	}
 	return f, nil
 }
 
-// costFields are the fields of a JSON body the cost model reads; the rest
-// (the prompt, inline images) is skipped rather than copied.
-type costFields struct {
-	Size                any         `json:"size"`
-	Width               any         `json:"width"`
-	Height              any         `json:"height"`
-	NumInferenceSteps   any         `json:"num_inference_steps"`
-	N                   any         `json:"n"`
-	NumOutputsPerPrompt any         `json:"num_outputs_per_prompt"`
-	NumFrames           any         `json:"num_frames"`
-	FPS                 any         `json:"fps"`
-	Seconds             any         `json:"seconds"`
-	GuidanceScale       any         `json:"guidance_scale"`
-	TrueCFGScale        any         `json:"true_cfg_scale"`
-	ExtraBody           *costFields `json:"extra_body"`
+// costFieldNames are the fields the cost model reads; the rest of a body
+// (the prompt, inline images) is left where it is.
+var costFieldNames = [...]string{
+	"size", "width", "height", "num_inference_steps", "n", "num_outputs_per_prompt",
+	"num_frames", "fps", "seconds", "guidance_scale", "true_cfg_scale",
 }
 
-// addTo adds the fields c has to f, leaving those f has alone.
-func (c *costFields) addTo(f fields) {
-	type field struct {
-		name string
-		v    any
-	}
-	for _, fd := range [...]field{
-		{"size", c.Size}, {"width", c.Width}, {"height", c.Height},
-		{"num_inference_steps", c.NumInferenceSteps}, {"n", c.N}, {"num_outputs_per_prompt", c.NumOutputsPerPrompt},
-		{"num_frames", c.NumFrames}, {"fps", c.FPS}, {"seconds", c.Seconds},
-		{"guidance_scale", c.GuidanceScale}, {"true_cfg_scale", c.TrueCFGScale},
-	} {
-		if _, set := f[fd.name]; fd.v != nil && !set {
-			f[fd.name] = fd.v
+// addCostFields adds the cost fields members has to f, leaving those f has
+// alone; a null is no value.
+func addCostFields(f fields, members map[string]json.RawMessage) {
+	for _, name := range costFieldNames {
+		if _, set := f[name]; set {
+			continue
+		}
+		if v := jsonMember(members, name); v != nil {
+			f[name] = v
 		}
 	}
 }
