@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"path"
 	"slices"
 	"strings"
 	"time"
@@ -141,7 +142,7 @@ func (h *Handler) readWeightsRequest(r *http.Request) (weightsRequest, int, stri
 	if strings.ContainsRune(req.modelPath, 0) || slices.Contains(strings.FieldsFunc(req.modelPath, isPathSeparator), "..") {
 		return req, http.StatusBadRequest, "model_path must not contain '..' segments or NUL bytes"
 	}
-	if p := h.weights.pathPrefixes; len(p) > 0 && !slices.ContainsFunc(p, func(prefix string) bool { return strings.HasPrefix(req.modelPath, prefix) }) {
+	if p := h.weights.pathPrefixes; len(p) > 0 && !slices.ContainsFunc(p, func(prefix string) bool { return underPrefix(req.modelPath, prefix) }) {
 		return req, http.StatusForbidden, fmt.Sprintf("model_path is outside weights_path_prefix (%s)", strings.Join(p, ", "))
 	}
 	if req.version, ok = stringField(jsonMember(members, "weight_version"), req.modelPath); !ok {
@@ -152,6 +153,47 @@ func (h *Handler) readWeightsRequest(r *http.Request) (weightsRequest, int, stri
 	}
 	req.body = body
 	return req, 0, ""
+}
+
+// underPrefix reports whether p lies under prefix by whole path segments:
+// /ckpt admits /ckpt and /ckpt/x but not /ckpt-evil/x, and s3://bucket/
+// admits s3://bucket/x but not s3://bucket-evil/x. A URL matches only a
+// URL prefix of the same scheme (compared exactly), a path only an
+// absolute path prefix. Segments are split at '/' alone, as on the
+// workers' POSIX file systems, where /ckpt\x is not under /ckpt. p holds
+// no '..' segment (checked before), so cleaning it cannot climb out.
+func underPrefix(p, prefix string) bool {
+	pScheme, pRest, pURL := cutScheme(p)
+	xScheme, xRest, xURL := cutScheme(prefix)
+	switch {
+	case pURL != xURL, pScheme != xScheme:
+		return false
+	case !pURL && !strings.HasPrefix(p, "/"):
+		return false // a relative path is relative to wherever the worker runs
+	}
+	a, b := path.Clean("/"+pRest), path.Clean("/"+xRest)
+	return a == b || b == "/" || strings.HasPrefix(a, b+"/")
+}
+
+// cutScheme splits scheme://rest; a string without a valid scheme is a
+// path, returned whole as rest.
+func cutScheme(s string) (scheme, rest string, isURL bool) {
+	scheme, rest, ok := strings.Cut(s, "://")
+	if !ok || !validScheme(scheme) {
+		return "", s, false
+	}
+	return scheme, rest, true
+}
+
+// validScheme is RFC 3986's: a letter, then letters, digits, '+', '-', '.'.
+func validScheme(s string) bool {
+	for i, r := range s {
+		letter := 'a' <= r && r <= 'z' || 'A' <= r && r <= 'Z'
+		if !letter && (i == 0 || !('0' <= r && r <= '9' || r == '+' || r == '-' || r == '.')) {
+			return false
+		}
+	}
+	return s != ""
 }
 
 func isPathSeparator(r rune) bool { return r == '/' || r == '\\' }
