@@ -141,7 +141,11 @@ func (m costModel) frameCount(path string, f fields) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	return max(1, int(math.Round(fps*seconds))), nil
+	frames := math.Round(fps * seconds)
+	if frames > math.MaxInt32 { // int() of more is undefined: the cost could come out tiny
+		return 0, &fieldError{"fps", fmt.Sprintf("fps × seconds is %g frames; too many", frames)}
+	}
+	return max(1, int(frames)), nil
 }
 
 // guidance is the work multiplier of classifier-free guidance, which runs
@@ -260,15 +264,43 @@ func formFields(body []byte, contentType string) (fields, error) {
 		if err != nil {
 			return nil, fmt.Errorf("malformed multipart body: %v", err)
 		}
-		if part.FileName() != "" {
+		name, file, err := formPart(part)
+		if err != nil {
+			return nil, err
+		}
+		if file {
 			continue
+		}
+		if _, dup := f[name]; dup && slices.Contains(costFieldNames[:], name) {
+			return nil, &fieldError{name, "form field given twice; give it once"}
 		}
 		value, err := io.ReadAll(io.LimitReader(part, maxFieldBytes))
 		if err != nil {
 			return nil, fmt.Errorf("malformed multipart body: %v", err)
 		}
-		f[part.FormName()] = string(value)
+		f[name] = string(value)
 	}
+}
+
+// formPart tells a file part (skipped) from a field and names the field.
+// Multipart parsers differ on unusual Content-Disposition headers (escapes,
+// RFC 2231 name*=, a second header, a header Go cannot parse): the worker's
+// could read a field the router took for a file, or by another name. So a
+// part must say form-data; name="..." plainly, as every client writes it,
+// and a file must say filename="...".
+func formPart(part *multipart.Part) (name string, file bool, err error) {
+	cds := part.Header.Values("Content-Disposition")
+	name = part.FormName()
+	if len(cds) != 1 || name == "" {
+		return "", false, errors.New(`malformed multipart body: each part needs one Content-Disposition: form-data; name="..."`)
+	}
+	if part.FileName() != "" && strings.Contains(cds[0], `filename="`) {
+		return name, true, nil
+	}
+	if strings.ContainsAny(name, `"\`) || strings.Contains(cds[0], "*=") || !strings.Contains(cds[0], `name="`+name+`"`) {
+		return "", false, fmt.Errorf(`malformed multipart body: form field %q is not named plainly, as name="..."`, name)
+	}
+	return name, false, nil
 }
 
 // speedWindow is how many recent jobs a worker's speed is the median of: a

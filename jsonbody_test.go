@@ -97,21 +97,6 @@ func TestFoldKeyIsEqualFold(t *testing.T) {
 	}
 }
 
-func TestCostReadsExactKeys(t *testing.T) {
-	// Python ignores a key it does not know, whatever its likeness to one
-	// it knows; so does the cost model.
-	f, err := jsonFields([]byte(`{"Num_Inference_Steps":1,"SIZE":"1x1","extra_body":{"N":9}}`))
-	if err != nil || len(f) != 0 {
-		t.Fatalf("fields %v, %v; want none", f, err)
-	}
-	if _, err := jsonFields([]byte(`{"extra_body":[1]}`)); err == nil || !strings.HasPrefix(err.Error(), "extra_body") {
-		t.Errorf("extra_body that is not an object: %v", err)
-	}
-	if _, err := jsonFields([]byte(`{"extra_body":null,"size":"8x8"}`)); err != nil {
-		t.Errorf("extra_body null: %v", err)
-	}
-}
-
 func TestUnderPrefixComparesSegments(t *testing.T) {
 	for _, tc := range []struct {
 		path, prefix string
@@ -144,5 +129,56 @@ func TestUnderPrefixComparesSegments(t *testing.T) {
 		if got := underPrefix(tc.path, tc.prefix); got != tc.want {
 			t.Errorf("underPrefix(%q, %q) = %v; want %v", tc.path, tc.prefix, got, tc.want)
 		}
+	}
+}
+
+func TestCostReadsExactKeys(t *testing.T) {
+	// Python ignores a key it does not know, whatever its likeness to one
+	// it knows; so does the cost model.
+	f, err := jsonFields([]byte(`{"Num_Inference_Steps":1,"SIZE":"1x1","extra_body":{"N":9}}`))
+	if err != nil || len(f) != 0 {
+		t.Fatalf("fields %v, %v; want none", f, err)
+	}
+	if _, err := jsonFields([]byte(`{"extra_body":[1]}`)); err == nil || !strings.HasPrefix(err.Error(), "extra_body") {
+		t.Errorf("extra_body that is not an object: %v", err)
+	}
+	if _, err := jsonFields([]byte(`{"extra_body":null,"size":"8x8"}`)); err != nil {
+		t.Errorf("extra_body null: %v", err)
+	}
+}
+
+func TestCostRefusesAmbiguousFormParts(t *testing.T) {
+	part := func(header, value string) string {
+		return "--b\r\nContent-Disposition: " + header + "\r\n\r\n" + value + "\r\n"
+	}
+	for name, body := range map[string]string{
+		"steps twice":      part(`form-data; name="num_inference_steps"`, "1") + part(`form-data; name="num_inference_steps"`, "50"),
+		"escaped name":     part(`form-data; name="num\_inference_steps"`, "1"),
+		"RFC 2231 name":    part(`form-data; name*=utf-8''num_inference_steps`, "1"),
+		"unquoted name":    part(`form-data; name=num_inference_steps`, "1"),
+		"no name":          part(`form-data`, "1"),
+		"unparsable":       part(`form-data; name="a"; name="num_inference_steps"`, "1"),
+		"RFC 2231 file":    part(`form-data; name="num_inference_steps"; filename*=utf-8''x.png`, "50"),
+		"two dispositions": "--b\r\nContent-Disposition: form-data; name=\"a\"\r\nContent-Disposition: form-data; name=\"num_inference_steps\"\r\n\r\n50\r\n",
+	} {
+		if _, err := formFields([]byte(body+"--b--\r\n"), "multipart/form-data; boundary=b"); err == nil {
+			t.Errorf("%s: form read", name)
+		}
+	}
+	ok := part(`form-data; name="image"; filename="in.png"`, "png") + part(`form-data; name="num_inference_steps"`, "4") +
+		part(`form-data; name="image"; filename="second.png"`, "png") + part(`form-data; name="tag"`, "a") + part(`form-data; name="tag"`, "b")
+	f, err := formFields([]byte(ok+"--b--\r\n"), "multipart/form-data; boundary=b")
+	if err != nil || f["num_inference_steps"] != "4" {
+		t.Fatalf("plain form: %v, %v", f, err)
+	}
+}
+
+func TestCostRefusesFramesBeyondCounting(t *testing.T) {
+	f, err := jsonFields([]byte(`{"fps":1e10,"seconds":1e10}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c, err := testCosts.cost("/v1/videos", f); err == nil {
+		t.Fatalf("1e20 frames cost %v", c)
 	}
 }
