@@ -284,20 +284,21 @@ func formFields(body []byte, contentType string) (fields, error) {
 
 // formPart tells a file part (skipped) from a field and names the field.
 // Multipart parsers differ on unusual Content-Disposition headers (escapes,
-// RFC 2231 name*=, a second header, a header Go cannot parse): the worker's
-// could read a field the router took for a file, or by another name. So a
-// part must say form-data; name="..." plainly, as every client writes it,
-// and a file must say filename="...".
+// RFC 2231 name*= and filename*=, a second header, one Go cannot parse):
+// the worker's could read a field the router took for a file, or by another
+// name. So a part must say form-data; name="..." plainly, as every client
+// writes it.
 func formPart(part *multipart.Part) (name string, file bool, err error) {
 	cds := part.Header.Values("Content-Disposition")
 	name = part.FormName()
-	if len(cds) != 1 || name == "" {
+	switch {
+	case len(cds) != 1 || name == "":
 		return "", false, errors.New(`malformed multipart body: each part needs one Content-Disposition: form-data; name="..."`)
-	}
-	if part.FileName() != "" && strings.Contains(cds[0], `filename="`) {
+	case strings.Contains(cds[0], "*="):
+		return "", false, fmt.Errorf("malformed multipart body: part %q has an RFC 2231 parameter (name*= or filename*=), which parsers read differently", name)
+	case part.FileName() != "":
 		return name, true, nil
-	}
-	if strings.ContainsAny(name, `"\`) || strings.Contains(cds[0], "*=") || !strings.Contains(cds[0], `name="`+name+`"`) {
+	case strings.ContainsAny(name, `"\`) || !strings.Contains(cds[0], `name="`+name+`"`):
 		return "", false, fmt.Errorf(`malformed multipart body: form field %q is not named plainly, as name="..."`, name)
 	}
 	return name, false, nil

@@ -166,9 +166,10 @@ func TestCostRefusesAmbiguousFormParts(t *testing.T) {
 		}
 	}
 	ok := part(`form-data; name="image"; filename="in.png"`, "png") + part(`form-data; name="num_inference_steps"`, "4") +
-		part(`form-data; name="image"; filename="second.png"`, "png") + part(`form-data; name="tag"`, "a") + part(`form-data; name="tag"`, "b")
+		part(`form-data; name="image"; filename="second.png"`, "png") + part(`form-data; name="tag"`, "a") + part(`form-data; name="tag"`, "b") +
+		part(`form-data; name="n"; filename=x.png`, "9") // a file to every parser, quoted or not
 	f, err := formFields([]byte(ok+"--b--\r\n"), "multipart/form-data; boundary=b")
-	if err != nil || f["num_inference_steps"] != "4" {
+	if _, n := f["n"]; err != nil || f["num_inference_steps"] != "4" || n {
 		t.Fatalf("plain form: %v, %v", f, err)
 	}
 }
