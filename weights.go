@@ -239,8 +239,8 @@ func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, op string)
 		_ = writeError(w, http.StatusBadRequest, "Invalid JSON body")
 		return
 	}
-	// The workers read the body; the router only checks that they will
-	// read what it would.
+	// The workers read this body, the router does not; like every control
+	// body it is refused all the same if it names a key twice, in any case.
 	if len(bytes.TrimSpace(body)) > 0 {
 		if _, err := scanJSON(body); err != nil {
 			_ = writeError(w, http.StatusBadRequest, err.Error())
