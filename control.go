@@ -1,6 +1,7 @@
 package diffusionrouter
 
 import (
+	"bytes"
 	"cmp"
 	"crypto/subtle"
 	"encoding/json"
@@ -289,15 +290,20 @@ func rawWorkerURL(r *http.Request) (string, error) {
 	if u := cmp.Or(q.Get("url"), q.Get("worker_url")); u != "" {
 		return u, nil
 	}
-	var body struct {
-		URL       string `json:"url"`
-		WorkerURL string `json:"worker_url"`
-	}
-	if err := decodeJSONBody(r, &body); err != nil {
+	body, err := decodeJSONBody(r)
+	if err != nil {
 		return "", err
 	}
-	if u := cmp.Or(body.URL, body.WorkerURL); u != "" {
-		return u, nil
+	for _, name := range []string{"url", "worker_url"} {
+		switch v := jsonMember(body, name).(type) {
+		case string:
+			if v != "" {
+				return v, nil
+			}
+		case nil:
+		default:
+			return "", fmt.Errorf("%s must be a string", name)
+		}
 	}
 	return "", errors.New("worker_url is required (use query ?url=... or JSON body)")
 }
@@ -305,25 +311,22 @@ func rawWorkerURL(r *http.Request) (string, error) {
 // maxControlBody bounds the JSON bodies of control calls.
 const maxControlBody = 1 << 20
 
-// decodeJSONBody decodes an optional JSON object body into v.
-func decodeJSONBody(r *http.Request, v any) error {
+// decodeJSONBody reads an optional JSON object body (nil when empty), by
+// exact key: a body that names a key twice, in any case, is refused, and
+// no struct tag's case-insensitive matching is ever involved.
+func decodeJSONBody(r *http.Request) (map[string]json.RawMessage, error) {
 	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
 	if err != nil {
-		return fmt.Errorf("reading body: %v", err)
+		return nil, fmt.Errorf("reading body: %v", err)
 	}
-	if len(strings.TrimSpace(string(body))) == 0 {
-		return nil
+	if len(bytes.TrimSpace(body)) == 0 {
+		return nil, nil
 	}
-	if !json.Valid(body) {
-		return errors.New("Invalid JSON body")
+	members, err := strictObject(body)
+	if errors.Is(err, errNotObject) {
+		return nil, errors.New("Request body must be a JSON object")
 	}
-	if strings.TrimSpace(string(body))[0] != '{' {
-		return errors.New("Request body must be a JSON object")
-	}
-	if err := json.Unmarshal(body, v); err != nil {
-		return fmt.Errorf("invalid field: %v", err)
-	}
-	return nil
+	return members, err
 }
 
 // workerFromPath finds the worker named by /workers/{id}, answering the
@@ -354,8 +357,8 @@ func (h *Handler) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	var update map[string]json.RawMessage
-	if err := decodeJSONBody(r, &update); err != nil {
+	update, err := decodeJSONBody(r)
+	if err != nil {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}

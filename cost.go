@@ -141,7 +141,11 @@ func (m costModel) frameCount(path string, f fields) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	return max(1, int(math.Round(fps*seconds))), nil
+	frames := math.Round(fps * seconds)
+	if frames > math.MaxInt32 { // int() of more is undefined: the cost could come out tiny
+		return 0, &fieldError{"fps", fmt.Sprintf("fps × seconds is %g frames; too many", frames)}
+	}
+	return max(1, int(frames)), nil
 }
 
 // guidance is the work multiplier of classifier-free guidance, which runs
@@ -204,60 +208,41 @@ func (f fields) positiveInt(name string, def int) (int, error) {
 	return int(n), nil
 }
 
-// jsonFields reads a JSON object body. The OpenAI video API's extra_body
-// object adds fields, as sglang merges it.
+// jsonFields reads a JSON object body, by exact key as the workers do. The
+// OpenAI video API's extra_body object adds fields, as sglang merges it.
 func jsonFields(body []byte) (fields, error) {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber()
-	var c costFields
-	if err := dec.Decode(&c); err != nil || dec.More() {
-		if _, ok := errors.AsType[*json.UnmarshalTypeError](err); ok && !bytes.HasPrefix(bytes.TrimSpace(body), []byte("{")) {
-			return nil, errors.New("request body must be a JSON object")
-		}
-		return nil, errors.New("Invalid JSON body")
-	}
-	if !bytes.HasPrefix(bytes.TrimSpace(body), []byte("{")) {
-		return nil, errors.New("request body must be a JSON object")
+	members, err := strictObject(body)
+	if err != nil {
+		return nil, err
 	}
 	f := fields{}
-	c.addTo(f)
-	if c.ExtraBody != nil {
-		c.ExtraBody.addTo(f)
+	addCostFields(f, members)
+	if raw, ok := members["extra_body"]; ok && string(raw) != "null" {
+		extra, err := strictObject(raw)
+		if err != nil {
+			return nil, &fieldError{"extra_body", "must be a JSON object"}
+		}
+		addCostFields(f, extra)
 	}
 	return f, nil
 }
 
-// costFields are the fields of a JSON body the cost model reads; the rest
-// (the prompt, inline images) is skipped rather than copied.
-type costFields struct {
-	Size                any         `json:"size"`
-	Width               any         `json:"width"`
-	Height              any         `json:"height"`
-	NumInferenceSteps   any         `json:"num_inference_steps"`
-	N                   any         `json:"n"`
-	NumOutputsPerPrompt any         `json:"num_outputs_per_prompt"`
-	NumFrames           any         `json:"num_frames"`
-	FPS                 any         `json:"fps"`
-	Seconds             any         `json:"seconds"`
-	GuidanceScale       any         `json:"guidance_scale"`
-	TrueCFGScale        any         `json:"true_cfg_scale"`
-	ExtraBody           *costFields `json:"extra_body"`
+// costFieldNames are the fields the cost model reads; the rest of a body
+// (the prompt, inline images) is left where it is.
+var costFieldNames = [...]string{
+	"size", "width", "height", "num_inference_steps", "n", "num_outputs_per_prompt",
+	"num_frames", "fps", "seconds", "guidance_scale", "true_cfg_scale",
 }
 
-// addTo adds the fields c has to f, leaving those f has alone.
-func (c *costFields) addTo(f fields) {
-	type field struct {
-		name string
-		v    any
-	}
-	for _, fd := range [...]field{
-		{"size", c.Size}, {"width", c.Width}, {"height", c.Height},
-		{"num_inference_steps", c.NumInferenceSteps}, {"n", c.N}, {"num_outputs_per_prompt", c.NumOutputsPerPrompt},
-		{"num_frames", c.NumFrames}, {"fps", c.FPS}, {"seconds", c.Seconds},
-		{"guidance_scale", c.GuidanceScale}, {"true_cfg_scale", c.TrueCFGScale},
-	} {
-		if _, set := f[fd.name]; fd.v != nil && !set {
-			f[fd.name] = fd.v
+// addCostFields adds the cost fields members has to f, leaving those f has
+// alone; a null is no value.
+func addCostFields(f fields, members map[string]json.RawMessage) {
+	for _, name := range costFieldNames {
+		if _, set := f[name]; set {
+			continue
+		}
+		if v := jsonMember(members, name); v != nil {
+			f[name] = v
 		}
 	}
 }
@@ -279,15 +264,44 @@ func formFields(body []byte, contentType string) (fields, error) {
 		if err != nil {
 			return nil, fmt.Errorf("malformed multipart body: %v", err)
 		}
-		if part.FileName() != "" {
+		name, file, err := formPart(part)
+		if err != nil {
+			return nil, err
+		}
+		if file {
 			continue
+		}
+		if _, dup := f[name]; dup && slices.Contains(costFieldNames[:], name) {
+			return nil, &fieldError{name, "form field given twice; give it once"}
 		}
 		value, err := io.ReadAll(io.LimitReader(part, maxFieldBytes))
 		if err != nil {
 			return nil, fmt.Errorf("malformed multipart body: %v", err)
 		}
-		f[part.FormName()] = string(value)
+		f[name] = string(value)
 	}
+}
+
+// formPart tells a file part (skipped) from a field and names the field.
+// Multipart parsers differ on unusual Content-Disposition headers (escapes,
+// RFC 2231 name*= and filename*=, a second header, one Go cannot parse):
+// the worker's could read a field the router took for a file, or by another
+// name. So a part must say form-data; name="..." plainly, as every client
+// writes it.
+func formPart(part *multipart.Part) (name string, file bool, err error) {
+	cds := part.Header.Values("Content-Disposition")
+	name = part.FormName()
+	switch {
+	case len(cds) != 1 || name == "":
+		return "", false, errors.New(`malformed multipart body: each part needs one Content-Disposition: form-data; name="..."`)
+	case strings.Contains(cds[0], "*="):
+		return "", false, fmt.Errorf("malformed multipart body: part %q has an RFC 2231 parameter (name*= or filename*=), which parsers read differently", name)
+	case part.FileName() != "":
+		return name, true, nil
+	case strings.ContainsAny(name, `"\`) || !strings.Contains(cds[0], `name="`+name+`"`):
+		return "", false, fmt.Errorf(`malformed multipart body: form field %q is not named plainly, as name="..."`, name)
+	}
+	return name, false, nil
 }
 
 // speedWindow is how many recent jobs a worker's speed is the median of: a

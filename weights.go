@@ -2,11 +2,11 @@ package diffusionrouter
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"path"
 	"slices"
 	"strings"
 	"time"
@@ -121,38 +121,79 @@ func outcomeName(err error, results []result) string {
 
 // readWeightsRequest checks an update body: a JSON object whose model_path
 // is a clean path under weights_path_prefix. A non-zero status refuses it.
+// The body goes to the workers as it is, so it is read by exact key, as
+// they read it, and refused if it names a key twice in any case.
 func (h *Handler) readWeightsRequest(r *http.Request) (weightsRequest, int, string) {
 	var req weightsRequest
 	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
 	if err != nil {
 		return req, http.StatusBadRequest, "reading body: " + err.Error()
 	}
-	var f struct {
-		ModelPath     any `json:"model_path"`
-		WeightVersion any `json:"weight_version"`
-		Mode          any `json:"mode"`
-	}
-	if !json.Valid(body) || !bytes.HasPrefix(bytes.TrimSpace(body), []byte("{")) || json.Unmarshal(body, &f) != nil {
+	members, err := strictObject(body)
+	if _, ok := errors.AsType[*keyError](err); ok || errors.Is(err, errTooDeep) {
+		return req, http.StatusBadRequest, err.Error()
+	} else if err != nil {
 		return req, http.StatusBadRequest, "body must be a JSON object"
 	}
 	var ok bool
-	if req.modelPath, ok = f.ModelPath.(string); !ok || req.modelPath == "" {
+	if req.modelPath, ok = jsonMember(members, "model_path").(string); !ok || req.modelPath == "" {
 		return req, http.StatusBadRequest, "model_path is required and must be a string"
 	}
 	if strings.ContainsRune(req.modelPath, 0) || slices.Contains(strings.FieldsFunc(req.modelPath, isPathSeparator), "..") {
 		return req, http.StatusBadRequest, "model_path must not contain '..' segments or NUL bytes"
 	}
-	if p := h.weights.pathPrefixes; len(p) > 0 && !slices.ContainsFunc(p, func(prefix string) bool { return strings.HasPrefix(req.modelPath, prefix) }) {
+	if p := h.weights.pathPrefixes; len(p) > 0 && !slices.ContainsFunc(p, func(prefix string) bool { return underPrefix(req.modelPath, prefix) }) {
 		return req, http.StatusForbidden, fmt.Sprintf("model_path is outside weights_path_prefix (%s)", strings.Join(p, ", "))
 	}
-	if req.version, ok = stringField(f.WeightVersion, req.modelPath); !ok {
+	if req.version, ok = stringField(jsonMember(members, "weight_version"), req.modelPath); !ok {
 		return req, http.StatusBadRequest, "weight_version must be a string"
 	}
-	if req.mode, ok = stringField(f.Mode, h.weights.mode); !ok || (req.mode != modeDrain && req.mode != modeRolling) {
+	if req.mode, ok = stringField(jsonMember(members, "mode"), h.weights.mode); !ok || (req.mode != modeDrain && req.mode != modeRolling) {
 		return req, http.StatusBadRequest, `mode must be "drain" or "rolling"`
 	}
 	req.body = body
 	return req, 0, ""
+}
+
+// underPrefix reports whether p lies under prefix by whole path segments:
+// /ckpt admits /ckpt and /ckpt/x but not /ckpt-evil/x, and s3://bucket/
+// admits s3://bucket/x but not s3://bucket-evil/x. A URL matches only a
+// URL prefix of the same scheme (compared exactly), a path only an
+// absolute path prefix. Segments are split at '/' alone, as on the
+// workers' POSIX file systems, where /ckpt\x is not under /ckpt. p holds
+// no '..' segment (checked before), so cleaning it cannot climb out.
+func underPrefix(p, prefix string) bool {
+	pScheme, pRest, pURL := cutScheme(p)
+	xScheme, xRest, xURL := cutScheme(prefix)
+	switch {
+	case pURL != xURL, pScheme != xScheme:
+		return false
+	case !pURL && !strings.HasPrefix(p, "/"):
+		return false // a relative path is relative to wherever the worker runs
+	}
+	a, b := path.Clean("/"+pRest), path.Clean("/"+xRest)
+	return a == b || b == "/" || strings.HasPrefix(a, b+"/")
+}
+
+// cutScheme splits scheme://rest; a string without a valid scheme is a
+// path, returned whole as rest.
+func cutScheme(s string) (scheme, rest string, isURL bool) {
+	scheme, rest, ok := strings.Cut(s, "://")
+	if !ok || !validScheme(scheme) {
+		return "", s, false
+	}
+	return scheme, rest, true
+}
+
+// validScheme is RFC 3986's: a letter, then letters, digits, '+', '-', '.'.
+func validScheme(s string) bool {
+	for i, r := range s {
+		letter := 'a' <= r && r <= 'z' || 'A' <= r && r <= 'Z'
+		if !letter && (i == 0 || !('0' <= r && r <= '9' || r == '+' || r == '-' || r == '.')) {
+			return false
+		}
+	}
+	return s != ""
 }
 
 func isPathSeparator(r rune) bool { return r == '/' || r == '\\' }
@@ -194,9 +235,17 @@ func (h *Handler) serveWake(w http.ResponseWriter, r *http.Request) {
 // every worker's result.
 func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, op string) {
 	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
-	if err != nil || (len(bytes.TrimSpace(body)) > 0 && !json.Valid(body)) {
+	if err != nil {
 		_ = writeError(w, http.StatusBadRequest, "Invalid JSON body")
 		return
+	}
+	// The workers read this body, the router does not; like every control
+	// body it is refused all the same if it names a key twice, in any case.
+	if len(bytes.TrimSpace(body)) > 0 {
+		if _, err := scanJSON(body); err != nil {
+			_ = writeError(w, http.StatusBadRequest, err.Error())
+			return
+		}
 	}
 	unlock, ok := h.lockFleet(w, r)
 	if !ok {
