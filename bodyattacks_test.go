@@ -52,12 +52,12 @@ func TestWeightUpdateKeyAndPrefixTricksChangeNothing(t *testing.T) {
 	if v := version(); v != before {
 		t.Fatalf("refused updates moved the pool's weight_version from %v to %v", before, v)
 	}
-	if v := ws[0].WeightVersion(); v != oldVersion {
+	if v := ws[0].Weights(); v != oldVersion {
 		t.Fatalf("a refused update reached the worker: it is on %q", v)
 	}
 
 	expectStatus(t, "update under the prefix", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/ok"}`), 200)
-	if v := ws[0].WeightVersion(); v != "/ckpt/ok" || version() != "/ckpt/ok" {
+	if v := ws[0].Weights(); v != "/ckpt/ok" || version() != "/ckpt/ok" {
 		t.Fatalf("after a good update the worker is on %q, the pool on %v", v, version())
 	}
 }
