@@ -339,6 +339,29 @@ func (f *fleet) catchUp(ctx context.Context, w *worker, cfg *weightsConfig) {
 	}
 }
 
+// checksums asks every worker that is neither held back nor asleep for
+// the checksum of its weights; not while another operation changes them.
+func (f *fleet) checksums(ctx context.Context, body []byte, cfg *weightsConfig) ([]result, error) {
+	unlock, err := f.lock(ctx, true)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	p := f.pool
+	p.mu.Lock()
+	var targets []*worker
+	for _, w := range p.workers {
+		if !w.life.dead && w.life.state != sleeping {
+			targets = append(targets, w)
+		}
+	}
+	p.mu.Unlock()
+	if len(targets) == 0 {
+		return nil, errNoWorker
+	}
+	return f.broadcast(ctx, targets, "/get_weights_checksum", body, cfg.timeout), nil
+}
+
 // result is one worker's answer to a fleet operation, as the Python router
 // reports it.
 type result struct {

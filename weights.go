@@ -2,6 +2,7 @@ package diffusionrouter
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -125,25 +126,16 @@ func outcomeName(err error, results []result) string {
 // they read it, and refused if it names a key twice in any case.
 func (h *Handler) readWeightsRequest(r *http.Request) (weightsRequest, int, string) {
 	var req weightsRequest
-	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
-	if err != nil {
-		return req, http.StatusBadRequest, "reading body: " + err.Error()
-	}
-	members, err := strictObject(body)
-	if _, ok := errors.AsType[*keyError](err); ok || errors.Is(err, errTooDeep) {
-		return req, http.StatusBadRequest, err.Error()
-	} else if err != nil {
-		return req, http.StatusBadRequest, "body must be a JSON object"
+	body, members, status, msg := readControlObject(r)
+	if status != 0 {
+		return req, status, msg
 	}
 	var ok bool
 	if req.modelPath, ok = jsonMember(members, "model_path").(string); !ok || req.modelPath == "" {
 		return req, http.StatusBadRequest, "model_path is required and must be a string"
 	}
-	if strings.ContainsRune(req.modelPath, 0) || slices.Contains(strings.FieldsFunc(req.modelPath, isPathSeparator), "..") {
-		return req, http.StatusBadRequest, "model_path must not contain '..' segments or NUL bytes"
-	}
-	if p := h.weights.pathPrefixes; len(p) > 0 && !slices.ContainsFunc(p, func(prefix string) bool { return underPrefix(req.modelPath, prefix) }) {
-		return req, http.StatusForbidden, fmt.Sprintf("model_path is outside weights_path_prefix (%s)", strings.Join(p, ", "))
+	if status, msg := h.checkWeightsPath("model_path", req.modelPath); status != 0 {
+		return req, status, msg
 	}
 	if req.version, ok = stringField(jsonMember(members, "weight_version"), req.modelPath); !ok {
 		return req, http.StatusBadRequest, "weight_version must be a string"
@@ -153,6 +145,37 @@ func (h *Handler) readWeightsRequest(r *http.Request) (weightsRequest, int, stri
 	}
 	req.body = body
 	return req, 0, ""
+}
+
+// readControlObject reads a control call's body: one JSON object, read as
+// the workers read it (see strictObject). A non-zero status refuses it.
+func readControlObject(r *http.Request) ([]byte, map[string]json.RawMessage, int, string) {
+	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
+	if err != nil {
+		return nil, nil, http.StatusBadRequest, "reading body: " + err.Error()
+	}
+	if len(bytes.TrimSpace(body)) == 0 {
+		body = []byte("{}") // as FastAPI takes a call without a body: every field at its default
+	}
+	members, err := strictObject(body)
+	if _, ok := errors.AsType[*keyError](err); ok || errors.Is(err, errTooDeep) {
+		return nil, nil, http.StatusBadRequest, err.Error()
+	} else if err != nil {
+		return nil, nil, http.StatusBadRequest, "body must be a JSON object"
+	}
+	return body, members, 0, ""
+}
+
+// checkWeightsPath checks a path a worker will load weights from: clean,
+// and under weights_path_prefix when that is set.
+func (h *Handler) checkWeightsPath(field, p string) (int, string) {
+	if strings.ContainsRune(p, 0) || slices.Contains(strings.FieldsFunc(p, isPathSeparator), "..") {
+		return http.StatusBadRequest, field + " must not contain '..' segments or NUL bytes"
+	}
+	if prefixes := h.weights.pathPrefixes; len(prefixes) > 0 && !slices.ContainsFunc(prefixes, func(prefix string) bool { return underPrefix(p, prefix) }) {
+		return http.StatusForbidden, fmt.Sprintf("%s is outside weights_path_prefix (%s)", field, strings.Join(prefixes, ", "))
+	}
+	return 0, ""
 }
 
 // underPrefix reports whether p lies under prefix by whole path segments:

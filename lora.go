@@ -1,0 +1,114 @@
+package diffusionrouter
+
+import (
+	"net/http"
+	"reflect"
+	"slices"
+	"strings"
+)
+
+// LoRA adapters are how many diffusion RL setups sync weights after each
+// step, so the LoRA calls are fleet operations with the same barrier as
+// update_weights_from_disk: drain, every worker, stale on failure, one
+// operation at a time. The adapter becomes part of the weight version:
+// "<base>+lora:<nickname>" while one is set.
+
+// loraTargets are the transformers a LoRA call may name.
+var loraTargets = []string{"all", "transformer", "transformer_2", "critic"}
+
+// loraSuffix starts the LoRA part of a weight version.
+const loraSuffix = "+lora:"
+
+// serveLora is POST /v1/set_lora, /v1/merge_lora_weights and
+// /v1/unmerge_lora_weights, sent to every worker.
+func (h *Handler) serveLora(w http.ResponseWriter, r *http.Request) {
+	req, status, msg := h.readLoraRequest(r)
+	if status != 0 {
+		_ = writeError(w, status, msg)
+		return
+	}
+	h.runUpdate(w, r, req, strings.TrimPrefix(r.URL.Path, "/v1/"))
+}
+
+// readLoraRequest checks a LoRA call's body as the workers read it and
+// works out the weight version it leads to.
+func (h *Handler) readLoraRequest(r *http.Request) (weightsRequest, int, string) {
+	req := weightsRequest{path: r.URL.Path, mode: modeDrain}
+	body, members, status, msg := readControlObject(r)
+	if status != 0 {
+		return req, status, msg
+	}
+	if target, ok := stringField(jsonMember(members, "target"), "all"); !ok || !slices.Contains(loraTargets, target) {
+		return req, http.StatusBadRequest, "target must be one of " + strings.Join(loraTargets, ", ")
+	}
+	base, _, _ := strings.Cut(h.pool.stats().version, loraSuffix)
+	req.version = base
+	switch r.URL.Path {
+	case "/v1/set_lora":
+		nicknames, ok := stringOrList(jsonMember(members, "lora_nickname"))
+		if !ok || len(nicknames) == 0 {
+			return req, http.StatusBadRequest, "lora_nickname is required: a string or a list of strings"
+		}
+		paths, ok := stringOrList(jsonMember(members, "lora_path"))
+		if !ok {
+			return req, http.StatusBadRequest, "lora_path must be a string or a list of strings"
+		}
+		for _, p := range paths {
+			if status, msg := h.checkWeightsPath("lora_path", p); status != 0 {
+				return req, status, msg
+			}
+		}
+		req.version = base + loraSuffix + strings.Join(nicknames, ",")
+	case "/v1/merge_lora_weights":
+		req.version = h.pool.stats().version // merging changes how, not what, is served
+	}
+	req.body = body
+	return req, 0, ""
+}
+
+// serveChecksum is /get_weights_checksum: every worker's checksum of its
+// weights, and whether they all agree, which is how an RL user checks
+// that every engine holds the same weights.
+func (h *Handler) serveChecksum(w http.ResponseWriter, r *http.Request) {
+	body, _, status, msg := readControlObject(r)
+	if status != 0 {
+		_ = writeError(w, status, msg)
+		return
+	}
+	results, err := h.pool.fleet.checksums(r.Context(), body, &h.weights)
+	if err != nil {
+		_ = writeError(w, http.StatusServiceUnavailable, err.Error())
+		return
+	}
+	code, agree := http.StatusOK, true
+	for _, res := range results {
+		if !res.ok {
+			code, agree = http.StatusBadGateway, false
+		} else if !reflect.DeepEqual(res.Body, results[0].Body) {
+			agree = false
+		}
+	}
+	_ = writeJSON(w, code, map[string]any{"success": code == http.StatusOK, "consistent": agree, "results": results})
+}
+
+// stringOrList reads a field given as a string or a list of non-empty
+// strings; absent or null is an empty list.
+func stringOrList(v any) ([]string, bool) {
+	switch v := v.(type) {
+	case nil:
+		return nil, true
+	case string:
+		return []string{v}, v != ""
+	case []any:
+		out := make([]string, len(v))
+		for i, x := range v {
+			s, ok := x.(string)
+			if !ok || s == "" {
+				return nil, false
+			}
+			out[i] = s
+		}
+		return out, true
+	}
+	return nil, false
+}
