@@ -158,6 +158,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	class, err := "control", error(nil)
 	switch {
+	case hasDotSegment(r.URL.Path):
+		class = endpointClass(r.URL.Path)
+		err = writeError(rec, http.StatusBadRequest, "the path must not have . or .. segments")
 	case !h.isControl(r) && !h.forwards.has(r.URL.Path):
 		class = endpointClass(r.URL.Path)
 		err = writeError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
@@ -173,6 +176,18 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	h.metrics.requests.WithLabelValues(class, statusClass(rec.status)).Inc()
 	return err
+}
+
+// hasDotSegment reports whether path has a . or .. segment, which would
+// let /v1/videos/../update_weights_from_disk pass the router's own
+// endpoints by and reach a worker that resolves it.
+func hasDotSegment(path string) bool {
+	for seg := range strings.SplitSeq(path, "/") {
+		if seg == "." || seg == ".." {
+			return true
+		}
+	}
+	return false
 }
 
 // isControl reports whether the router answers r itself. Generation paths

@@ -366,3 +366,26 @@ func TestForwardPaths(t *testing.T) {
 	r.load("diffusion_router\n")
 	expectStatus(t, "catch-all without workers", r.get("/any/path"), http.StatusServiceUnavailable)
 }
+
+func TestDotSegmentsAreRefused(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	for _, path := range []string{"/v1/videos/../update_weights_from_disk", "/v1/videos/%2e%2e/update_weights_from_disk", "/v1/images/./generations", "/x/.."} {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(r.base, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := `{"model_path":"/ckpt/evil"}`
+		fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s", path, len(body), body)
+		_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		buf := make([]byte, 512)
+		n, _ := conn.Read(buf)
+		conn.Close()
+		if !strings.HasPrefix(string(buf[:n]), "HTTP/1.1 400") {
+			t.Fatalf("POST %s: %q; want 400", path, buf[:n])
+		}
+	}
+	if ws[0].Weights() != oldVersion {
+		t.Fatalf("a refused path reached the worker: it loaded %q", ws[0].Weights())
+	}
+}
