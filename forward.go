@@ -285,15 +285,13 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (i
 // requestFields reads a generation's parameters. A msgpack or other binary
 // body is passed on unread and costed by the pool's defaults.
 func requestFields(body []byte, contentType string) (fields, error) {
-	mt, _, _ := mime.ParseMediaType(contentType)
-	switch {
-	case strings.HasPrefix(mt, "multipart/"):
+	if mt, _, _ := mime.ParseMediaType(contentType); strings.HasPrefix(mt, "multipart/") {
 		return formFields(body, contentType)
-	case mt == "application/msgpack", mt == "application/x-msgpack", mt == "application/octet-stream":
-		return fields{}, nil
 	}
 	// The workers read every other body as JSON, whatever the client called
-	// it (curl -d says x-www-form-urlencoded).
+	// it (curl -d says x-www-form-urlencoded), so the router does too: a
+	// body it let pass unread as msgpack would be costed by defaults and
+	// checked by nobody.
 	return jsonFields(body)
 }
 
