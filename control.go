@@ -267,7 +267,11 @@ func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 	}
 	if created {
 		h.logger.Info("worker registered", zap.String("worker", info.URL))
-		h.probe(r.Context(), info.URL)
+		if err := h.probe(r.Context(), info.URL); err != nil {
+			// Registered, but out until its health probes pass: a worker
+			// nobody can reach must not draw jobs only to fail them.
+			h.pool.setDown(info.URL, err)
+		}
 		h.pool.fleet.startCatchUps(&h.weights)
 		info, _ = h.pool.worker(info.URL)
 	}
@@ -376,7 +380,7 @@ func (h *Handler) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
 		h.logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead))
 	}
 	if refresh {
-		h.probe(r.Context(), info.URL)
+		_ = h.probe(r.Context(), info.URL)
 		info, _ = h.pool.worker(info.URL)
 	}
 	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker": newWorkerJSON(info)})

@@ -357,6 +357,16 @@ func (p *pool) noteOutcomeLocked(w *worker, o outcome, cfg *healthConfig) time.D
 	return d
 }
 
+// setDown marks a worker unhealthy after err, until its health probes
+// pass again.
+func (p *pool) setDown(url string, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w := p.find(url); w != nil {
+		w.health.down, w.evidence.lastError = true, err.Error()
+	}
+}
+
 // noteCutShort counts a failure against the worker that served t, whose
 // answer began and then broke off.
 func (p *pool) noteCutShort(t *ticket) {

@@ -168,13 +168,14 @@ func (p *pool) get(ctx context.Context, u string, limit int64) ([]byte, error) {
 
 // probe learns what one worker can generate from its /v1/models. A worker
 // that does not answer stays unknown and is asked again later.
-func (h *Handler) probe(ctx context.Context, workerURL string) {
+func (h *Handler) probe(ctx context.Context, workerURL string) error {
 	m, err := h.fetchModels(ctx, workerURL)
 	if err != nil {
 		h.logger.Debug("capability probe failed", zap.String("worker", workerURL), zap.Error(err))
-		return
+		return err
 	}
 	h.pool.setCapabilities(workerURL, m.taskTypes(), m.modelID())
+	return nil
 }
 
 // probeUnknown probes, in parallel, the workers whose capabilities are not
@@ -184,7 +185,7 @@ func (h *Handler) probeUnknown(ctx context.Context) {
 	urls := h.pool.unprobed(time.Now(), reprobeInterval)
 	var wg sync.WaitGroup
 	for _, u := range urls {
-		goSafely(&wg, h.logger, "capability probe of "+u, func() { h.probe(ctx, u) })
+		goSafely(&wg, h.logger, "capability probe of "+u, func() { _ = h.probe(ctx, u) })
 	}
 	wg.Wait()
 }

@@ -389,3 +389,18 @@ func TestDotSegmentsAreRefused(t *testing.T) {
 		t.Fatalf("a refused path reached the worker: it loaded %q", ws[0].Weights())
 	}
 }
+
+func TestUnreachableRegistrationsDrawNoJobs(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "live"})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n policy round_robin\n}")
+	for range 50 {
+		dead := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+		expectStatus(t, "register "+dead, r.post("/add_worker?url="+dead, ""), http.StatusOK)
+	}
+	for i := range 30 {
+		expectStatus(t, fmt.Sprint("generation ", i), r.post("/v1/images/generations", smallImage), http.StatusOK)
+	}
+	if h := r.get("/health").json(t); h["healthy_workers"] != 1.0 || h["unhealthy_workers"] != 50.0 {
+		t.Fatalf("health after 50 unreachable registrations: %v", h)
+	}
+}
