@@ -33,13 +33,15 @@ func TestCaddyfileShortFormExpands(t *testing.T) {
 		`"dynamic_upstreams":{"source":"diffusion"}`,
 		`"selection_policy":{"policy":"diffusion"}`,
 		`"retries":2`,
-		`"flush_interval":-1`,
 		`"transport":{"protocol":"diffusion"}`,
 		`"Host":["{http.reverse_proxy.upstream.hostport}"]`,
 	} {
 		if !strings.Contains(cfg, want) {
 			t.Errorf("adapted config lacks %s:\n%s", want, cfg)
 		}
+	}
+	if strings.Contains(cfg, "flush_interval") {
+		t.Errorf("adapted config sets flush_interval; Caddy's own flushing is the default:\n%s", cfg)
 	}
 }
 
