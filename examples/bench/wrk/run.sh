@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Router overhead against Caddy's least_conn, measured from outside with wrk:
+# four fake workers whose jobs take ~0 ms, the two Caddys side by side, and
+# wrk driving them in alternating runs so that the machine's drift hits both.
+#
+#   bash examples/bench/wrk/run.sh [pairs] [seconds]
+#
+# Environment: CONNS (16), THREADS (2), CADDY (a Caddy binary with the
+# plugin; built from ./cmd/caddy when unset), PIN_WRK / PIN_SERVERS (CPU
+# lists for taskset, e.g. PIN_WRK=1 PIN_SERVERS=0; unset: no pinning),
+# PROFILE=router|least_conn (admin on :2019 with pprof, for profiling).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+pairs=${1:-4} secs=${2:-10}
+conns=${CONNS:-16} threads=${THREADS:-2}
+tmp=$(mktemp -d)
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
+
+command -v wrk >/dev/null || { echo "run.sh needs wrk (apt-get install wrk)" >&2; exit 1; }
+caddy=${CADDY:-$tmp/caddy}
+[ -n "${CADDY:-}" ] || go build -o "$caddy" ./cmd/caddy
+go build -o "$tmp/fakeworker" ./examples/fakeworker/cmd/fakeworker
+
+pin() { # pin CPUS command...: exec command on CPUS, or anywhere when CPUS is empty
+	local cpus=$1; shift
+	if [ -n "$cpus" ]; then exec taskset -c "$cpus" "$@"; else exec "$@"; fi
+}
+# start command...: run it in the background; exec makes $! its own pid.
+start() { (pin "${PIN_SERVERS:-}" "$@") >"$tmp/log.${#pids[@]}" 2>&1 & pids+=($!); }
+
+# Caddy listens with SO_REUSEPORT: a leftover Caddy on a port would share
+# the load silently, so refuse to start over one.
+for port in 31001 31002 31003 31004 38001 38002; do
+	if curl -s -o /dev/null "http://127.0.0.1:$port/"; then
+		echo "port $port is in use: stop what listens there first" >&2; exit 1
+	fi
+done
+for i in 1 2 3 4; do
+	start "$tmp/fakeworker" --port 3100$i --name w$i --unit-ms 1
+done
+export HOME=$tmp XDG_DATA_HOME=$tmp XDG_CONFIG_HOME=$tmp # no state left behind
+admin() { [ "${PROFILE:-}" = "$1" ] && echo localhost:2019 || echo off; }
+ADMIN=$(admin least_conn) PORT=38001 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/least_conn.Caddyfile
+ADMIN=$(admin router) PORT=38002 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/router.Caddyfile
+
+job() { curl -fsS -o /dev/null -H 'Content-Type: application/json' -d @- "$1/v1/images/generations" <<<'{"prompt":"x","size":"1x1","num_inference_steps":1}'; }
+for port in 38001 38002; do
+	for _ in $(seq 100); do job http://127.0.0.1:$port 2>/dev/null && break; sleep 0.1; done
+	job http://127.0.0.1:$port
+done
+
+# run NAME PORT SECONDS: one wrk run; prints its requests per second.
+run() {
+	local out
+	out=$(pin "${PIN_WRK:-}" wrk -t"$threads" -c"$conns" -d"$3"s -s examples/bench/wrk/job.lua "http://127.0.0.1:$2")
+	if grep -q 'Non-2xx' <<<"$out"; then echo "$1: failed requests" >&2; echo "$out" >&2; exit 1; fi
+	awk '/^Requests\/sec/ {printf "%.0f", $2}' <<<"$out"
+}
+
+run least_conn 38001 2 >/dev/null # warm both up: connections, learned speeds
+run router 38002 2 >/dev/null
+echo "wrk -t$threads -c$conns -d${secs}s, $pairs alternating pairs${PIN_WRK:+, wrk on CPU $PIN_WRK}${PIN_SERVERS:+, servers on CPU $PIN_SERVERS}"
+printf '%-5s %12s %12s %6s\n' pair least_conn router ratio
+sa=0 sb=0
+for i in $(seq "$pairs"); do
+	a=$(run least_conn 38001 "$secs")
+	b=$(run router 38002 "$secs")
+	printf '%-5s %12s %12s %6.2f\n' "$i" "$a" "$b" "$(echo "$b / $a" | bc -l)"
+	sa=$((sa + a)) sb=$((sb + b))
+done
+printf '%-5s %12d %12d %6.2f\n' mean $((sa / pairs)) $((sb / pairs)) "$(echo "$sb / $sa" | bc -l)"
