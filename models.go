@@ -180,8 +180,13 @@ func (h *Handler) probe(ctx context.Context, workerURL string) error {
 
 // probeUnknown probes, in parallel, the workers whose capabilities are not
 // known yet: the workers a config lists are probed on first need rather
-// than at provisioning, which must not dial out.
+// than at provisioning, which must not dial out. Once every worker is known
+// it costs an atomic load, not the pool's lock: it runs on every image and
+// video request.
 func (h *Handler) probeUnknown(ctx context.Context) {
+	if h.pool.unknown.Load() == 0 {
+		return
+	}
 	urls := h.pool.unprobed(time.Now(), reprobeInterval)
 	var wg sync.WaitGroup
 	for _, u := range urls {

@@ -114,6 +114,7 @@ type registry struct {
 	byDial    map[string]*worker // one worker per dial address
 	declared  map[string]int     // worker URL -> number of loaded configs listing it
 	departing map[string]*worker // removed workers whose jobs have not ended, by dial address
+	unknown   atomic.Int32       // workers whose task types no probe has told yet; read without mu
 }
 
 // scheduler is the state of routing decisions and of the queue.
@@ -419,6 +420,9 @@ func (p *pool) add(u string) *worker {
 		w = &worker{url: u, dial: dial, caps: capabilities{makes: unprobed}}
 	}
 	p.fleet.holdIfBehindLocked(w)
+	if w.caps.taskTypes == nil {
+		p.unknown.Add(1)
+	}
 	p.workers = append(p.workers, w)
 	p.byDial[w.dial] = w
 	return w
@@ -426,6 +430,9 @@ func (p *pool) add(u string) *worker {
 
 func (p *pool) removeLocked(w *worker) {
 	p.fleet.leaveLocked(w)
+	if w.caps.taskTypes == nil {
+		p.unknown.Add(-1)
+	}
 	delete(p.byDial, w.dial)
 	for i, x := range p.workers {
 		if x == w {
@@ -513,6 +520,9 @@ func (p *pool) setCapabilities(url string, taskTypes []string, modelID string) {
 	if w := p.find(url); w != nil {
 		if w.life.version == "" {
 			w.life.version = modelID
+		}
+		if w.caps.taskTypes == nil {
+			p.unknown.Add(-1)
 		}
 		w.caps.taskTypes = append([]string{}, taskTypes...)
 		w.caps.makes = kindsOf(taskTypes)

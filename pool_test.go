@@ -103,3 +103,28 @@ func registerRaw(p *pool, raw string) (workerInfo, bool, error) {
 	}
 	return p.register(u, defaultMaxWorkers)
 }
+
+// The count of unprobed workers lets image requests skip the pool's lock
+// once every worker is known: it must follow joins, probes and removals.
+func TestUnknownWorkersCounted(t *testing.T) {
+	p := newPool("t")
+	for _, u := range []string{"http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"} {
+		if _, _, err := registerRaw(p, u); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.setCapabilities("http://10.0.0.1:30000", []string{"T2I"}, "m")
+	p.setCapabilities("http://10.0.0.1:30000", []string{"T2I"}, "m") // a second probe of a known worker
+	p.setCapabilities("http://10.0.0.2:30000", []string{}, "m")      // answered, with no models
+	if n := p.unknown.Load(); n != 1 {
+		t.Fatalf("unknown = %d after two of three workers answered; want 1", n)
+	}
+	p.remove("http://10.0.0.1:30000")
+	p.remove("http://10.0.0.3:30000")
+	if n := p.unknown.Load(); n != 0 {
+		t.Fatalf("unknown = %d after the unprobed worker left; want 0", n)
+	}
+	if urls := p.unprobed(p.now(), 0); len(urls) != 0 {
+		t.Fatalf("unprobed = %v with unknown = 0", urls)
+	}
+}
