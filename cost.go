@@ -106,9 +106,12 @@ func (m costModel) size(f fields) (int, int, error) {
 	return w, h, err
 }
 
+// sizeSeparators turns the other ways of writing "1024x768" into that one.
+var sizeSeparators = strings.NewReplacer("X", "x", "*", "x")
+
 // parseSize reads "1024x768" (also with X or *).
 func parseSize(s string) (int, int, error) {
-	ws, hs, ok := strings.Cut(strings.NewReplacer("X", "x", "*", "x").Replace(strings.TrimSpace(s)), "x")
+	ws, hs, ok := strings.Cut(sizeSeparators.Replace(strings.TrimSpace(s)), "x")
 	if !ok {
 		return 0, 0, errors.New("no x")
 	}

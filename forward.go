@@ -262,7 +262,7 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (i
 	if !t.job {
 		return 0, ""
 	}
-	body, err := io.ReadAll(r.Body)
+	body, err := readAll(r.Body, r.ContentLength)
 	if err != nil {
 		if isMaxBytes(err) {
 			w.Header().Set("Connection", "close") // the rest of the body stays unread
@@ -282,9 +282,21 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (i
 	return 0, ""
 }
 
+// readAll reads a body whole into one buffer sized from its Content-Length
+// (which max_body has bounded), where io.ReadAll would grow one from 512
+// bytes; unknown lengths (-1) grow as they come.
+func readAll(body io.Reader, contentLength int64) ([]byte, error) {
+	buf := bytes.NewBuffer(make([]byte, 0, max(contentLength, 0)+bytes.MinRead))
+	_, err := buf.ReadFrom(body)
+	return buf.Bytes(), err
+}
+
 // requestFields reads a generation's parameters. A msgpack or other binary
 // body is passed on unread and costed by the pool's defaults.
 func requestFields(body []byte, contentType string) (fields, error) {
+	if contentType == "application/json" { // most bodies: no need to parse it
+		return jsonFields(body)
+	}
 	if mt, _, _ := mime.ParseMediaType(contentType); strings.HasPrefix(mt, "multipart/") {
 		return formFields(body, contentType)
 	}
