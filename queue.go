@@ -306,7 +306,11 @@ func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 	now := p.now().UnixNano()
 	w.load.lastFinish = now
 	if o == succeeded {
-		w.load.speed.observe(t.cost, time.Duration(now-t.started), t.predicted)
+		// An answer released before the head's (two arriving together)
+		// never started on this clock: it has no run time to learn from.
+		if t.started != 0 {
+			w.load.speed.observe(t.cost, time.Duration(now-t.started), t.predicted)
+		}
 		w.stats.jobsDone++
 		w.stats.costDone += t.cost
 		p.completions++

@@ -266,3 +266,23 @@ func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
 		t.Fatal("a job its client left before it was sent still holds its worker")
 	}
 }
+
+// Two answers that arrive together can be released out of order: the one
+// behind the head first. That job never started on the router's clock, so
+// it must not teach the worker a speed (it did: an elapsed time of the
+// whole Unix epoch, a speed of about nothing).
+func TestAnswerOvertakingTheHeadTeachesNoSpeed(t *testing.T) {
+	p, clock := poolOf(t, 1)
+	cfg := config(leastWork{}, 0)
+	head, _ := choose(t, p, cfg, 1)
+	behind, _ := choose(t, p, cfg, 1)
+	clock.advance(time.Second)
+	p.release(behind, succeeded)
+	if s := p.workers[0].load.speed; s.n != 0 {
+		t.Fatalf("the overtaking answer taught a speed of %g units/s", s.value)
+	}
+	p.release(head, succeeded)
+	if s := p.workers[0].load.speed; s.n != 1 || s.value != 1 {
+		t.Fatalf("speed %g units/s from %d samples; want 1 from the head's 1 unit in 1 s", s.value, s.n)
+	}
+}
