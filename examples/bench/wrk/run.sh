@@ -31,7 +31,7 @@ start() { (pin "${PIN_SERVERS:-}" "$@") >"$tmp/log.${#pids[@]}" 2>&1 & pids+=($!
 
 # Caddy listens with SO_REUSEPORT: a leftover Caddy on a port would share
 # the load silently, so refuse to start over one.
-for port in 31001 31002 31003 31004 38001 38002; do
+for port in 31001 31002 31003 31004 30801 30802; do
 	if curl -s -o /dev/null "http://127.0.0.1:$port/"; then
 		echo "port $port is in use: stop what listens there first" >&2; exit 1
 	fi
@@ -41,11 +41,11 @@ for i in 1 2 3 4; do
 done
 export HOME=$tmp XDG_DATA_HOME=$tmp XDG_CONFIG_HOME=$tmp # no state left behind
 admin() { [ "${PROFILE:-}" = "$1" ] && echo localhost:2019 || echo off; }
-ADMIN=$(admin least_conn) PORT=38001 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/least_conn.Caddyfile
-ADMIN=$(admin router) PORT=38002 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/router.Caddyfile
+ADMIN=$(admin least_conn) PORT=30801 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/least_conn.Caddyfile
+ADMIN=$(admin router) PORT=30802 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/router.Caddyfile
 
 job() { curl -fsS -o /dev/null -H 'Content-Type: application/json' -d @- "$1/v1/images/generations" <<<'{"prompt":"x","size":"1x1","num_inference_steps":1}'; }
-for port in 38001 38002; do
+for port in 30801 30802; do
 	for _ in $(seq 100); do job http://127.0.0.1:$port 2>/dev/null && break; sleep 0.1; done
 	job http://127.0.0.1:$port
 done
@@ -58,14 +58,14 @@ run() {
 	awk '/^Requests\/sec/ {printf "%.0f", $2}' <<<"$out"
 }
 
-run least_conn 38001 2 >/dev/null # warm both up: connections, learned speeds
-run router 38002 2 >/dev/null
+run least_conn 30801 2 >/dev/null # warm both up: connections, learned speeds
+run router 30802 2 >/dev/null
 echo "wrk -t$threads -c$conns -d${secs}s, $pairs alternating pairs${PIN_WRK:+, wrk on CPU $PIN_WRK}${PIN_SERVERS:+, servers on CPU $PIN_SERVERS}"
 printf '%-5s %12s %12s %6s\n' pair least_conn router ratio
 sa=0 sb=0
 for i in $(seq "$pairs"); do
-	a=$(run least_conn 38001 "$secs")
-	b=$(run router 38002 "$secs")
+	a=$(run least_conn 30801 "$secs")
+	b=$(run router 30802 "$secs")
 	printf '%-5s %12s %12s %6.2f\n' "$i" "$a" "$b" "$(echo "$b / $a" | bc -l)"
 	sa=$((sa + a)) sb=$((sb + b))
 done
