@@ -155,7 +155,7 @@ func (h *Handler) Cleanup() error {
 // ServeHTTP answers control endpoints and sends everything else on to the
 // reverse_proxy that follows.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	rec := &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	rec := &recorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	class, err := "control", error(nil)
 	switch {
 	case hasDotSegment(r.URL.Path):

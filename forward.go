@@ -282,13 +282,16 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (i
 	return 0, ""
 }
 
-// readAll reads a body whole into one buffer sized from its Content-Length
-// (which max_body has bounded), where io.ReadAll would grow one from 512
-// bytes; unknown lengths (-1) grow as they come.
+// readAll reads a body whole. One that tells its length (which max_body has
+// bounded) is read into a buffer of just that size, where io.ReadAll would
+// grow one from 512 bytes; others grow as they come.
 func readAll(body io.Reader, contentLength int64) ([]byte, error) {
-	buf := bytes.NewBuffer(make([]byte, 0, max(contentLength, 0)+bytes.MinRead))
-	_, err := buf.ReadFrom(body)
-	return buf.Bytes(), err
+	if contentLength <= 0 {
+		return io.ReadAll(body)
+	}
+	buf := make([]byte, contentLength)
+	_, err := io.ReadFull(body, buf)
+	return buf, err
 }
 
 // requestFields reads a generation's parameters. A msgpack or other binary

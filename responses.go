@@ -43,7 +43,8 @@ const weightVersionHeader = "X-Weight-Version"
 // of the worker that served it, and, when asked, keeps its first bytes;
 // everything else streams straight through.
 type recorder struct {
-	*caddyhttp.ResponseWriterWrapper
+	// A value, not a pointer: one allocation per request rather than two.
+	caddyhttp.ResponseWriterWrapper
 	ticket    *ticket
 	onHeader  func(status int) // called once the final status is known
 	status    int
