@@ -70,7 +70,7 @@ func (s strategy) caddyfile(port int, pool string, workers []string, maxInflight
 		for i, w := range workers {
 			dials[i] = strings.TrimPrefix(w, "http://")
 		}
-		fmt.Fprintf(&b, "\treverse_proxy %s {\n\t\tlb_policy %s\n\t\tflush_interval -1\n\t}\n}\n",
+		fmt.Fprintf(&b, "\treverse_proxy %s {\n\t\tlb_policy %s\n\t}\n}\n",
 			strings.Join(dials, " "), s.caddy)
 		return b.String()
 	}
