@@ -8,7 +8,12 @@
 # Environment: CONNS (16), THREADS (2), CADDY (a Caddy binary with the
 # plugin; built from ./cmd/caddy when unset), PIN_WRK / PIN_SERVERS (CPU
 # lists for taskset, e.g. PIN_WRK=1 PIN_SERVERS=0; unset: no pinning),
-# PROFILE=router|least_conn (admin on :2019 with pprof, for profiling).
+# PROFILE=router|least_conn (admin on :2019 with pprof, for profiling),
+# BEFORE (another Caddy binary: its router runs too, as a third column, to
+# compare two builds of the router in the same alternation).
+#
+# The ratio is router / least_conn per pair; on a shared machine the median
+# of the pairs' ratios is the figure least moved by another load's bursts.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 pairs=${1:-4} secs=${2:-10}
@@ -31,7 +36,7 @@ start() { (pin "${PIN_SERVERS:-}" "$@") >"$tmp/log.${#pids[@]}" 2>&1 & pids+=($!
 
 # Caddy listens with SO_REUSEPORT: a leftover Caddy on a port would share
 # the load silently, so refuse to start over one.
-for port in 31001 31002 31003 31004 30801 30802; do
+for port in 31001 31002 31003 31004 30801 30802 30803; do
 	if curl -s -o /dev/null "http://127.0.0.1:$port/"; then
 		echo "port $port is in use: stop what listens there first" >&2; exit 1
 	fi
@@ -43,9 +48,14 @@ export HOME=$tmp XDG_DATA_HOME=$tmp XDG_CONFIG_HOME=$tmp # no state left behind
 admin() { [ "${PROFILE:-}" = "$1" ] && echo localhost:2019 || echo off; }
 ADMIN=$(admin least_conn) PORT=30801 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/least_conn.Caddyfile
 ADMIN=$(admin router) PORT=30802 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/router.Caddyfile
+ports="30801 30802"
+if [ -n "${BEFORE:-}" ]; then
+	ADMIN=off PORT=30803 start "$BEFORE" run --adapter caddyfile --config examples/bench/wrk/router.Caddyfile
+	ports="$ports 30803"
+fi
 
 job() { curl -fsS -o /dev/null -H 'Content-Type: application/json' -d @- "$1/v1/images/generations" <<<'{"prompt":"x","size":"1x1","num_inference_steps":1}'; }
-for port in 30801 30802; do
+for port in $ports; do
 	for _ in $(seq 100); do job http://127.0.0.1:$port 2>/dev/null && break; sleep 0.1; done
 	job http://127.0.0.1:$port
 done
@@ -58,15 +68,31 @@ run() {
 	awk '/^Requests\/sec/ {printf "%.0f", $2}' <<<"$out"
 }
 
-run least_conn 30801 2 >/dev/null # warm both up: connections, learned speeds
-run router 30802 2 >/dev/null
-echo "wrk -t$threads -c$conns -d${secs}s, $pairs alternating pairs${PIN_WRK:+, wrk on CPU $PIN_WRK}${PIN_SERVERS:+, servers on CPU $PIN_SERVERS}"
-printf '%-5s %12s %12s %6s\n' pair least_conn router ratio
-sa=0 sb=0
+for port in $ports; do run warm-up "$port" 2 >/dev/null; done # connections, learned speeds
+echo "wrk -t$threads -c$conns -d${secs}s, $pairs alternating rounds${PIN_WRK:+, wrk on CPU $PIN_WRK}${PIN_SERVERS:+, servers on CPU $PIN_SERVERS}"
+printf '%-6s %10s %10s %6s' round least_conn router ratio
+[ -n "${BEFORE:-}" ] && printf ' %10s %6s' before ratio
+echo
+sum=(0 0 0) ratios=() before_ratios=()
+ratio() { echo "$1 / $2" | bc -l; }
+median() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END {printf "%.2f", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 for i in $(seq "$pairs"); do
-	a=$(run least_conn 30801 "$secs")
-	b=$(run router 30802 "$secs")
-	printf '%-5s %12s %12s %6.2f\n' "$i" "$a" "$b" "$(echo "$b / $a" | bc -l)"
-	sa=$((sa + a)) sb=$((sb + b))
+	row=() j=0
+	for port in $ports; do
+		row[j]=$(run "port $port" "$port" "$secs")
+		sum[j]=$((sum[j] + row[j])) j=$((j + 1))
+	done
+	ratios+=("$(ratio "${row[1]}" "${row[0]}")")
+	printf '%-6s %10s %10s %6.2f' "$i" "${row[0]}" "${row[1]}" "${ratios[-1]}"
+	if [ -n "${BEFORE:-}" ]; then
+		before_ratios+=("$(ratio "${row[2]}" "${row[0]}")")
+		printf ' %10s %6.2f' "${row[2]}" "${before_ratios[-1]}"
+	fi
+	echo
 done
-printf '%-5s %12d %12d %6.2f\n' mean $((sa / pairs)) $((sb / pairs)) "$(echo "$sb / $sa" | bc -l)"
+printf '%-6s %10d %10d %6.2f' mean $((sum[0] / pairs)) $((sum[1] / pairs)) "$(ratio "${sum[1]}" "${sum[0]}")"
+[ -n "${BEFORE:-}" ] && printf ' %10d %6.2f' $((sum[2] / pairs)) "$(ratio "${sum[2]}" "${sum[0]}")"
+echo
+printf '%-6s %10s %10s %6s' median "" "" "$(median "${ratios[@]}")"
+[ -n "${BEFORE:-}" ] && printf ' %10s %6s' "" "$(median "${before_ratios[@]}")"
+echo
