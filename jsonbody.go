@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"strconv"
 	"strings"
 	"unicode"
@@ -48,14 +47,6 @@ func (e *keyError) Error() string {
 	return fmt.Sprintf("JSON key %q differs from %q only in case; keys are case-sensitive, give each once", e.key, e.other)
 }
 
-// jsonFrame is an open object or array of the scan.
-type jsonFrame struct {
-	seen  map[string]string // an object's keys so far, folded → as written; nil in an array
-	key   string            // the member this frame is the value of, in an object
-	index int               // the element this frame is, in an array; -1 in an object
-	next  int               // an array's next element
-}
-
 // strictObject reads body as one JSON object that names no key twice, not
 // even in different case, at any depth. It returns the object's members by
 // exact key, as slices of body.
@@ -70,112 +61,171 @@ func strictObject(body []byte) (map[string]json.RawMessage, error) {
 // scanJSON checks that body is one JSON value that names no key twice, not
 // even in different case, in any object. When the value is an object it
 // returns its members by exact key, as slices of body; otherwise nil.
+// encoding/json checks the syntax first, so the walk over the keys that
+// follows can take the body to be well formed: it runs on every
+// generation, and allocates only for the keys it keeps.
 func scanJSON(body []byte) (map[string]json.RawMessage, error) {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber() // any number is valid JSON, however large
-	tok, err := dec.Token()
-	if err != nil {
+	if !json.Valid(body) {
+		if nestedBeyond(body, maxJSONDepth) {
+			return nil, errTooDeep
+		}
 		return nil, errInvalidJSON
 	}
-	var members map[string]json.RawMessage
-	switch tok {
-	case json.Delim('{'):
-		members = map[string]json.RawMessage{}
-		err = scanContainer(dec, body, jsonFrame{seen: map[string]string{}, index: -1}, members)
-	case json.Delim('['):
-		err = scanContainer(dec, body, jsonFrame{index: -1}, nil)
+	s := keyScan{body: body}
+	s.space()
+	if s.body[s.i] != '{' {
+		return nil, s.value()
 	}
-	if err != nil {
-		return nil, err
-	}
-	if _, err := dec.Token(); err != io.EOF {
-		return nil, errInvalidJSON // more after the value
-	}
-	return members, nil
+	members := map[string]json.RawMessage{}
+	return members, s.object(members)
 }
 
-// scanContainer walks the object or array just opened, checking the keys
-// of every object in it. The members of the outermost object go to
-// members (when it is not nil).
-func scanContainer(dec *json.Decoder, body []byte, root jsonFrame, members map[string]json.RawMessage) error {
-	stack := []jsonFrame{root}
-	var start int64 // where the current member of the outermost object begins
-	for len(stack) > 0 {
-		top := &stack[len(stack)-1]
-		if !dec.More() {
-			if _, err := dec.Token(); err != nil { // the closing delimiter
-				return errInvalidJSON
-			}
-			stack = stack[:len(stack)-1]
-			if len(stack) == 1 && members != nil {
-				members[stack[0].key] = memberValue(body, start, dec.InputOffset())
-			}
-			continue
+// keyScan walks well-formed JSON, checking the keys of every object.
+type keyScan struct {
+	body []byte
+	i    int
+	path []jsonFrame // the objects and arrays the walk is in, for messages
+}
+
+// jsonFrame is where in its parent an object or array is: a member's key,
+// or an element's index (key "" and index >= 0).
+type jsonFrame struct {
+	key   string
+	index int
+}
+
+func (s *keyScan) space() {
+	for s.i < len(s.body) && (s.body[s.i] == ' ' || s.body[s.i] == '\t' || s.body[s.i] == '\r' || s.body[s.i] == '\n') {
+		s.i++
+	}
+}
+
+// value walks the value at s.i.
+func (s *keyScan) value() error {
+	s.space()
+	switch s.body[s.i] {
+	case '{':
+		return s.object(nil)
+	case '[':
+		return s.array()
+	case '"':
+		s.skipString()
+	default: // a number, true, false or null
+		for s.i < len(s.body) && !strings.ContainsRune(",}] \t\r\n", rune(s.body[s.i])) {
+			s.i++
 		}
-		child := jsonFrame{index: -1}
-		if top.seen != nil {
-			key, err := objectKey(dec, stack)
-			if err != nil {
-				return err
-			}
-			child.key = key
-			if len(stack) == 1 {
-				top.key, start = key, dec.InputOffset()
-			}
-		} else {
-			child.index = top.next
-			top.next++
-		}
-		tok, err := dec.Token()
-		if err != nil {
-			return errInvalidJSON
-		}
-		switch tok {
-		case json.Delim('{'):
-			child.seen = map[string]string{}
-		case json.Delim('['):
-		default: // a scalar
-			if len(stack) == 1 && members != nil {
-				members[top.key] = memberValue(body, start, dec.InputOffset())
-			}
-			continue
-		}
-		if len(stack) >= maxJSONDepth {
-			return errTooDeep
-		}
-		stack = append(stack, child)
 	}
 	return nil
 }
 
-// objectKey reads the next key of the object on top of stack and refuses
-// it if the object had it already, in any case.
-func objectKey(dec *json.Decoder, stack []jsonFrame) (string, error) {
-	tok, err := dec.Token()
-	key, ok := tok.(string)
-	if err != nil || !ok {
-		return "", errInvalidJSON
+// skipString moves past the string at s.i.
+func (s *keyScan) skipString() (hasEscape bool) {
+	s.i++ // the opening quote
+	for s.body[s.i] != '"' {
+		if s.body[s.i] == '\\' {
+			hasEscape = true
+			s.i++
+		}
+		s.i++
 	}
-	seen := stack[len(stack)-1].seen
-	folded := foldKey(key)
-	if other, dup := seen[folded]; dup {
-		return "", &keyError{key: keyPath(stack, key), other: other, name: key}
-	}
-	seen[folded] = key
-	return key, nil
+	s.i++
+	return hasEscape
 }
 
-// memberValue is the value of a member, body[start:end] being what follows
-// its key: the colon, the value and any white space.
-func memberValue(body []byte, start, end int64) json.RawMessage {
-	v := bytes.TrimLeft(body[start:end], " \t\r\n")
-	return bytes.TrimLeft(v[1:], " \t\r\n") // past the colon
+// object walks the object at s.i; its members go to members when that is
+// not nil.
+func (s *keyScan) object(members map[string]json.RawMessage) error {
+	s.i++ // {
+	seen := map[string]string{} // folded key -> key as written
+	for {
+		s.space()
+		switch s.body[s.i] {
+		case '}':
+			s.i++
+			return nil
+		case ',':
+			s.i++
+			s.space()
+		}
+		key := s.key()
+		folded := foldKey(key)
+		if other, dup := seen[folded]; dup {
+			return &keyError{key: keyPath(s.path, key), other: other, name: key}
+		}
+		seen[folded] = key
+		s.space()
+		s.i++ // :
+		s.space()
+		start := s.i
+		s.path = append(s.path, jsonFrame{key: key, index: -1})
+		if err := s.value(); err != nil {
+			return err
+		}
+		s.path = s.path[:len(s.path)-1]
+		if members != nil {
+			members[key] = s.body[start:s.i]
+		}
+	}
+}
+
+// key reads the key at s.i.
+func (s *keyScan) key() string {
+	start := s.i
+	escaped := s.skipString()
+	if raw := s.body[start+1 : s.i-1]; !escaped && utf8.Valid(raw) {
+		return string(raw)
+	}
+	var key string
+	_ = json.Unmarshal(s.body[start:s.i], &key) // well formed: it decodes, as encoding/json reads it
+	return key
+}
+
+// array walks the array at s.i.
+func (s *keyScan) array() error {
+	s.i++ // [
+	for index := 0; ; index++ {
+		s.space()
+		switch s.body[s.i] {
+		case ']':
+			s.i++
+			return nil
+		case ',':
+			s.i++
+		}
+		s.path = append(s.path, jsonFrame{index: index})
+		if err := s.value(); err != nil {
+			return err
+		}
+		s.path = s.path[:len(s.path)-1]
+	}
+}
+
+// nestedBeyond reports whether body opens more than depth objects and
+// arrays inside one another, outside strings.
+func nestedBeyond(body []byte, depth int) bool {
+	open, inString := 0, false
+	for i := 0; i < len(body); i++ {
+		switch c := body[i]; {
+		case inString && c == '\\':
+			i++
+		case c == '"':
+			inString = !inString
+		case inString:
+		case c == '{' || c == '[':
+			if open++; open > depth {
+				return true
+			}
+		case c == '}' || c == ']':
+			open--
+		}
+	}
+	return false
 }
 
 // keyPath names key for a message, with the objects and arrays it is in.
-func keyPath(stack []jsonFrame, key string) string {
+func keyPath(path []jsonFrame, key string) string {
 	var b strings.Builder
-	for _, f := range stack[1:] {
+	for _, f := range path {
 		if f.index >= 0 {
 			b.WriteString("[" + strconv.Itoa(f.index) + "]")
 			continue
