@@ -276,6 +276,18 @@ func jsonMember(members map[string]json.RawMessage, name string) any {
 	if !ok {
 		return nil
 	}
+	// The scalars the router reads most, read without a decoder: raw is
+	// one well-formed JSON value.
+	switch c := raw[0]; {
+	case string(raw) == "null":
+		return nil
+	case string(raw) == "true", string(raw) == "false":
+		return string(raw) == "true"
+	case c == '-' || '0' <= c && c <= '9':
+		return json.Number(raw)
+	case c == '"' && !bytes.ContainsRune(raw, '\\') && utf8.Valid(raw):
+		return string(raw[1 : len(raw)-1])
+	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.UseNumber()
 	var v any
