@@ -150,15 +150,14 @@ type workerJSON struct {
 }
 
 func newWorkerJSON(w workerInfo) workerJSON {
-
 	source := "config"
 	if w.Registered {
 		source = "registered"
 	}
-	u, _ := url.Parse(w.URL)
+	_, hostPort, _ := strings.Cut(w.URL, "://") // the URL's host[:port], as the Python router shows it
 	return workerJSON{
 		WorkerID:            url.QueryEscape(w.URL),
-		DisplayID:           u.Host,
+		DisplayID:           hostPort,
 		URL:                 w.URL,
 		ActiveRequests:      w.Inflight,
 		IsDead:              w.State == dead,
