@@ -135,7 +135,7 @@ func (s *keyScan) skipString() (hasEscape bool) {
 // object walks the object at s.i; its members go to members when that is
 // not nil.
 func (s *keyScan) object(members map[string]json.RawMessage) error {
-	s.i++ // {
+	s.i++                       // {
 	seen := map[string]string{} // folded key -> key as written
 	for {
 		s.space()
