@@ -244,27 +244,47 @@ func (w *Worker) handleUpdateFromDisk(rw http.ResponseWriter, r *http.Request) {
 	if json.Unmarshal(body["model_path"], &modelPath) != nil {
 		modelPath = string(body["model_path"])
 	}
-	targets, targetErr := targetModules(body["target_modules"], modules)
+	load := weightLoad{loaded: modelPath, refuseAsleep: true}
+	load.targets, load.targetErr = targetModules(body["target_modules"], modules)
+	if load.targetErr == "" {
+		load.failure = fmt.Sprintf("Failed to update module '%s': injected failure (--update-fail). All modules rolled back to original weights.", load.targets[0])
+		load.success = fmt.Sprintf("Updated %d modules (%s).", len(load.targets), strings.Join(load.targets, ", "))
+	}
+	w.loadWeights(rw, r, load)
+}
+
+// weightLoad is an update of some modules' weights, from disk or from
+// tensors, as the scheduler runs it: after the jobs queued before it.
+type weightLoad struct {
+	targets      []string
+	targetErr    string // why the modules asked for cannot be updated
+	loaded       string // what the modules hold afterwards
+	refuseAsleep bool   // refused while the server sleeps, as update_weights_from_disk is
+	failure      string // the message of an injected failure (--update-fail)
+	success      string // the message of a success
+}
+
+// loadWeights runs load and answers with its result.
+func (w *Worker) loadWeights(rw http.ResponseWriter, r *http.Request, load weightLoad) {
 	status, message := 0, ""
 	err := w.runControl(r.Context(), func() time.Duration {
 		switch {
-		case w.asleep:
+		case load.refuseAsleep && w.asleep:
 			status, message = http.StatusInternalServerError, errUpdateAsleep
 			return 0
-		case targetErr != "":
-			status, message = http.StatusBadRequest, targetErr
+		case load.targetErr != "":
+			status, message = http.StatusBadRequest, load.targetErr
 			return 0
 		case w.cfg.UpdateFail:
-			status, message = http.StatusBadRequest, fmt.Sprintf(
-				"Failed to update module '%s': injected failure (--update-fail). All modules rolled back to original weights.", targets[0])
+			status, message = http.StatusBadRequest, load.failure
 		default:
-			status, message = http.StatusOK, fmt.Sprintf("Updated %d modules (%s).", len(targets), strings.Join(targets, ", "))
+			status, message = http.StatusOK, load.success
 		}
 		return w.serviceTime(weightUpdateUnits)
 	}, func() {
 		if status == http.StatusOK {
-			for _, m := range targets {
-				w.weights[m] = modelPath
+			for _, m := range load.targets {
+				w.weights[m] = load.loaded
 			}
 		}
 	})
@@ -298,33 +318,14 @@ func (w *Worker) handleUpdateFromTensor(rw http.ResponseWriter, r *http.Request)
 		return
 	}
 	sum := sha256.Sum256(payloads[0])
-	loaded := "tensor:" + hex.EncodeToString(sum[:8])
-	targets, targetErr := targetModules(body["target_modules"], []string{"transformer"})
-	status, message := 0, ""
-	err := w.runControl(r.Context(), func() time.Duration {
-		switch {
-		case targetErr != "":
-			status, message = http.StatusBadRequest, targetErr
-			return 0
-		case w.cfg.UpdateFail:
-			status, message = http.StatusBadRequest, fmt.Sprintf("Failed to update module '%s' from tensor: injected failure (--update-fail). "+
-				"The pipeline may be partially updated. Please discard the whole weights and reload from a known-good checkpoint.", targets[0])
-		default:
-			status, message = http.StatusOK, fmt.Sprintf("Updated %d modules from tensor (%s).", len(targets), strings.Join(targets, ", "))
-		}
-		return w.serviceTime(weightUpdateUnits)
-	}, func() {
-		if status == http.StatusOK {
-			for _, m := range targets {
-				w.weights[m] = loaded
-			}
-		}
-	})
-	if err != nil {
-		w.failControl(rw, err)
-		return
+	load := weightLoad{loaded: "tensor:" + hex.EncodeToString(sum[:8])}
+	load.targets, load.targetErr = targetModules(body["target_modules"], []string{"transformer"})
+	if load.targetErr == "" {
+		load.failure = fmt.Sprintf("Failed to update module '%s' from tensor: injected failure (--update-fail). "+
+			"The pipeline may be partially updated. Please discard the whole weights and reload from a known-good checkpoint.", load.targets[0])
+		load.success = fmt.Sprintf("Updated %d modules from tensor (%s).", len(load.targets), strings.Join(load.targets, ", "))
 	}
-	writeResult(rw, status, message)
+	w.loadWeights(rw, r, load)
 }
 
 // handleChecksum is weights_api.py's get_weights_checksum: a SHA-256 per
