@@ -1,7 +1,6 @@
 package diffusionrouter
 
 import (
-	"cmp"
 	"encoding/json"
 	"maps"
 	"math"
@@ -24,11 +23,6 @@ func init() {
 	httpcaddyfile.RegisterDirective("diffusion_router", parseDirective)
 	httpcaddyfile.RegisterDirectiveOrder("diffusion_router", httpcaddyfile.Before, "reverse_proxy")
 }
-
-// proxyRetries lets reverse_proxy try other workers when one cannot be
-// connected to; Caddy retries a POST only when nothing was sent, so a
-// generation never runs twice.
-const proxyRetries = 2
 
 // parseDirective expands diffusion_router, as php_fastcgi does, into the
 // handler followed by Caddy's reverse_proxy wired to the pool:
@@ -100,8 +94,10 @@ func unmarshalProxy(h httpcaddyfile.Helper, d *caddyfile.Dispenser, rp *reversep
 }
 
 // wireProxy points reverse_proxy at the pool: its workers as dynamic
-// upstreams, the diffusion selection policy, and retries on failed
-// connections (and on the answers retry_on lists).
+// upstreams and the diffusion selection policy. Jobs run again on another
+// worker by the handler's own rules (max_attempts), not reverse_proxy's
+// retries, which would queue them behind newer jobs and buffer their
+// bodies a second time.
 //
 // Responses keep Caddy's flush_interval: they stream through without being
 // held whole, and Caddy flushes at once the ones that are streams (unknown
@@ -115,21 +111,8 @@ func wireProxy(rp *reverseproxy.Handler, h *Handler) {
 		rp.LoadBalancing = new(reverseproxy.LoadBalancing)
 	}
 	rp.LoadBalancing.SelectionPolicyRaw = caddyconfig.JSONModuleObject(DiffusionSelection{poolRef{Pool: pool}}, "policy", "diffusion", nil)
-	if rp.LoadBalancing.Retries == 0 {
-		rp.LoadBalancing.Retries = proxyRetries
-	}
 	guardTransport(rp)
 	workerHost(rp)
-	if len(h.retryOn) > 0 {
-		codes := make([]string, len(h.retryOn))
-		for i, c := range h.retryOn {
-			codes[i] = strconv.Itoa(c)
-		}
-		expr := "{http.reverse_proxy.status_code} in [" + strings.Join(codes, ", ") + "]"
-		rp.LoadBalancing.RetryMatchRaw = append(rp.LoadBalancing.RetryMatchRaw, caddy.ModuleMap{"expression": caddyconfig.JSON(expr, nil)})
-		// A retried request is sent again, so reverse_proxy must keep its body.
-		rp.RequestBuffers = cmp.Or(h.MaxBody, defaultMaxBody)
-	}
 }
 
 // guardTransport makes the proxy dial through the diffusion transport,
@@ -177,6 +160,9 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    # choosing a worker (load_balancing) and waiting for one (queue)
 //	    policy           least_work|least_request|round_robin|random
 //	    max_inflight     <n>|unlimited
+//	    max_attempts     <n>
+//	    retry_on         <status...>
+//	    hedge_after      <factor>|off
 //	    queue_order      fifo|largest_first|smallest_first
 //	    queue_timeout    <duration>
 //	    max_queue        <n>
@@ -220,13 +206,11 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    max_workers      <n>
 //	    max_body         <size>
 //	    upstream_timeout <duration>
-//	    retry_on         <status...>
 //	    dashboard        on|off
 //	}
 //
 // workers, admin_allow, weights_path_prefix, forward_paths and retry_on may repeat; each
-// adds to the list. retry_on configures the reverse_proxy that the
-// directive generates, so the handler's JSON has no field for it. Sizes
+// adds to the list. Sizes
 // read like Caddy's request_body max_size (64MiB, 10MB, 1048576).
 //
 // Parsing checks the syntax only: the option is known, its value is a
@@ -333,6 +317,8 @@ var handlerOptions = map[string]option{
 	"upstream_timeout": one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),
 	"dashboard":        one(func(h *Handler) *bool { return &h.DashboardOff }, parseDashboard),
 	"retry_on":         {list: true, read: readRetryOn},
+	"max_attempts":     one(func(h *Handler) *int { return &h.LoadBalancing.MaxAttempts }, parseWhole),
+	"hedge_after":      one(func(h *Handler) *float64 { return &h.LoadBalancing.HedgeAfter }, parseHedgeAfter),
 }
 
 // one is an option of one value, read by parse into the field. parse
@@ -411,18 +397,28 @@ func parseDashboard(v string) (bool, string) {
 	return v == "off", ""
 }
 
-// readRetryOn reads retry_on, which configures the generated reverse_proxy
-// rather than the handler, so its values are checked here: no provisioning
-// sees them.
+// readRetryOn reads retry_on's status codes.
 func readRetryOn(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
 	for _, a := range args {
 		n, err := strconv.Atoi(a)
-		if err != nil || n < 400 || n > 599 {
-			return d.Errf("%s: %q is not an error status code (400-599)", name, a)
+		if err != nil {
+			return d.Errf("%s: %q is not a status code", name, a)
 		}
-		h.retryOn = append(h.retryOn, n)
+		h.LoadBalancing.RetryOn = append(h.LoadBalancing.RetryOn, n)
 	}
 	return nil
+}
+
+// parseHedgeAfter reads hedge_after: a factor, or off (-1 in JSON).
+func parseHedgeAfter(v string) (float64, string) {
+	if v == "off" {
+		return -1, ""
+	}
+	f, want := parseNumber(v)
+	if want != "" {
+		return 0, "a number or off"
+	}
+	return f, ""
 }
 
 // optionNames lists the handler's Caddyfile options for error messages.

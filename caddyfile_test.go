@@ -32,7 +32,6 @@ func TestCaddyfileShortFormExpands(t *testing.T) {
 		`{"handler":"diffusion_router","workers":["http://127.0.0.1:30001","http://127.0.0.1:30002"]}`,
 		`"dynamic_upstreams":{"source":"diffusion"}`,
 		`"selection_policy":{"policy":"diffusion"}`,
-		`"retries":2`,
 		`"transport":{"protocol":"diffusion"}`,
 		`"Host":["{http.reverse_proxy.upstream.hostport}"]`,
 	} {
@@ -81,6 +80,8 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		max_eject_time 10m
 		min_ready 2
 		retry_on 500 503
+		max_attempts 2
+		hedge_after 3
 		reverse_proxy {
 			transport http {
 				dial_timeout 3s
@@ -96,7 +97,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 	want := Handler{
 		Pool:          "rollout",
 		Workers:       []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
-		LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2},
+		LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2, MaxAttempts: 2, RetryOn: []int{500, 503}, HedgeAfter: 3},
 		Queue:         Queue{Order: "largest_first", Timeout: caddy.Duration(90 * time.Second), MaxJobs: 500},
 		Cost:          CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
 		HealthChecks: HealthChecks{
@@ -130,8 +131,6 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		`"dynamic_upstreams":{"pool":"rollout","source":"diffusion"}`,
 		`"selection_policy":{"policy":"diffusion","pool":"rollout"}`,
 		`"match":[{"path":["/v1/*"]}]`,
-		`"retry_match":[{"expression":"{http.reverse_proxy.status_code} in [500, 503]"}]`,
-		`"request_buffers":8388608`,
 	} {
 		if !strings.Contains(cfg, want) {
 			t.Errorf("adapted config lacks %s:\n%s", want, cfg)
@@ -194,7 +193,6 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 		"bad max_fails":             "max_fails x",
 		"zero min_ready":            "min_ready 0",
 		"bad dashboard":             "dashboard maybe",
-		"retry_on success":          "retry_on 200",
 		"retry_on word":             "retry_on errors",
 	}
 	for name, line := range cases {
@@ -251,6 +249,9 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"forward_paths v1", "forward_paths (forward_paths):"},
 		{"forward_paths /v1/*/x", "forward_paths (forward_paths):"},
 		{"max_workers -1", "max_workers (max_workers):"},
+		{"max_attempts -1", "max_attempts (load_balancing.max_attempts):"},
+		{"retry_on 200", "retry_on (load_balancing.retry_on): 200 is not an error status code"},
+		{"hedge_after 0.5", "hedge_after (load_balancing.hedge_after):"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.line, func(t *testing.T) {
@@ -312,7 +313,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 	got, _ := json.Marshal(h)
 	for _, want := range []string{
 		`"pool":"default"`,
-		`"load_balancing":{"policy":"least_work"}`,
+		`"load_balancing":{"policy":"least_work","max_attempts":3}`,
 		`"queue":{"order":"fifo","max_jobs":10000}`,
 		`"cost":{"default_steps":20,"default_size":"1024x1024","default_frames":96,"cfg_factor":2}`,
 		`"active":{"uri":"/health","interval":10000000000,"timeout":5000000000,"fails":3,"passes":2}`,

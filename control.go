@@ -161,7 +161,7 @@ func newWorkerJSON(w workerInfo) workerJSON {
 		URL:                 w.URL,
 		ActiveRequests:      w.Inflight,
 		IsDead:              w.State == dead,
-		IsSleeping:          w.Lifecycle == sleeping,
+		IsSleeping:          w.Lifecycle == sleeping || w.State == sleeping,
 		WeightVersion:       w.Version,
 		ConsecutiveFailures: w.ConsecFails,
 		VideoSupport:        videoSupport(w.TaskTypes),

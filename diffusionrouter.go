@@ -81,10 +81,6 @@ type Handler struct {
 	// DashboardOff turns the status page at /dashboard off.
 	DashboardOff bool `json:"dashboard_off,omitempty"`
 
-	// retryOn lists worker answers that are retried on another worker; it
-	// configures the generated reverse_proxy, so only the Caddyfile sets it.
-	retryOn []int
-
 	ctx      context.Context // ends when the config is unloaded
 	pool     *pool
 	dispatch dispatchConfig

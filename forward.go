@@ -79,65 +79,6 @@ func (h *Handler) admit(rec *recorder, r *http.Request) (*ticket, int, string) {
 	return t, 0, ""
 }
 
-// proxy sends r to t's worker through next and releases the worker: when
-// the answer begins (the generation is done; megabytes of base64 may still
-// be on their way, but the worker's slot is free), or when a video job it
-// started ends.
-func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler) error {
-	ctx := withTicket(r.Context(), t)
-	if h.UpstreamTimeout > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
-		defer cancel()
-	}
-	released := false
-	release := func(o outcome) {
-		if released {
-			return
-		}
-		released = true
-		if d := h.pool.release(t, o); d > 0 {
-			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.servedBy), zap.Duration("for", d))
-		}
-	}
-	defer func() {
-		// reverse_proxy aborts an answer that broke off after it began by
-		// panicking with http.ErrAbortHandler. The worker is released all
-		// the same, and if its slot already went free as a success, the
-		// worker, not a client that left, cut it short: a failure after all.
-		if v := recover(); v != nil {
-			switch {
-			case r.Context().Err() != nil:
-				release(abandoned)
-			case released:
-				h.pool.noteCutShort(t)
-			default:
-				release(failed)
-			}
-			panic(v)
-		}
-	}()
-	rec.ticket = t
-	switch {
-	case readsVideoJob(r):
-		rec.peekLimit = maxVideoResponsePeek
-	case streams(r):
-		// The worker generates while it sends events: its slot is taken
-		// until the stream ends.
-	default:
-		rec.onHeader = func(status int) { release(outcomeOf(r.Context(), nil, status)) }
-	}
-	t.sent = true
-	err := next.ServeHTTP(rec, r.WithContext(ctx))
-	if !h.trackVideoJob(r, t, rec, err) {
-		release(outcomeOf(r.Context(), err, rec.status))
-	}
-	if err != nil && rec.status == 0 {
-		return h.proxyError(ctx, rec, t, err)
-	}
-	return err // non-nil only when the response had begun; Caddy logs it
-}
-
 // logJob logs a finished generation job and records its metrics. No
 // prompt or image data is logged.
 func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, waited, took time.Duration) {
@@ -155,6 +96,7 @@ func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, wait
 		zap.Duration("latency", took),
 		zap.Int("status", status),
 		zap.String("weight_version", t.servedVersion),
+		zap.Int("attempts", t.attempts),
 	)
 }
 
@@ -270,6 +212,7 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (i
 		}
 		return http.StatusBadRequest, "reading request body: " + err.Error()
 	}
+	t.body = body
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.ContentLength = int64(len(body))
 	f, err := requestFields(body, r.Header.Get("Content-Type"))
@@ -316,7 +259,7 @@ func tooLarge(limit int64) string {
 
 // proxyError answers a request whose proxying failed before any response
 // was written, with a JSON error a client can act on.
-func (h *Handler) proxyError(ctx context.Context, w http.ResponseWriter, t *ticket, err error) error {
+func (h *Handler) proxyError(w http.ResponseWriter, t *ticket, err error) error {
 	status := http.StatusBadGateway
 	if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.StatusCode != 0 {
 		status = he.StatusCode
@@ -325,8 +268,8 @@ func (h *Handler) proxyError(ctx context.Context, w http.ResponseWriter, t *tick
 	switch {
 	case status == 499:
 		return nil // the client went away; nobody reads an answer
-	case errors.Is(ctx.Err(), context.DeadlineExceeded):
-		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("worker did not answer within upstream_timeout (%s)", time.Duration(h.UpstreamTimeout))
+	case errors.Is(err, errUpstreamTimeout):
+		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("%v (%s)", errUpstreamTimeout, time.Duration(h.UpstreamTimeout))
 	case isMaxBytes(err):
 		w.Header().Set("Connection", "close") // the rest of the body stays unread
 		status, msg = http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)

@@ -330,9 +330,12 @@ func (p *pool) noteOutcomeLocked(w *worker, o outcome, cfg *healthConfig) time.D
 	now := p.now().UnixNano()
 	switch o {
 	case succeeded:
-		w.evidence.ejections = 0
+		w.evidence.ejections, w.evidence.naps = 0, 0
 		return 0
 	case abandoned, refused:
+		return 0
+	case asleep:
+		p.noteAsleepLocked(w, now)
 		return 0
 	}
 	if cfg == nil || cfg.maxFails == 0 {
@@ -355,6 +358,24 @@ func (p *pool) noteOutcomeLocked(w *worker, o outcome, cfg *healthConfig) time.D
 	w.stats.ejected++
 	p.redispatchAtLocked(w.health.ejectedUntil) // jobs may be waiting for it
 	return d
+}
+
+// Bounds of how long a worker that said it is asleep is left alone.
+const (
+	asleepRecheck    = time.Second
+	maxAsleepRecheck = 30 * time.Second
+)
+
+// noteAsleepLocked keeps a worker that said it is asleep out of routing
+// for a while, twice as long each time it says so again. It was put to
+// sleep behind the router's back (a trainer calls the engines directly),
+// its health probe still passes, and only its answers tell when it wakes;
+// a job that finds it still asleep runs again elsewhere.
+func (p *pool) noteAsleepLocked(w *worker, now int64) {
+	d := min(asleepRecheck<<min(w.evidence.naps, 10), maxAsleepRecheck)
+	w.evidence.naps++
+	w.health.asleepUntil = now + int64(d)
+	p.redispatchAtLocked(w.health.asleepUntil) // jobs may be waiting for it
 }
 
 // setDown marks a worker unhealthy after err, until its health probes

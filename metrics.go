@@ -48,8 +48,17 @@ var (
 		Namespace: namespace, Subsystem: subsystem, Name: "requests_total",
 		Help: "Requests by endpoint class and status class.",
 	}, []string{"pool", "endpoint", "code"})
+	reruns = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "job_reruns_total",
+		Help: "Jobs sent again to another worker, by why the last one failed them (connection, status, asleep).",
+	}, []string{"pool", "cause"})
+	jobAttempts = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "job_attempts",
+		Help:    "Workers each finished generation job was sent to.",
+		Buckets: []float64{1, 2, 3, 5, 10},
+	}, []string{"pool"})
 
-	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, poolCollector{}}
+	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, jobAttempts, poolCollector{}}
 )
 
 // registerMetrics adds the collectors to the config's registry. Each config
@@ -174,9 +183,10 @@ func statusClass(status int) string {
 // poolMetrics are one handler's series, looked up once rather than on
 // every request.
 type poolMetrics struct {
-	queueWait, jobDuration, predictionError prometheus.Observer
-	decisions                               prometheus.Counter
-	requests                                *prometheus.CounterVec // by endpoint and code
+	queueWait, jobDuration, predictionError, attempts prometheus.Observer
+	decisions                                         prometheus.Counter
+	requests                                          *prometheus.CounterVec // by endpoint and code
+	reruns                                            *prometheus.CounterVec // by cause
 }
 
 func newPoolMetrics(pool, strategy string) poolMetrics {
@@ -186,6 +196,8 @@ func newPoolMetrics(pool, strategy string) poolMetrics {
 		predictionError: predictionError.WithLabelValues(pool),
 		decisions:       routingDecisions.WithLabelValues(pool, strategy),
 		requests:        requests.MustCurryWith(prometheus.Labels{"pool": pool}),
+		reruns:          reruns.MustCurryWith(prometheus.Labels{"pool": pool}),
+		attempts:        jobAttempts.WithLabelValues(pool),
 	}
 }
 
@@ -193,6 +205,7 @@ func newPoolMetrics(pool, strategy string) poolMetrics {
 func (m poolMetrics) observeJob(t *ticket, waited, took time.Duration) {
 	m.queueWait.Observe(waited.Seconds())
 	m.jobDuration.Observe(took.Seconds())
+	m.attempts.Observe(float64(t.attempts))
 	if t.predicted > 0 && took > 0 {
 		m.predictionError.Observe(absDuration(t.predicted-took).Seconds() / took.Seconds())
 	}

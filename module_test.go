@@ -454,14 +454,15 @@ func TestBadRequestsAreRefusedCleanly(t *testing.T) {
 
 func TestUnreachableWorker(t *testing.T) {
 	dead := "http://127.0.0.1:" + fmt.Sprint(freePort(t))
-	r := startRouter(t, "diffusion_router {\n workers "+dead+"\n}")
+	r := startRouter(t, "diffusion_router {\n workers "+dead+"\n max_attempts 2\n}")
 	rp := r.post("/v1/images/generations", smallImage)
 	expectStatus(t, "unreachable worker", rp, 502)
 	if !strings.HasPrefix(rp.errorText(t), "Worker request failed") {
 		t.Fatalf("502 error: %s", rp.body)
 	}
+	// With no other worker, the job is tried on this one max_attempts times.
 	w := r.get("/workers/" + url.QueryEscape(dead)).json(t)["worker"].(map[string]any)
-	if w["consecutive_failures"] != 1.0 || w["active_requests"] != 0.0 {
+	if w["consecutive_failures"] != 2.0 || w["active_requests"] != 0.0 {
 		t.Fatalf("after a failed connection the worker shows %v", w)
 	}
 }

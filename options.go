@@ -29,6 +29,26 @@ type LoadBalancing struct {
 	// least_work (a sglang-diffusion worker runs one job at a time), no
 	// limit for the other policies; -1 means no limit.
 	MaxInflight int `json:"max_inflight,omitempty"`
+
+	// MaxAttempts is how many workers a job may be sent to. A job whose
+	// worker fails it before any byte of the answer reached the client
+	// (connection refused or reset, 502, 503, 504, a status in RetryOn, an
+	// answer that the worker is asleep) runs again on another worker, ahead
+	// of jobs that came after it. A video job runs again only when its
+	// worker gave no answer. Default 3; 1 turns re-runs off.
+	MaxAttempts int `json:"max_attempts,omitempty"`
+
+	// RetryOn lists more worker answers (status codes, 400-599) after which
+	// a job runs again on another worker, besides 502, 503 and 504.
+	RetryOn []int `json:"retry_on,omitempty"`
+
+	// HedgeAfter: a job still unanswered after this many times its
+	// predicted time, while another worker that may serve it is idle and
+	// no job waits, gets a second copy on that worker; the first answer
+	// goes to the client and the other copy is cancelled. Default: the
+	// stall factor (health_checks.passive.stall_factor); -1 turns hedging
+	// off.
+	HedgeAfter float64 `json:"hedge_after,omitempty"`
 }
 
 // Queue is where jobs wait when every worker that may serve them is full.
@@ -174,6 +194,7 @@ const (
 	defaultMaxBody    = 64 << 20
 	defaultMaxQueue   = 10000
 	defaultMaxWorkers = 4096
+	defaultAttempts   = 3
 )
 
 // defaultAdminAllow trusts only the machine the router runs on.
@@ -225,6 +246,9 @@ func (h *Handler) provisionDispatch() error {
 	case lb.MaxInflight < -1:
 		return optionError("max_inflight", "load_balancing.max_inflight", "must be positive or -1 (no limit), got %d", lb.MaxInflight)
 	}
+	if err := h.provisionAttempts(); err != nil {
+		return err
+	}
 	q.Order = cmp.Or(q.Order, "fifo")
 	if d.order, ok = queueOrders[q.Order]; !ok {
 		return optionError("queue_order", "queue.order", "unknown order %q (want fifo, largest_first or smallest_first)", q.Order)
@@ -238,6 +262,25 @@ func (h *Handler) provisionDispatch() error {
 		return optionError("max_queue", "queue.max_jobs", "must be positive, got %d", q.MaxJobs)
 	}
 	d.maxQueue = q.MaxJobs
+	return nil
+}
+
+// provisionAttempts reads how jobs run again and are hedged.
+func (h *Handler) provisionAttempts() error {
+	lb := &h.LoadBalancing
+	lb.MaxAttempts = cmp.Or(lb.MaxAttempts, defaultAttempts)
+	if lb.MaxAttempts < 1 {
+		return optionError("max_attempts", "load_balancing.max_attempts", "must be positive, got %d", lb.MaxAttempts)
+	}
+	for _, s := range lb.RetryOn {
+		if s < 400 || s > 599 {
+			return optionError("retry_on", "load_balancing.retry_on", "%d is not an error status code (400-599)", s)
+		}
+	}
+	if lb.HedgeAfter != 0 && lb.HedgeAfter != -1 && !atLeastOne(lb.HedgeAfter) {
+		return optionError("hedge_after", "load_balancing.hedge_after", "must be a number of at least 1, or off, got %g", lb.HedgeAfter)
+	}
+	h.dispatch.maxAttempts = lb.MaxAttempts
 	return nil
 }
 

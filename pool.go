@@ -212,6 +212,7 @@ type workerHealth struct {
 	down         bool  // failed its health probes
 	suspect      bool  // a job of it overran its prediction: stalled
 	ejectedUntil int64 // out after failed requests until then, Unix nanoseconds
+	asleepUntil  int64 // out after it said it is asleep until then, Unix nanoseconds
 }
 
 // healthEvidence is what the verdict on a worker's health rests on.
@@ -223,6 +224,7 @@ type healthEvidence struct {
 	recentFails []int64 // failed requests within the fail window
 	ejections   uint    // ejections since the last success
 	consecFails int     // failed requests since the last success
+	naps        uint    // answers saying it is asleep since the last success
 }
 
 // workerLife is where a worker is in the fleet's operations.
@@ -283,6 +285,8 @@ func (w *worker) stateAt(now int64) workerState {
 		return unhealthy
 	case now < w.health.ejectedUntil:
 		return ejected
+	case now < w.health.asleepUntil:
+		return sleeping
 	case w.health.suspect:
 		return suspect
 	}

@@ -16,6 +16,7 @@ type dispatchConfig struct {
 	order       queueOrder    // which waiting job goes first
 	timeout     time.Duration // longest wait in the queue; 0: the client's own
 	maxQueue    int           // jobs that may wait at once
+	maxAttempts int           // workers a job may be sent to
 	health      *healthConfig // how failed requests count against a worker
 }
 
@@ -38,6 +39,7 @@ const (
 	refused                  // the worker refused the request (4xx): the request's fault, not the worker's
 	failed                   // the worker could not be reached or failed
 	abandoned                // the client left; says nothing of the worker
+	asleep                   // the worker said it is asleep: put to sleep behind the router's back
 )
 
 // Why a request gets no worker.
@@ -81,13 +83,14 @@ type ticket struct {
 	sent      bool      // the request went to the worker
 	ghost     bool      // its client left; the worker still computes it
 	lookups   int       // upstream lookups by reverse_proxy; more than one is a retry
+	attempts  int       // times the request was sent to a worker
+	seq       uint64    // arrival order among jobs: a job that runs again keeps its place
+	body      []byte    // a job's body, sent again when it runs again
 }
 
 // waiter is a job waiting in the pool's queue.
 type waiter struct {
 	t     *ticket
-	key   float64 // queue position, then seq
-	seq   uint64
 	ready chan struct{} // closed once t.worker is set
 }
 
@@ -96,25 +99,40 @@ type waiter struct {
 // leaves, or the queue timeout passes.
 func (p *pool) acquire(ctx context.Context, t *ticket) error {
 	p.mu.Lock()
-	if len(p.queue) == 0 || !t.job { // a job never overtakes waiting ones
+	wt, err := p.admitLocked(t)
+	p.mu.Unlock()
+	if wt == nil {
+		return err
+	}
+	return p.wait(ctx, t, wt)
+}
+
+// admitLocked gives t a worker now, or a place in the queue, or the reason
+// it may not wait.
+func (p *pool) admitLocked(t *ticket) (*waiter, error) {
+	if t.seq == 0 {
+		p.seq++
+		t.seq = p.seq
+	}
+	if !t.job || len(p.queue) == 0 || t.before(p.queue[0].t) { // a job never overtakes waiting ones
 		if w, _ := p.chooseLocked(t); w != nil {
 			p.assignLocked(t, w)
-			p.mu.Unlock()
-			return nil
+			return nil, nil
 		}
 	}
 	if err := p.waitErrorLocked(t); err != nil {
-		p.mu.Unlock()
-		return err
+		return nil, err
 	}
-	if len(p.queue) >= t.cfg.maxQueue {
-		p.mu.Unlock()
-		return errQueueFull
+	if len(p.queue) >= t.cfg.maxQueue && t.attempts == 0 { // a job running again was admitted already
+		return nil, errQueueFull
 	}
 	wt := p.enqueueLocked(t)
 	p.dispatchLocked() // a prefetch slot may be free for the queue's head
-	p.mu.Unlock()
+	return wt, nil
+}
 
+// wait waits for wt's ticket to be given a worker.
+func (p *pool) wait(ctx context.Context, t *ticket, wt *waiter) error {
 	var expired <-chan time.Time
 	if t.cfg.timeout > 0 {
 		timer := time.NewTimer(t.cfg.timeout)
@@ -138,16 +156,40 @@ func (p *pool) acquire(ctx context.Context, t *ticket) error {
 	return err
 }
 
-// retry moves t off the worker reverse_proxy could not connect to, onto
-// another one, waiting for it like a new job.
-func (p *pool) retry(ctx context.Context, t *ticket) error {
+// retry moves t off a worker that failed it, with what the attempt said
+// of that worker, onto another one, waiting for it in its old place in
+// the queue: the worker it leaves goes to the queue only once t is back
+// in it. It reports an error when t got no worker.
+func (p *pool) retry(ctx context.Context, t *ticket, o outcome) error {
 	p.mu.Lock()
 	if w := t.worker; w != nil {
 		t.tried = append(t.tried, w)
-		p.releaseLocked(t, failed)
+		p.freeLocked(t, o)
 	}
+	if !p.untriedServingLocked(t) {
+		// Better a worker that failed once than waiting for ones that
+		// are out: they may stay out for minutes.
+		t.tried = t.tried[:0]
+	}
+	wt, err := p.admitLocked(t)
+	p.dispatchLocked()
 	p.mu.Unlock()
-	return p.acquire(ctx, t)
+	if wt == nil {
+		return err
+	}
+	return p.wait(ctx, t, wt)
+}
+
+// untriedServingLocked reports whether a serving worker that t has not
+// been sent to may serve it.
+func (p *pool) untriedServingLocked(t *ticket) bool {
+	now := p.now().UnixNano()
+	for _, w := range p.workers {
+		if w.serving(now) && t.mayServe(w, "") {
+			return true
+		}
+	}
+	return false
 }
 
 // release ends t's claim on its worker. It reports how long the worker is
@@ -235,17 +277,18 @@ func (t *ticket) mayServe(w *worker, upcoming string) bool {
 // trainer that put the fleet to sleep is training, and a generation then
 // is a mistake to report, not to hold.
 func (p *pool) waitErrorLocked(t *ticket) error {
-	awake, asleep := false, false
+	awake, sleeper := false, false
+	now := p.now().UnixNano()
 	for _, w := range p.workers {
 		if t.mayServe(w, p.fleet.target) {
-			awake = awake || w.life.state != sleeping
-			asleep = asleep || w.life.state == sleeping
+			s := w.life.state == sleeping || w.stateAt(now) == sleeping
+			awake, sleeper = awake || !s, sleeper || s
 		}
 	}
 	switch {
 	case awake && t.job:
 		return nil
-	case asleep && !awake:
+	case sleeper && !awake:
 		return errAsleep
 	case t.wantVersion != "":
 		return errNoVersion
@@ -276,6 +319,14 @@ func (p *pool) startLocked(w *worker, t *ticket, now int64) {
 }
 
 func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
+	ejected = p.freeLocked(t, o)
+	p.dispatchLocked()
+	return ejected
+}
+
+// freeLocked is releaseLocked but for handing the slot it frees to a
+// waiting job.
+func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
 	w := t.worker
 	if w == nil {
 		return 0
@@ -337,7 +388,6 @@ func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 		delete(p.departing, w.dial)
 	}
 	p.updateEndsLocked(w)
-	p.dispatchLocked()
 	return ejected
 }
 
@@ -386,19 +436,28 @@ func (p *pool) dispatchLocked() {
 }
 
 func (p *pool) enqueueLocked(t *ticket) *waiter {
-	p.seq++
-	wt := &waiter{t: t, seq: p.seq, ready: make(chan struct{})}
-	switch t.cfg.order {
-	case largestFirst:
-		wt.key = -t.cost
-	case smallestFirst:
-		wt.key = t.cost
-	}
-	i, _ := slices.BinarySearchFunc(p.queue, wt, func(a, b *waiter) int {
-		return cmp.Or(cmp.Compare(a.key, b.key), cmp.Compare(a.seq, b.seq))
-	})
+	wt := &waiter{t: t, ready: make(chan struct{})}
+	i, _ := slices.BinarySearchFunc(p.queue, wt, func(a, b *waiter) int { return a.t.compare(b.t) })
 	p.queue = slices.Insert(p.queue, i, wt)
 	return wt
+}
+
+// compare orders waiting jobs: by the queue order, then by arrival.
+func (t *ticket) compare(u *ticket) int {
+	return cmp.Or(cmp.Compare(t.queueKey(), u.queueKey()), cmp.Compare(t.seq, u.seq))
+}
+
+// before reports whether t goes ahead of u in the queue.
+func (t *ticket) before(u *ticket) bool { return t.compare(u) < 0 }
+
+func (t *ticket) queueKey() float64 {
+	switch t.cfg.order {
+	case largestFirst:
+		return -t.cost
+	case smallestFirst:
+		return t.cost
+	}
+	return 0
 }
 
 // dequeueLocked takes a waiter out of the queue; false means it had already

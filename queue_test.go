@@ -53,6 +53,38 @@ func TestJobsWaitForTheFirstWorkerToFreeUp(t *testing.T) {
 	}
 }
 
+func TestJobRunningAgainKeepsItsPlace(t *testing.T) {
+	p, _ := poolOf(t, 3)
+	cfg := config(leastWork{}, 1)
+	cfg.maxAttempts = 3
+	first, _ := choose(t, p, cfg, 1)
+	second, _ := choose(t, p, cfg, 1)
+	choose(t, p, cfg, 1)
+	newer, newerDone := enqueue(t, p, cfg, 1, context.Background())
+	failedOn := first.worker
+	rerun := make(chan error, 1)
+	go func() { rerun <- p.retry(context.Background(), first, failed) }()
+	// The worker that failed it goes to the newer job; first waits, ahead
+	// of jobs that came after it.
+	if err := <-newerDone; err != nil || newer.worker != failedOn {
+		t.Fatalf("newer job got %v (%v); want the freed worker, which first may not have again", newer.worker, err)
+	}
+	waitQueued(t, p, 1)
+	newest, newestDone := enqueue(t, p, cfg, 1, context.Background())
+	freed := second.worker
+	p.release(second, succeeded)
+	if err := <-rerun; err != nil || first.worker != freed {
+		t.Fatalf("the job running again got %v (%v); want the next worker to free up, %s", first.worker, err, freed.url)
+	}
+	if newest.worker != nil {
+		t.Fatal("a newer job took the worker ahead of the job running again")
+	}
+	p.release(first, succeeded)
+	if err := <-newestDone; err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestQueueOrder(t *testing.T) {
 	for order, want := range map[queueOrder][]float64{
 		fifo:          {5, 1, 9, 3},
@@ -186,7 +218,7 @@ func runJob(p *pool, cfg *dispatchConfig, rng *rand.Rand) {
 	if p.acquire(ctx, tk) != nil {
 		return
 	}
-	if rng.IntN(8) == 0 && p.retry(ctx, tk) != nil {
+	if rng.IntN(8) == 0 && p.retry(ctx, tk, failed) != nil {
 		return
 	}
 	time.Sleep(time.Duration(rng.IntN(50)) * time.Microsecond)

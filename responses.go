@@ -40,22 +40,72 @@ func writeError(w http.ResponseWriter, status int, msg string) error {
 const weightVersionHeader = "X-Weight-Version"
 
 // recorder notes the status of a proxied response, names the weight version
-// of the worker that served it, and, when asked, keeps its first bytes;
-// everything else streams straight through.
+// of the worker that served it, and, when asked, keeps its first bytes or
+// holds the answer back; everything else streams straight through.
 type recorder struct {
 	// A value, not a pointer: one allocation per request rather than two.
 	caddyhttp.ResponseWriterWrapper
 	ticket    *ticket
 	onHeader  func(status int) // called once the final status is known
-	status    int
+	status    int              // the status the client got; 0 until then
 	peekLimit int
 	peek      []byte
+	held      *heldAnswer // the answer of an attempt that may yet give way to another
+}
+
+// heldAnswer is a worker's answer kept from the client while the job may
+// still run on another worker: the client gets it only once it is judged
+// to be the answer.
+type heldAnswer struct {
+	header    http.Header
+	judge     func(status int) verdict
+	state     verdict
+	status    int    // the worker's status; 0 until it answered
+	body      []byte // the first heldBodyLimit bytes of an answer set aside
+	truncated bool   // the body was longer than what was kept
+}
+
+// verdict is what becomes of a held answer.
+type verdict uint8
+
+const (
+	undecided verdict = iota // the worker has not answered yet
+	pass                     // the client gets it
+	drop                     // set aside: the job runs again, unless it cannot
+	read                     // set aside until its first bytes decide
+)
+
+// heldBodyLimit bounds what is kept of an answer set aside. Error answers
+// are short; one being read that outgrows this is passed on.
+const heldBodyLimit = 16 << 10
+
+// hold makes rec keep the next answer from the client until judge lets it
+// through.
+func (rec *recorder) hold(judge func(status int) verdict) {
+	rec.held = &heldAnswer{header: make(http.Header), judge: judge}
+}
+
+// Header is the held answer's header while one is held.
+func (rec *recorder) Header() http.Header {
+	if rec.held != nil {
+		return rec.held.header
+	}
+	return rec.ResponseWriterWrapper.Header()
 }
 
 // WriteHeader records the final status; informational ones pass by. The
 // weight version a proxied answer names is the router's record of the
 // worker that served it, never the worker's word: sglang reports none.
 func (rec *recorder) WriteHeader(status int) {
+	if a := rec.held; a != nil {
+		if status < 200 || a.state != undecided {
+			return
+		}
+		if a.status, a.state = status, a.judge(status); a.state != pass {
+			return
+		}
+		rec.letThrough()
+	}
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
 		if t := rec.ticket; t != nil {
@@ -72,6 +122,32 @@ func (rec *recorder) WriteHeader(status int) {
 	rec.ResponseWriterWrapper.WriteHeader(status)
 }
 
+// letThrough ends the hold: the held header becomes the client's.
+func (rec *recorder) letThrough() {
+	a := rec.held
+	rec.held = nil
+	h := rec.ResponseWriterWrapper.Header()
+	for k, v := range a.header {
+		h[k] = v
+	}
+	if a.truncated {
+		h.Del("Content-Length")
+	}
+}
+
+// passHeld gives the client the answer that was set aside, if any.
+func (rec *recorder) passHeld() error {
+	a := rec.held
+	if a == nil || a.status == 0 {
+		rec.held = nil
+		return nil
+	}
+	rec.letThrough()
+	rec.WriteHeader(a.status)
+	_, err := rec.Write(a.body)
+	return err
+}
+
 // versionServed is the weight version the router records for the worker
 // that served t; for a worker whose model id is not known yet (its
 // /v1/models did not answer), the pool's.
@@ -82,10 +158,23 @@ func (t *ticket) versionServed() string {
 	return t.pool.stats().version
 }
 
-// Write keeps up to peekLimit bytes of the body.
+// Write keeps up to peekLimit bytes of the body; an answer set aside keeps
+// its first bytes only.
 func (rec *recorder) Write(b []byte) (int, error) {
 	if rec.status == 0 {
 		rec.WriteHeader(http.StatusOK)
+	}
+	if a := rec.held; a != nil {
+		if a.state == read && len(a.body)+len(b) > heldBodyLimit {
+			// Too long to be the short answer being looked for.
+			if err := rec.passHeld(); err != nil {
+				return 0, err
+			}
+			return rec.Write(b)
+		}
+		kept := min(heldBodyLimit-len(a.body), len(b))
+		a.body, a.truncated = append(a.body, b[:kept]...), a.truncated || kept < len(b)
+		return len(b), nil
 	}
 	if room := rec.peekLimit - len(rec.peek); room > 0 {
 		rec.peek = append(rec.peek, b[:min(room, len(b))]...)
@@ -94,15 +183,24 @@ func (rec *recorder) Write(b []byte) (int, error) {
 }
 
 // ReadFrom keeps the fast path of the underlying writer unless the body is
-// being peeked at.
+// being peeked at or held.
 func (rec *recorder) ReadFrom(r io.Reader) (int64, error) {
-	if rec.peekLimit > 0 {
+	if rec.peekLimit > 0 || rec.held != nil {
 		return io.Copy(writerOnly{rec}, r)
 	}
 	if rec.status == 0 {
 		rec.WriteHeader(http.StatusOK)
 	}
 	return rec.ResponseWriterWrapper.ReadFrom(r)
+}
+
+// FlushError flushes what the client has been sent; a held answer has
+// nothing to flush.
+func (rec *recorder) FlushError() error {
+	if rec.held != nil {
+		return nil
+	}
+	return http.NewResponseController(rec.ResponseWriterWrapper.ResponseWriter).Flush()
 }
 
 // writerOnly hides ReadFrom so io.Copy goes through Write.

@@ -39,7 +39,8 @@ func (s *DiffusionUpstreams) GetUpstreams(r *http.Request) ([]*reverseproxy.Upst
 	}
 	t.lookups++
 	if t.lookups > 1 {
-		if err := t.pool.retry(r.Context(), t); err != nil {
+		t.attempts++
+		if err := t.pool.retry(r.Context(), t, failed); err != nil {
 			return nil, nil // reverse_proxy answers with the failed attempt's error
 		}
 	}

@@ -1,0 +1,245 @@
+package diffusionrouter
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+// A job that a worker fails before any byte of its answer reached the
+// client runs again on another worker, from the body the router holds,
+// until max_attempts workers have had it. The client sees one answer.
+
+// rerunCause is why a job runs again.
+type rerunCause uint8
+
+const (
+	noRerun     rerunCause = iota
+	unreachable            // the worker could not be reached, or dropped the connection before answering
+	badGateway             // it answered 502, 503, 504 or a status in retry_on
+	fellAsleep             // it answered that it is asleep: put to sleep behind the router's back
+)
+
+var rerunCauseNames = [...]string{"", "connection", "status", "asleep"}
+
+func (c rerunCause) String() string { return rerunCauseNames[c] }
+
+// asleepMessage is how sglang-diffusion's scheduler refuses a generation
+// while its memory is released (release_memory_occupation).
+// errUpstreamTimeout ends an attempt that outlived upstream_timeout.
+var errUpstreamTimeout = errors.New("worker did not answer within upstream_timeout")
+
+var asleepMessage = []byte("Server is sleeping. Call resume_memory_occupation first.")
+
+// proxy sends r to t's worker, and to others in turn while the answers
+// are ones the job may run again after, keeping each answer from the
+// client until it is known to be the one the client gets.
+func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler) error {
+	for {
+		if h.mayRunAgain(r, t) {
+			rec.hold(h.judge(r))
+		}
+		err := h.send(rec, r, t, next)
+		cause := h.rerunCause(r, rec, err)
+		if cause == noRerun {
+			if err := rec.passHeld(); err != nil {
+				return err
+			}
+			return h.answered(rec, t, err)
+		}
+		from := t.worker
+		if retryErr := h.pool.retry(r.Context(), t, cause.outcome(rec)); retryErr != nil {
+			return h.lastAnswer(rec, t, cause, err, retryErr)
+		}
+		h.metrics.reruns.WithLabelValues(cause.String()).Inc()
+		h.logger.Info("job runs again on another worker", zap.String("request_id", r.Header.Get(requestIDHeader)),
+			zap.String("from", workerURL(from)), zap.String("to", t.servedBy), zap.Stringer("cause", cause), zap.Int("attempt", t.attempts+1))
+		rec.held = nil
+		r.Body = io.NopCloser(bytes.NewReader(t.body))
+	}
+}
+
+// lastAnswer answers a job that found no worker to run again on: with its
+// last answer, or error; when every worker is asleep, with the 503 that
+// says so.
+func (h *Handler) lastAnswer(rec *recorder, t *ticket, cause rerunCause, err, retryErr error) error {
+	switch {
+	case cause == fellAsleep && errors.Is(retryErr, errAsleep):
+		rec.held = nil
+		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
+		status, msg := queueError(h.pool, t, retryErr)
+		return writeError(rec, status, msg)
+	case rec.held.status != 0:
+		return rec.passHeld()
+	}
+	rec.held = nil
+	return h.answered(rec, t, err)
+}
+
+// answered finishes a request whose last attempt ended with err: an error
+// before any answer gets a JSON error the client can act on.
+func (h *Handler) answered(rec *recorder, t *ticket, err error) error {
+	if err != nil && rec.status == 0 {
+		return h.proxyError(rec, t, err)
+	}
+	return err // non-nil only when the response had begun; Caddy logs it
+}
+
+// mayRunAgain reports whether r may be sent to another worker after this
+// attempt: a job whose body the router holds, or a request without a body
+// that any worker may answer, with attempts left.
+func (h *Handler) mayRunAgain(r *http.Request, t *ticket) bool {
+	if t.attempts+1 >= t.cfg.maxAttempts {
+		return false
+	}
+	return t.job || t.pin == "" && (r.Method == http.MethodGet || r.Method == http.MethodHead)
+}
+
+// judge says which of a worker's answers to r the client must not get
+// while r may still run elsewhere.
+func (h *Handler) judge(r *http.Request) func(status int) verdict {
+	// A video job that a worker answered for may exist there: only one
+	// that got no answer runs again.
+	mayRerunAnswer := !(r.Method == http.MethodPost && r.URL.Path == "/v1/videos")
+	return func(status int) verdict {
+		switch {
+		case !mayRerunAnswer:
+			return pass
+		case status == http.StatusBadGateway || status == http.StatusServiceUnavailable ||
+			status == http.StatusGatewayTimeout || slices.Contains(h.LoadBalancing.RetryOn, status):
+			return drop
+		case status == http.StatusInternalServerError:
+			return read // it may say the worker is asleep
+		}
+		return pass
+	}
+}
+
+// rerunCause says whether the attempt that ended with err and rec's held
+// answer is one to run again after, and why.
+func (h *Handler) rerunCause(r *http.Request, rec *recorder, err error) rerunCause {
+	a := rec.held
+	switch {
+	case a == nil || r.Context().Err() != nil:
+		return noRerun
+	case a.state == drop:
+		return badGateway
+	case a.state == read && bytes.Contains(a.body, asleepMessage):
+		return fellAsleep
+	case a.state == undecided && err != nil && workerDropped(err):
+		return unreachable
+	}
+	return noRerun
+}
+
+// workerDropped reports whether err, which ended an attempt before any
+// answer, is the worker's doing: not the router's upstream_timeout, nor a
+// body over max_body.
+func workerDropped(err error) bool {
+	if errors.Is(err, errUpstreamTimeout) || isMaxBytes(err) {
+		return false
+	}
+	he, ok := errors.AsType[caddyhttp.HandlerError](err)
+	return !ok || he.StatusCode != 499
+}
+
+// outcome is what the attempt says of its worker.
+func (c rerunCause) outcome(rec *recorder) outcome {
+	switch c {
+	case fellAsleep:
+		return asleep
+	case badGateway:
+		return outcomeOf(context.Background(), nil, rec.held.status)
+	}
+	return failed
+}
+
+// send sends r to t's worker through next and releases the worker: when
+// the answer begins (the generation is done; megabytes of base64 may still
+// be on their way, but the worker's slot is free), or when a video job it
+// started ends. An answer held back releases nothing: the job may run
+// again.
+func (h *Handler) send(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler) error {
+	ctx := withTicket(r.Context(), t)
+	if h.UpstreamTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
+		defer cancel()
+	}
+	released := false
+	release := func(o outcome) {
+		if released {
+			return
+		}
+		released = true
+		if d := h.pool.release(t, o); d > 0 {
+			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.servedBy), zap.Duration("for", d))
+		}
+	}
+	defer func() {
+		// reverse_proxy aborts an answer that broke off after it began by
+		// panicking with http.ErrAbortHandler. The worker is released all
+		// the same, and if its slot already went free as a success, the
+		// worker, not a client that left, cut it short: a failure after all.
+		if v := recover(); v != nil {
+			switch {
+			case r.Context().Err() != nil:
+				release(abandoned)
+			case released:
+				h.pool.noteCutShort(t)
+			default:
+				release(failed)
+			}
+			panic(v)
+		}
+	}()
+	rec.ticket = t
+	switch {
+	case readsVideoJob(r):
+		rec.peekLimit = maxVideoResponsePeek
+	case streams(r):
+		// The worker generates while it sends events: its slot is taken
+		// until the stream ends.
+	default:
+		rec.onHeader = func(status int) { release(outcomeOf(r.Context(), nil, status)) }
+	}
+	t.sent = true
+	t.attempts++
+	t.lookups = 0
+	err := next.ServeHTTP(rec, r.WithContext(ctx))
+	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil {
+		err = fmt.Errorf("%w: %w", errUpstreamTimeout, err)
+	}
+	if rec.held != nil && h.rerunCause(r, rec, err) != noRerun {
+		return err // pool.retry releases the worker
+	}
+	if !h.trackVideoJob(r, t, rec, err) {
+		release(outcomeOf(r.Context(), err, heldStatus(rec)))
+	}
+	return err
+}
+
+// heldStatus is the status of the answer the client gets or will get.
+func heldStatus(rec *recorder) int {
+	if rec.held != nil {
+		return rec.held.status
+	}
+	return rec.status
+}
+
+// workerURL names w in a log line.
+func workerURL(w *worker) string {
+	if w == nil {
+		return ""
+	}
+	return w.url
+}
