@@ -45,11 +45,21 @@ var asleepMessage = []byte("Server is sleeping. Call resume_memory_occupation fi
 // client until it is known to be the one the client gets.
 func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler) error {
 	for {
+		var judge func(int) verdict
 		if h.mayRunAgain(r, t) {
-			rec.hold(h.judge(r))
+			judge = h.judge(r)
 		}
-		err := h.send(rec, r, t, next)
-		cause := h.rerunCause(r, rec, err)
+		var err error
+		switch {
+		case h.hedges(r, t):
+			err = h.sendHedged(rec, r, t, next, judge)
+		case judge != nil:
+			rec.hold(judge)
+			fallthrough
+		default:
+			err = h.send(rec, r, t, next)
+		}
+		cause := h.rerunCause(r, rec, t, err)
 		if cause == noRerun {
 			if err := rec.passHeld(); err != nil {
 				return err
@@ -124,12 +134,12 @@ func (h *Handler) judge(r *http.Request) func(status int) verdict {
 	}
 }
 
-// rerunCause says whether the attempt that ended with err and rec's held
+// rerunCause says whether t's attempt that ended with err and rec's held
 // answer is one to run again after, and why.
-func (h *Handler) rerunCause(r *http.Request, rec *recorder, err error) rerunCause {
+func (h *Handler) rerunCause(r *http.Request, rec *recorder, t *ticket, err error) rerunCause {
 	a := rec.held
 	switch {
-	case a == nil || r.Context().Err() != nil:
+	case a == nil || r.Context().Err() != nil || t.attempts >= t.cfg.maxAttempts:
 		return noRerun
 	case a.state == drop:
 		return badGateway
@@ -181,6 +191,9 @@ func (h *Handler) send(rec *recorder, r *http.Request, t *ticket, next caddyhttp
 			return
 		}
 		released = true
+		if t.race != nil {
+			o = t.race.outcome(t, o)
+		}
 		if d := h.pool.release(t, o); d > 0 {
 			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.servedBy), zap.Duration("for", d))
 		}
@@ -215,17 +228,40 @@ func (h *Handler) send(rec *recorder, r *http.Request, t *ticket, next caddyhttp
 	t.sent = true
 	t.attempts++
 	t.lookups = 0
-	err := next.ServeHTTP(rec, r.WithContext(ctx))
+	err := serve(next, rec, r.WithContext(ctx))
 	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil {
 		err = fmt.Errorf("%w: %w", errUpstreamTimeout, err)
 	}
-	if rec.held != nil && h.rerunCause(r, rec, err) != noRerun {
+	if rec.held != nil && h.rerunCause(r, rec, t, err) != noRerun {
 		return err // pool.retry releases the worker
 	}
 	if !h.trackVideoJob(r, t, rec, err) {
 		release(outcomeOf(r.Context(), err, heldStatus(rec)))
 	}
 	return err
+}
+
+// errBrokenAnswer ends an attempt whose answer broke off while it was
+// still held: none of it reached the client.
+var errBrokenAnswer = errors.New("the worker's answer broke off")
+
+// serve runs next. reverse_proxy aborts an answer that breaks off after
+// its header by panicking with http.ErrAbortHandler; while that answer is
+// held, nothing of it reached the client, and the attempt just failed.
+func serve(next caddyhttp.Handler, rec *recorder, r *http.Request) (err error) {
+	defer func() {
+		if rec.held == nil {
+			return // the panic, if any, goes on to abort the client's answer
+		}
+		if v := recover(); v != nil {
+			if v != http.ErrAbortHandler {
+				panic(v)
+			}
+			rec.held.truncated = true
+			err = errBrokenAnswer
+		}
+	}()
+	return next.ServeHTTP(rec, r)
 }
 
 // heldStatus is the status of the answer the client gets or will get.

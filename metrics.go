@@ -52,13 +52,17 @@ var (
 		Namespace: namespace, Subsystem: subsystem, Name: "job_reruns_total",
 		Help: "Jobs sent again to another worker, by why the last one failed them (connection, status, asleep).",
 	}, []string{"pool", "cause"})
+	hedges = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "hedges_total",
+		Help: "Second copies of overrunning jobs: launched, won (the copy's answer went to the client), cancelled (the first copy answered first).",
+	}, []string{"pool", "outcome"})
 	jobAttempts = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "job_attempts",
 		Help:    "Workers each finished generation job was sent to.",
 		Buckets: []float64{1, 2, 3, 5, 10},
 	}, []string{"pool"})
 
-	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, jobAttempts, poolCollector{}}
+	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, hedges, jobAttempts, poolCollector{}}
 )
 
 // registerMetrics adds the collectors to the config's registry. Each config
@@ -187,6 +191,7 @@ type poolMetrics struct {
 	decisions                                         prometheus.Counter
 	requests                                          *prometheus.CounterVec // by endpoint and code
 	reruns                                            *prometheus.CounterVec // by cause
+	hedges                                            *prometheus.CounterVec // by outcome
 }
 
 func newPoolMetrics(pool, strategy string) poolMetrics {
@@ -197,6 +202,7 @@ func newPoolMetrics(pool, strategy string) poolMetrics {
 		decisions:       routingDecisions.WithLabelValues(pool, strategy),
 		requests:        requests.MustCurryWith(prometheus.Labels{"pool": pool}),
 		reruns:          reruns.MustCurryWith(prometheus.Labels{"pool": pool}),
+		hedges:          hedges.MustCurryWith(prometheus.Labels{"pool": pool}),
 		attempts:        jobAttempts.WithLabelValues(pool),
 	}
 }

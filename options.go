@@ -216,6 +216,9 @@ func (h *Handler) provisionOptions() error {
 			return err
 		}
 	}
+	lb := &h.LoadBalancing
+	lb.HedgeAfter = cmp.Or(lb.HedgeAfter, h.HealthChecks.Passive.StallFactor)
+	h.dispatch.hedgeAfter = max(lb.HedgeAfter, 0)
 	h.MaxWorkers = cmp.Or(h.MaxWorkers, defaultMaxWorkers)
 	if h.MaxWorkers < 0 {
 		return optionError("max_workers", "max_workers", "must be positive, got %d", h.MaxWorkers)

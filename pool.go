@@ -121,6 +121,7 @@ type registry struct {
 type scheduler struct {
 	queue        []*waiter       // jobs waiting for a worker, in dispatch order
 	seq          uint64          // arrival counter of the queue
+	hedging      int             // copies of jobs running
 	next         int             // round-robin cursor
 	cands        []*worker       // scratch space of routing decisions
 	speeds       []float64       // scratch space of the median speed

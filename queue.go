@@ -17,6 +17,7 @@ type dispatchConfig struct {
 	timeout     time.Duration // longest wait in the queue; 0: the client's own
 	maxQueue    int           // jobs that may wait at once
 	maxAttempts int           // workers a job may be sent to
+	hedgeAfter  float64       // a job overrunning its prediction this much gets a copy; 0: never
 	health      *healthConfig // how failed requests count against a worker
 }
 
@@ -40,6 +41,7 @@ const (
 	failed                   // the worker could not be reached or failed
 	abandoned                // the client left; says nothing of the worker
 	asleep                   // the worker said it is asleep: put to sleep behind the router's back
+	overtaken                // a copy of the job on another worker answered first: it overran, hung
 )
 
 // Why a request gets no worker.
@@ -78,14 +80,16 @@ type ticket struct {
 	servedBy  string  // URL of the last worker chosen, kept after release
 	started   int64   // when the job reached the head of its worker, Unix nanoseconds
 	predicted time.Duration
-	tried     []*worker // workers a retry must avoid
-	held      bool      // a video job answered at once and running on its worker
-	sent      bool      // the request went to the worker
-	ghost     bool      // its client left; the worker still computes it
-	lookups   int       // upstream lookups by reverse_proxy; more than one is a retry
-	attempts  int       // times the request was sent to a worker
-	seq       uint64    // arrival order among jobs: a job that runs again keeps its place
-	body      []byte    // a job's body, sent again when it runs again
+	tried     []*worker     // workers a retry must avoid
+	held      bool          // a video job answered at once and running on its worker
+	sent      bool          // the request went to the worker
+	ghost     bool          // its client left; the worker still computes it
+	lookups   int           // upstream lookups by reverse_proxy; more than one is a retry
+	attempts  int           // times the request was sent to a worker
+	seq       uint64        // arrival order among jobs: a job that runs again keeps its place
+	body      []byte        // a job's body, sent again when it runs again
+	due       time.Duration // predicted time, when it was given its worker, until that worker finishes it
+	race      *hedge        // the race of the job's copies, while it may have one
 }
 
 // waiter is a job waiting in the pool's queue.
@@ -309,6 +313,7 @@ func (p *pool) assignLocked(t *ticket, w *worker) {
 	w.load.work += t.cost
 	t.predicted = p.timeFor(w, t.cost)
 	p.updateEndsLocked(w)
+	t.due = time.Duration(p.finishTime(w, 0, p.now().UnixNano()) * float64(time.Second))
 }
 
 // startLocked notes that t has reached the head of w's jobs: a worker runs
@@ -346,7 +351,7 @@ func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
 		w.evidence.consecFails = 0
 	case refused:
 		w.stats.served++
-	case failed:
+	case failed, overtaken:
 		w.stats.failures++
 		w.evidence.consecFails++
 	}
@@ -381,7 +386,10 @@ func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
 	case wasHead:
 		p.startLocked(w, w.load.jobs[0], now)
 	}
-	if wasHead {
+	switch {
+	case o == overtaken:
+		w.health.suspect = true // until a probe finds nothing overrunning
+	case wasHead:
 		w.health.suspect = false // the stalled job, if it was one, has ended
 	}
 	if w.life.removed && w.load.inflight == 0 {

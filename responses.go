@@ -73,6 +73,7 @@ const (
 	pass                     // the client gets it
 	drop                     // set aside: the job runs again, unless it cannot
 	read                     // set aside until its first bytes decide
+	lost                     // another copy of the job answered first
 )
 
 // heldBodyLimit bounds what is kept of an answer set aside. Error answers
@@ -138,7 +139,7 @@ func (rec *recorder) letThrough() {
 // passHeld gives the client the answer that was set aside, if any.
 func (rec *recorder) passHeld() error {
 	a := rec.held
-	if a == nil || a.status == 0 {
+	if a == nil || a.status == 0 || a.state == lost {
 		rec.held = nil
 		return nil
 	}

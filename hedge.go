@@ -1,0 +1,222 @@
+package diffusionrouter
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"maps"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// A job still unanswered after hedge_after times its predicted time, while
+// a worker that may serve it is idle and no job waits, gets a second copy
+// on that worker. The first answer the client may get wins; the other copy
+// is cancelled. A hung worker whose /health still answers then costs a
+// step one job's time, not the client's timeout.
+
+// hedge is one job's race between its attempt and, once launched, a copy.
+// Its mutex orders the claims of the two answers, so exactly one reaches
+// the client.
+type hedge struct {
+	h     *Handler
+	rec   *recorder // the client's
+	r     *http.Request
+	next  caddyhttp.Handler
+	vars  map[string]any // a copy of the request's variables, for the copy's reverse_proxy
+	timer *time.Timer
+
+	mu        sync.Mutex
+	primary   *ticket
+	copy      *ticket
+	cancels   map[*ticket]context.CancelFunc
+	winner    *ticket
+	ended     bool          // the attempt is over: no copy may start
+	copyEnded chan struct{} // closed when the copy's attempt is over
+	copyRec   *recorder
+	copyPanic any // an answer of the copy that broke off, to abort the client's with
+}
+
+// hedges reports whether t's attempt may get a copy: a job whose answer
+// comes when it is done (not a stream, not a video job answered at once).
+func (h *Handler) hedges(r *http.Request, t *ticket) bool {
+	return t.cfg.hedgeAfter > 0 && t.job && !streams(r) && r.URL.Path != "/v1/videos"
+}
+
+// sendHedged is send with a copy of the job launched on an idle worker if
+// the attempt overruns. judge is the attempt's own rule for answers (nil:
+// every answer is the client's).
+func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler, judge func(int) verdict) error {
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), primary: t,
+		cancels: map[*ticket]context.CancelFunc{t: cancel}}
+	t.race = hd
+	defer func() { t.race = nil }()
+	rec.hold(hd.gate(t, judge))
+	hd.mu.Lock()
+	hd.timer = time.AfterFunc(hd.delay(t), hd.fire)
+	hd.mu.Unlock()
+
+	err := h.send(rec, r.WithContext(ctx), t, next)
+
+	hd.mu.Lock()
+	hd.ended = true
+	hd.timer.Stop()
+	copyEnded := hd.copyEnded
+	hd.mu.Unlock()
+	if copyEnded == nil {
+		return err
+	}
+	<-copyEnded // its answer may be the client's, being written now
+	if hd.copyPanic != nil {
+		panic(hd.copyPanic)
+	}
+	switch hd.winner {
+	case hd.copy:
+		h.metrics.hedges.WithLabelValues("won").Inc()
+		rec.held, rec.status = nil, hd.copyRec.status
+		t.servedBy, t.servedVersion = hd.copy.servedBy, hd.copy.servedVersion
+		return nil
+	case t:
+		h.metrics.hedges.WithLabelValues("cancelled").Inc()
+	}
+	return err
+}
+
+// delay is how long t's attempt runs before a copy is considered: its
+// predicted time until the worker finishes it, times hedge_after.
+func (hd *hedge) delay(t *ticket) time.Duration {
+	return time.Duration(float64(t.due) * t.cfg.hedgeAfter)
+}
+
+// gate wraps t's rule for answers in the race: an answer the client would
+// get goes to it only if no other copy's did.
+func (hd *hedge) gate(t *ticket, judge func(int) verdict) func(int) verdict {
+	return func(status int) verdict {
+		v := pass
+		if judge != nil {
+			v = judge(status)
+		}
+		if v == pass && !hd.claim(t) {
+			return lost
+		}
+		return v
+	}
+}
+
+// claim makes t's answer the client's unless the other copy's already
+// is, and cancels the other copy.
+func (hd *hedge) claim(t *ticket) bool {
+	hd.mu.Lock()
+	defer hd.mu.Unlock()
+	if hd.winner != nil {
+		return hd.winner == t
+	}
+	hd.winner = t
+	for other, cancel := range hd.cancels {
+		if other != t {
+			cancel()
+		}
+	}
+	return true
+}
+
+// outcome is what t's attempt says of its worker: a copy that lost the
+// race says nothing (its worker may still be computing it); an attempt the
+// copy overtook overran its prediction many times over.
+func (hd *hedge) outcome(t *ticket, o outcome) outcome {
+	hd.mu.Lock()
+	defer hd.mu.Unlock()
+	switch {
+	case hd.winner == nil || hd.winner == t:
+		return o
+	case t == hd.primary:
+		return overtaken
+	}
+	return abandoned
+}
+
+// fire launches the copy if the pool has an idle worker for it now, and
+// otherwise looks again after a while.
+func (hd *hedge) fire() {
+	hd.mu.Lock()
+	defer hd.mu.Unlock()
+	if hd.ended || hd.winner != nil {
+		return
+	}
+	c := hd.h.pool.hedgeCopy(hd.primary)
+	if c == nil {
+		hd.timer.Reset(min(max(hd.primary.predicted/4, 10*time.Millisecond), time.Second))
+		return
+	}
+	c.race = hd
+	ctx, cancel := context.WithCancel(context.WithValue(hd.r.Context(), caddyhttp.VarsCtxKey, hd.vars))
+	hd.copy, hd.cancels[c] = c, cancel
+	hd.copyEnded = make(chan struct{})
+	hd.h.metrics.hedges.WithLabelValues("launched").Inc()
+	go hd.runCopy(ctx, c)
+}
+
+// runCopy sends the copy c of the job to its worker. Its answer reaches
+// the client only if it wins the race.
+func (hd *hedge) runCopy(ctx context.Context, c *ticket) {
+	rec := &recorder{ResponseWriterWrapper: hd.rec.ResponseWriterWrapper}
+	defer func() {
+		v := recover() // an answer that broke off after it began
+		hd.mu.Lock()
+		hd.copyRec, hd.copyPanic = rec, v
+		hd.cancels[c]()
+		hd.mu.Unlock()
+		hd.h.pool.endHedge()
+		close(hd.copyEnded)
+	}()
+	// A copy's failure is no answer: the attempt goes on.
+	judge := hd.h.judge(hd.r)
+	rec.hold(hd.gate(c, func(status int) verdict {
+		if judge(status) != pass {
+			return lost
+		}
+		return pass
+	}))
+	r := hd.r.Clone(ctx)
+	r.Body = io.NopCloser(bytes.NewReader(c.body))
+	hd.h.send(rec, r, c, hd.next)
+}
+
+// hedgeCopy gives a copy of t to the fastest idle worker that may serve
+// it, or reports nil when t should not get one now: it has ended, jobs
+// wait, or copies already run on a tenth of the workers (at least two).
+func (p *pool) hedgeCopy(t *ticket) *ticket {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if t.worker == nil || len(p.queue) > 0 || p.hedging >= max(2, len(p.workers)/10) {
+		return nil
+	}
+	now := p.now().UnixNano()
+	var idle *worker
+	for _, w := range p.workers {
+		if w != t.worker && w.load.inflight == 0 && w.serving(now) && t.mayServe(w, "") &&
+			(idle == nil || p.speedOf(w) > p.speedOf(idle)) {
+			idle = w
+		}
+	}
+	if idle == nil {
+		return nil
+	}
+	c := &ticket{pool: p, cfg: t.cfg, task: t.task, job: true, cost: t.cost, wantVersion: t.wantVersion, seq: t.seq, body: t.body}
+	p.assignLocked(c, idle)
+	p.hedging++
+	return c
+}
+
+// endHedge notes that a copy's attempt is over.
+func (p *pool) endHedge() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.hedging--
+}
