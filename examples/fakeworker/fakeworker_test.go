@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -201,6 +202,9 @@ func TestInfoEndpoints(t *testing.T) {
 	}
 }
 
+// uuidShape is the shape of the ids sglang's generate_request_id makes.
+var uuidShape = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
+
 func TestImageGenerations(t *testing.T) {
 	w := start(t, Config{ImageBytes: 100})
 	r := call(t, w, "POST", "/v1/images/generations", `{"prompt":"cat","size":"64x32","num_inference_steps":4,"n":3,"response_format":"b64_json"}`)
@@ -216,8 +220,13 @@ func TestImageGenerations(t *testing.T) {
 	}
 	id, _ := body["id"].(string)
 	if first["revised_prompt"] != "cat" || first["url"] != nil || !strings.HasSuffix(first["file_path"].(string), id+"_0.jpg") ||
-		id == "" || body["inference_time_s"] == nil {
+		!uuidShape.MatchString(id) || body["inference_time_s"] == nil {
 		t.Errorf("answer = %v", body)
+	}
+	// pydantic writes ImageResponse's fields in order: the id comes first,
+	// ahead of the base64, where a router can read it.
+	if want := `{"id":"` + id + `","created":`; !bytes.HasPrefix(r.body, []byte(want)) {
+		t.Errorf("answer begins %.60s; want %s", r.body, want)
 	}
 	if _, ok := body["weight_version"]; ok || r.header.Get("X-Weight-Version") != "" {
 		t.Errorf("the worker named a weight version: %v %v", body["weight_version"], r.header)
@@ -446,6 +455,9 @@ func TestImageStream(t *testing.T) {
 	}
 	accepted, completed := evs[0], evs[1]
 	id := accepted["id"].(string)
+	if !uuidShape.MatchString(id) {
+		t.Errorf("stream id %q is not a uuid", id)
+	}
 	if accepted["type"] != "accepted" || accepted["kind"] != "image" || accepted["cancel_on_disconnect"] != false || accepted["expires_at"] == nil {
 		t.Errorf("accepted = %v", accepted)
 	}

@@ -116,6 +116,16 @@ func outputsPerPrompt(n *int, limit int) int {
 // newID returns a random request or job id.
 func newID() string { return strings.ToLower(rand.Text()) }
 
+// newUUID returns a random id as sglang's generate_request_id makes them:
+// str(uuid.uuid4()).
+func newUUID() string {
+	var b [16]byte
+	rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40 // version 4
+	b[8] = b[8]&0x3f | 0x80 // RFC 4122 variant
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}
+
 // promptField is the prompt every generation request requires.
 type promptField struct {
 	Prompt *string `json:"prompt"`
@@ -245,35 +255,46 @@ func (w *Worker) storeImages(id, ext, url string) {
 	w.images.put(id, e)
 }
 
+// imageResponse is sglang's ImageResponse, its fields in the order pydantic
+// writes them: the id first, ahead of megabytes of base64.
+type imageResponse struct {
+	ID             string              `json:"id"`
+	Created        int64               `json:"created"`
+	Data           []imageResponseData `json:"data"`
+	PeakMemoryMB   *float64            `json:"peak_memory_mb"`
+	InferenceTimeS float64             `json:"inference_time_s"`
+}
+
+// imageResponseData is sglang's ImageResponseData: one image, as base64 or
+// as a URL.
+type imageResponseData struct {
+	B64JSON       *string `json:"b64_json"`
+	URL           *string `json:"url"`
+	RevisedPrompt string  `json:"revised_prompt"`
+	FilePath      string  `json:"file_path"`
+}
+
 // imageResponse builds sglang's ImageResponse for a finished job, or the
 // HTTPException image_api.py raises for its response_format.
 // fallbackURL is what a "url" answer names without cloud storage ("" for
 // none).
-func (w *Worker) imageResponse(id, prompt, format string, files []string, cloudURL, fallbackURL string, took time.Duration) (map[string]any, error) {
-	var data []map[string]any
+func (w *Worker) imageResponse(id, prompt, format string, files []string, cloudURL, fallbackURL string, took time.Duration) (*imageResponse, error) {
+	var data []imageResponseData
 	switch format {
 	case "b64_json":
 		for _, f := range files {
-			data = append(data, map[string]any{"b64_json": w.mediaToken, "url": nil, "revised_prompt": prompt,
-				"file_path": filepath.Join(outputDir, f)})
+			data = append(data, imageResponseData{B64JSON: &w.mediaToken, RevisedPrompt: prompt, FilePath: filepath.Join(outputDir, f)})
 		}
 	case "url":
 		url := cmp.Or(cloudURL, fallbackURL)
 		if url == "" {
 			return nil, badRequest("response_format='url' requires cloud storage to be configured.")
 		}
-		data = []map[string]any{{"b64_json": nil, "url": url, "revised_prompt": prompt,
-			"file_path": filepath.Join(outputDir, files[0])}}
+		data = []imageResponseData{{URL: &url, RevisedPrompt: prompt, FilePath: filepath.Join(outputDir, files[0])}}
 	default:
 		return nil, badRequest("response_format=%s is not supported", format)
 	}
-	return map[string]any{
-		"id":               id,
-		"created":          time.Now().Unix(),
-		"data":             data,
-		"peak_memory_mb":   nil,
-		"inference_time_s": took.Seconds(),
-	}, nil
+	return &imageResponse{ID: id, Created: time.Now().Unix(), Data: data, InferenceTimeS: took.Seconds()}, nil
 }
 
 // imageJob is an image request ready to run.
@@ -293,7 +314,7 @@ func (w *Worker) serveImages(rw http.ResponseWriter, r *http.Request, job imageJ
 		w.failGeneration(rw, err)
 		return
 	}
-	id := newID()
+	id := newUUID()
 	files := imageFiles(id, job.ext, job.outputs)
 	cloudURL := w.upload(files[0])
 	w.storeImages(id, job.ext, cloudURL)
@@ -413,7 +434,7 @@ func (w *Worker) handleImageStream(rw http.ResponseWriter, r *http.Request) {
 		w.fail(rw, badRequest("realtime_session_ttl_seconds must be a positive integer."))
 		return
 	}
-	id := newID()
+	id := newUUID()
 	cancelOnDisconnect := valueOr(req.CancelOnDisconnect, false)
 	ctx, cancel := context.WithCancelCause(w.life)
 	w.mu.Lock()
