@@ -86,8 +86,9 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 // One mutex, mu, guards the registry, the scheduler, the fleet's state and
 // every worker: a routing decision reads load, health and lifecycle at
 // once and needs one consistent view of them, and a decision is a scan of
-// microseconds even for a large fleet. videos has a lock of its own, taken
-// after mu when both are held (mu, then videos.mu; never the other way).
+// microseconds even for a large fleet. videos and images have locks of
+// their own, taken after mu when both are held (mu, then videos.mu or
+// images.mu; never the other way).
 type pool struct {
 	name   string
 	now    func() time.Time // the clock; tests set their own
@@ -103,7 +104,8 @@ type pool struct {
 	held   map[string]*heldVideo   // video jobs running on their workers, by id
 	ghosts map[*ticket]*time.Timer // jobs whose clients left, until their predicted end
 
-	videos  *videoJobs   // which worker made each video job
+	videos  *jobOwners   // which worker made each video job
+	images  *jobOwners   // which worker made each image job
 	models  sharedAnswer // the union of the workers' model lists
 	metrics sharedAnswer // the workers' engine metrics
 }
@@ -140,7 +142,8 @@ func newPool(name string) *pool {
 		registry: registry{byDial: make(map[string]*worker), declared: make(map[string]int), departing: make(map[string]*worker)},
 		held:     make(map[string]*heldVideo),
 		ghosts:   make(map[*ticket]*time.Timer),
-		videos:   newVideoJobs(defaultVideoJobLimit, defaultVideoJobTTL),
+		videos:   newJobOwners(defaultJobOwnerLimit, defaultJobOwnerTTL),
+		images:   newJobOwners(defaultJobOwnerLimit, defaultJobOwnerTTL),
 	}
 	p.defaultSpeed = 1
 	p.client = guardedClient(func() *dialGuard { return p.guard.Load() })
@@ -446,6 +449,7 @@ func (p *pool) removeLocked(w *worker) {
 		}
 	}
 	p.videos.forgetWorker(w.url)
+	p.images.forgetWorker(w.url)
 	if w.load.inflight > 0 {
 		w.life.removed = true
 		p.departing[w.dial] = w

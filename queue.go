@@ -68,7 +68,7 @@ var (
 type ticket struct {
 	pool *pool
 	cfg  *dispatchConfig
-	pin  string   // URL of the only worker that may serve (a video job's creator)
+	pin  string   // URL of the only worker that may serve (the creator of a video or image job)
 	task taskKind // what the worker must be able to generate
 	job  bool     // a generation: takes a worker slot, may wait for one
 	cost float64
