@@ -225,6 +225,7 @@ func (h *Handler) send(rec *recorder, r *http.Request, t *ticket, next caddyhttp
 	default:
 		rec.onHeader = func(status int) { release(outcomeOf(r.Context(), nil, status)) }
 	}
+	h.learnImageJobs(rec, r, t)
 	t.sent = true
 	t.attempts++
 	t.lookups = 0

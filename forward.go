@@ -135,6 +135,8 @@ func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
 			return nil, http.StatusNotFound, "Unknown video_id"
 		}
 		t.pin = worker
+	case isImageJobPath(r.URL.Path):
+		return h.pinImageJob(t, r)
 	case r.URL.Path == "/v1/videos":
 		t.task = videoTask
 		h.probeUnknown(r.Context())

@@ -1,11 +1,12 @@
 package diffusionrouter
 
-// Fuzz targets for what clients and operators send: JSON and multipart
-// bodies, control bodies, video job paths, the Caddyfile directive. Each
-// checks a property against an independent reading (encoding/json's maps,
-// which are exact-case; mime/multipart's ReadForm), not just the absence of
-// a panic. Seeds live in testdata/fuzz/<Name>/; CI runs each for a few
-// seconds:
+// Fuzz targets for what clients and operators send, and workers answer:
+// JSON and multipart bodies, control bodies, video and image job paths, the
+// start of image answers, the Caddyfile directive. Each checks a property
+// against an independent reading (encoding/json's maps, which are
+// exact-case; mime/multipart's ReadForm), not just the absence of a panic.
+// Seeds live in testdata/fuzz/<Name>/ or in the target; CI runs each for a
+// few seconds:
 //
 //	go test -run XXX -fuzz '^FuzzCost$' -fuzztime 30s .
 
@@ -17,6 +18,7 @@ import (
 	"mime"
 	"mime/multipart"
 	"net/http/httptest"
+	"net/url"
 	"reflect"
 	"slices"
 	"strings"
@@ -288,6 +290,52 @@ func FuzzVideoJobID(f *testing.F) {
 					t.Fatalf("videoJobID(%q) = %q, %v; want %q", jobPath, got, ok, p)
 				}
 			}
+		}
+	})
+}
+
+func FuzzImageJobID(f *testing.F) {
+	for _, seed := range []string{"0b6d3a4e-9d8c-4f7a-8e1b-2c3d4e5f6a7b", "abc/content", "abc%2Fcontent", "a%2fb/content", "%2e%2e", "abc/", "/content", "a%00", "%zz"} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, rest string) {
+		id, err := imageJobID("/v1/images/" + rest)
+		if err != nil {
+			return
+		}
+		// An id read from a path is one the router could have learned, and
+		// the path is that id's, escaped or not, with or without /content.
+		segment, _ := strings.CutSuffix(rest, "/content")
+		if unescaped, uerr := url.PathUnescape(segment); !validJobID(id) || uerr != nil || unescaped != id || strings.Contains(segment, "/") {
+			t.Fatalf("imageJobID(/v1/images/%s) = %q", rest, id)
+		}
+		for _, p := range []string{"/v1/images/" + id, "/v1/images/" + id + "/content"} {
+			if got, err := imageJobID(p); err != nil || got != id {
+				t.Fatalf("imageJobID(%q) = %q, %v; want %q", p, got, err, id)
+			}
+		}
+	})
+}
+
+// FuzzLeadingString checks the read of an id from the start of an answer
+// against encoding/json's reading of the whole answer: where it finds a
+// member in any prefix of an object, it is that object's member.
+func FuzzLeadingString(f *testing.F) {
+	for _, seed := range []string{`{"id":"x","data":[{"b64_json":"AAAA"}]}`, `{"type": "accepted", "ts": 1.5, "id": "x"}`, `{"a":{"id":"inner"},"id":"outer"}`, `{"id":7}`, `[{"id":"x"}]`} {
+		f.Add([]byte(seed), 20)
+	}
+	f.Fuzz(func(t *testing.T, answer []byte, cut int) {
+		var whole map[string]any
+		if json.Unmarshal(answer, &whole) != nil || whole == nil || foldCollision(t, answer) {
+			return
+		}
+		want, isString := whole["id"].(string)
+		if got, ok := leadingString(answer, "id"); ok != isString || got != want {
+			t.Fatalf("leadingString(%s) = %q, %v; want %q, %v", answer, got, ok, want, isString)
+		}
+		cut = min(max(cut, 0), len(answer))
+		if got, ok := leadingString(answer[:cut], "id"); ok && got != want {
+			t.Fatalf("leadingString of the prefix %s = %q; the whole says %q", answer[:cut], got, want)
 		}
 	})
 }

@@ -159,6 +159,9 @@ func endpointClass(path string) string {
 	if _, ok := videoJobID(path); ok {
 		return "video_job"
 	}
+	if isImageJobPath(path) {
+		return "image_job"
+	}
 	switch path {
 	case "/v1/images/generations":
 		return "images"

@@ -51,6 +51,9 @@ type recorder struct {
 	peekLimit int
 	peek      []byte
 	held      *heldAnswer // the answer of an attempt that may yet give way to another
+	// onPeek, when set, reads the peek each time it grows, before the
+	// bytes that grew it go out, until it reports it has what it needs.
+	onPeek func(peek []byte) (done bool)
 }
 
 // heldAnswer is a worker's answer kept from the client while the job may
@@ -179,6 +182,9 @@ func (rec *recorder) Write(b []byte) (int, error) {
 	}
 	if room := rec.peekLimit - len(rec.peek); room > 0 {
 		rec.peek = append(rec.peek, b[:min(room, len(b))]...)
+		if rec.onPeek != nil && rec.onPeek(rec.peek) {
+			rec.onPeek, rec.peekLimit = nil, len(rec.peek)
+		}
 	}
 	return rec.ResponseWriterWrapper.Write(b)
 }
