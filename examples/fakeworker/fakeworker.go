@@ -27,6 +27,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"maps"
 	mrand "math/rand/v2"
 	"net"
 	"net/http"
@@ -94,6 +95,9 @@ type Stats struct {
 	Cost   float64       // sum of the costs of those jobs
 	Busy   time.Duration // time spent running generation jobs, failed and hung ones included
 	Failed int           // generation jobs that ended in an injected failure
+	// JobsOn counts the completed jobs by the weights they ran on, as
+	// Weights names them: what no answer says, for tests to check.
+	JobsOn map[string]int
 }
 
 // Worker is a fake sglang-diffusion server. Its methods are safe for
@@ -274,7 +278,9 @@ func (w *Worker) crash() {
 func (w *Worker) Stats() Stats {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.stats
+	s := w.stats
+	s.JobsOn = maps.Clone(s.JobsOn)
+	return s
 }
 
 // Weights names the transformer's weights: ModelPath at first, then the

@@ -759,6 +759,9 @@ func TestWeightUpdateWaitsForQueuedJobs(t *testing.T) {
 	if got["after"].weights != "/ckpt/2" || got["after"].r.header.Get("X-Weight-Version") != "" {
 		t.Errorf("job queued after the update: weights %q, header %q", got["after"].weights, got["after"].r.header.Get("X-Weight-Version"))
 	}
+	if on := w.Stats().JobsOn; len(on) != 2 || on["fake/diffusion-model"] != 1 || on["/ckpt/2"] != 1 {
+		t.Errorf("jobs by weights %v; want one on each", on)
+	}
 
 	partial := call(t, w, "POST", "/update_weights_from_disk", `{"model_path":"/ckpt/3","target_modules":["transformer"]}`).expect(t, 200)
 	if w.Weights() != "/ckpt/3" || partial["message"] != "Updated 1 modules (transformer)." {

@@ -144,6 +144,12 @@ func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed b
 	default:
 		w.stats.Jobs++
 		w.stats.Cost += cost
+		if w.stats.JobsOn == nil {
+			w.stats.JobsOn = make(map[string]int)
+		}
+		// One job or engine operation runs at a time: the weights a job
+		// ends on are the ones it ran on.
+		w.stats.JobsOn[w.weights["transformer"]]++
 	}
 }
 
