@@ -294,6 +294,13 @@ func (h *Handler) workerURLFrom(r *http.Request) (string, error) {
 // rawWorkerURL reads a worker URL from the query or the JSON body.
 func rawWorkerURL(r *http.Request) (string, error) {
 	q := r.URL.Query()
+	for _, name := range []string{"url", "worker_url"} {
+		// Python routers read the last of a repeated parameter, Go's Get
+		// the first: a second one is refused rather than guessed at.
+		if n := len(q[name]); n > 1 {
+			return "", fmt.Errorf("%s is given %d times; give the worker's URL once", name, n)
+		}
+	}
 	if u := cmp.Or(q.Get("url"), q.Get("worker_url")); u != "" {
 		return u, nil
 	}
