@@ -85,7 +85,29 @@ func (m costModel) cost(path string, f fields) (float64, error) {
 		return 0, &fieldError{"size, num_inference_steps, num_frames and n", fmt.Sprintf(
 			"together ask for %.3g cost units, more than any GPU could run (the limit is %g, a 1024x1024 image step being 1)", c, float64(maxJobCost))}
 	}
+	if path == "/rollout/generate" {
+		if err := f.rolloutSeed(); err != nil {
+			return 0, err
+		}
+	}
 	return max(c, minJobCost), nil
+}
+
+// rolloutSeed checks that a rollout names its seed. sglang-diffusion's
+// rollout request may leave it out but its answer requires it: a worker
+// runs such a job to the end, then fails it (500), which would count
+// against a worker that did nothing wrong.
+func (f fields) rolloutSeed() error {
+	seed, err := f.number("seed", math.NaN())
+	switch {
+	case err != nil:
+		return err
+	case math.IsNaN(seed):
+		return &fieldError{"seed", "is required: sglang-diffusion's rollout answer names the seed of its samples"}
+	case seed != math.Trunc(seed):
+		return &fieldError{"seed", fmt.Sprintf("must be a whole number, got %v", seed)}
+	}
+	return nil
 }
 
 // size reads width and height, which override size ("WxH").
@@ -230,11 +252,11 @@ func jsonFields(body []byte) (fields, error) {
 	return f, nil
 }
 
-// costFieldNames are the fields the cost model reads; the rest of a body
-// (the prompt, inline images) is left where it is.
+// costFieldNames are the fields the cost model reads, and a rollout's seed;
+// the rest of a body (the prompt, inline images) is left where it is.
 var costFieldNames = [...]string{
 	"size", "width", "height", "num_inference_steps", "n", "num_outputs_per_prompt",
-	"num_frames", "fps", "seconds", "guidance_scale", "true_cfg_scale",
+	"num_frames", "fps", "seconds", "guidance_scale", "true_cfg_scale", "seed",
 }
 
 // addCostFields adds the cost fields members has to f, leaving those f has

@@ -31,7 +31,7 @@ func TestCostOfEveryFieldForm(t *testing.T) {
 		{"/v1/videos", `{"size":"1024x1024","num_inference_steps":10,"fps":16,"seconds":5}`, 800},
 		{"/v1/videos", `{"size":"1024x1024","extra_body":{"num_inference_steps":10,"num_frames":2}}`, 20},
 		{"/v1/diffusion/generate", `{"width":1024,"height":1024,"num_inference_steps":10,"num_outputs_per_prompt":4}`, 40},
-		{"/rollout/generate", `{"width":512,"height":512,"num_inference_steps":8,"num_frames":5}`, 10},
+		{"/rollout/generate", `{"width":512,"height":512,"num_inference_steps":8,"num_frames":5,"seed":7}`, 10},
 	} {
 		f, err := jsonFields([]byte(tc.body))
 		if err != nil {
