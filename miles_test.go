@@ -1,12 +1,17 @@
 package diffusionrouter
 
 import (
+	"encoding/json"
+	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 )
 
 // TestMilesExampleAdapts keeps examples/miles/Caddyfile a config Caddy
@@ -36,5 +41,205 @@ func TestTensorUpdateIsRefused(t *testing.T) {
 	expectStatus(t, "update_weights_from_tensor through the router", rp, 400)
 	if !strings.Contains(rp.errorText(t), "each engine") {
 		t.Fatalf("error %q does not say where to send it", rp.errorText(t))
+	}
+}
+
+// milesRollout is the body miles_diffusion's generate_microgroup posts to
+// {router}/rollout/generate: build_rollout_sampling_params with miles'
+// defaults (no --diffusion-width, --diffusion-height, guidance or true CFG
+// scale: null), then the seed, the step strategy's indices, the prompt and
+// the microgroup size, as httpx writes it.
+func milesRollout(prompt string, seed, outputs int) string {
+	return fmt.Sprintf(`{"generator_device":"cuda","negative_prompt":" ","width":null,"height":null,`+
+		`"num_inference_steps":1,"guidance_scale":null,"true_cfg_scale":null,"rollout":true,"rollout_sde_type":"sde",`+
+		`"rollout_noise_level":0.7,"rollout_log_prob_no_const":false,"rollout_debug_mode":false,`+
+		`"rollout_return_denoising_env":true,"rollout_return_dit_trajectory":true,"seed":%d,`+
+		`"rollout_sde_step_indices":[0],"rollout_return_step_indices":[0],"prompt":%q,"num_outputs_per_prompt":%d}`,
+		seed, prompt, outputs)
+}
+
+// rolloutStep sends n rollouts of a microgroup of outputs each at once, as
+// miles' rollout semaphore lets them go, and checks each answer as miles
+// reads it: a JSON list with one sample per output, its seed and prompt.
+// It returns the weight versions the answers name.
+func rolloutStep(t *testing.T, r *testRouter, step, n, outputs int) []string {
+	t.Helper()
+	versions := make([]string, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			prompt, seed := fmt.Sprintf("step %d prompt %d", step, i), 1000*step+outputs*i
+			rp := r.post("/rollout/generate", milesRollout(prompt, seed, outputs), "Content-Type", "application/json")
+			var samples []map[string]any
+			if rp.status != 200 || json.Unmarshal(rp.body, &samples) != nil || len(samples) != outputs {
+				t.Errorf("rollout %d of step %d: %d %.300s", i, step, rp.status, rp.body)
+				return
+			}
+			for _, s := range samples {
+				out, _ := s["generated_output"].(map[string]any)
+				if s["seed"] != float64(seed) || s["prompt"] != prompt || out["__tensor__"] != true || s["rollout_log_probs"] == nil {
+					t.Errorf("rollout %d of step %d: sample %.300v", i, step, s)
+				}
+			}
+			versions[i] = rp.header.Get(weightVersionHeader)
+		})
+	}
+	wg.Wait()
+	return versions
+}
+
+// jobsOn counts the jobs the engines completed on the given weights.
+func jobsOn(engines []*fakeworker.Worker, weights string) int {
+	n := 0
+	for _, e := range engines {
+		n += e.Stats().JobsOn[weights]
+	}
+	return n
+}
+
+// TestMilesDiffusionRun replays what a miles_diffusion run sends the
+// router, in order, from the cluster's nodes: the engines register
+// themselves (sglang_diffusion_engine.py: POST /add_worker?url=http://host:port,
+// the URL not escaped, no token, no body), rollouts as
+// sglang_diffusion_rollout.py builds them, a LoRA update through the router,
+// a sleep during which an engine joins and the weights are updated, the
+// wake, and the engines leaving (POST /remove_worker?url=...). The router
+// sits behind a proxy on the cluster network: Caddy's trusted_proxies
+// private_ranges gives admin_allow private_ranges the engine's own address
+// from X-Forwarded-For.
+func TestMilesDiffusionRun(t *testing.T) {
+	engines := namedWorkers(t, 3, fakeworker.Config{UnitMs: 2})
+	r := startRouterWith(t, "servers {\n trusted_proxies static private_ranges\n}",
+		"diffusion_router {\n admin_allow private_ranges\n forward_paths sglang\n weights_path_prefix /ckpt\n}")
+	fromCluster := []string{"X-Forwarded-For", "10.0.3.7"}
+	fromPublic := []string{"X-Forwarded-For", "203.0.113.9"}
+	listed := func() []any { return r.get("/list_workers").json(t)["urls"].([]any) }
+
+	// Start-up: two engines register from their nodes; any non-2xx would
+	// be fatal to the run.
+	for _, e := range engines[:2] {
+		expectStatus(t, "an engine registers from the cluster", r.post("/add_worker?url="+e.URL(), "", fromCluster...), 200)
+	}
+	for _, path := range []string{"/add_worker?url=" + engines[2].URL(), "/remove_worker?url=" + engines[0].URL()} {
+		rp := r.post(path, "", fromPublic...)
+		expectStatus(t, path+" from a public address", rp, 403)
+		if !strings.Contains(rp.errorText(t), "admin_allow") {
+			t.Fatalf("403 answer %s", rp.body)
+		}
+	}
+	if urls := listed(); len(urls) != 2 || urls[0] != engines[0].URL() || urls[1] != engines[1].URL() {
+		t.Fatalf("after registration the router lists %v", urls)
+	}
+
+	// A rollout step on the base weights, answered by both engines.
+	for _, v := range rolloutStep(t, r, 1, 4, 2) {
+		if v != oldVersion {
+			t.Fatalf("step 1 served by %q; want %q", v, oldVersion)
+		}
+	}
+	if engines[0].Stats().Jobs == 0 || engines[1].Stats().Jobs == 0 {
+		t.Fatalf("one engine did all of step 1: %d and %d jobs", engines[0].Stats().Jobs, engines[1].Stats().Jobs)
+	}
+
+	// The LoRA of step 1 reaches every engine before any later rollout.
+	rp := r.post("/v1/set_lora", `{"lora_nickname":"step-1","lora_path":"/ckpt/lora-1"}`, fromCluster...)
+	expectStatus(t, "set_lora", rp, 200)
+	reached := map[string]bool{}
+	for _, res := range rp.json(t)["results"].([]any) {
+		res := res.(map[string]any)
+		reached[res["worker_url"].(string)] = res["status_code"] == 200.0 && res["body"].(map[string]any)["status"] == "ok"
+	}
+	if len(reached) != 2 || !reached[engines[0].URL()] || !reached[engines[1].URL()] {
+		t.Fatalf("set_lora reached %v: %s", reached, rp.body)
+	}
+	for _, v := range rolloutStep(t, r, 2, 4, 1) {
+		if v != oldVersion+"+lora:step-1" {
+			t.Fatalf("step 2 served by %q", v)
+		}
+	}
+
+	// Training: the fleet sleeps; an engine joins meanwhile; the weights
+	// are updated; the fleet wakes. No rollout may come from the old weights.
+	expectStatus(t, "sleep", r.post("/release_memory_occupation", `{}`, fromCluster...), 200)
+	jobs := jobsOn(engines, oldVersion)
+	rp = r.post("/rollout/generate", milesRollout("while asleep", 1, 1))
+	expectStatus(t, "a rollout while the fleet sleeps", rp, 503)
+	if rp.header.Get("Retry-After") == "" || jobsOn(engines, oldVersion) != jobs {
+		t.Fatalf("a rollout while the fleet sleeps: Retry-After %q, %d jobs ran", rp.header.Get("Retry-After"), jobsOn(engines, oldVersion)-jobs)
+	}
+	expectStatus(t, "the third engine registers", r.post("/add_worker?url="+engines[2].URL(), "", fromCluster...), 200)
+	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/step-2","weight_version":"step-2"}`, fromCluster...), 200)
+	expectStatus(t, "wake", r.post("/resume_memory_occupation", `{}`, fromCluster...), 200)
+	before := jobsOn(engines, oldVersion)
+	versions := rolloutStep(t, r, 3, 12, 1)
+	if old := jobsOn(engines, oldVersion) - before; old != 0 {
+		t.Fatalf("after the update and the wake, %d of 12 rollouts ran on the old weights", old)
+	}
+	if n := jobsOn(engines, "/ckpt/step-2"); n != 12 {
+		t.Fatalf("%d of 12 rollouts ran on the new weights", n)
+	}
+	for _, v := range versions {
+		if !strings.HasPrefix(v, "step-2") {
+			t.Fatalf("a rollout after the update names %q", v)
+		}
+	}
+
+	// Shutdown: each engine deregisters itself.
+	for _, e := range engines {
+		expectStatus(t, "an engine leaves", r.post("/remove_worker?url="+e.URL(), "", fromCluster...), 200)
+	}
+	if urls := listed(); len(urls) != 0 {
+		t.Fatalf("after every engine left the router lists %v", urls)
+	}
+}
+
+// TestMilesCallsRefuseBadInput sends the calls of a miles run with bad
+// input: each gets a clear 4xx with a JSON error and changes nothing: the
+// fleet, its weights and the engines' work stay as they were.
+func TestMilesCallsRefuseBadInput(t *testing.T) {
+	engines := namedWorkers(t, 1, fakeworker.Config{})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(engines)+"\n admin_allow private_ranges\n weights_path_prefix /ckpt\n}")
+	expectStatus(t, "a rollout", r.post("/rollout/generate", milesRollout("p", 1, 1)), 200)
+	fleet := func() string {
+		h := r.get("/health").json(t)
+		return fmt.Sprint(r.get("/list_workers").json(t)["urls"], h["weight_version"], h["healthy_workers"], engines[0].Stats().Jobs+engines[0].Stats().Failed)
+	}
+	before := fleet()
+	for _, tc := range []struct {
+		method, path, body string
+		status             int
+		says               string // in the error
+	}{
+		{"POST", "/add_worker", "", 400, "worker_url is required"},
+		{"POST", "/add_worker?url=", "", 400, "worker_url is required"},
+		{"POST", "/add_worker?url=http://10.0.0.1:30000&url=http://10.0.0.2:30000", "", 400, "url is given 2 times"},
+		{"POST", "/add_worker?url=http://10.0.0.1:30000/generate", "", 400, "path"},
+		{"POST", "/add_worker?url=10.0.0.1:30000", "", 400, "http://"},
+		{"POST", "/add_worker?url=http://169.254.169.254", "", 400, "blocked"},
+		{"POST", "/add_worker", `{"url":5}`, 400, "url must be a string"},
+		{"POST", "/add_worker", `{"url":`, 400, "Invalid JSON"},
+		{"GET", "/add_worker?url=http://10.0.0.1:30000", "", 405, "not allowed"},
+		{"POST", "/remove_worker", "", 400, "worker_url is required"},
+		{"POST", "/remove_worker?url=" + engines[0].URL() + "&url=http://10.0.0.2:30000", "", 400, "url is given 2 times"},
+		{"POST", "/remove_worker?url=http://10.9.9.9:30000", "", 404, "Worker not found"},
+		{"POST", "/rollout/generate", `{"prompt":"p"}`, 400, "seed: is required"},
+		{"POST", "/rollout/generate", `{"prompt":"p","seed":null}`, 400, "seed: is required"},
+		{"POST", "/rollout/generate", `{"prompt":"p","seed":1.5}`, 400, "seed: must be a whole number"},
+		{"POST", "/rollout/generate", `{"prompt":"p","seed":"one"}`, 400, "seed"},
+		{"POST", "/rollout/generate", `{"prompt":"p","seed":1,"width":0}`, 400, "width: must be positive"},
+		{"POST", "/rollout/generate", `{"prompt":"p","seed":1,"num_outputs_per_prompt":-1}`, 400, "num_outputs_per_prompt"},
+		{"POST", "/rollout/generate", `{"prompt":"p","seed":1,"guidance_scale":"high"}`, 400, "guidance_scale"},
+		{"POST", "/rollout/generate", `{"prompt":"p","seed":1,"Seed":2}`, 400, "only in case"},
+		{"POST", "/rollout/generate", `[{"prompt":"p","seed":1}]`, 400, "JSON object"},
+		{"POST", "/rollout/generate", `{"prompt":"p",`, 400, "Invalid JSON"},
+	} {
+		rp := do(t, tc.method, r.base+tc.path, strings.NewReader(tc.body))
+		expectStatus(t, tc.method+" "+tc.path+" "+tc.body, rp, tc.status)
+		if msg := rp.errorText(t); !strings.Contains(msg, tc.says) {
+			t.Errorf("%s %s %s: %q does not say %q", tc.method, tc.path, tc.body, msg, tc.says)
+		}
+	}
+	if after := fleet(); after != before {
+		t.Fatalf("refused calls changed the fleet: %s, then %s", before, after)
 	}
 }
