@@ -393,9 +393,13 @@ func TestDotSegmentsAreRefused(t *testing.T) {
 func TestUnreachableRegistrationsDrawNoJobs(t *testing.T) {
 	ws := startWorkers(t, fakeworker.Config{Name: "live"})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n policy round_robin\n}")
-	for range 50 {
-		dead := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
-		expectStatus(t, "register "+dead, r.post("/add_worker?url="+dead, ""), http.StatusOK)
+	// freePort may give a port it gave before: register 50 distinct ones.
+	for dead := map[string]bool{}; len(dead) < 50; {
+		u := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+		if !dead[u] {
+			dead[u] = true
+			expectStatus(t, "register "+u, r.post("/add_worker?url="+u, ""), http.StatusOK)
+		}
 	}
 	for i := range 30 {
 		expectStatus(t, fmt.Sprint("generation ", i), r.post("/v1/images/generations", smallImage), http.StatusOK)
