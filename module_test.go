@@ -56,6 +56,9 @@ func startRouter(t *testing.T, site string) *testRouter {
 // startRouterWith is startRouter with more global options.
 func startRouterWith(t *testing.T, globals, site string) *testRouter {
 	t.Helper()
+	if !strings.Contains(globals, "storage ") {
+		globals += "\n" + ownStorage(t)
+	}
 	port := freePort(t)
 	r := &testRouter{t: t, port: port, base: fmt.Sprintf("http://127.0.0.1:%d", port), globals: globals}
 	r.load(site)
@@ -109,6 +112,12 @@ func listeners(addr string) int {
 		}
 	}
 	return n
+}
+
+// ownStorage is the storage global option of a folder of the test's own,
+// so that no pool reads back the fleet an earlier test left.
+func ownStorage(t *testing.T) string {
+	return "storage file_system " + t.TempDir()
 }
 
 func adaptSite(port int, globals, site string) ([]byte, error) {

@@ -84,7 +84,7 @@ func mustConfig(t *testing.T, raw []byte) *caddy.Config {
 func startRouterWithAdmin(t *testing.T, adminPort int, site string) *testRouter {
 	t.Helper()
 	port := freePort(t)
-	raw, err := adaptSite(port, "", site)
+	raw, err := adaptSite(port, ownStorage(t), site)
 	if err != nil {
 		t.Fatal(err)
 	}
