@@ -207,6 +207,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    max_body         <size>
 //	    upstream_timeout <duration>
 //	    dashboard        on|off
+//	    persist          on|off
 //	}
 //
 // workers, admin_allow, weights_path_prefix, forward_paths and retry_on may repeat; each
@@ -315,7 +316,8 @@ var handlerOptions = map[string]option{
 	"max_workers":      one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),
 	"max_body":         one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
 	"upstream_timeout": one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),
-	"dashboard":        one(func(h *Handler) *bool { return &h.DashboardOff }, parseDashboard),
+	"dashboard":        one(func(h *Handler) *bool { return &h.DashboardOff }, parseOff),
+	"persist":          one(func(h *Handler) *bool { return &h.PersistOff }, parseOff),
 	"retry_on":         {list: true, read: readRetryOn},
 	"max_attempts":     one(func(h *Handler) *int { return &h.LoadBalancing.MaxAttempts }, parseWhole),
 	"hedge_after":      one(func(h *Handler) *float64 { return &h.LoadBalancing.HedgeAfter }, parseHedgeAfter),
@@ -390,7 +392,8 @@ func parseByteSize(v string) (int64, string) {
 	return int64(size), ""
 }
 
-func parseDashboard(v string) (bool, string) {
+// parseOff reads on|off into an option that is on by default.
+func parseOff(v string) (bool, string) {
 	if v != "on" && v != "off" {
 		return false, "on or off"
 	}

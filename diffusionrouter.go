@@ -81,6 +81,12 @@ type Handler struct {
 	// DashboardOff turns the status page at /dashboard off.
 	DashboardOff bool `json:"dashboard_off,omitempty"`
 
+	// PersistOff keeps the pool's fleet out of Caddy's storage: workers
+	// registered at run time, workers held back and the last weight update
+	// are then neither written on change nor read back when the process
+	// starts. Default: kept, under diffusion_router/<pool>/fleet.json.
+	PersistOff bool `json:"persist_off,omitempty"`
+
 	ctx      context.Context // ends when the config is unloaded
 	pool     *pool
 	dispatch dispatchConfig
@@ -105,7 +111,8 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 }
 
 // Provision checks the options and attaches the handler to its pool. It
-// starts nothing and dials nobody, so `caddy validate` is free of effects.
+// starts nothing, dials nobody and reads no storage, so `caddy validate`
+// is free of effects.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger()
@@ -124,6 +131,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.pool = p
 	p.useGuard(h.guard)
+	var storage stateStorage // nil: persist off
+	if !h.PersistOff {
+		storage = ctx.Storage()
+	}
+	p.store.use(h, storage)
 	h.pool.declare(h.Workers)
 	h.control = h.controlMux()
 	if err := registerMetrics(ctx); err != nil {
@@ -143,6 +155,7 @@ func (h *Handler) Cleanup() error {
 	if h.pool == nil {
 		return nil
 	}
+	h.pool.store.drop(h) // before undeclaring: Caddy stopping is not recorded as the config's workers leaving
 	h.pool.undeclare(h.Workers)
 	releasePool(h.Pool)
 	return nil
@@ -151,6 +164,7 @@ func (h *Handler) Cleanup() error {
 // ServeHTTP answers control endpoints and sends everything else on to the
 // reverse_proxy that follows.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	h.pool.store.awaitReady(r.Context()) // as the process starts: the fleet read back from storage first
 	rec := &recorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	class, err := "control", error(nil)
 	switch {

@@ -177,6 +177,7 @@ func (f *fleet) finishUpdate(group []*worker, results []result, version string) 
 		}
 	}
 	p.dispatchLocked()
+	p.store.changed()
 }
 
 // end resumes handing out jobs. After an update that succeeded anywhere it
@@ -192,6 +193,7 @@ func (f *fleet) end(results []result, req weightsRequest) {
 			f.history = f.history[:0]
 		}
 		f.history = append(f.history, req)
+		p.store.changed()
 	}
 	f.target, f.paused = "", false
 	p.dispatchLocked()

@@ -60,10 +60,12 @@ type healthConfig struct {
 	maxEjectTime time.Duration
 }
 
-// HealthApp runs the active health checks of the pools its config uses.
-// diffusion_router adds it to the config it is part of, so probing starts
-// when Caddy starts that config and stops when it is unloaded, and
-// `caddy validate`, which starts nothing, probes nothing.
+// HealthApp runs the active health checks of the pools its config uses,
+// and starts each pool the first time: reads its record back from Caddy's
+// storage and keeps it written (see fleetStore). diffusion_router adds it
+// to the config it is part of, so probing starts when Caddy starts that
+// config and stops when it is unloaded, and `caddy validate`, which
+// starts nothing, probes and reads nothing.
 type HealthApp struct {
 	mu       sync.Mutex
 	probers  []*prober
@@ -92,13 +94,14 @@ func (a *HealthApp) watch(pr *prober) {
 	a.probers = append(a.probers, pr)
 }
 
-// Start starts probing.
+// Start starts probing, once each pool has read its record back.
 func (a *HealthApp) Start() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	ctx, cancel := context.WithCancel(context.Background())
 	a.cancel = cancel
 	for _, pr := range a.probers {
+		pr.pool.store.startOnce()
 		goSafely(&a.finished, pr.logger, "health checks of pool "+pr.pool.name, func() { pr.run(ctx) })
 	}
 	return nil
@@ -128,6 +131,9 @@ type prober struct {
 func (pr *prober) run(ctx context.Context) {
 	var probes sync.WaitGroup
 	defer probes.Wait()
+	for _, u := range pr.pool.unverified() { // read back from storage: probed at once, not in turn
+		goSafely(&probes, pr.logger, "health probe of "+u, func() { pr.probe(ctx, u) })
+	}
 	for ctx.Err() == nil {
 		urls := pr.pool.urls()
 		// Each round takes one interval, give or take a tenth, so that
@@ -245,6 +251,7 @@ func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChang
 	if isTimeout(err) && p.busy(w, now, cfg) {
 		return unchanged // slow because it is working, not because it is dead
 	}
+	w.health.unverified = false // down already; back after health_passes passes, as any unhealthy worker
 	w.evidence.probePasses = 0
 	w.evidence.probeFails++
 	if !w.health.down && w.evidence.probeFails >= cfg.fails {
@@ -266,10 +273,11 @@ func (p *pool) probePassedLocked(w *worker, now int64, cfg *healthConfig) health
 		w.health.ejectedUntil = 0
 		change = ejectionEnded
 	}
-	if w.health.down && w.evidence.probePasses >= cfg.passes {
-		w.health.down = false
+	if w.health.down && (w.evidence.probePasses >= cfg.passes || w.health.unverified) {
+		w.health.down = false // one pass admits a worker read back, as one answer admits a worker registered
 		change = becameHealthy
 	}
+	w.health.unverified = false
 	return change
 }
 

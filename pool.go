@@ -88,14 +88,16 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 // once and needs one consistent view of them, and a decision is a scan of
 // microseconds even for a large fleet. videos and images have locks of
 // their own, taken after mu when both are held (mu, then videos.mu or
-// images.mu; never the other way).
+// images.mu; never the other way); the fleet store's is taken before mu
+// (store.mu, then mu).
 type pool struct {
 	name   string
 	now    func() time.Time // the clock; tests set their own
 	logger *zap.Logger
 	client *http.Client // for the router's own calls to workers
 	guard  atomic.Pointer[dialGuard]
-	bg     background // the pool's own goroutines and timers
+	bg     background  // the pool's own goroutines and timers
+	store  *fleetStore // the pool's record in Caddy's storage
 
 	mu sync.Mutex
 	registry
@@ -149,6 +151,7 @@ func newPool(name string) *pool {
 	p.client = guardedClient(func() *dialGuard { return p.guard.Load() })
 	p.fleet = fleet{pool: p, ops: make(chan struct{}, 1)}
 	p.bg = newBackground(p.logger)
+	p.store = newFleetStore(p)
 	return p
 }
 
@@ -214,6 +217,7 @@ type workerLoad struct {
 // workerHealth is the verdict on whether a worker works.
 type workerHealth struct {
 	down         bool  // failed its health probes
+	unverified   bool  // read back from storage and not probed since: down until a probe passes
 	suspect      bool  // a job of it overran its prediction: stalled
 	ejectedUntil int64 // out after failed requests until then, Unix nanoseconds
 	asleepUntil  int64 // out after it said it is asleep until then, Unix nanoseconds
@@ -364,6 +368,7 @@ func (p *pool) declare(urls []string) {
 		}
 	}
 	p.dispatchLocked()
+	p.store.changed()
 }
 
 // undeclare withdraws a config's workers; a worker no loaded config lists
@@ -381,6 +386,7 @@ func (p *pool) undeclare(urls []string) {
 			p.removeLocked(w)
 		}
 	}
+	p.store.changed()
 }
 
 // errTooManyWorkers refuses a registration beyond max_workers.
@@ -402,6 +408,7 @@ func (p *pool) register(u string, maxWorkers int) (workerInfo, bool, error) {
 	}
 	w.registered = true
 	p.dispatchLocked()
+	p.store.changed()
 	return p.infoLocked(w), created, nil
 }
 
@@ -415,6 +422,7 @@ func (p *pool) remove(url string) bool {
 		return false
 	}
 	p.removeLocked(w)
+	p.store.changed()
 	return true
 }
 
@@ -467,6 +475,7 @@ func (p *pool) setDead(url string, dead bool) (workerInfo, bool) {
 	w.life.dead = dead
 	p.fleet.holdIfBehindLocked(w) // back after an update it was held out of
 	p.dispatchLocked()
+	p.store.changed()
 	return p.infoLocked(w), true
 }
 
