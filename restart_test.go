@@ -1,0 +1,220 @@
+package diffusionrouter
+
+import (
+	"encoding/json"
+	"fmt"
+	"maps"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+)
+
+// buildEnv is the environment this test binary started with, before
+// TestMain moved HOME: the go command finds its build cache through it.
+var buildEnv = os.Environ()
+
+// buildCaddy builds the repository's Caddy (cmd/caddy) into a folder of
+// the test's own; with the build cache warm it takes seconds.
+func buildCaddy(t *testing.T) string {
+	t.Helper()
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go command to build Caddy with")
+	}
+	bin := filepath.Join(t.TempDir(), "caddy")
+	cmd := exec.Command(goTool, "build", "-buildvcs=false", "-o", bin, "./cmd/caddy")
+	cmd.Env = buildEnv
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build ./cmd/caddy: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// caddyProcess is the built Caddy running as a process of its own.
+type caddyProcess struct {
+	t   *testing.T
+	cmd *exec.Cmd
+	log string // its output
+}
+
+// startCaddy runs bin on the Caddyfile in dir and waits until r answers
+// /healthz.
+func startCaddy(t *testing.T, bin, dir string, r *testRouter) *caddyProcess {
+	t.Helper()
+	logFile, err := os.CreateTemp(dir, "caddy-*.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logFile.Close()
+	home := filepath.Join(dir, "home")
+	cmd := exec.Command(bin, "run", "--config", filepath.Join(dir, "Caddyfile"), "--adapter", "caddyfile")
+	cmd.Env = append(os.Environ(), "HOME="+home, "XDG_CONFIG_HOME="+home, "XDG_DATA_HOME="+home)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &caddyProcess{t: t, cmd: cmd, log: logFile.Name()}
+	t.Cleanup(p.kill)
+	up := waitUntilOr(60*time.Second, func() bool {
+		resp, err := client.Get(r.base + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	if !up {
+		p.fail("Caddy did not answer /healthz within 60 s")
+	}
+	return p
+}
+
+// kill ends the process with SIGKILL, as `kill -9` does: nothing of it
+// runs after, no cleanup, no last write.
+func (p *caddyProcess) kill() {
+	if p.cmd.ProcessState != nil {
+		return
+	}
+	_ = p.cmd.Process.Kill()
+	_ = p.cmd.Wait()
+	client.CloseIdleConnections() // they were to the process now gone
+}
+
+func (p *caddyProcess) fail(format string, args ...any) {
+	p.t.Helper()
+	out, _ := os.ReadFile(p.log)
+	p.t.Fatalf("%s\nCaddy's output:\n%s", fmt.Sprintf(format, args...), out)
+}
+
+// fleetView is what a user sees of the fleet: the worker list, who is
+// held back, and the pool's weight version.
+type fleetView struct {
+	urls          []string
+	dead          map[string]bool
+	weightVersion string
+}
+
+func viewFleet(t *testing.T, r *testRouter) fleetView {
+	t.Helper()
+	var list struct{ URLs []string }
+	if err := json.Unmarshal(r.get("/list_workers").body, &list); err != nil {
+		t.Fatal(err)
+	}
+	var workers struct{ Workers []workerJSON }
+	if err := json.Unmarshal(r.get("/workers").body, &workers); err != nil {
+		t.Fatal(err)
+	}
+	v := fleetView{urls: list.URLs, dead: map[string]bool{}}
+	for _, w := range workers.Workers {
+		v.dead[w.URL] = w.IsDead
+	}
+	v.weightVersion, _ = r.get("/health").json(t)["weight_version"].(string)
+	return v
+}
+
+func workerOf(t *testing.T, r *testRouter, u string) workerJSON {
+	t.Helper()
+	var one struct{ Worker workerJSON }
+	if err := json.Unmarshal(r.get("/workers/"+url.QueryEscape(u)).body, &one); err != nil {
+		t.Fatal(err)
+	}
+	return one.Worker
+}
+
+// After `kill -9` and a start on the same storage, the router has the
+// workers registered at run time, the ones held back and its weight
+// version as they were; a worker read back that is now down gets no job,
+// and a worker that joins later is brought to the weights read back.
+func TestFleetSurvivesKill9(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds Caddy and runs it as a process")
+	}
+	bin := buildCaddy(t)
+	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c"}, fakeworker.Config{Name: "d"})
+	a, b, c, d := ws[0], ws[1], ws[2], ws[3]
+	dir := t.TempDir()
+	storage := filepath.Join(dir, "storage")
+	r := &testRouter{t: t, port: freePort(t)}
+	r.base = fmt.Sprintf("http://127.0.0.1:%d", r.port)
+	caddyfile := fmt.Sprintf(`{
+	admin off
+	persist_config off
+	auto_https off
+	default_bind 127.0.0.1
+	storage file_system %s
+}
+:%d {
+	diffusion_router {
+		workers %s
+		health_interval 200ms
+	}
+}
+`, storage, r.port, a.URL())
+	if err := os.WriteFile(filepath.Join(dir, "Caddyfile"), []byte(caddyfile), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	first := startCaddy(t, bin, dir, r)
+	expectStatus(t, "add_worker", r.post("/add_worker?url="+b.URL(), ""), 200)
+	expectStatus(t, "POST /workers", r.post("/workers", `{"url":"`+c.URL()+`"}`), 200)
+	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/step-7","weight_version":"step-7"}`), 200)
+	expectStatus(t, "set_lora", r.post("/v1/set_lora", `{"lora_nickname":"x","lora_path":"/lora/x"}`), 200)
+	expectStatus(t, "hold back", do(t, "PUT", r.base+"/workers/"+url.QueryEscape(c.URL()), strings.NewReader(`{"is_dead":true}`)), 200)
+	before := viewFleet(t, r)
+	if !slices.Equal(before.urls, []string{a.URL(), b.URL(), c.URL()}) || !before.dead[c.URL()] || before.weightVersion != "step-7+lora:x" {
+		t.Fatalf("fleet before the kill: %+v", before)
+	}
+	// Writes follow each change within moments; the kill comes after the
+	// last one reached the disk, as it would some time after an
+	// operator's change.
+	record := filepath.Join(storage, "diffusion_router", "default", "fleet.json")
+	written := waitUntilOr(10*time.Second, func() bool {
+		data, _ := os.ReadFile(record)
+		return strings.Contains(string(data), `"is_dead":true`)
+	})
+	if !written {
+		first.fail("the held-back worker was not written to %s within 10 s", record)
+	}
+	first.kill()
+
+	b.SetHealthFail(true) // b's probes fail now, though it would still run a job
+	second := startCaddy(t, bin, dir, r)
+	if after := viewFleet(t, r); !slices.Equal(after.urls, before.urls) || !maps.Equal(after.dead, before.dead) || after.weightVersion != before.weightVersion {
+		second.fail("fleet after kill -9 and a start: %+v; want %+v", after, before)
+	}
+	for i := range 10 {
+		rp := r.post("/v1/images/generations", smallImage)
+		expectStatus(t, fmt.Sprintf("job %d after the start", i), rp, 200)
+		if by := rp.header.Get("X-Fake-Worker"); by != "a" {
+			second.fail("job %d served by %s; only a may serve (b failed its probe, c is held back)", i, by)
+		}
+		if v := rp.header.Get(weightVersionHeader); v != "step-7+lora:x" {
+			second.fail("job %d served on weights %q; want step-7+lora:x", i, v)
+		}
+	}
+	if st := workerOf(t, r, b.URL()); st.State != "unhealthy" || b.Stats().Jobs != 0 {
+		second.fail("b, read back and failing its probes, is %s and ran %d jobs; want unhealthy and none", st.State, b.Stats().Jobs)
+	}
+	b.SetHealthFail(false)
+	if !waitUntilOr(30*time.Second, func() bool { return workerOf(t, r, b.URL()).State == "serving" }) {
+		second.fail("b did not serve again within 30 s of passing its probes")
+	}
+
+	// A worker that joins after the restart is sent the update and the
+	// LoRA call read back before its first job.
+	expectStatus(t, "add_worker d", r.post("/add_worker?url="+d.URL(), ""), 200)
+	if !waitUntilOr(30*time.Second, func() bool { return workerOf(t, r, d.URL()).WeightVersion == "step-7+lora:x" }) {
+		second.fail("d was not brought to step-7+lora:x: %+v", workerOf(t, r, d.URL()))
+	}
+	if w := d.Weights(); w != "/ckpt/step-7" {
+		t.Fatalf("d runs %q; want /ckpt/step-7", w)
+	}
+}
