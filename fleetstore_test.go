@@ -292,7 +292,11 @@ func TestFleetRecordWriteRetriedWithoutBlockingRequests(t *testing.T) {
 	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c"})
 	r := startRouterWith(t, "storage diffusion_test", "diffusion_router {\n workers "+ws[0].URL()+"\n}")
 
-	<-store.storing // the first write of the pool hangs in storage
+	select { // the first write of the pool hangs in storage
+	case <-store.storing:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the pool wrote nothing within 30 s of starting")
+	}
 	expectStatus(t, "add_worker", r.post("/add_worker?url="+ws[1].URL(), ""), 200)
 	expectStatus(t, "POST /workers", r.post("/workers", `{"url":"`+ws[2].URL()+`"}`), 200)
 	expectStatus(t, "hold back", do(t, "PUT", r.base+"/workers/"+url.QueryEscape(ws[2].URL()), strings.NewReader(`{"is_dead":true}`)), 200)
