@@ -157,6 +157,12 @@ func workerHost(rp *reverseproxy.Handler) {
 //	diffusion_router [<pool>] {
 //	    workers          <url...>
 //
+//	    # finding workers through DNS (discovery)
+//	    workers_dns      <name> <port>
+//	    workers_srv      <name>
+//	    dns_refresh      <duration>
+//	    dns_resolvers    <host:port...>
+//
 //	    # choosing a worker (load_balancing) and waiting for one (queue)
 //	    policy           least_work|least_request|round_robin|random
 //	    max_inflight     <n>|unlimited
@@ -210,8 +216,9 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    persist          on|off
 //	}
 //
-// workers, admin_allow, weights_path_prefix, forward_paths and retry_on may repeat; each
-// adds to the list. Sizes
+// workers, workers_dns, workers_srv, dns_resolvers, admin_allow,
+// weights_path_prefix, forward_paths and retry_on may repeat; each adds to
+// the list. Sizes
 // read like Caddy's request_body max_size (64MiB, 10MB, 1048576).
 //
 // Parsing checks the syntax only: the option is known, its value is a
@@ -276,6 +283,11 @@ type option struct {
 // config groups them.
 var handlerOptions = map[string]option{
 	"workers": several(func(h *Handler) *[]string { return &h.Workers }),
+
+	"workers_dns":   {list: true, read: readWorkersDNS},
+	"workers_srv":   {list: true, read: readWorkersSRV},
+	"dns_refresh":   one(func(h *Handler) *caddy.Duration { return &h.Discovery.Refresh }, parseDuration),
+	"dns_resolvers": several(func(h *Handler) *[]string { return &h.Discovery.Resolvers }),
 
 	"policy":        one(func(h *Handler) *string { return &h.LoadBalancing.Policy }, parseText),
 	"max_inflight":  one(func(h *Handler) *int { return &h.LoadBalancing.MaxInflight }, parseMaxInflight),
@@ -398,6 +410,30 @@ func parseOff(v string) (bool, string) {
 		return false, "on or off"
 	}
 	return v == "off", ""
+}
+
+// readWorkersDNS reads `workers_dns <name> <port>`: one name per line, as
+// each has its port.
+func readWorkersDNS(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
+	if len(args) != 2 {
+		return d.Errf("%s takes a name and a port, got %d values", name, len(args))
+	}
+	port, want := parseWhole(args[1])
+	if want != "" {
+		return d.Errf("%s: port %q is not %s", name, args[1], want)
+	}
+	h.Discovery.A = append(h.Discovery.A, DNSName{Name: args[0], Port: port})
+	return nil
+}
+
+// readWorkersSRV reads `workers_srv <name>`, one name per line like
+// workers_dns.
+func readWorkersSRV(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
+	if len(args) != 1 {
+		return d.Errf("%s takes one name, got %d values", name, len(args))
+	}
+	h.Discovery.SRV = append(h.Discovery.SRV, args[0])
+	return nil
 }
 
 // readRetryOn reads retry_on's status codes.

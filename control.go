@@ -3,6 +3,7 @@ package diffusionrouter
 import (
 	"bytes"
 	"cmp"
+	"context"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
@@ -150,10 +151,6 @@ type workerJSON struct {
 }
 
 func newWorkerJSON(w workerInfo) workerJSON {
-	source := "config"
-	if w.Registered {
-		source = "registered"
-	}
 	_, hostPort, _ := strings.Cut(w.URL, "://") // the URL's host[:port], as the Python router shows it
 	return workerJSON{
 		WorkerID:            url.QueryEscape(w.URL),
@@ -166,7 +163,7 @@ func newWorkerJSON(w workerInfo) workerJSON {
 		ConsecutiveFailures: w.ConsecFails,
 		VideoSupport:        videoSupport(w.TaskTypes),
 		State:               w.State.String(),
-		Source:              source,
+		Source:              w.Source,
 		TaskTypes:           w.TaskTypes,
 		RequestsServed:      w.Served,
 		Failures:            w.Failures,
@@ -266,15 +263,20 @@ func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 	}
 	if created {
 		h.logger.Info("worker registered", zap.String("worker", info.URL))
-		if err := h.probe(r.Context(), info.URL); err != nil {
-			// Registered, but out until its health probes pass: a worker
-			// nobody can reach must not draw jobs only to fail them.
-			h.pool.setDown(info.URL, err)
-		}
+		h.welcome(r.Context(), info.URL)
 		h.pool.fleet.startCatchUps(&h.weights)
 		info, _ = h.pool.worker(info.URL)
 	}
 	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker": newWorkerJSON(info)})
+}
+
+// welcome learns what a worker that just joined can generate. One that
+// does not answer stays, but out until its health probes pass: a worker
+// nobody can reach must not draw jobs only to fail them.
+func (h *Handler) welcome(ctx context.Context, workerURL string) {
+	if err := h.probe(ctx, workerURL); err != nil {
+		h.pool.setDown(workerURL, err)
+	}
 }
 
 // workerURLFrom reads a worker URL from the query or the JSON body, and

@@ -40,8 +40,12 @@ type Handler struct {
 	Pool string `json:"pool,omitempty"`
 
 	// Workers are the worker URLs the config lists. Workers can also join
-	// at run time through POST /workers.
+	// at run time through POST /workers, or be found through DNS.
 	Workers []string `json:"workers,omitempty"`
+
+	// Discovery finds workers through DNS: the A/AAAA or SRV records of
+	// names, looked up again on an interval.
+	Discovery Discovery `json:"discovery,omitzero"`
 
 	// LoadBalancing is how a worker is chosen for each job.
 	LoadBalancing LoadBalancing `json:"load_balancing,omitzero"`
@@ -98,6 +102,7 @@ type Handler struct {
 	token    string
 	control  *http.ServeMux
 	guard    *dialGuard
+	found    *discovery // nil without DNS names
 	forwards pathSet
 	logger   *zap.Logger
 }
@@ -125,6 +130,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return optionError("workers", "workers", "%q: %v", u, errWorkerURLAdmin)
 		}
 	}
+	found, err := newDiscovery(ctx, h)
+	if err != nil {
+		return err
+	}
 	p, err := loadPool(h.Pool)
 	if err != nil {
 		return err
@@ -137,6 +146,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	p.store.use(h, storage)
 	h.pool.declare(h.Workers)
+	if found != nil {
+		h.found = found
+		p.declareLookups(found.keys())
+	}
 	h.control = h.controlMux()
 	if err := registerMetrics(ctx); err != nil {
 		return err
@@ -147,16 +160,23 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.client, logger: h.logger})
+	if found != nil {
+		app.(*HealthApp).discover(found)
+	}
 	return nil
 }
 
-// Cleanup withdraws the config's workers and lets go of the pool.
+// Cleanup withdraws the config's workers and DNS lookups and lets go of
+// the pool.
 func (h *Handler) Cleanup() error {
 	if h.pool == nil {
 		return nil
 	}
 	h.pool.store.drop(h) // before undeclaring: Caddy stopping is not recorded as the config's workers leaving
 	h.pool.undeclare(h.Workers)
+	if h.found != nil {
+		h.pool.undeclareLookups(h.found.keys())
+	}
 	releasePool(h.Pool)
 	return nil
 }

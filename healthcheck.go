@@ -61,16 +61,18 @@ type healthConfig struct {
 }
 
 // HealthApp runs the active health checks of the pools its config uses,
-// and starts each pool the first time: reads its record back from Caddy's
-// storage and keeps it written (see fleetStore). diffusion_router adds it
-// to the config it is part of, so probing starts when Caddy starts that
-// config and stops when it is unloaded, and `caddy validate`, which
-// starts nothing, probes and reads nothing.
+// starts each pool the first time (reads its record back from Caddy's
+// storage and keeps it written, see fleetStore), and runs the config's DNS
+// discovery of workers. diffusion_router adds it to the config it is part
+// of, so probing and lookups start when Caddy starts that config and stop
+// when it is unloaded, and `caddy validate`, which starts nothing, probes,
+// reads and looks up nothing.
 type HealthApp struct {
-	mu       sync.Mutex
-	probers  []*prober
-	cancel   context.CancelFunc
-	finished sync.WaitGroup
+	mu          sync.Mutex
+	probers     []*prober
+	discoveries []*discovery
+	cancel      context.CancelFunc
+	finished    sync.WaitGroup
 }
 
 // CaddyModule returns the Caddy module information.
@@ -94,7 +96,15 @@ func (a *HealthApp) watch(pr *prober) {
 	a.probers = append(a.probers, pr)
 }
 
-// Start starts probing, once each pool has read its record back.
+// discover asks the app to run a handler's DNS discovery once it starts.
+func (a *HealthApp) discover(d *discovery) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.discoveries = append(a.discoveries, d)
+}
+
+// Start starts probing, once each pool has read its record back, and
+// looking up.
 func (a *HealthApp) Start() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -104,10 +114,14 @@ func (a *HealthApp) Start() error {
 		pr.pool.store.startOnce()
 		goSafely(&a.finished, pr.logger, "health checks of pool "+pr.pool.name, func() { pr.run(ctx) })
 	}
+	for _, d := range a.discoveries {
+		goSafely(&a.finished, d.h.logger, "DNS discovery of pool "+d.h.Pool, func() { d.run(ctx) })
+	}
 	return nil
 }
 
-// Stop stops probing and waits until every probe has ended.
+// Stop stops probing and looking up, and waits until every probe and
+// lookup has ended.
 func (a *HealthApp) Stop() error {
 	a.mu.Lock()
 	cancel := a.cancel

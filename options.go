@@ -2,8 +2,10 @@ package diffusionrouter
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"math"
+	"net"
 	"net/netip"
 	"regexp"
 	"strings"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 )
 
 // The handler's options, grouped in its JSON config the way reverse_proxy
@@ -187,6 +190,40 @@ type Admin struct {
 	Token string `json:"token,omitempty"`
 }
 
+// Discovery finds workers through DNS, as a Kubernetes headless Service
+// publishes the ready pods of a StatefulSet. The names are looked up with
+// Caddy's own `a` and `srv` upstream sources every Refresh; a worker an
+// answer names joins the pool, one it no longer names gets no new jobs and
+// leaves once its jobs end. A lookup that fails, or names no usable
+// worker, keeps the workers of the last one that did.
+type Discovery struct {
+	// A are names whose A and AAAA records are workers, each address at
+	// the name's port: http://<address>:<port>.
+	A []DNSName `json:"a,omitempty"`
+
+	// SRV are names whose SRV records are workers, http://<target>:<port>,
+	// such as _http._tcp.workers.rollout.svc.cluster.local. Targets stay
+	// names, resolved by the system's resolver when dialled, as Caddy's srv
+	// upstreams are; priority and weight are ignored.
+	SRV []string `json:"srv,omitempty"`
+
+	// Refresh is how often every name is looked up again. Default 10s.
+	Refresh caddy.Duration `json:"refresh,omitempty"`
+
+	// Resolvers are the DNS servers asked, host:port each (port 53 when
+	// left out), one at random per lookup. Default: the system's resolver.
+	Resolvers []string `json:"resolvers,omitempty"`
+}
+
+// DNSName is a name whose A and AAAA records are workers at Port.
+type DNSName struct {
+	// Name is the name looked up.
+	Name string `json:"name"`
+
+	// Port is the port the workers listen on.
+	Port int `json:"port"`
+}
+
 // Defaults of the options that are not the cost model's, health's or
 // weights'.
 const (
@@ -195,6 +232,7 @@ const (
 	defaultMaxQueue   = 10000
 	defaultMaxWorkers = 4096
 	defaultAttempts   = 3
+	defaultDNSRefresh = 10 * time.Second
 )
 
 // defaultAdminAllow trusts only the machine the router runs on.
@@ -210,7 +248,7 @@ func optionError(caddyfileName, jsonPath, format string, args ...any) error {
 // options into the values the handler works with.
 func (h *Handler) provisionOptions() error {
 	h.Pool = cmp.Or(h.Pool, defaultPoolName)
-	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers, h.provisionForwardPaths}
+	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers, h.provisionDiscovery, h.provisionForwardPaths}
 	for _, step := range steps {
 		if err := step(); err != nil {
 			return err
@@ -443,6 +481,58 @@ func (h *Handler) provisionWorkers() error {
 			return optionError("workers", "workers", "%q: %v", raw, err)
 		}
 		h.Workers[i] = u
+	}
+	return nil
+}
+
+// provisionDiscovery reads the DNS discovery options.
+func (h *Handler) provisionDiscovery() error {
+	o := &h.Discovery
+	if len(o.A) == 0 && len(o.SRV) == 0 {
+		switch {
+		case o.Refresh != 0:
+			return optionError("dns_refresh", "discovery.refresh", "is set, but no workers_dns or workers_srv names a lookup")
+		case len(o.Resolvers) > 0:
+			return optionError("dns_resolvers", "discovery.resolvers", "are set, but no workers_dns or workers_srv names a lookup")
+		}
+		return nil
+	}
+	o.Refresh = cmp.Or(o.Refresh, caddy.Duration(defaultDNSRefresh))
+	if o.Refresh < 0 {
+		return optionError("dns_refresh", "discovery.refresh", "must be positive, got %s", time.Duration(o.Refresh))
+	}
+	for _, a := range o.A {
+		if err := checkLookupName(a.Name); err != nil {
+			return optionError("workers_dns", "discovery.a", "%q: %v", a.Name, err)
+		}
+		if a.Port < 1 || a.Port > 65535 {
+			return optionError("workers_dns", "discovery.a", "port %d of %s is not a number from 1 to 65535", a.Port, a.Name)
+		}
+	}
+	for _, name := range o.SRV {
+		if err := checkLookupName(name); err != nil {
+			return optionError("workers_srv", "discovery.srv", "%q: %v", name, err)
+		}
+	}
+	// The same check as the one Caddy's upstream sources make of their
+	// resolvers, so that it fails here, naming the option.
+	if err := (&reverseproxy.UpstreamResolver{Addresses: o.Resolvers}).ParseAddresses(); err != nil {
+		return optionError("dns_resolvers", "discovery.resolvers", "%v (want host:port, such as 10.96.0.10:53)", err)
+	}
+	return nil
+}
+
+// checkLookupName checks a name that DNS discovery looks up: a DNS name,
+// absolute (with a final dot) or not.
+func checkLookupName(name string) error {
+	bare := strings.TrimSuffix(strings.ToLower(name), ".")
+	switch {
+	case name == "":
+		return errors.New("a name to look up is required")
+	case net.ParseIP(bare) != nil, isNumericHost(bare):
+		return errors.New("is an address, not a name to look up: list it in workers")
+	case !isDNSName(bare):
+		return errors.New("is not a DNS name (letters, digits, '-', '_' and '.')")
 	}
 	return nil
 }

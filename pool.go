@@ -112,13 +112,17 @@ type pool struct {
 	metrics sharedAnswer // the workers' engine metrics
 }
 
-// registry is which workers the pool has and why.
+// registry is which workers the pool has and why. A worker stays while
+// anything keeps it: a registration, a loaded config that lists it, or a
+// DNS answer that names it.
 type registry struct {
-	workers   []*worker          // in order of joining
-	byDial    map[string]*worker // one worker per dial address
-	declared  map[string]int     // worker URL -> number of loaded configs listing it
-	departing map[string]*worker // removed workers whose jobs have not ended, by dial address
-	unknown   atomic.Int32       // workers whose task types no probe has told yet; read without mu
+	workers    []*worker             // in order of joining
+	byDial     map[string]*worker    // one worker per dial address
+	declared   map[string]int        // worker URL -> number of loaded configs listing it
+	discovered map[string]int        // worker URL -> number of DNS answers naming it
+	answers    map[string]*dnsAnswer // DNS lookup -> its last answer, while a loaded config names the lookup
+	departing  map[string]*worker    // removed workers whose jobs have not ended, by dial address
+	unknown    atomic.Int32          // workers whose task types no probe has told yet; read without mu
 }
 
 // scheduler is the state of routing decisions and of the queue.
@@ -138,14 +142,17 @@ type scheduler struct {
 
 func newPool(name string) *pool {
 	p := &pool{
-		name:     name,
-		now:      time.Now,
-		logger:   caddy.Log().Named("diffusion_router").With(zap.String("pool", name)),
-		registry: registry{byDial: make(map[string]*worker), declared: make(map[string]int), departing: make(map[string]*worker)},
-		held:     make(map[string]*heldVideo),
-		ghosts:   make(map[*ticket]*time.Timer),
-		videos:   newJobOwners(defaultJobOwnerLimit, defaultJobOwnerTTL),
-		images:   newJobOwners(defaultJobOwnerLimit, defaultJobOwnerTTL),
+		name:   name,
+		now:    time.Now,
+		logger: caddy.Log().Named("diffusion_router").With(zap.String("pool", name)),
+		registry: registry{
+			byDial: make(map[string]*worker), declared: make(map[string]int), discovered: make(map[string]int),
+			answers: make(map[string]*dnsAnswer), departing: make(map[string]*worker),
+		},
+		held:   make(map[string]*heldVideo),
+		ghosts: make(map[*ticket]*time.Timer),
+		videos: newJobOwners(defaultJobOwnerLimit, defaultJobOwnerTTL),
+		images: newJobOwners(defaultJobOwnerLimit, defaultJobOwnerTTL),
 	}
 	p.defaultSpeed = 1
 	p.client = guardedClient(func() *dialGuard { return p.guard.Load() })
@@ -310,7 +317,7 @@ func (w *worker) serving(now int64) bool {
 type workerInfo struct {
 	URL         string
 	Dial        string
-	Registered  bool
+	Source      string      // what keeps it in the pool: registered, config or dns
 	State       workerState // where the worker is now
 	Lifecycle   workerState // where the fleet's operations put it
 	Version     string
@@ -336,7 +343,7 @@ type workerInfo struct {
 func (p *pool) infoLocked(w *worker) workerInfo {
 	now := p.now().UnixNano()
 	info := workerInfo{
-		URL: w.url, Dial: w.dial, Registered: w.registered,
+		URL: w.url, Dial: w.dial, Source: p.sourceLocked(w),
 		State: w.stateAt(now), Lifecycle: w.life.state, Version: w.life.version,
 		Inflight: w.load.inflight, Served: w.stats.served,
 		Failures: w.stats.failures, ConsecFails: w.evidence.consecFails,
@@ -382,11 +389,29 @@ func (p *pool) undeclare(urls []string) {
 			continue
 		}
 		delete(p.declared, u)
-		if w := p.find(u); w != nil && !w.registered {
+		if w := p.find(u); w != nil && !p.heldLocked(w) {
 			p.removeLocked(w)
 		}
 	}
 	p.store.changed()
+}
+
+// heldLocked reports whether anything keeps w in the pool.
+func (p *pool) heldLocked(w *worker) bool {
+	return w.registered || p.declared[w.url] > 0 || p.discovered[w.url] > 0
+}
+
+// sourceLocked names what keeps w in the pool, the longest-lived first: a
+// registration outlives every config, and a config's list outlives the
+// DNS answers.
+func (p *pool) sourceLocked(w *worker) string {
+	switch {
+	case w.registered:
+		return "registered"
+	case p.declared[w.url] == 0 && p.discovered[w.url] > 0:
+		return "dns"
+	}
+	return "config"
 }
 
 // errTooManyWorkers refuses a registration beyond max_workers.

@@ -19,6 +19,7 @@ type sample struct {
 	sent, received time.Time
 	status         int
 	version        string
+	worker         string // the X-Fake-Worker that answered
 }
 
 // load keeps clients generation requests in flight until the returned stop
@@ -43,6 +44,7 @@ func load(t *testing.T, r *testRouter, clients int) (stop func() []sample, answe
 				s := sample{sent: time.Now()}
 				rp := do(t, "POST", r.base+"/v1/images/generations", strings.NewReader(`{"response_format":"b64_json","prompt":"x","size":"512x512","num_inference_steps":4}`))
 				s.received, s.status, s.version = time.Now(), rp.status, rp.header.Get(weightVersionHeader)
+				s.worker = rp.header.Get("X-Fake-Worker")
 				mu.Lock()
 				samples = append(samples, s)
 				mu.Unlock()

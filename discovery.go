@@ -1,0 +1,303 @@
+package diffusionrouter
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+)
+
+// DNS discovery. A Kubernetes headless Service publishes the ready pods of
+// a StatefulSet as A records of its name and SRV records of its named
+// ports. The router looks such names up on an interval, with Caddy's own
+// `a` and `srv` upstream sources, and keeps the pool's discovered workers
+// equal to the answers: a worker that appears joins as a registered one
+// does (probed, brought to the pool's weights before its first job), one
+// that disappears gets no new jobs and leaves when its jobs end.
+//
+// The answers live in the pool, counted by the configs that name each
+// lookup, as the workers a config lists are: a reload starts the new
+// config's lookups before the old config's stop, and the workers both name
+// stay, with what the pool learned of them.
+
+// discovery looks one config's names up every refresh. HealthApp runs it,
+// so that it starts when Caddy starts the config and stops when the config
+// is unloaded; `caddy validate` looks nothing up.
+type discovery struct {
+	h       *Handler
+	lookups []*dnsLookup
+	refresh time.Duration
+}
+
+// dnsLookup is one name to look up.
+type dnsLookup struct {
+	key    string                      // names the lookup in the pool: kind, name and port
+	source reverseproxy.UpstreamSource // Caddy's a or srv upstream source
+
+	// Touched only by the discovery's goroutine.
+	failing bool     // the last lookup failed: logged once, not every round
+	last    []string // the addresses of the last answer, to log what changes
+}
+
+// errNoUsableWorker is a lookup whose answer names no worker the router
+// may use: taken as a failure, so that it never empties the pool.
+var errNoUsableWorker = errors.New("the answer names no usable worker")
+
+// newDiscovery sets up Caddy's upstream sources for the handler's DNS
+// names; nil when it has none. It dials nobody.
+func newDiscovery(ctx caddy.Context, h *Handler) (*discovery, error) {
+	o := &h.Discovery
+	if len(o.A) == 0 && len(o.SRV) == 0 {
+		return nil, nil
+	}
+	d := &discovery{h: h, refresh: time.Duration(o.Refresh)}
+	// Caddy's sources keep an answer for their Refresh; half of ours makes
+	// each round ask DNS again rather than get the last round's answer.
+	keep := caddy.Duration(d.refresh / 2)
+	resolver := func() *reverseproxy.UpstreamResolver {
+		if len(o.Resolvers) == 0 {
+			return nil // the system's
+		}
+		return &reverseproxy.UpstreamResolver{Addresses: o.Resolvers}
+	}
+	for _, a := range o.A {
+		port := strconv.Itoa(a.Port)
+		src := &reverseproxy.AUpstreams{Name: a.Name, Port: port, Refresh: keep, Resolver: resolver()}
+		if err := src.Provision(ctx); err != nil {
+			return nil, optionError("workers_dns", "discovery.a", "%s: %v", a.Name, err)
+		}
+		d.lookups = append(d.lookups, &dnsLookup{key: "a " + a.Name + " " + port, source: src})
+	}
+	for _, name := range o.SRV {
+		src := &reverseproxy.SRVUpstreams{Name: name, Refresh: keep, Resolver: resolver()}
+		if err := src.Provision(ctx); err != nil {
+			return nil, optionError("workers_srv", "discovery.srv", "%s: %v", name, err)
+		}
+		d.lookups = append(d.lookups, &dnsLookup{key: "srv " + name, source: src})
+	}
+	return d, nil
+}
+
+// keys names the discovery's lookups in the pool.
+func (d *discovery) keys() []string {
+	keys := make([]string, len(d.lookups))
+	for i, l := range d.lookups {
+		keys[i] = l.key
+	}
+	return keys
+}
+
+// run looks every name up at once, then again every refresh, until ctx
+// ends.
+func (d *discovery) run(ctx context.Context) {
+	for {
+		for _, l := range d.lookups {
+			d.lookUp(ctx, l)
+		}
+		if !sleep(ctx, d.refresh) {
+			return
+		}
+	}
+}
+
+// lookUp asks DNS once and hands the answer to the pool; a failed lookup
+// keeps the workers of the last one that answered.
+func (d *discovery) lookUp(ctx context.Context, l *dnsLookup) {
+	ups, err := l.source.GetUpstreams(lookupRequest(ctx))
+	if ctx.Err() != nil {
+		return // stopping: says nothing of the name
+	}
+	dials := make([]string, len(ups))
+	for i, u := range ups {
+		dials[i] = u.Dial
+	}
+	slices.Sort(dials)
+	urls := d.workerURLs(l, dials)
+	if err == nil && len(urls) == 0 {
+		err = errNoUsableWorker
+	}
+	if err != nil {
+		d.failed(l, err)
+		return
+	}
+	if l.failing {
+		l.failing = false
+		d.h.logger.Info("DNS lookup of workers answers again", zap.String("lookup", l.key))
+	}
+	l.last = dials
+	change := d.h.pool.setFound(l.key, urls, d.h.MaxWorkers)
+	d.report(l, change)
+	d.welcome(ctx, change.joined)
+}
+
+// lookupRequest is what Caddy's upstream sources take to look a name up:
+// a request whose context carries ctx's end and a replacer.
+func lookupRequest(ctx context.Context) *http.Request {
+	ctx = context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewReplacer())
+	r, _ := http.NewRequestWithContext(ctx, http.MethodGet, "/", nil) // cannot fail: fixed method and URL
+	return r
+}
+
+// workerURLs turns the addresses of an answer into worker URLs, leaving out
+// those that are never workers (the checks of a registration: cloud
+// metadata, link-local, Caddy's admin API); the dial guard checks the
+// addresses SRV targets resolve to when they are dialled.
+func (d *discovery) workerURLs(l *dnsLookup, dials []string) []string {
+	changed := !slices.Equal(dials, l.last)
+	var urls []string
+	for _, dial := range dials {
+		u, err := parseWorkerURL("http://" + dial)
+		if err == nil && d.h.guard.refusesURL(u) {
+			err = errWorkerURLAdmin
+		}
+		if err != nil {
+			if changed {
+				d.h.logger.Warn("DNS answer names an address that is never a worker; it is left out",
+					zap.String("lookup", l.key), zap.String("address", dial), zap.Error(err))
+			}
+			continue
+		}
+		urls = append(urls, u)
+	}
+	slices.Sort(urls)
+	return slices.Compact(urls) // an answer may name an address twice
+}
+
+// failed logs a failed lookup once, until the name answers again.
+func (d *discovery) failed(l *dnsLookup, err error) {
+	if l.failing {
+		d.h.logger.Debug("DNS lookup of workers failed again", zap.String("lookup", l.key), zap.Error(err))
+		return
+	}
+	l.failing = true
+	d.h.logger.Warn("DNS lookup of workers failed; the workers it last named stay",
+		zap.String("lookup", l.key), zap.Error(err))
+}
+
+// report logs how an answer changed the pool.
+func (d *discovery) report(l *dnsLookup, c foundChange) {
+	if len(c.joined) > 0 {
+		d.h.logger.Info("workers found through DNS joined the pool", zap.String("lookup", l.key), zap.Strings("workers", c.joined))
+	}
+	if len(c.left) > 0 {
+		d.h.logger.Info("workers no longer in DNS left the pool; their jobs in flight finish", zap.String("lookup", l.key), zap.Strings("workers", c.left))
+	}
+	if c.noRoom > 0 {
+		d.h.logger.Warn("workers found through DNS left out: the pool has max_workers workers",
+			zap.String("lookup", l.key), zap.Int("left_out", c.noRoom), zap.Int("max_workers", d.h.MaxWorkers))
+	}
+}
+
+// welcome learns what the workers that joined can generate, in parallel,
+// and starts bringing them to the pool's weights, as a registration does.
+func (d *discovery) welcome(ctx context.Context, joined []string) {
+	if len(joined) == 0 {
+		return
+	}
+	var wg sync.WaitGroup
+	for _, u := range joined {
+		goSafely(&wg, d.h.logger, "first probe of "+u, func() { d.h.welcome(ctx, u) })
+	}
+	wg.Wait()
+	d.h.pool.fleet.startCatchUps(&d.h.weights)
+}
+
+// dnsAnswer is what one DNS lookup last said.
+type dnsAnswer struct {
+	users int      // loaded configs that name the lookup
+	urls  []string // the workers its last usable answer named
+}
+
+// foundChange is what a DNS answer did to the pool.
+type foundChange struct {
+	joined []string // workers new to the pool
+	left   []string // workers no longer named, which left
+	noRoom int      // workers named but left out: the pool is full
+}
+
+// declareLookups counts a config's DNS lookups in, as declare counts its
+// workers.
+func (p *pool) declareLookups(keys []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, k := range keys {
+		if p.answers[k] == nil {
+			p.answers[k] = new(dnsAnswer)
+		}
+		p.answers[k].users++
+	}
+}
+
+// undeclareLookups withdraws a config's DNS lookups; the workers of a
+// lookup no loaded config names leave, unless something else keeps them.
+func (p *pool) undeclareLookups(keys []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, k := range keys {
+		a := p.answers[k]
+		if a == nil {
+			continue
+		}
+		if a.users--; a.users > 0 {
+			continue
+		}
+		delete(p.answers, k)
+		p.forgetFoundLocked(a.urls)
+	}
+}
+
+// setFound records a lookup's new answer. Workers it names that the pool
+// lacks join (up to maxWorkers): also those an operator removed, as a
+// config's workers come back on a reload. Workers it no longer names
+// leave, unless something else keeps them.
+func (p *pool) setFound(key string, urls []string, maxWorkers int) foundChange {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var c foundChange
+	a := p.answers[key]
+	if a == nil {
+		return c // its last config was unloaded while it looked up
+	}
+	for _, u := range urls {
+		p.discovered[u]++
+	}
+	old := a.urls
+	a.urls = urls
+	c.left = p.forgetFoundLocked(old)
+	for _, u := range urls {
+		switch {
+		case p.find(u) != nil:
+		case len(p.workers) >= maxWorkers:
+			c.noRoom++
+		default:
+			p.add(u)
+			c.joined = append(c.joined, u)
+		}
+	}
+	p.dispatchLocked()
+	return c
+}
+
+// forgetFoundLocked drops one DNS answer's count of each of urls and
+// removes the workers nothing keeps any more. It returns those.
+func (p *pool) forgetFoundLocked(urls []string) []string {
+	var gone []string
+	for _, u := range urls {
+		if p.discovered[u]--; p.discovered[u] > 0 {
+			continue
+		}
+		delete(p.discovered, u)
+		if w := p.find(u); w != nil && !p.heldLocked(w) {
+			p.removeLocked(w)
+			gone = append(gone, u)
+		}
+	}
+	return gone
+}
