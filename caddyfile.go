@@ -416,7 +416,7 @@ func parseOff(v string) (bool, string) {
 // each has its port.
 func readWorkersDNS(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
 	if len(args) != 2 {
-		return d.Errf("%s takes a name and a port, got %d values", name, len(args))
+		return d.Errf("%s takes a name and a port: %s <name> <port>", name, name)
 	}
 	port, want := parseWhole(args[1])
 	if want != "" {
@@ -430,7 +430,7 @@ func readWorkersDNS(h *Handler, d *caddyfile.Dispenser, name string, args []stri
 // workers_dns.
 func readWorkersSRV(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
 	if len(args) != 1 {
-		return d.Errf("%s takes one name, got %d values", name, len(args))
+		return d.Errf("%s takes one name per line: %s <name>", name, name)
 	}
 	h.Discovery.SRV = append(h.Discovery.SRV, args[0])
 	return nil

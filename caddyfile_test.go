@@ -66,6 +66,11 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		drain_timeout 5m
 		weights_timeout 15m
 		weights_path_prefix /ckpt/ s3://bucket/
+		workers_dns workers.rollout.svc.cluster.local 30000
+		workers_dns video-workers.rollout.svc.cluster.local. 30001
+		workers_srv _http._tcp.workers.rollout.svc.cluster.local
+		dns_refresh 30s
+		dns_resolvers 10.96.0.10:53 10.96.0.11
 		health_uri /health_generate
 		health_interval 30s
 		health_timeout 2m
@@ -97,6 +102,15 @@ func TestCaddyfileEveryOption(t *testing.T) {
 	want := Handler{
 		Pool:          "rollout",
 		Workers:       []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
+		Discovery: Discovery{
+			A: []DNSName{
+				{Name: "workers.rollout.svc.cluster.local", Port: 30000},
+				{Name: "video-workers.rollout.svc.cluster.local.", Port: 30001},
+			},
+			SRV:       []string{"_http._tcp.workers.rollout.svc.cluster.local"},
+			Refresh:   caddy.Duration(30 * time.Second),
+			Resolvers: []string{"10.96.0.10:53", "10.96.0.11"},
+		},
 		LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2, MaxAttempts: 2, RetryOn: []int{500, 503}, HedgeAfter: 3},
 		Queue:         Queue{Order: "largest_first", Timeout: caddy.Duration(90 * time.Second), MaxJobs: 500},
 		Cost:          CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
@@ -170,7 +184,7 @@ func TestCaddyfileLongForm(t *testing.T) {
 func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 	cases := map[string]string{
 		"unknown option":            "frobnicate yes",
-		"unknown option, two words": "workers_dns a b",
+		"unknown option, two words": "workers_consul a b",
 		"two policies":              "policy random round_robin",
 		"bad size":                  "max_body lots",
 		"zero size":                 "max_body 0",
@@ -194,6 +208,14 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 		"zero min_ready":            "min_ready 0",
 		"bad dashboard":             "dashboard maybe",
 		"retry_on word":             "retry_on errors",
+		"workers_dns without port":  "workers_dns workers.rollout.svc",
+		"workers_dns word port":     "workers_dns workers.rollout.svc http",
+		"workers_dns zero port":     "workers_dns workers.rollout.svc 0",
+		"workers_dns three values":  "workers_dns workers.rollout.svc 30000 30001",
+		"workers_srv two names":     "workers_srv _http._tcp.a _http._tcp.b",
+		"bad dns_refresh":           "dns_refresh often",
+		"zero dns_refresh":          "dns_refresh 0s",
+		"missing dns_resolvers":     "dns_resolvers",
 	}
 	for name, line := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -206,8 +228,8 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 			}
 		})
 	}
-	_, err := adapt(t, "diffusion_router {\nworkers_dns a b\n}")
-	if err == nil || !strings.Contains(err.Error(), `unknown diffusion_router option "workers_dns"`) {
+	_, err := adapt(t, "diffusion_router {\nworkers_consul a b\n}")
+	if err == nil || !strings.Contains(err.Error(), `unknown diffusion_router option "workers_consul"`) {
 		t.Errorf("unknown option with two values: %v; want it called unknown", err)
 	}
 }
@@ -252,6 +274,15 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"max_attempts -1", "max_attempts (load_balancing.max_attempts):"},
 		{"retry_on 200", "retry_on (load_balancing.retry_on): 200 is not an error status code"},
 		{"hedge_after 0.5", "hedge_after (load_balancing.hedge_after):"},
+		{"workers_dns http://workers.rollout.svc 30000", "workers_dns (discovery.a): \"http://workers.rollout.svc\": is not a DNS name"},
+		{"workers_dns 10.0.0.1 30000", "workers_dns (discovery.a): \"10.0.0.1\": is an address, not a name to look up"},
+		{"workers_dns workers.rollout.svc 70000", "workers_dns (discovery.a): port 70000 of workers.rollout.svc is not a number from 1 to 65535"},
+		{"workers_srv _http._tcp..svc", "workers_srv (discovery.srv): \"_http._tcp..svc\": is not a DNS name"},
+		{"workers_srv w\ndns_resolvers 10.0.0.10:dns", "dns_resolvers (discovery.resolvers):"},
+		{"workers_srv w\ndns_resolvers 10.0.0.10:53-54", "dns_resolvers (discovery.resolvers):"},
+		{"workers_srv w\ndns_refresh -1s", "dns_refresh (discovery.refresh): must be positive"},
+		{"dns_refresh 30s", "dns_refresh (discovery.refresh): is set, but no workers_dns or workers_srv names a lookup"},
+		{"dns_resolvers 10.0.0.10", "dns_resolvers (discovery.resolvers): are set, but no workers_dns or workers_srv names a lookup"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.line, func(t *testing.T) {

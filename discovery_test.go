@@ -404,4 +404,9 @@ func TestDNSWorkersSurviveReload(t *testing.T) {
 
 	r.load("diffusion_router {\n workers " + pods.urls("listed")[0] + "\n}")
 	waitForWorkers(t, r, pods.urls("listed")...) // a config without the lookup lets its workers go
+	for _, stack := range goroutineStacks() {
+		if strings.Contains(stack, "(*discovery).run") {
+			t.Fatalf("the unloaded configs' lookups still run:\n%s", stack)
+		}
+	}
 }

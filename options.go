@@ -514,10 +514,12 @@ func (h *Handler) provisionDiscovery() error {
 			return optionError("workers_srv", "discovery.srv", "%q: %v", name, err)
 		}
 	}
-	// The same check as the one Caddy's upstream sources make of their
-	// resolvers, so that it fails here, naming the option.
-	if err := (&reverseproxy.UpstreamResolver{Addresses: o.Resolvers}).ParseAddresses(); err != nil {
-		return optionError("dns_resolvers", "discovery.resolvers", "%v (want host:port, such as 10.96.0.10:53)", err)
+	// The check Caddy's upstream sources make of their resolvers, so that
+	// it fails here, naming the option and the value.
+	for _, r := range o.Resolvers {
+		if err := (&reverseproxy.UpstreamResolver{Addresses: []string{r}}).ParseAddresses(); err != nil {
+			return optionError("dns_resolvers", "discovery.resolvers", "%q: %v (want host:port, such as 10.96.0.10:53)", r, err)
+		}
 	}
 	return nil
 }
