@@ -410,3 +410,24 @@ func TestDNSWorkersSurviveReload(t *testing.T) {
 		}
 	}
 }
+
+func TestDNSDiscoveryAAAA(t *testing.T) {
+	ln, err := net.Listen("tcp", "[::1]:0")
+	if err != nil {
+		t.Skipf("no IPv6 loopback: %v", err)
+	}
+	w := fakeworker.New(fakeworker.Config{Name: "v6", UnitMs: 1})
+	go func() { _ = w.Serve(ln) }()
+	t.Cleanup(w.Close)
+	port := ln.Addr().(*net.TCPAddr).Port
+	dnsSrv := startDNS(t)
+	const name = "workers.rollout.test."
+	dnsSrv.set(t, name, name+" 0 IN AAAA ::1")
+	r := startRouter(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, port)))
+	waitForWorkers(t, r, fmt.Sprintf("http://[::1]:%d", port))
+	rp := r.post("/v1/images/generations", smallImage)
+	expectStatus(t, "a generation", rp, 200)
+	if got := rp.header.Get("X-Fake-Worker"); got != "v6" {
+		t.Fatalf("served by %q; want the worker of the AAAA record", got)
+	}
+}
