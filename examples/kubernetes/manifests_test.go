@@ -1,0 +1,194 @@
+// Package kubernetes holds the example deployment's manifests; its test
+// keeps them from rotting: every manifest parses, the names that tie them
+// together match, and the router's Caddyfile adapts with this build of
+// Caddy and the plugin.
+package kubernetes
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+)
+
+// object is one Kubernetes object of a manifest, as parsed YAML.
+type object struct {
+	file string
+	doc  map[string]any
+}
+
+func (o object) kind() string { return str(o.doc, "kind") }
+func (o object) name() string { return str(o.doc, "metadata", "name") }
+
+// manifests parses every YAML document of every .yaml file here.
+func manifests(t *testing.T) []object {
+	t.Helper()
+	files, err := filepath.Glob("*.yaml")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no manifests (%v)", err)
+	}
+	var objs []object
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dec := yaml.NewDecoder(bytes.NewReader(data))
+		for {
+			var doc map[string]any
+			err := dec.Decode(&doc)
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			if err != nil {
+				t.Fatalf("%s: %v", f, err)
+			}
+			objs = append(objs, object{f, doc})
+		}
+	}
+	return objs
+}
+
+// find returns the object of kind and name.
+func find(t *testing.T, objs []object, kind, name string) object {
+	t.Helper()
+	for _, o := range objs {
+		if o.kind() == kind && o.name() == name {
+			return o
+		}
+	}
+	t.Fatalf("no %s %q in the manifests", kind, name)
+	return object{}
+}
+
+// at follows keys (strings into maps, ints into lists) through parsed YAML.
+func at(v any, path ...any) any {
+	for _, p := range path {
+		switch k := p.(type) {
+		case string:
+			m, _ := v.(map[string]any)
+			v = m[k]
+		case int:
+			l, _ := v.([]any)
+			if k >= len(l) {
+				return nil
+			}
+			v = l[k]
+		}
+	}
+	return v
+}
+
+func str(v any, path ...any) string {
+	s, _ := at(v, path...).(string)
+	return s
+}
+
+func TestEveryManifestIsAnObject(t *testing.T) {
+	for _, o := range manifests(t) {
+		switch {
+		case str(o.doc, "apiVersion") == "", o.kind() == "", o.name() == "":
+			t.Errorf("%s: a document without apiVersion, kind or metadata.name: %v", o.file, o.doc)
+		case o.kind() != "Namespace" && str(o.doc, "metadata", "namespace") != "rollout":
+			t.Errorf("%s: %s %s is not in namespace rollout, which the Caddyfile's names assume", o.file, o.kind(), o.name())
+		}
+	}
+}
+
+func TestRouterCaddyfileAdapts(t *testing.T) {
+	objs := manifests(t)
+	deploy := find(t, objs, "Deployment", "diffusion-router")
+	cm := find(t, objs, "ConfigMap", str(volume(t, deploy, "caddyfile"), "configMap", "name"))
+	caddyfile := str(cm.doc, "data", "Caddyfile")
+	cfg, warnings, err := harness.Adapt([]byte(caddyfile), "router.yaml:Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range warnings {
+		t.Errorf("caddy adapt warns: %s", w)
+	}
+
+	// The router looks up the SRV record of the workers' headless Service.
+	svc := find(t, objs, "Service", str(find(t, objs, "StatefulSet", "diffusion-workers").doc, "spec", "serviceName"))
+	if str(svc.doc, "spec", "clusterIP") != "None" {
+		t.Error("the workers' Service is not headless: its DNS name would be one virtual IP, not the pods")
+	}
+	srv := "_" + str(svc.doc, "spec", "ports", 0, "name") + "._tcp." + svc.name() + ".rollout.svc.cluster.local"
+	if !strings.Contains(string(cfg), `"srv":["`+srv+`"]`) {
+		t.Errorf("the router does not look up %s, the workers' SRV record:\n%s", srv, cfg)
+	}
+
+	// Its certificate comes from the Secret certificate.yaml fills, mounted
+	// where the Caddyfile reads it.
+	secret := str(find(t, objs, "Certificate", "diffusion-router").doc, "spec", "secretName")
+	tls := volume(t, deploy, "tls")
+	if str(tls, "secret", "secretName") != secret {
+		t.Errorf("the router mounts Secret %q; the certificate is in %q", str(tls, "secret", "secretName"), secret)
+	}
+	dir := str(mount(t, deploy, "tls"), "mountPath")
+	if !strings.Contains(caddyfile, "tls "+dir+"/tls.crt "+dir+"/tls.key") {
+		t.Errorf("the Caddyfile does not read the certificate mounted at %s", dir)
+	}
+}
+
+func TestProbesAndScrapeMatchTheRouter(t *testing.T) {
+	objs := manifests(t)
+	deploy := find(t, objs, "Deployment", "diffusion-router")
+	c := at(deploy.doc, "spec", "template", "spec", "containers", 0)
+	for probe, path := range map[string]string{"livenessProbe": "/healthz", "readinessProbe": "/readyz"} {
+		if got := str(c, probe, "httpGet", "path"); got != path {
+			t.Errorf("router %s probes %q; the router answers %s", probe, got, path)
+		}
+		if str(c, probe, "httpGet", "scheme") != "HTTPS" {
+			t.Errorf("router %s is not HTTPS, which the router's site speaks", probe)
+		}
+	}
+	ports := map[string]int{}
+	for _, p := range at(c, "ports").([]any) {
+		ports[str(p, "name")] = at(p, "containerPort").(int)
+	}
+	annotations := at(deploy.doc, "spec", "template", "metadata", "annotations")
+	if str(annotations, "prometheus.io/scrape") != "true" || str(annotations, "prometheus.io/port") != "9180" || ports["metrics"] != 9180 {
+		t.Errorf("the scrape annotations %v do not point at the metrics port %d", annotations, ports["metrics"])
+	}
+	if target := str(find(t, objs, "Service", "diffusion-router").doc, "spec", "ports", 0, "targetPort"); ports[target] == 0 {
+		t.Errorf("the router's Service targets port %q, which the container does not name", target)
+	}
+
+	worker := at(find(t, objs, "StatefulSet", "diffusion-workers").doc, "spec", "template", "spec", "containers", 0)
+	for _, probe := range []string{"startupProbe", "readinessProbe", "livenessProbe"} {
+		if got := str(worker, probe, "httpGet", "path"); got != "/health" {
+			t.Errorf("worker %s probes %q; sglang-diffusion answers /health", probe, got)
+		}
+	}
+}
+
+// volume returns the pod volume of the Deployment named name.
+func volume(t *testing.T, deploy object, name string) any {
+	t.Helper()
+	vols, _ := at(deploy.doc, "spec", "template", "spec", "volumes").([]any)
+	i := slices.IndexFunc(vols, func(v any) bool { return str(v, "name") == name })
+	if i < 0 {
+		t.Fatalf("%s has no volume %q", deploy.name(), name)
+	}
+	return vols[i]
+}
+
+// mount returns the first container's mount of the volume named name.
+func mount(t *testing.T, deploy object, name string) any {
+	t.Helper()
+	mounts, _ := at(deploy.doc, "spec", "template", "spec", "containers", 0, "volumeMounts").([]any)
+	i := slices.IndexFunc(mounts, func(m any) bool { return str(m, "name") == name })
+	if i < 0 {
+		t.Fatalf("%s does not mount volume %q", deploy.name(), name)
+	}
+	return mounts[i]
+}
