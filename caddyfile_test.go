@@ -100,8 +100,8 @@ func TestCaddyfileEveryOption(t *testing.T) {
 	}
 	h := handlerFrom(t, cfg)
 	want := Handler{
-		Pool:          "rollout",
-		Workers:       []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
+		Pool:    "rollout",
+		Workers: []string{"http://10.0.0.1:30000", "https://10.0.0.2:30000"},
 		Discovery: Discovery{
 			A: []DNSName{
 				{Name: "workers.rollout.svc.cluster.local", Port: 30000},
