@@ -272,13 +272,56 @@ func TestStrategyConfigsAdapt(t *testing.T) {
 	adapter := caddyconfig.GetAdapter("caddyfile")
 	workers := []string{"http://127.0.0.1:30001", "http://127.0.0.1:30002"}
 	for _, s := range strategies {
-		text := s.caddyfile(18080, "benchtest", workers, 2)
+		text := s.caddyfile([]int{18080}, "benchtest", workers, 2)
 		if _, _, err := adapter.Adapt([]byte(text), nil); err != nil {
 			t.Errorf("%s: %v\n%s", s.name, err, text)
 		}
 	}
-	if _, err := parseStrategies("caddy/"); err == nil {
-		t.Error("caddy/ without a policy was accepted")
+	for _, bad := range []string{"caddy/", "least_work@0", "least_work@two", "least_work@2halves"} {
+		if _, err := parseStrategies(bad); err == nil {
+			t.Errorf("%s was accepted", bad)
+		}
+	}
+}
+
+// TestReplicaConfigs checks the configs of router replicas: "@2" puts every
+// worker behind both routers, "@2split" gives each router every other one;
+// each router has a pool of its own.
+func TestReplicaConfigs(t *testing.T) {
+	strategies, err := parseStrategies("least_work/largest_first@2,least_work@2split,caddy/least_conn@2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	workers := []string{"http://127.0.0.1:30001", "http://127.0.0.1:30002", "http://127.0.0.1:30003", "http://127.0.0.1:30004"}
+	for _, tc := range []struct {
+		s     strategy
+		sites []string
+	}{
+		{strategies[0], []string{
+			"diffusion_router bench-1 {\n\t\tworkers " + strings.Join(workers, " "),
+			"diffusion_router bench-2 {\n\t\tworkers " + strings.Join(workers, " "),
+		}},
+		{strategies[1], []string{
+			"diffusion_router bench-1 {\n\t\tworkers http://127.0.0.1:30001 http://127.0.0.1:30003\n",
+			"diffusion_router bench-2 {\n\t\tworkers http://127.0.0.1:30002 http://127.0.0.1:30004\n",
+		}},
+		{strategies[2], []string{
+			":18080 {\n\treverse_proxy 127.0.0.1:30001 127.0.0.1:30002 127.0.0.1:30003 127.0.0.1:30004",
+			":18081 {\n\treverse_proxy 127.0.0.1:30001 127.0.0.1:30002 127.0.0.1:30003 127.0.0.1:30004",
+		}},
+	} {
+		if tc.s.routers != 2 {
+			t.Errorf("%s: %d routers, want 2", tc.s.name, tc.s.routers)
+		}
+		text := tc.s.caddyfile([]int{18080, 18081}, "bench", workers, 0)
+		for _, site := range tc.sites {
+			if !strings.Contains(text, site) {
+				t.Errorf("%s: the config lacks %q:\n%s", tc.s.name, site, text)
+			}
+		}
+		if _, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(text), nil); err != nil {
+			t.Errorf("%s: %v\n%s", tc.s.name, err, text)
+		}
 	}
 }
 

@@ -23,6 +23,12 @@
 // refuses (say, a policy this build of the router does not have) is
 // reported as not run and the others go on.
 //
+// A suffix runs a strategy on several routers, as replicas behind one
+// Kubernetes Service: "least_work/fifo@2" is two routers, each with a pool
+// of its own and all the workers; "least_work/fifo@2split" is two routers
+// that each own every other worker. The client sends its requests to the
+// routers in turn.
+//
 // Modes (--mode):
 //
 //	batch     all --n jobs at once, like a rollout step. makespan is the time

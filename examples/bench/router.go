@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
@@ -12,12 +13,15 @@ import (
 
 // strategy is one way of spreading the jobs: a diffusion_router policy
 // (with a queue order for least_work) or, for the baselines, a plain Caddy
-// reverse_proxy with one of Caddy's lb_policy values.
+// reverse_proxy with one of Caddy's lb_policy values; run by one router or
+// by several replicas, as behind one Kubernetes Service.
 type strategy struct {
-	name   string // as written in --strategies
-	caddy  string // Caddy's lb_policy; set for the baselines only
-	policy string // diffusion_router policy
-	order  string // diffusion_router queue_order; empty for the router's default
+	name    string // as written in --strategies
+	caddy   string // Caddy's lb_policy; set for the baselines only
+	policy  string // diffusion_router policy
+	order   string // diffusion_router queue_order; empty for the router's default
+	routers int    // replicas, each with a pool of its own; the client sends to each in turn
+	split   bool   // each replica owns a share of the workers rather than all of them
 }
 
 // defaultStrategies is what --strategies runs when not given.
@@ -25,7 +29,9 @@ const defaultStrategies = "least_work/fifo,least_work/largest_first,least_reques
 
 // parseStrategies reads --strategies: "caddy/<lb_policy>" is a plain
 // reverse_proxy; "<policy>" or "<policy>/<queue_order>" is diffusion_router.
-// Names the router does not know fail later, when their config is adapted.
+// A suffix "@N" runs N replicas in front of all the workers, "@Nsplit" N
+// replicas that each own every Nth worker. Names the router does not know
+// fail later, when their config is adapted.
 func parseStrategies(list string) ([]strategy, error) {
 	var out []strategy
 	for name := range strings.SplitSeq(list, ",") {
@@ -33,13 +39,22 @@ func parseStrategies(list string) ([]strategy, error) {
 		if name == "" {
 			continue
 		}
-		first, second, _ := strings.Cut(name, "/")
-		s := strategy{name: name, policy: first, order: second}
+		spec, replicas, _ := strings.Cut(name, "@")
+		first, second, _ := strings.Cut(spec, "/")
+		s := strategy{name: name, policy: first, order: second, routers: 1}
 		if first == "caddy" {
-			s = strategy{name: name, caddy: second}
+			s = strategy{name: name, caddy: second, routers: 1}
 		}
 		if s.caddy == "" && s.policy == "" || first == "caddy" && second == "" {
-			return nil, fmt.Errorf("strategy %q: want <policy>, <policy>/<queue_order> or caddy/<lb_policy>", name)
+			return nil, fmt.Errorf("strategy %q: want <policy>, <policy>/<queue_order> or caddy/<lb_policy>, each optionally followed by @<routers> or @<routers>split", name)
+		}
+		if replicas != "" {
+			digits, split := strings.CutSuffix(replicas, "split")
+			n, err := strconv.Atoi(digits)
+			if err != nil || n < 1 {
+				return nil, fmt.Errorf("strategy %q: want @<routers> or @<routers>split after the strategy, routers a positive number", name)
+			}
+			s.routers, s.split = n, split
 		}
 		out = append(out, s)
 	}
@@ -49,10 +64,11 @@ func parseStrategies(list string) ([]strategy, error) {
 	return out, nil
 }
 
-// caddyfile is the whole config for s in front of the workers: the router
-// on 127.0.0.1:port with its own pool, so that nothing learned by an earlier
-// strategy carries over. maxInflight > 0 sets max_inflight for least_work.
-func (s strategy) caddyfile(port int, pool string, workers []string, maxInflight int) string {
+// caddyfile is the whole config for s in front of the workers: a router
+// on 127.0.0.1:port for each of ports, each with a pool of its own, so that
+// nothing learned by an earlier strategy or another replica carries over.
+// maxInflight > 0 sets max_inflight for least_work.
+func (s strategy) caddyfile(ports []int, pool string, workers []string, maxInflight int) string {
 	var b strings.Builder
 	b.WriteString(`{
 	admin off
@@ -64,25 +80,39 @@ func (s strategy) caddyfile(port int, pool string, workers []string, maxInflight
 	}
 }
 `)
-	fmt.Fprintf(&b, ":%d {\n", port)
+	for i, port := range ports {
+		owned := workers
+		if s.split {
+			owned = nil
+			for j := i; j < len(workers); j += len(ports) {
+				owned = append(owned, workers[j])
+			}
+		}
+		s.writeSite(&b, port, fmt.Sprintf("%s-%d", pool, i+1), owned, maxInflight)
+	}
+	return b.String()
+}
+
+// writeSite writes one router's site.
+func (s strategy) writeSite(b *strings.Builder, port int, pool string, workers []string, maxInflight int) {
+	fmt.Fprintf(b, ":%d {\n", port)
 	if s.caddy != "" {
 		dials := make([]string, len(workers))
 		for i, w := range workers {
 			dials[i] = strings.TrimPrefix(w, "http://")
 		}
-		fmt.Fprintf(&b, "\treverse_proxy %s {\n\t\tlb_policy %s\n\t}\n}\n",
+		fmt.Fprintf(b, "\treverse_proxy %s {\n\t\tlb_policy %s\n\t}\n}\n",
 			strings.Join(dials, " "), s.caddy)
-		return b.String()
+		return
 	}
-	fmt.Fprintf(&b, "\tdiffusion_router %s {\n\t\tworkers %s\n\t\tpolicy %s\n", pool, strings.Join(workers, " "), s.policy)
+	fmt.Fprintf(b, "\tdiffusion_router %s {\n\t\tworkers %s\n\t\tpolicy %s\n", pool, strings.Join(workers, " "), s.policy)
 	if s.order != "" {
-		fmt.Fprintf(&b, "\t\tqueue_order %s\n", s.order)
+		fmt.Fprintf(b, "\t\tqueue_order %s\n", s.order)
 	}
 	if maxInflight > 0 && s.policy == "least_work" {
-		fmt.Fprintf(&b, "\t\tmax_inflight %d\n", maxInflight)
+		fmt.Fprintf(b, "\t\tmax_inflight %d\n", maxInflight)
 	}
 	b.WriteString("\t}\n}\n")
-	return b.String()
 }
 
 // errUnavailable marks a strategy whose config Caddy refused, typically a
@@ -90,13 +120,13 @@ func (s strategy) caddyfile(port int, pool string, workers []string, maxInflight
 var errUnavailable = errors.New("strategy unavailable")
 
 // startCaddy adapts the Caddyfile text, loads it in this process and waits
-// until GET url/health answers 200. Stop it with stopCaddy.
-func startCaddy(ctx context.Context, text, url string) error {
+// until GET url/health answers 200 for each of urls. Stop it with stopCaddy.
+func startCaddy(ctx context.Context, text string, urls []string) error {
 	cfg, _, err := harness.Adapt([]byte(text), "bench.Caddyfile")
 	if err != nil {
 		return fmt.Errorf("%w: %v", errUnavailable, err)
 	}
-	err = harness.StartRouter(ctx, cfg, url)
+	err = harness.StartRouter(ctx, cfg, urls...)
 	if errors.Is(err, harness.ErrLoad) {
 		return fmt.Errorf("%w: %v", errUnavailable, err)
 	}

@@ -10,6 +10,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
@@ -82,21 +83,24 @@ func runStrategy(ctx context.Context, o options, s strategy, measure measureFunc
 		return res
 	}
 	defer f.Close()
-	port, err := harness.FreePort()
-	if err != nil {
-		res.err = err
-		return res
+	ports := make([]int, s.routers)
+	urls := make([]string, s.routers)
+	for i := range ports {
+		if ports[i], err = harness.FreePort(); err != nil {
+			res.err = err
+			return res
+		}
+		urls[i] = fmt.Sprintf("http://127.0.0.1:%d", ports[i])
 	}
-	url := fmt.Sprintf("http://127.0.0.1:%d", port)
 	poolSeq++
-	cfg := s.caddyfile(port, fmt.Sprintf("bench%d", poolSeq), f.URLs(), o.maxInflight)
-	if err := startCaddy(ctx, cfg, url); err != nil {
+	cfg := s.caddyfile(ports, fmt.Sprintf("bench%d", poolSeq), f.URLs(), o.maxInflight)
+	if err := startCaddy(ctx, cfg, urls); err != nil {
 		res.err = err
 		return res
 	}
 	defer stopCaddy() // before the fleet closes
 
-	c := newClient(url, conns)
+	c := newClient(urls, conns)
 	defer c.close()
 	res.warmFail = warmup(ctx, c, o)
 	before := f.Stats()
@@ -114,7 +118,7 @@ func runExternal(ctx context.Context, o options, measure measureFunc, conns int)
 	res := runResult{name: "router " + o.router}
 	ctx, cancel := context.WithTimeout(ctx, o.timeout)
 	defer cancel()
-	c := newClient(o.router, conns)
+	c := newClient([]string{o.router}, conns)
 	defer c.close()
 	res.warmFail = warmup(ctx, c, o)
 	res.outcomes, res.wall = measure(ctx, c)
@@ -215,23 +219,30 @@ func sleepUntil(ctx context.Context, t time.Time) {
 	}
 }
 
-// client sends generation requests to one router.
+// client sends generation requests to one router, or to each of several
+// in turn, as a Service in front of router replicas spreads them.
 type client struct {
-	url  string
+	urls []string
+	sent atomic.Uint64
 	http *http.Client
 }
 
-// newClient keeps up to conns idle connections, so that a batch does not
-// open and close connections while being measured. It ignores proxy
-// environment variables.
-func newClient(url string, conns int) *client {
+// newClient keeps up to conns idle connections per router, so that a batch
+// does not open and close connections while being measured. It ignores
+// proxy environment variables.
+func newClient(urls []string, conns int) *client {
 	tr := &http.Transport{
-		MaxIdleConns:        conns,
+		MaxIdleConns:        conns * len(urls),
 		MaxIdleConnsPerHost: conns,
 		IdleConnTimeout:     time.Minute,
 		DisableCompression:  true,
 	}
-	return &client{url: url, http: &http.Client{Transport: tr}}
+	return &client{urls: urls, http: &http.Client{Transport: tr}}
+}
+
+// url is the router the next request goes to.
+func (c *client) url() string {
+	return c.urls[(c.sent.Add(1)-1)%uint64(len(c.urls))]
 }
 
 func (c *client) close() { c.http.CloseIdleConnections() }
@@ -258,7 +269,7 @@ func (c *client) post(ctx context.Context, i int, j job) (worker string, err err
 	if err != nil {
 		return "", err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.url+"/v1/images/generations", bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.url()+"/v1/images/generations", bytes.NewReader(body))
 	if err != nil {
 		return "", err
 	}

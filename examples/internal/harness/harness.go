@@ -133,18 +133,20 @@ var ErrLoad = errors.New("loading the config")
 const healthLimit = 10 * time.Second
 
 // StartRouter loads cfg, Caddy's JSON config, into Caddy in this process,
-// replacing what it runs, and waits until GET url/health answers 200. If
-// that does not happen in time it stops Caddy again. Stop the router with
-// StopRouter.
-func StartRouter(ctx context.Context, cfg []byte, url string) error {
+// replacing what it runs, and waits until GET url/health answers 200 for
+// each of urls (the config's routers). If that does not happen in time it
+// stops Caddy again. Stop the routers with StopRouter.
+func StartRouter(ctx context.Context, cfg []byte, urls ...string) error {
 	if err := caddy.Load(cfg, true); err != nil {
 		return fmt.Errorf("%w: %w", ErrLoad, err)
 	}
-	if err := waitHealthy(ctx, url, healthLimit); err != nil {
-		if stopErr := StopRouter(); stopErr != nil {
-			err = errors.Join(err, fmt.Errorf("stopping it: %w", stopErr))
+	for _, url := range urls {
+		if err := waitHealthy(ctx, url, healthLimit); err != nil {
+			if stopErr := StopRouter(); stopErr != nil {
+				err = errors.Join(err, fmt.Errorf("stopping it: %w", stopErr))
+			}
+			return err
 		}
-		return err
 	}
 	return nil
 }
