@@ -24,48 +24,58 @@ func benchPool(b *testing.B, n int) *pool {
 	return p
 }
 
-// BenchmarkDecision measures one least_work decision among 1,024 workers
-// with max_inflight 1, each worker with a job but the free ones: "busy"
-// leaves 16 free, as under rollout load, where the queue is rarely empty;
-// "half" leaves 512 and "idle" all 1,024 free, the worst case.
+// fleetSizes are the pool sizes the routing benchmarks measure: a large
+// fleet today, and eight times that.
+var fleetSizes = []int{1024, 8192}
+
+// BenchmarkDecision measures one least_work decision among n workers with
+// max_inflight 1, each worker with a job but the free ones: "busy" leaves
+// 16 free, as under rollout load, where the queue is rarely empty; "half"
+// leaves half and "idle" all of them free, the worst case.
 func BenchmarkDecision(b *testing.B) {
-	for _, bc := range []struct {
-		name string
-		free int
-	}{{"busy", 16}, {"half", 512}, {"idle", 1024}} {
-		b.Run(bc.name, func(b *testing.B) {
-			p := benchPool(b, 1024)
-			cfg := &dispatchConfig{strategy: leastWork{}, maxInflight: 1, maxQueue: 10}
-			for _, w := range p.workers[bc.free:] {
-				p.assignLocked(&ticket{pool: p, cfg: cfg, job: true, cost: 10}, w)
-			}
-			t := &ticket{pool: p, cfg: cfg, job: true, cost: 20}
-			b.ReportAllocs()
-			b.ResetTimer()
-			for b.Loop() {
-				p.mu.Lock()
-				if w, _ := p.chooseLocked(t); w == nil {
-					b.Fatal("no worker")
+	for _, n := range fleetSizes {
+		for _, bc := range []struct {
+			name string
+			free int
+		}{{"busy", 16}, {"half", n / 2}, {"idle", n}} {
+			b.Run(fmt.Sprintf("%d/%s", n, bc.name), func(b *testing.B) {
+				p := benchPool(b, n)
+				cfg := &dispatchConfig{strategy: leastWork{}, maxInflight: 1, maxQueue: 10}
+				for _, w := range p.workers[bc.free:] {
+					p.assignLocked(&ticket{pool: p, cfg: cfg, job: true, cost: 10}, w)
 				}
-				p.mu.Unlock()
-			}
-		})
+				t := &ticket{pool: p, cfg: cfg, job: true, cost: 20}
+				b.ReportAllocs()
+				b.ResetTimer()
+				for b.Loop() {
+					p.mu.Lock()
+					if w, _ := p.chooseLocked(t); w == nil {
+						b.Fatal("no worker")
+					}
+					p.mu.Unlock()
+				}
+			})
+		}
 	}
 }
 
-// BenchmarkAcquireRelease measures a job's whole claim on a pool of 1,024
-// idle workers: choose, claim, release (with speed learning).
+// BenchmarkAcquireRelease measures a job's whole claim on a pool of n idle
+// workers: choose, claim, release (with speed learning).
 func BenchmarkAcquireRelease(b *testing.B) {
-	p := benchPool(b, 1024)
-	cfg := &dispatchConfig{strategy: leastWork{}, maxInflight: 1, maxQueue: 10}
-	ctx := context.Background()
-	b.ReportAllocs()
-	for b.Loop() {
-		t := ticket{pool: p, cfg: cfg, job: true, cost: 20}
-		if err := p.acquire(ctx, &t); err != nil {
-			b.Fatal(err)
-		}
-		p.release(&t, succeeded)
+	for _, n := range fleetSizes {
+		b.Run(fmt.Sprint(n), func(b *testing.B) {
+			p := benchPool(b, n)
+			cfg := &dispatchConfig{strategy: leastWork{}, maxInflight: 1, maxQueue: 10}
+			ctx := context.Background()
+			b.ReportAllocs()
+			for b.Loop() {
+				t := ticket{pool: p, cfg: cfg, job: true, cost: 20}
+				if err := p.acquire(ctx, &t); err != nil {
+					b.Fatal(err)
+				}
+				p.release(&t, succeeded)
+			}
+		})
 	}
 }
 
