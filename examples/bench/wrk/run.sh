@@ -14,6 +14,9 @@
 #
 # The ratio is router / least_conn per pair; on a shared machine the median
 # of the pairs' ratios is the figure least moved by another load's bursts.
+# cpu/req is the CPU time each Caddy process spent per request answered
+# (user and system, from /proc), which another load on the machine moves
+# far less than requests per second: one core answers 1 s / cpu/req.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 pairs=${1:-4} secs=${2:-10}
@@ -33,6 +36,7 @@ pin() { # pin CPUS command...: exec command on CPUS, or anywhere when CPUS is em
 }
 # start command...: run it in the background; exec makes $! its own pid.
 start() { (pin "${PIN_SERVERS:-}" "$@") >"$tmp/log.${#pids[@]}" 2>&1 & pids+=($!); }
+declare -A pid_of # the Caddy serving each port
 
 # Caddy listens with SO_REUSEPORT: a leftover Caddy on a port would share
 # the load silently, so refuse to start over one.
@@ -47,10 +51,13 @@ done
 export HOME=$tmp XDG_DATA_HOME=$tmp XDG_CONFIG_HOME=$tmp # no state left behind
 admin() { [ "${PROFILE:-}" = "$1" ] && echo localhost:2019 || echo off; }
 ADMIN=$(admin least_conn) PORT=30801 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/least_conn.Caddyfile
+pid_of[30801]=${pids[-1]}
 ADMIN=$(admin router) PORT=30802 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/router.Caddyfile
+pid_of[30802]=${pids[-1]}
 ports="30801 30802"
 if [ -n "${BEFORE:-}" ]; then
 	ADMIN=off PORT=30803 start "$BEFORE" run --adapter caddyfile --config examples/bench/wrk/router.Caddyfile
+	pid_of[30803]=${pids[-1]}
 	ports="$ports 30803"
 fi
 
@@ -63,27 +70,36 @@ for port in $ports; do
 	job http://127.0.0.1:$port
 done
 
-# run NAME PORT SECONDS: one wrk run; prints its requests per second.
+# cpu_us PID: the CPU time (user and system) the process has used, in µs.
+hz=$(getconf CLK_TCK)
+cpu_us() { awk -v hz="$hz" '{printf "%.0f", ($14 + $15) * 1000000 / hz}' "/proc/$1/stat"; }
+
+# run NAME PORT SECONDS: one wrk run; prints its requests per second and the
+# Caddy's CPU time per request in µs.
 run() {
-	local out
+	local out before after
+	before=$(cpu_us "${pid_of[$2]}")
 	out=$(pin "${PIN_WRK:-}" wrk -t"$threads" -c"$conns" -d"$3"s -s examples/bench/wrk/job.lua "http://127.0.0.1:$2")
+	after=$(cpu_us "${pid_of[$2]}")
 	if grep -q 'Non-2xx' <<<"$out"; then echo "$1: failed requests" >&2; echo "$out" >&2; exit 1; fi
-	awk '/^Requests\/sec/ {printf "%.0f", $2}' <<<"$out"
+	awk -v cpu=$((after - before)) '/^Requests\/sec/ {rps = $2} / requests in / {n = $1} END {printf "%.0f %.0f\n", rps, cpu / n}' <<<"$out"
 }
 
 for port in $ports; do run warm-up "$port" 2 >/dev/null; done # connections, learned speeds
 echo "wrk -t$threads -c$conns -d${secs}s, $pairs alternating rounds${PIN_WRK:+, wrk on CPU $PIN_WRK}${PIN_SERVERS:+, servers on CPU $PIN_SERVERS}"
 printf '%-6s %10s %10s %6s' round least_conn router ratio
 [ -n "${BEFORE:-}" ] && printf ' %10s %6s' before ratio
+printf '   cpu/req (µs): %10s %10s' least_conn router
+[ -n "${BEFORE:-}" ] && printf ' %10s' before
 echo
-sum=(0 0 0) ratios=() before_ratios=()
+sum=(0 0 0) cpu=(0 0 0) ratios=() before_ratios=()
 ratio() { echo "$1 / $2" | bc -l; }
 median() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END {printf "%.2f", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 for i in $(seq "$pairs"); do
-	row=() j=0
+	row=() per=() j=0
 	for port in $ports; do
-		row[j]=$(run "port $port" "$port" "$secs")
-		sum[j]=$((sum[j] + row[j])) j=$((j + 1))
+		read -r row[j] per[j] < <(run "port $port" "$port" "$secs")
+		sum[j]=$((sum[j] + row[j])) cpu[j]=$((cpu[j] + per[j])) j=$((j + 1))
 	done
 	ratios+=("$(ratio "${row[1]}" "${row[0]}")")
 	printf '%-6s %10s %10s %6.2f' "$i" "${row[0]}" "${row[1]}" "${ratios[-1]}"
@@ -91,10 +107,14 @@ for i in $(seq "$pairs"); do
 		before_ratios+=("$(ratio "${row[2]}" "${row[0]}")")
 		printf ' %10s %6.2f' "${row[2]}" "${before_ratios[-1]}"
 	fi
+	printf '                 %10s %10s' "${per[0]}" "${per[1]}"
+	[ -n "${BEFORE:-}" ] && printf ' %10s' "${per[2]}"
 	echo
 done
 printf '%-6s %10d %10d %6.2f' mean $((sum[0] / pairs)) $((sum[1] / pairs)) "$(ratio "${sum[1]}" "${sum[0]}")"
 [ -n "${BEFORE:-}" ] && printf ' %10d %6.2f' $((sum[2] / pairs)) "$(ratio "${sum[2]}" "${sum[0]}")"
+printf '                 %10d %10d' $((cpu[0] / pairs)) $((cpu[1] / pairs))
+[ -n "${BEFORE:-}" ] && printf ' %10d' $((cpu[2] / pairs))
 echo
 printf '%-6s %10s %10s %6s' median "" "" "$(median "${ratios[@]}")"
 [ -n "${BEFORE:-}" ] && printf ' %10s %6s' "" "$(median "${before_ratios[@]}")"
