@@ -272,9 +272,10 @@ func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 
 // welcome learns what a worker that just joined can generate. One that
 // does not answer stays, but out until its health probes pass: a worker
-// nobody can reach must not draw jobs only to fail them.
+// nobody can reach must not draw jobs only to fail them. A probe cut short
+// by ctx says nothing of the worker.
 func (h *Handler) welcome(ctx context.Context, workerURL string) {
-	if err := h.probe(ctx, workerURL); err != nil {
+	if err := h.probe(ctx, workerURL); err != nil && ctx.Err() == nil {
 		h.pool.setDown(workerURL, err)
 	}
 }
