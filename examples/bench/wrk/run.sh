@@ -5,7 +5,8 @@
 #
 #   bash examples/bench/wrk/run.sh [pairs] [seconds]
 #
-# Environment: CONNS (16), THREADS (2), CADDY (a Caddy binary with the
+# Environment: CONNS (16), THREADS (2), IMAGE_BYTES (size of each fake
+# image before base64, 1024 by default), CADDY (a Caddy binary with the
 # plugin; built from ./cmd/caddy when unset), PIN_WRK / PIN_SERVERS (CPU
 # lists for taskset, e.g. PIN_WRK=1 PIN_SERVERS=0; unset: no pinning),
 # PROFILE=router|least_conn (admin on :2019 with pprof, for profiling),
@@ -46,7 +47,7 @@ for port in 31001 31002 31003 31004 30801 30802 30803; do
 	fi
 done
 for i in 1 2 3 4; do
-	start "$tmp/fakeworker" --port 3100$i --name w$i --unit-ms 1
+	start "$tmp/fakeworker" --port 3100$i --name w$i --unit-ms 1 --image-bytes "${IMAGE_BYTES:-1024}"
 done
 export HOME=$tmp XDG_DATA_HOME=$tmp XDG_CONFIG_HOME=$tmp # no state left behind
 admin() { [ "${PROFILE:-}" = "$1" ] && echo localhost:2019 || echo off; }
@@ -86,7 +87,7 @@ run() {
 }
 
 for port in $ports; do run warm-up "$port" 2 >/dev/null; done # connections, learned speeds
-echo "wrk -t$threads -c$conns -d${secs}s, $pairs alternating rounds${PIN_WRK:+, wrk on CPU $PIN_WRK}${PIN_SERVERS:+, servers on CPU $PIN_SERVERS}"
+echo "wrk -t$threads -c$conns -d${secs}s, $pairs alternating rounds, images of ${IMAGE_BYTES:-1024} bytes${PIN_WRK:+, wrk on CPU $PIN_WRK}${PIN_SERVERS:+, servers on CPU $PIN_SERVERS}"
 printf '%-6s %10s %10s %6s' round least_conn router ratio
 [ -n "${BEFORE:-}" ] && printf ' %10s %6s' before ratio
 printf '   cpu/req (µs): %10s %10s' least_conn router
