@@ -120,8 +120,11 @@ func (d *discovery) lookUp(ctx context.Context, l *dnsLookup) {
 	}
 	slices.Sort(dials)
 	urls := d.workerURLs(l, dials)
-	if err == nil && len(urls) == 0 {
-		err = errNoUsableWorker
+	if err == nil {
+		l.last = dials
+		if len(urls) == 0 {
+			err = errNoUsableWorker
+		}
 	}
 	if err != nil {
 		d.failed(l, err)
@@ -131,7 +134,6 @@ func (d *discovery) lookUp(ctx context.Context, l *dnsLookup) {
 		l.failing = false
 		d.h.logger.Info("DNS lookup of workers answers again", zap.String("lookup", l.key))
 	}
-	l.last = dials
 	change := d.h.pool.setFound(l.key, urls, d.h.MaxWorkers)
 	d.report(l, change)
 	d.welcome(ctx, change.joined)
