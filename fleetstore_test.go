@@ -86,8 +86,8 @@ func TestFleetReadBackAfterRestart(t *testing.T) {
 		if info.State != want || info.Version != "step-7+lora:x" {
 			t.Errorf("%s read back %s on %q; want %s on step-7+lora:x", u, info.State, info.Version, want)
 		}
-		if info.Registered != (u != "http://a:1") {
-			t.Errorf("%s read back registered=%v", u, info.Registered)
+		if (info.Source == "registered") != (u != "http://a:1") {
+			t.Errorf("%s read back from source %s", u, info.Source)
 		}
 	}
 	// A worker that joins now is brought to the weights read back by the
