@@ -57,7 +57,7 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 			rec.hold(judge)
 			fallthrough
 		default:
-			err = h.send(rec, r, t, next)
+			err = h.send(rec, r, r.Context(), t, next)
 		}
 		cause := h.rerunCause(r, rec, t, err)
 		if cause == noRerun {
@@ -177,9 +177,10 @@ func (c rerunCause) outcome(rec *recorder) outcome {
 // the answer begins (the generation is done; megabytes of base64 may still
 // be on their way, but the worker's slot is free), or when a video job it
 // started ends. An answer held back releases nothing: the job may run
-// again.
-func (h *Handler) send(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler) error {
-	ctx := withTicket(r.Context(), t)
+// again. The attempt runs in base, r's context or one a hedge may cancel;
+// r's own context is the client's.
+func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *ticket, next caddyhttp.Handler) error {
+	ctx := withTicket(base, t)
 	if h.UpstreamTimeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))

@@ -3,8 +3,16 @@ package diffusionrouter
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
 )
 
 // benchPool is a pool of n workers with learned, varied speeds, on a fixed
@@ -100,6 +108,48 @@ func BenchmarkCostJSON(b *testing.B) {
 		}
 		if _, err := m.cost("/v1/images/generations", f); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkServeHTTP measures the router's own work on a zero-cost job,
+// with reverse_proxy replaced by a handler that writes a worker's answer:
+// what the router adds to every job, without the network.
+func BenchmarkServeHTTP(b *testing.B) {
+	ctx, err := caddy.ProvisionContext(&caddy.Config{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	urls := []string{"http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000", "http://10.0.0.4:30000"}
+	h := &Handler{Pool: "bench-serve", Workers: urls, PersistOff: true}
+	if err := h.Provision(ctx); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = h.Cleanup() })
+	h.pool.store.markReady() // as the health app's start does
+	h.logger = zap.NewNop()  // as at the level WARN that examples/bench/wrk runs at
+	for _, u := range urls {
+		h.pool.setCapabilities(u, []string{"T2I"}, "fake/diffusion-model")
+	}
+	answer := []byte(`{"id":"3f1c2f9e-6a0b-4c1e-9d3a-2b7e8f0a1c5d","created":1,"data":[{"b64_json":"iVBORw0KGgo="}]}`)
+	worker := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(len(answer)))
+		w.WriteHeader(http.StatusOK)
+		_, err := w.Write(answer)
+		return err
+	})
+	body := `{"prompt":"x","size":"1x1","num_inference_steps":1,"response_format":"b64_json"}`
+	b.ReportAllocs()
+	for b.Loop() {
+		r := httptest.NewRequest(http.MethodPost, "/v1/images/generations", strings.NewReader(body))
+		r.Header.Set("Content-Type", "application/json")
+		repl := caddy.NewReplacer()
+		rctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
+		rctx = context.WithValue(rctx, caddyhttp.VarsCtxKey, map[string]any{})
+		w := httptest.NewRecorder()
+		if err := h.ServeHTTP(w, r.WithContext(rctx), worker); err != nil || w.Code != http.StatusOK {
+			b.Fatal(w.Code, err, w.Body.String())
 		}
 	}
 }

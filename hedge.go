@@ -29,15 +29,16 @@ type hedge struct {
 	vars  map[string]any // a copy of the request's variables, for the copy's reverse_proxy
 	timer *time.Timer
 
-	mu        sync.Mutex
-	primary   *ticket
-	copy      *ticket
-	cancels   map[*ticket]context.CancelFunc
-	winner    *ticket
-	ended     bool          // the attempt is over: no copy may start
-	copyEnded chan struct{} // closed when the copy's attempt is over
-	copyRec   *recorder
-	copyPanic any // an answer of the copy that broke off, to abort the client's with
+	mu         sync.Mutex
+	primary    *ticket
+	copy       *ticket
+	cancelPrim context.CancelFunc // ends the primary attempt
+	cancelCopy context.CancelFunc
+	winner     *ticket
+	ended      bool          // the attempt is over: no copy may start
+	copyEnded  chan struct{} // closed when the copy's attempt is over
+	copyRec    *recorder
+	copyPanic  any // an answer of the copy that broke off, to abort the client's with
 }
 
 // hedges reports whether t's attempt may get a copy: a job whose answer
@@ -53,8 +54,7 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *ticket, next cad
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), primary: t,
-		cancels: map[*ticket]context.CancelFunc{t: cancel}}
+	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), primary: t, cancelPrim: cancel}
 	t.race = hd
 	defer func() { t.race = nil }()
 	rec.hold(hd.gate(t, judge))
@@ -62,7 +62,7 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *ticket, next cad
 	hd.timer = time.AfterFunc(hd.delay(t), hd.fire)
 	hd.mu.Unlock()
 
-	err := h.send(rec, r.WithContext(ctx), t, next)
+	err := h.send(rec, r, ctx, t, next)
 
 	hd.mu.Lock()
 	hd.ended = true
@@ -118,10 +118,12 @@ func (hd *hedge) claim(t *ticket) bool {
 		return hd.winner == t
 	}
 	hd.winner = t
-	for other, cancel := range hd.cancels {
-		if other != t {
-			cancel()
+	if t == hd.primary {
+		if hd.cancelCopy != nil {
+			hd.cancelCopy()
 		}
+	} else {
+		hd.cancelPrim()
 	}
 	return true
 }
@@ -156,7 +158,7 @@ func (hd *hedge) fire() {
 	}
 	c.race = hd
 	ctx, cancel := context.WithCancel(context.WithValue(hd.r.Context(), caddyhttp.VarsCtxKey, hd.vars))
-	hd.copy, hd.cancels[c] = c, cancel
+	hd.copy, hd.cancelCopy = c, cancel
 	hd.copyEnded = make(chan struct{})
 	hd.h.metrics.hedges.WithLabelValues("launched").Inc()
 	go hd.runCopy(ctx, c)
@@ -170,7 +172,7 @@ func (hd *hedge) runCopy(ctx context.Context, c *ticket) {
 		v := recover() // an answer that broke off after it began
 		hd.mu.Lock()
 		hd.copyRec, hd.copyPanic = rec, v
-		hd.cancels[c]()
+		hd.cancelCopy()
 		hd.mu.Unlock()
 		hd.h.pool.endHedge()
 		close(hd.copyEnded)
@@ -183,9 +185,9 @@ func (hd *hedge) runCopy(ctx context.Context, c *ticket) {
 		}
 		return pass
 	}))
-	r := hd.r.Clone(ctx)
+	r := *hd.r // reverse_proxy copies what it changes of a request
 	r.Body = io.NopCloser(bytes.NewReader(c.body))
-	hd.h.send(rec, r, c, hd.next)
+	hd.h.send(rec, &r, ctx, c, hd.next)
 }
 
 // hedgeCopy gives a copy of t to the fastest idle worker that may serve

@@ -135,6 +135,9 @@ func firstEventData(stream []byte) []byte {
 // anywhere after it. ok is false when b ends first, or holds no such
 // string member.
 func leadingString(b []byte, name string) (value string, ok bool) {
+	if v, ok := plainFirstMember(b, name); ok {
+		return v, true
+	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
 		return "", false
@@ -154,6 +157,29 @@ func leadingString(b []byte, name string) (value string, ok bool) {
 		}
 	}
 	return "", false
+}
+
+// plainFirstMember is leadingString's fast path for the answer as
+// sglang-diffusion writes it: the object's first member is name, a string
+// without escapes, and no space around the colon.
+func plainFirstMember(b []byte, name string) (string, bool) {
+	rest, ok := bytes.CutPrefix(bytes.TrimLeft(b, " \t\r\n"), []byte(`{"`))
+	if !ok {
+		return "", false
+	}
+	rest, ok = bytes.CutPrefix(rest, []byte(name))
+	if !ok {
+		return "", false
+	}
+	rest, ok = bytes.CutPrefix(rest, []byte(`":"`))
+	if !ok {
+		return "", false
+	}
+	end := bytes.IndexAny(rest, `"\`)
+	if end < 0 || rest[end] != '"' {
+		return "", false
+	}
+	return string(rest[:end]), true
 }
 
 // skipValue reads past the next value of dec.

@@ -184,8 +184,13 @@ func statusClass(status int) string {
 	if status == 0 {
 		status = 499 // nothing was written: the client left
 	}
-	return strconv.Itoa(status/100) + "xx"
+	if status < 100 || status > 599 {
+		return strconv.Itoa(status/100) + "xx"
+	}
+	return statusClasses[status/100-1]
 }
+
+var statusClasses = [...]string{"1xx", "2xx", "3xx", "4xx", "5xx"}
 
 // poolMetrics are one handler's series, looked up once rather than on
 // every request.

@@ -246,18 +246,33 @@ func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
 }
 
 // prefetchWindow: a worker whose jobs are predicted to end within it gets
-// its next job already, one beyond max_inflight, so that the round trip of
-// handing it over does not leave the worker idle. Against jobs of seconds,
-// the wait this can add behind a job is negligible.
-const prefetchWindow = 5 * time.Millisecond
+// its next job already, beyond max_inflight, so that the round trip of
+// handing it over does not leave the worker idle. Against jobs of seconds
+// that is one job more, at the end of the last, and the wait it can add
+// behind a job is negligible; jobs that take almost no time go on to their
+// workers, up to maxPrefetch beyond max_inflight, instead of each waiting
+// in the queue for the one before it.
+const (
+	prefetchWindow = 5 * time.Millisecond
+	maxPrefetch    = 8
+)
 
 // fits reports whether w has a slot at now for a request (a job, or not)
-// under a limit of jobs per worker (0: none); only jobs take slots.
+// under a limit of jobs per worker (0: none); only jobs take slots. A
+// worker whose jobs are overdue by more than the window may be stalled: it
+// is given one job beyond the limit at most.
 func fits(job bool, limit int, w *worker, now int64) bool {
 	if !job || limit == 0 || w.load.inflight < limit {
 		return true
 	}
-	return w.load.inflight == limit && w.load.endsAt-now < int64(prefetchWindow)
+	left := w.load.endsAt - now
+	switch {
+	case left < -int64(prefetchWindow):
+		return w.load.inflight == limit
+	case left < int64(prefetchWindow):
+		return w.load.inflight < limit+maxPrefetch
+	}
+	return false
 }
 
 // updateEndsLocked predicts when w's jobs will be done, from when the

@@ -318,3 +318,28 @@ func TestAnswerOvertakingTheHeadTeachesNoSpeed(t *testing.T) {
 		t.Fatalf("speed %g units/s from %d samples; want 1 from the head's 1 unit in 1 s", s.value, s.n)
 	}
 }
+
+func TestPrefetchOnlyForJobsAboutToEnd(t *testing.T) {
+	w := &worker{}
+	now := int64(1_000_000_000)
+	for _, tc := range []struct {
+		name     string
+		left     time.Duration // until the worker's jobs are predicted to end
+		inflight int
+		fits     bool
+	}{
+		{"free slot", time.Hour, 0, true},
+		{"long job running", time.Second, 1, false},
+		{"ending now: one more", time.Millisecond, 1, true},
+		{"jobs of no time: a few more", time.Millisecond, 1 + maxPrefetch - 1, true},
+		{"but no more than maxPrefetch", time.Millisecond, 1 + maxPrefetch, false},
+		{"slightly late: still about to end", -time.Millisecond, 4, true},
+		{"long overdue, maybe stalled: one more at most", -time.Second, 1, true},
+		{"long overdue with one more already", -time.Second, 2, false},
+	} {
+		w.load.inflight, w.load.endsAt = tc.inflight, now+int64(tc.left)
+		if got := fits(true, 1, w, now); got != tc.fits {
+			t.Errorf("%s: fits = %v", tc.name, got)
+		}
+	}
+}

@@ -181,12 +181,23 @@ func (rec *recorder) Write(b []byte) (int, error) {
 		return len(b), nil
 	}
 	if room := rec.peekLimit - len(rec.peek); room > 0 {
-		rec.peek = append(rec.peek, b[:min(room, len(b))]...)
-		if rec.onPeek != nil && rec.onPeek(rec.peek) {
-			rec.onPeek, rec.peekLimit = nil, len(rec.peek)
-		}
+		rec.observe(b[:min(room, len(b))])
 	}
 	return rec.ResponseWriterWrapper.Write(b)
+}
+
+// observe keeps b, the next bytes of the answer within peekLimit, or
+// hands them to onPeek. What onPeek reads from the first write alone (an
+// answer's start usually comes whole) is not copied.
+func (rec *recorder) observe(b []byte) {
+	if len(rec.peek) == 0 && rec.onPeek != nil && rec.onPeek(b) {
+		rec.onPeek, rec.peekLimit = nil, 0
+		return
+	}
+	rec.peek = append(rec.peek, b...)
+	if rec.onPeek != nil && rec.onPeek(rec.peek) {
+		rec.onPeek, rec.peekLimit = nil, len(rec.peek)
+	}
 }
 
 // ReadFrom keeps the fast path of the underlying writer unless the body is

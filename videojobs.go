@@ -43,7 +43,7 @@ func readsVideoJob(r *http.Request) bool {
 // new job (whose ticket it then holds, reporting true), and when a job
 // ended or was deleted (releasing its worker).
 func (h *Handler) trackVideoJob(r *http.Request, t *ticket, rec *recorder, err error) bool {
-	if err != nil || rec.status < 200 || rec.status > 299 {
+	if err != nil || rec.status < 200 || rec.status > 299 || !strings.HasPrefix(r.URL.Path, "/v1/videos") {
 		return false
 	}
 	var job videoJobStatus
