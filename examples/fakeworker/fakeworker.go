@@ -41,17 +41,18 @@ import (
 // Config describes a fake worker. Zero values take the defaults noted.
 type Config struct {
 	Name        string        // reported in the X-Fake-Worker response header; default "fake"
+	Addr        string        // host:port Start listens on; default "127.0.0.1:0", a free port
 	ModelPath   string        // the model the worker serves, its id in /v1/models; default "fake/diffusion-model"
 	TaskType    string        // T2I (default), I2I, TI2I, T2V, I2V or TI2V
 	Speed       float64       // default 1; service time = cost * UnitMs / Speed
 	UnitMs      float64       // milliseconds per unit of cost, default 100
 	ImageBytes  int           // size of the fake image or video per output, default 1024
-	FailRate    float64       // fraction of generation jobs answered 500, drawn from a rand seeded with Seed
+	FailRate    float64       // fraction of generation jobs answered 500, drawn from a rand seeded with Seed; SetFailRate changes it
 	Seed        int64         // seed for FailRate
 	HealthFail  bool          // /health answers 503
 	HealthDelay time.Duration // /health waits this long before answering
-	HangAfter   int           // after N finished jobs, every later job holds the worker until Close (0 = never)
-	CrashAfter  int           // after N finished jobs, the next job kills the worker: listener and connections close unanswered (0 = never)
+	HangAfter   int           // after N finished jobs, every later job holds the worker until Close (0 = never); Hang starts it at once
+	CrashAfter  int           // after N finished jobs, the next job kills the worker: listener and connections close unanswered (0 = never); Crash kills it at once
 	UpdateFail  bool          // weight updates fail: 400 {"success": false}, and the old weights stay, as sglang rolls back
 	// CloudStorage is the base URL of the storage generated media are
 	// uploaded to, as sglang does with SGLANG_CLOUD_STORAGE_TYPE=s3; a
@@ -67,6 +68,7 @@ type Config struct {
 
 func (c Config) withDefaults() Config {
 	c.Name = cmp.Or(c.Name, "fake")
+	c.Addr = cmp.Or(c.Addr, "127.0.0.1:0")
 	c.ModelPath = cmp.Or(c.ModelPath, "fake/diffusion-model")
 	c.TaskType = cmp.Or(strings.ToUpper(c.TaskType), "T2I")
 	if c.Speed <= 0 {
@@ -127,6 +129,10 @@ type Worker struct {
 	srv    *http.Server // set once serving
 	url    string
 	asleep bool
+	// failRate and hung are the job faults in force: Config.FailRate and
+	// HangAfter at first, then what SetFailRate and Hang make them.
+	failRate float64
+	hung     bool
 	// weights names, per module, the weights loaded: the model path of the
 	// last update from disk, or a digest of the last tensors loaded.
 	weights map[string]string
@@ -171,15 +177,16 @@ func New(cfg Config) *Worker {
 	cfg = cfg.withDefaults()
 	life, stop := context.WithCancelCause(context.Background())
 	w := &Worker{
-		cfg:     cfg,
-		life:    life,
-		stop:    stop,
-		weights: make(map[string]string),
-		loras:   make(map[string]string),
-		rng:     mrand.New(mrand.NewPCG(uint64(cfg.Seed), 0)),
-		videos:  make(map[string]*videoJob),
-		images:  imageStore{entries: make(map[string]*imageEntry)},
-		clock:   time.Now,
+		cfg:      cfg,
+		life:     life,
+		stop:     stop,
+		weights:  make(map[string]string),
+		loras:    make(map[string]string),
+		rng:      mrand.New(mrand.NewPCG(uint64(cfg.Seed), 0)),
+		failRate: cfg.FailRate,
+		videos:   make(map[string]*videoJob),
+		images:   imageStore{entries: make(map[string]*imageEntry)},
+		clock:    time.Now,
 	}
 	for _, m := range modules {
 		w.weights[m] = cfg.ModelPath
@@ -202,9 +209,11 @@ func New(cfg Config) *Worker {
 	return w
 }
 
-// Start returns a worker for cfg serving on a free port of 127.0.0.1.
+// Start returns a worker for cfg serving on cfg.Addr, by default a free
+// port of 127.0.0.1. A worker started on the address of one that closed
+// stands for the same server restarted: same URL, none of its state.
 func Start(cfg Config) (*Worker, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.Listen("tcp", cfg.withDefaults().Addr)
 	if err != nil {
 		return nil, fmt.Errorf("fakeworker: %w", err)
 	}
@@ -267,9 +276,13 @@ func (w *Worker) Close() {
 	})
 }
 
-// crash kills the worker as a dying process would: every connection, the
-// current one included, ends without an answer.
-func (w *Worker) crash() {
+// Config is the worker's config, defaults applied. Its Addr is what Start
+// was given, not the port it picked.
+func (w *Worker) Config() Config { return w.cfg }
+
+// Crash kills the worker as a dying process would: the listener and every
+// connection close without an answer, and jobs in flight are lost.
+func (w *Worker) Crash() {
 	w.crashed.Store(true)
 	w.Close()
 }
@@ -321,3 +334,22 @@ var mediaMagic = map[string]string{
 // SetHealthFail makes /health fail (503) or pass from now on, as a worker
 // whose GPU falls over or recovers.
 func (w *Worker) SetHealthFail(fail bool) { w.healthFail.Store(fail) }
+
+// SetFailRate makes that fraction of the jobs that get the worker from now
+// on fail with the injected scheduler error, as Config.FailRate does from
+// the start; 0 ends the failures.
+func (w *Worker) SetFailRate(rate float64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.failRate = rate
+}
+
+// Hang makes every job that gets the worker from now on hold it until the
+// worker closes, as HangAfter does once reached: the GPU is stuck while
+// the HTTP server, /health included, still answers. Only a restart (Close,
+// then Start on the same address) ends it, as with a real process.
+func (w *Worker) Hang() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.hung = true
+}

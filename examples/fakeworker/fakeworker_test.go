@@ -988,6 +988,53 @@ func TestHangAfter(t *testing.T) {
 	}
 }
 
+func TestFaultsChangedAtRunTime(t *testing.T) {
+	w := start(t, Config{Name: "w"})
+	w.SetFailRate(1)
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).plain500(t)
+	w.SetFailRate(0)
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).expect(t, 200)
+
+	w.Hang()
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if r, err := send(ctx, "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageBody(1))); err == nil {
+		t.Errorf("job on a hung worker answered %d", r.status)
+	}
+	call(t, w, "GET", "/health", "").expect(t, 200) // the GPU hangs, not the server
+
+	w.Crash()
+	if r, err := send(context.Background(), "GET", w.URL()+"/health", "", nil); err == nil {
+		t.Errorf("crashed worker still answers: %d", r.status)
+	}
+	if s := w.Stats(); s.Jobs != 1 || s.Failed != 1 {
+		t.Errorf("stats %+v, want 1 job and 1 failure", s)
+	}
+}
+
+func TestStartOnTheAddressOfAClosedWorker(t *testing.T) {
+	old := start(t, Config{Name: "w", HangAfter: 1})
+	call(t, old, "POST", "/v1/images/generations", imageBody(1)).expect(t, 200)
+	old.Crash()
+
+	cfg := old.Config()
+	cfg.Addr = strings.TrimPrefix(old.URL(), "http://")
+	restarted := start(t, cfg)
+	if restarted.URL() != old.URL() {
+		t.Fatalf("restarted on %s, want %s", restarted.URL(), old.URL())
+	}
+	// A fresh process: its job count starts again, so HangAfter is not yet
+	// reached.
+	r := call(t, restarted, "POST", "/v1/images/generations", imageBody(1))
+	r.expect(t, 200)
+	if got := r.header.Get("X-Fake-Worker"); got != "w" {
+		t.Errorf("X-Fake-Worker %q, want w", got)
+	}
+	if s := restarted.Stats(); s.Jobs != 1 {
+		t.Errorf("%d jobs, want 1", s.Jobs)
+	}
+}
+
 // npyHeader checks a base64 .npy blob of float32 zeros and returns its header.
 func npyHeader(t *testing.T, b64 string) string {
 	t.Helper()

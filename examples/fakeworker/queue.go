@@ -86,7 +86,7 @@ func (w *Worker) runJob(ctx context.Context, cost float64, onStart func(time.Dur
 	if err != nil {
 		w.slot.release()
 		if errors.Is(err, errCrashed) {
-			w.crash()
+			w.Crash()
 		}
 		return 0, err
 	}
@@ -127,10 +127,10 @@ func (w *Worker) admit() (hang, fail bool, err error) {
 		return false, false, errAsleep
 	case w.cfg.CrashAfter > 0 && finished >= w.cfg.CrashAfter:
 		return false, false, errCrashed
-	case w.cfg.HangAfter > 0 && finished >= w.cfg.HangAfter:
+	case w.hung || w.cfg.HangAfter > 0 && finished >= w.cfg.HangAfter:
 		return true, false, nil
 	}
-	return false, w.rng.Float64() < w.cfg.FailRate, nil
+	return false, w.rng.Float64() < w.failRate, nil
 }
 
 func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed bool) {
