@@ -127,6 +127,7 @@ type Worker struct {
 
 	mu     sync.Mutex   // guards the fields below
 	srv    *http.Server // set once serving
+	ln     net.Listener // what srv serves on
 	url    string
 	asleep bool
 	// failRate and hung are the job faults in force: Config.FailRate and
@@ -247,6 +248,7 @@ func (w *Worker) attach(ln net.Listener) (*http.Server, error) {
 		return nil, errors.New("fakeworker: Serve called twice")
 	}
 	w.srv = &http.Server{Handler: w.handler, ReadHeaderTimeout: 10 * time.Second}
+	w.ln = ln
 	w.url = "http://" + ln.Addr().String()
 	return w.srv, nil
 }
@@ -263,15 +265,18 @@ func (w *Worker) URL() string {
 }
 
 // Close stops serving, drops open connections and ends queued, running and
-// hung jobs. It is idempotent.
+// hung jobs. Its address is free once it returns, for a worker started
+// again there. It is idempotent.
 func (w *Worker) Close() {
 	w.closeOnce.Do(func() {
 		w.stop(errClosed)
 		w.mu.Lock()
-		srv := w.srv
+		srv, ln := w.srv, w.ln
 		w.mu.Unlock()
 		if srv != nil {
 			srv.Close()
+			// srv.Close misses a listener Serve has not yet taken up.
+			ln.Close()
 		}
 	})
 }

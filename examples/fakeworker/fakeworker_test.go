@@ -1020,6 +1020,9 @@ func TestStartOnTheAddressOfAClosedWorker(t *testing.T) {
 	cfg := old.Config()
 	cfg.Addr = strings.TrimPrefix(old.URL(), "http://")
 	restarted := start(t, cfg)
+	// The old process's connections are dead, whether or not the client
+	// has noticed yet.
+	http.DefaultClient.CloseIdleConnections()
 	if restarted.URL() != old.URL() {
 		t.Fatalf("restarted on %s, want %s", restarted.URL(), old.URL())
 	}

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -67,6 +68,21 @@ func (f Fleet) Stats() []fakeworker.Stats {
 		out[i] = w.Stats()
 	}
 	return out
+}
+
+// Restart starts a fresh worker with m's config on m's address, as a
+// supervisor starts a dead worker process again: the same URL, none of the
+// old worker's state. It closes m's worker first, if that is still open.
+func (m Member) Restart() (Member, error) {
+	m.Close()
+	cfg := m.Config()
+	cfg.Addr = strings.TrimPrefix(m.URL(), "http://")
+	w, err := fakeworker.Start(cfg)
+	if err != nil {
+		return m, err
+	}
+	m.Worker = w
+	return m, nil
 }
 
 // Close stops every worker.
@@ -141,7 +157,7 @@ func StartRouter(ctx context.Context, cfg []byte, urls ...string) error {
 		return fmt.Errorf("%w: %w", ErrLoad, err)
 	}
 	for _, url := range urls {
-		if err := waitHealthy(ctx, url, healthLimit); err != nil {
+		if err := WaitHealthy(ctx, url, healthLimit); err != nil {
 			if stopErr := StopRouter(); stopErr != nil {
 				err = errors.Join(err, fmt.Errorf("stopping it: %w", stopErr))
 			}
@@ -156,8 +172,8 @@ func StopRouter() error {
 	return caddy.Stop()
 }
 
-// waitHealthy polls GET url/health until it answers 200.
-func waitHealthy(ctx context.Context, url string, limit time.Duration) error {
+// WaitHealthy polls GET url/health until it answers 200, for at most limit.
+func WaitHealthy(ctx context.Context, url string, limit time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	var last string

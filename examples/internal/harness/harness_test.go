@@ -91,3 +91,28 @@ func TestStartRouterRefusedConfig(t *testing.T) {
 		t.Errorf("got %v, want an error wrapping ErrLoad", err)
 	}
 }
+
+func TestRestartKeepsTheURL(t *testing.T) {
+	f, err := StartFleet([]float64{2}, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := f[0]
+	old.Crash()
+	m, err := old.Restart()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if m.URL() != old.URL() || m.Name != "w1" || m.Config().Speed != 2 {
+		t.Errorf("restarted as %s %s speed %g, want %s w1 speed 2", m.URL(), m.Name, m.Config().Speed, old.URL())
+	}
+	resp, err := http.Get(m.URL() + "/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("restarted worker's /health: %s", resp.Status)
+	}
+}
