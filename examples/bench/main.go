@@ -124,6 +124,9 @@ type options struct {
 	duration    time.Duration
 	maxInflight int
 	timeout     time.Duration
+	durationSet bool          // --duration was given
+	caddy       string        // soak: a built Caddy to run as the router
+	faultEvery  time.Duration // soak: time between faults
 }
 
 func main() {
@@ -144,21 +147,23 @@ func main() {
 func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all")
+	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak")
 	fs.StringVar(&o.mix, "mix", "heavy", "the jobs: "+mixNames())
 	speeds := fs.String("speeds", "1,1,1,2", "one fake worker per value, its relative speed")
-	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open)")
+	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open); soak: requests in all")
 	fs.Float64Var(&o.util, "util", 0.7, "open mode: offered load as a share of the fleet's capacity")
 	fs.Float64Var(&o.unitMs, "unit-ms", 10, "fake worker milliseconds per cost unit (one 1024x1024 step) at speed 1")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the job sequence and the arrival trace")
 	list := fs.String("strategies", defaultStrategies, "comma-separated: <policy>[/<queue_order>] for diffusion_router, caddy/<lb_policy> for plain reverse_proxy")
 	fs.StringVar(&o.svg, "svg", "", "write the latency CDFs to this SVG file")
-	fs.IntVar(&o.warmup, "warmup", -1, "jobs of the mix sent at once and awaited before measuring (-1: 2 per worker)")
+	fs.IntVar(&o.warmup, "warmup", -1, "jobs of the mix sent at once and awaited before measuring (-1: 2 per worker; soak: the soak's load, 1000 requests)")
 	fs.StringVar(&o.router, "router", "", "measure this running router (http://host:port) instead of starting workers and routers")
-	fs.IntVar(&o.clients, "clients", 16, "overhead mode: concurrent clients")
-	fs.DurationVar(&o.duration, "duration", 3*time.Second, "overhead mode: measuring time per strategy")
+	fs.IntVar(&o.clients, "clients", 16, "overhead and soak modes: concurrent clients")
+	fs.DurationVar(&o.duration, "duration", 3*time.Second, "overhead mode: measuring time per strategy; soak: longest run when given (else --n decides)")
 	fs.IntVar(&o.maxInflight, "max-inflight", 0, "max_inflight for least_work strategies (0: the router's default)")
-	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "limit on one strategy's run; requests still open then fail")
+	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "limit on one strategy's run (soak: on the whole run); requests still open then fail")
+	fs.StringVar(&o.caddy, "caddy", "", "soak: the Caddy binary to run as the router (default: build ./cmd/caddy)")
+	fs.DurationVar(&o.faultEvery, "fault-every", 2*time.Second, "soak: time between the faults of the schedule")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -172,7 +177,12 @@ func parseFlags(args []string) (options, error) {
 	if o.strategies, err = parseStrategies(*list); err != nil {
 		return o, err
 	}
-	if o.warmup < 0 {
+	fs.Visit(func(f *flag.Flag) { o.durationSet = o.durationSet || f.Name == "duration" })
+	switch {
+	case o.warmup >= 0:
+	case o.mode == "soak":
+		o.warmup = 1000
+	default:
 		o.warmup = 2 * len(o.speeds)
 	}
 	o.router = strings.TrimRight(o.router, "/")
@@ -181,12 +191,14 @@ func parseFlags(args []string) (options, error) {
 
 func (o options) check() error {
 	switch {
-	case o.mode != "batch" && o.mode != "open" && o.mode != "overhead" && o.mode != "all":
-		return fmt.Errorf("--mode %q: want batch, open, overhead or all", o.mode)
+	case o.mode != "batch" && o.mode != "open" && o.mode != "overhead" && o.mode != "all" && o.mode != "soak":
+		return fmt.Errorf("--mode %q: want batch, open, overhead, all or soak", o.mode)
 	case mixes[o.mix] == nil:
 		return fmt.Errorf("--mix %q: want %s", o.mix, mixNames())
-	case o.n <= 0, o.unitMs <= 0, o.util <= 0, o.clients <= 0, o.duration <= 0, o.timeout <= 0:
-		return errors.New("--n, --unit-ms, --util, --clients, --duration and --timeout must be positive")
+	case o.n <= 0, o.unitMs <= 0, o.util <= 0, o.clients <= 0, o.duration <= 0, o.timeout <= 0, o.faultEvery <= 0:
+		return errors.New("--n, --unit-ms, --util, --clients, --duration, --timeout and --fault-every must be positive")
+	case o.mode == "soak" && o.router != "":
+		return errors.New("--router: the soak starts and reloads its own router")
 	case o.router != "" && !strings.HasPrefix(o.router, "http://") && !strings.HasPrefix(o.router, "https://"):
 		return fmt.Errorf("--router %q: want http://host:port", o.router)
 	}
@@ -213,6 +225,9 @@ func run(ctx context.Context, o options, out io.Writer) error {
 	}
 	defer cleanHome()
 	printHeader(out, o)
+	if o.mode == "soak" {
+		return benchSoak(ctx, o, out)
+	}
 
 	modes := []string{o.mode}
 	if o.mode == "all" {
@@ -259,9 +274,13 @@ func printHeader(out io.Writer, o options) {
 	}
 	fmt.Fprintf(out, "settings: mode=%s mix=%s n=%d speeds=%s unit-ms=%g seed=%d warmup=%d util=%g clients=%d duration=%s max-inflight=%s\n",
 		o.mode, o.mix, o.n, fmtSpeeds(o.speeds), o.unitMs, o.seed, o.warmup, o.util, o.clients, o.duration, inflight)
-	if o.router != "" {
+	switch {
+	case o.mode == "soak":
+		fmt.Fprintf(out, "fleet:    %d fake image workers on 127.0.0.1, speeds %s, and one video worker of its own pool, %gms per cost unit at speed 1; faults every %s\n",
+			len(o.speeds), fmtSpeeds(o.speeds), o.unitMs, o.faultEvery)
+	case o.router != "":
 		fmt.Fprintf(out, "router:   %s (external: measured as it runs; --speeds and --unit-ms are taken to describe its fleet)\n", o.router)
-	} else {
+	default:
 		fmt.Fprintf(out, "fleet:    %d fake workers on 127.0.0.1, speeds %s, %gms per cost unit at speed 1 (capacity %.0f units/s), fresh for every strategy\n",
 			len(o.speeds), fmtSpeeds(o.speeds), o.unitMs, sum(o.speeds)*1000/o.unitMs)
 		fmt.Fprintf(out, "strategies: %s\n", strings.Join(names, ", "))

@@ -4,9 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
+	"net/url"
 	"os"
 	"slices"
 	"sync"
@@ -225,6 +228,11 @@ type client struct {
 	urls []string
 	sent atomic.Uint64
 	http *http.Client
+	// onResend, when set, marks every request idempotent (Idempotency-Key),
+	// so that Go's transport sends it again when the router closed the
+	// reused connection it was written on before answering; it learns the
+	// request's number each time. Otherwise such a request fails.
+	onResend func(i int)
 }
 
 // newClient keeps up to conns idle connections per router, so that a batch
@@ -260,32 +268,67 @@ func (c *client) generate(ctx context.Context, i int, j job, from time.Time) out
 }
 
 func (c *client) post(ctx context.Context, i int, j job) (worker string, err error) {
-	body, err := json.Marshal(map[string]any{
-		"prompt":              fmt.Sprintf("bench prompt %d", i),
-		"size":                j.size(),
-		"num_inference_steps": j.steps,
-		"response_format":     "b64_json",
-	})
-	if err != nil {
-		return "", err
+	_, header, err := c.call(ctx, "", http.MethodPost, "/v1/images/generations", i, j.request(i))
+	return header.Get("X-Fake-Worker"), err
+}
+
+// statusError is an answer other than 2xx.
+type statusError struct {
+	call   string // which call of the request, for one of several
+	status int
+	body   string // its start
+}
+
+func (e *statusError) Error() string {
+	return fmt.Sprintf("%s%d %s: %s", e.call, e.status, http.StatusText(e.status), e.body)
+}
+
+// call sends method path with body as JSON (none if nil) to the next router
+// and returns the whole answer of a 2xx, or a *statusError, and the answer's
+// header. The request carries X-Request-Id bench-<i>, which the router's job
+// log repeats. what names the call in errors.
+func (c *client) call(ctx context.Context, what, method, path string, i int, body any) ([]byte, http.Header, error) {
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return nil, nil, err
+		}
+		rd = bytes.NewReader(b)
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.url()+"/v1/images/generations", bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, method, c.url()+path, rd)
 	if err != nil {
-		return "", err
+		return nil, nil, err
 	}
+	id := fmt.Sprintf("bench-%d", i)
 	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", id)
+	if c.onResend != nil {
+		req.Header.Set("Idempotency-Key", id)
+		var conns atomic.Int32 // one per attempt
+		req = req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+			GotConn: func(httptrace.GotConnInfo) {
+				if conns.Add(1) > 1 {
+					c.onResend(i)
+				}
+			},
+		}))
+	}
 	resp, err := c.http.Do(req)
 	if err != nil {
-		return "", err
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err // the URL may hold a job id; keep reasons countable
+		}
+		return nil, nil, fmt.Errorf("%s%s: %w", what, method, err)
 	}
 	defer resp.Body.Close()
-	worker = resp.Header.Get("X-Fake-Worker")
-	if resp.StatusCode != http.StatusOK {
-		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 200))
-		return worker, fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(msg))
+	b, err := io.ReadAll(resp.Body)
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return nil, resp.Header, &statusError{what, resp.StatusCode, string(bytes.TrimSpace(b[:min(len(b), 200)]))}
 	}
-	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
-		return worker, fmt.Errorf("reading the answer: %w", err)
+	if err != nil {
+		return nil, resp.Header, fmt.Errorf("%sreading the answer: %w", what, err)
 	}
-	return worker, nil
+	return b, resp.Header, nil
 }

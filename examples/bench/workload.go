@@ -26,6 +26,17 @@ func (j job) size() string { return fmt.Sprintf("%dx%d", j.width, j.height) }
 
 func (j job) String() string { return fmt.Sprintf("%s/%d", j.size(), j.steps) }
 
+// request is the body of the i-th request for j, asking for base64 as real
+// clients do (sglang's default, "url", needs cloud storage).
+func (j job) request(i int) map[string]any {
+	return map[string]any{
+		"prompt":              fmt.Sprintf("bench prompt %d", i),
+		"size":                j.size(),
+		"num_inference_steps": j.steps,
+		"response_format":     "b64_json",
+	}
+}
+
 // lightJob is the lightest real generation request, for the overhead mode:
 // its cost is 1/1024² of a unit, so the worker's service time is nil and
 // what is measured is the HTTP path.
