@@ -51,6 +51,31 @@
 //	          worker/job the fake worker's own time per request (its
 //	          one-job slot and timer, a few µs; HTTP handling excluded).
 //	all       batch, open and overhead in turn.
+//	soak      a long mixed load with faults injected on a schedule (below);
+//	          not part of all.
+//
+// The soak runs the router as a process of its own, Caddy built from
+// ./cmd/caddy (or --caddy), so that the memory, goroutines and open files
+// it reports are the router's and not those of the fake workers and clients
+// in the bench. The router has two pools: the --speeds image workers, and
+// one video worker. --clients closed loops send --n requests in all (or
+// run for --duration, when given), after --warmup of the same load: 89%
+// images of --mix, 10% rollouts (/rollout/generate), 1% video jobs
+// (create, poll until done, fetch, delete). Every --fault-every one fault of
+// the schedule, in turn: an image worker crashes and starts again on its
+// port a second later; the config is reloaded unchanged; an image worker
+// hangs (its /health still answers) and is restarted 3 s later; an image
+// worker answers 30% of its jobs 500 for 3 s; a worker is registered
+// through POST /workers; the config is reloaded with queue_order changed;
+// that worker is removed through DELETE /workers/{id} and stopped. The
+// image pool re-runs a job after a 500 (retry_on 500); both probe their
+// workers every second. A request is lost when it got neither a 2xx nor a
+// 4xx answer; each one is printed as it happens, with its X-Request-Id
+// (bench-<n>, as the router's job log has it), and summed by reason under
+// the table. The table gives the requests by kind and fate, the re-runs and
+// hedges (the router's metrics), the faults injected, and the router's
+// resident memory, heap, goroutines and open files after the warm-up, half
+// way and at the end (each after a garbage collection), and their peak.
 //
 // Mixes (--mix), POST /v1/images/generations with size and
 // num_inference_steps:
@@ -77,6 +102,7 @@
 //	go run ./examples/bench --mode batch --mix heavy --n 400 --speeds 1,1,1,2
 //	go run ./examples/bench --mode open --mix heavy --util 0.7 --svg open.svg
 //	go run ./examples/bench --mode overhead --strategies least_work/fifo,caddy/least_conn
+//	go run ./examples/bench --mode soak --n 100000 --clients 6 --unit-ms 0.5
 //
 // --router URL drives a router that is already running instead: it is
 // measured as it is (its own workers, strategy and learned state), once

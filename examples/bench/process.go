@@ -110,12 +110,18 @@ func (p *routerProcess) stats(ctx context.Context) (processStats, error) {
 	if err != nil {
 		return processStats{}, err
 	}
+	return m.process(), nil
+}
+
+// process reads what the process holds from the samples of the Go and
+// process collectors.
+func (m metrics) process() processStats {
 	return processStats{
 		rss:        m.sum("process_resident_memory_bytes", ""),
 		heap:       m.sum("go_memstats_heap_inuse_bytes", ""),
 		goroutines: m.sum("go_goroutines", ""),
 		files:      m.sum("process_open_fds", ""),
-	}, nil
+	}
 }
 
 // metrics scrapes the router's metrics from the admin API.

@@ -58,16 +58,48 @@ func benchSoak(ctx context.Context, o options, out io.Writer) error {
 			return err
 		}
 	}
-
 	s := &soak{o: o, order: "fifo", injected: make(map[string]int)}
-	if s.images, err = harness.StartFleet(o.speeds, o.unitMs); err != nil {
+	defer s.close()
+	if err := s.start(ctx, bin, dir); err != nil {
 		return err
 	}
-	defer func() { s.images.Close() }() // the schedule replaces members
-	if s.video, err = fakeworker.Start(fakeworker.Config{Name: "v1", TaskType: "T2V", UnitMs: o.unitMs}); err != nil {
+
+	images := newClient([]string{s.imagesURL()}, o.clients)
+	videos := newClient([]string{s.videosURL()}, o.clients)
+	warm := newTally()
+	images.onResend, videos.onResend = warm.resend, warm.resend
+	soakClients(ctx, o.clients, o.warmup, mixes[o.mix], warmupSeed(o.seed), images, videos, warm)
+	if n := warm.total(lost) + warm.total(refused); n > 0 {
+		return fmt.Errorf("%d of %d warm-up requests failed: %v", n, o.warmup, warm.reasons)
+	}
+	start, err := s.settle(ctx, images, videos)
+	if err != nil {
 		return err
 	}
-	defer s.video.Close()
+	t := newTally()
+	images.onResend, videos.onResend = t.resend, t.resend
+	took, middle, peak, err := s.run(ctx, t, images, videos)
+	if err != nil {
+		return err
+	}
+	end, err := s.settle(ctx, images, videos)
+	if err != nil {
+		return err
+	}
+	s.report(out, t, took, start, middle, end, peak)
+	return nil
+}
+
+// start starts the workers and the router, Caddy's binary bin with its
+// config in dir.
+func (s *soak) start(ctx context.Context, bin, dir string) error {
+	var err error
+	if s.images, err = harness.StartFleet(s.o.speeds, s.o.unitMs); err != nil {
+		return err
+	}
+	if s.video, err = fakeworker.Start(fakeworker.Config{Name: "v1", TaskType: "T2V", UnitMs: s.o.unitMs}); err != nil {
+		return err
+	}
 	for _, p := range []*int{&s.ports.images, &s.ports.videos, &s.ports.admin} {
 		if *p, err = harness.FreePort(); err != nil {
 			return err
@@ -78,52 +110,43 @@ func benchSoak(ctx context.Context, o options, out io.Writer) error {
 		return err
 	}
 	admin := fmt.Sprintf("http://127.0.0.1:%d", s.ports.admin)
-	if s.router, err = startRouterProcess(ctx, bin, dir, cfg, admin, s.imagesURL(), s.videosURL()); err != nil {
-		return err
-	}
-	defer s.router.stop()
+	s.router, err = startRouterProcess(ctx, bin, dir, cfg, admin, s.imagesURL(), s.videosURL())
+	return err
+}
 
-	images := newClient([]string{s.imagesURL()}, o.clients)
-	videos := newClient([]string{s.videosURL()}, o.clients)
-	mix := mixes[o.mix]
-	warm := newTally()
-	images.onResend, videos.onResend = warm.resend, warm.resend
-	soakClients(ctx, o.clients, o.warmup, mix, warmupSeed(o.seed), images, videos, warm)
-	if n := warm.total(lost) + warm.total(refused); n > 0 {
-		return fmt.Errorf("%d of %d warm-up requests failed: %v", n, o.warmup, warm.reasons)
+// close stops the router, then the workers it had.
+func (s *soak) close() {
+	if s.router != nil {
+		if err := s.router.stop(); err != nil {
+			fmt.Fprintln(os.Stderr, "soak:", err)
+		}
 	}
-	start, err := s.settle(ctx, images, videos)
-	if err != nil {
-		return err
+	s.images.Close()
+	if s.video != nil {
+		s.video.Close()
 	}
+}
 
-	t := newTally()
-	images.onResend, videos.onResend = t.resend, t.resend
+// run sends the measured load, counted in t, while the schedule injects its
+// faults, and follows the router meanwhile. It returns how long the load
+// took, the router half way and its peak.
+func (s *soak) run(ctx context.Context, t *tally, images, videos *client) (took time.Duration, middle, peak processStats, err error) {
 	s.began = t.began
-	load, stopLoad := context.WithCancel(ctx)
-	if o.durationSet {
-		load, stopLoad = context.WithTimeout(ctx, o.duration)
+	load := ctx
+	if s.o.durationSet {
+		var stop context.CancelFunc
+		load, stop = context.WithTimeout(ctx, s.o.duration)
+		defer stop()
 	}
-	defer stopLoad()
 	loadDone := make(chan struct{})
 	var wg sync.WaitGroup
-	var scheduleErr error
-	wg.Go(func() { scheduleErr = s.runSchedule(ctx, loadDone) })
-	var peak, middle processStats
+	wg.Go(func() { err = s.runSchedule(ctx, loadDone) })
 	wg.Go(func() { peak, middle = s.watch(ctx, loadDone, t) })
-	soakClients(load, o.clients, o.n, mix, o.seed, images, videos, t)
-	took := time.Since(s.began)
+	soakClients(load, s.o.clients, s.o.n, mixes[s.o.mix], s.o.seed, images, videos, t)
+	took = time.Since(s.began)
 	close(loadDone)
 	wg.Wait()
-	if scheduleErr != nil {
-		return scheduleErr
-	}
-	end, err := s.settle(ctx, images, videos)
-	if err != nil {
-		return err
-	}
-	s.report(out, t, took, start, middle, end, peak)
-	return nil
+	return took, middle, peak, err
 }
 
 // settle lets the router go quiet (no client connection open, a moment for
@@ -184,10 +207,7 @@ func (s *soak) watch(ctx context.Context, done <-chan struct{}, t *tally) (peak,
 			fmt.Fprintln(os.Stderr, "soak: reading the router's metrics:", err)
 			continue
 		}
-		now := processStats{
-			rss: m.sum("process_resident_memory_bytes", ""), heap: m.sum("go_memstats_heap_inuse_bytes", ""),
-			goroutines: m.sum("go_goroutines", ""), files: m.sum("process_open_fds", ""),
-		}
+		now := m.process()
 		peak = processStats{max(peak.rss, now.rss), max(peak.heap, now.heap), max(peak.goroutines, now.goroutines), max(peak.files, now.files)}
 		fmt.Fprintf(os.Stderr, "soak: %6.1fs  %d answered, %d 4xx, %d lost; router %s resident, %s heap, %.0f goroutines, %.0f files\n",
 			time.Since(s.began).Seconds(), t.total(answered), t.total(refused), t.total(lost),

@@ -157,12 +157,15 @@ func (s *soak) reloadSame(ctx context.Context) error {
 
 // reloadChanged loads the config with the other queue_order.
 func (s *soak) reloadChanged(ctx context.Context) error {
-	if s.order == "fifo" {
-		s.order = "largest_first"
-	} else {
-		s.order = "fifo"
-	}
+	s.order = otherOrder(s.order)
 	return s.reload(ctx)
+}
+
+func otherOrder(order string) string {
+	if order == "fifo" {
+		return "largest_first"
+	}
+	return "fifo"
 }
 
 func (s *soak) reload(ctx context.Context) error {
