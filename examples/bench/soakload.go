@@ -57,12 +57,14 @@ type tally struct {
 	began   time.Time
 	mu      sync.Mutex
 	counts  [kinds][fates]int
-	reasons map[string]int // "image: 502 Bad Gateway: ..." → requests
+	reasons map[string]int // "image lost: 502 Bad Gateway: ..." → requests
 	resent  int            // requests the client sent again (see client.onResend)
 }
 
 func newTally() *tally { return &tally{began: time.Now(), reasons: make(map[string]int)} }
 
+// add counts request i, of kind k, which ended with err: nil for a 2xx
+// read whole, a *statusError for another answer.
 func (t *tally) add(k soakKind, i int, err error) {
 	f := answered
 	var se *statusError
