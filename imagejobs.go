@@ -161,25 +161,28 @@ func leadingString(b []byte, name string) (value string, ok bool) {
 
 // plainFirstMember is leadingString's fast path for the answer as
 // sglang-diffusion writes it: the object's first member is name, a string
-// without escapes, and no space around the colon.
+// of printable ASCII without escapes (a uuid), and no space around the
+// colon. Anything else is left to the decoder.
 func plainFirstMember(b []byte, name string) (string, bool) {
 	rest, ok := bytes.CutPrefix(bytes.TrimLeft(b, " \t\r\n"), []byte(`{"`))
+	if ok {
+		rest, ok = bytes.CutPrefix(rest, []byte(name))
+	}
+	if ok {
+		rest, ok = bytes.CutPrefix(rest, []byte(`":"`))
+	}
 	if !ok {
 		return "", false
 	}
-	rest, ok = bytes.CutPrefix(rest, []byte(name))
-	if !ok {
-		return "", false
+	for i, c := range rest {
+		switch {
+		case c == '"':
+			return string(rest[:i]), true
+		case c < 0x20 || c > 0x7e || c == '\\':
+			return "", false
+		}
 	}
-	rest, ok = bytes.CutPrefix(rest, []byte(`":"`))
-	if !ok {
-		return "", false
-	}
-	end := bytes.IndexAny(rest, `"\`)
-	if end < 0 || rest[end] != '"' {
-		return "", false
-	}
-	return string(rest[:end]), true
+	return "", false
 }
 
 // skipValue reads past the next value of dec.
