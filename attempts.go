@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"slices"
 	"strconv"
@@ -74,8 +75,18 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 		h.logger.Info("job runs again on another worker", zap.String("request_id", r.Header.Get(requestIDHeader)),
 			zap.String("from", workerURL(from)), zap.String("to", t.servedBy), zap.Stringer("cause", cause), zap.Int("attempt", t.attempts+1))
 		rec.held = nil
+		r = withOwnVars(r)
 		r.Body = io.NopCloser(bytes.NewReader(t.body))
 	}
+}
+
+// withOwnVars gives r a copy of its request variables. reverse_proxy
+// writes to them as it prepares a request, and the connection the last
+// attempt was dialling may still be read by net/http's dialer in the
+// background, as the variables the last attempt saw.
+func withOwnVars(r *http.Request) *http.Request {
+	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+	return r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, maps.Clone(vars)))
 }
 
 // lastAnswer answers a job that found no worker to run again on: with its
