@@ -190,8 +190,10 @@ func TestCrashLosesNoUnsentRequest(t *testing.T) {
 	if failures > 0 {
 		t.Fatalf("%d of 90 requests failed; the jobs the crashing worker held must run again elsewhere", failures)
 	}
-	if ws[2].Stats().Jobs != 3 {
-		t.Fatalf("c served %d jobs before crashing", ws[2].Stats().Jobs)
+	// c crashed on the job after its third that ended (a hedge's copy
+	// cancelled there ends one too): it served no more than 3.
+	if n := ws[2].Stats().Jobs; n > 3 {
+		t.Fatalf("c served %d jobs; it crashes after 3", n)
 	}
 }
 
