@@ -12,7 +12,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// A job still unanswered after hedge_after times its predicted time, while
+// A job still unanswered after hedge_after times its predicted time (and
+// at least health_timeout), while
 // a worker that may serve it is idle and no job waits, gets a second copy
 // on that worker. The first answer the client may get wins; the other copy
 // is cancelled. A hung worker whose /health still answers then costs a
@@ -89,9 +90,15 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *ticket, next cad
 }
 
 // delay is how long t's attempt runs before a copy is considered: its
-// predicted time until the worker finishes it, times hedge_after.
+// predicted time until the worker finishes it, times hedge_after, and at
+// least the probe timeout, as for the stall rule. A job of milliseconds
+// that runs slow on a busy machine is late, not hung.
 func (hd *hedge) delay(t *ticket) time.Duration {
-	return time.Duration(float64(t.due) * t.cfg.hedgeAfter)
+	d := time.Duration(float64(t.due) * t.cfg.hedgeAfter)
+	if hc := t.cfg.health; hc != nil {
+		d = max(d, hc.timeout)
+	}
+	return d
 }
 
 // gate wraps t's rule for answers in the race: an answer the client would

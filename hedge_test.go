@@ -53,7 +53,9 @@ func stepWithFault(t *testing.T, pool string, fault fakeworker.Config) (time.Dur
 	fault.Name, fault.Speed, fault.UnitMs = "faulty", 2, 10
 	ws := startWorkers(t, fakeworker.Config{Name: "a", UnitMs: 10}, fakeworker.Config{Name: "b", UnitMs: 10},
 		fakeworker.Config{Name: "c", UnitMs: 10}, fault)
-	r := startRouter(t, metricsSite("diffusion_router "+pool+" {\n workers "+urlsOf(ws)+"\n}"))
+	// Jobs of 100-200 ms: a copy is considered once a job overruns 5 times
+	// its prediction and health_timeout, here 1 s.
+	r := startRouter(t, metricsSite("diffusion_router "+pool+" {\n workers "+urlsOf(ws)+"\n health_timeout 1s\n}"))
 	took, failed := batchOf(t, r, 60, heavyImage)
 	return took, failed, r
 }

@@ -46,7 +46,8 @@ type LoadBalancing struct {
 	RetryOn []int `json:"retry_on,omitempty"`
 
 	// HedgeAfter: a job still unanswered after this many times its
-	// predicted time, while another worker that may serve it is idle and
+	// predicted time (and at least health_checks.active.timeout, as for
+	// the stall rule), while another worker that may serve it is idle and
 	// no job waits, gets a second copy on that worker; the first answer
 	// goes to the client and the other copy is cancelled. Default: the
 	// stall factor (health_checks.passive.stall_factor); -1 turns hedging
