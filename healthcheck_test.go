@@ -378,3 +378,35 @@ func canceledContext() context.Context {
 	cancel()
 	return ctx
 }
+
+func TestFailingWorkersGetLittleAndShowIt(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "always500", FailRate: 1}, fakeworker.Config{Name: "flaky", FailRate: 0.3, Seed: 7},
+		fakeworker.Config{Name: "good1"}, fakeworker.Config{Name: "good2"})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n max_fails 3\n eject_time 1m\n}")
+	var mu sync.Mutex
+	by := map[string]int{}
+	var wg sync.WaitGroup
+	for range 6 {
+		wg.Go(func() {
+			for range 20 {
+				rp := r.post("/v1/images/generations", smallImage)
+				mu.Lock()
+				by[rp.header.Get("X-Fake-Worker")]++
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	// A worker that fails every job fails fast, so it looks free: it must
+	// not draw the traffic, and three failures eject it.
+	if n := by["always500"]; n > 12 {
+		t.Fatalf("the worker failing every job answered %d of 120 requests (%v)", n, by)
+	}
+	states := workerStates(t, r)
+	if st := states[ws[0].URL()]; st["state"] != "ejected" || st["failures"].(float64) < 3 {
+		t.Fatalf("the worker failing every job shows %v", st)
+	}
+	if st := states[ws[1].URL()]; st["failures"] == 0.0 {
+		t.Fatalf("the worker failing 30%% of its jobs shows no failure: %v (served %v)", st, by)
+	}
+}
