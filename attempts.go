@@ -14,6 +14,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // A job that a worker fails before any byte of its answer reached the
@@ -48,11 +50,11 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 	for {
 		var judge func(int) verdict
 		if h.mayRunAgain(r, t) {
-			judge = h.judge(r)
+			judge = h.judge(t)
 		}
 		var err error
 		switch {
-		case h.hedges(r, t):
+		case h.hedges(t):
 			err = h.sendHedged(rec, r, t, next, judge)
 		case judge != nil:
 			rec.hold(judge)
@@ -127,10 +129,10 @@ func (h *Handler) mayRunAgain(r *http.Request, t *ticket) bool {
 
 // judge says which of a worker's answers to r the client must not get
 // while r may still run elsewhere.
-func (h *Handler) judge(r *http.Request) func(status int) verdict {
+func (h *Handler) judge(t *ticket) func(status int) verdict {
 	// A video job that a worker answered for may exist there: only one
 	// that got no answer runs again.
-	mayRerunAnswer := !(r.Method == http.MethodPost && r.URL.Path == "/v1/videos")
+	mayRerunAnswer := !t.job || t.route.Rerun == request.RerunUntilSent
 	return func(status int) verdict {
 		switch {
 		case !mayRerunAnswer:
@@ -229,9 +231,9 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 	}()
 	rec.ticket = t
 	switch {
-	case readsVideoJob(r):
+	case readsVideoJob(r, t.route):
 		rec.peekLimit = maxVideoResponsePeek
-	case streams(r):
+	case t.route.Stream:
 		// The worker generates while it sends events: its slot is taken
 		// until the stream ends.
 	default:

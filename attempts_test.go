@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // fronted puts a stand-in before a fake worker, as a failing ingress or a
@@ -49,7 +50,7 @@ func fronted(t *testing.T, w *fakeworker.Worker, status int, fail func(*http.Req
 }
 
 func generations(r *http.Request) bool {
-	return r.Method == http.MethodPost && generationPaths[r.URL.Path]
+	return request.Endpoints.Match(r.Method, r.URL).Job(r.Method)
 }
 
 func TestJobRunsAgainAfterBadGateway(t *testing.T) {

@@ -94,24 +94,6 @@ func BenchmarkDrain(b *testing.B) {
 	}
 }
 
-// BenchmarkCostJSON reads and costs a typical image request body, as the
-// router does for every generation: the strict key scan, then the cost.
-func BenchmarkCostJSON(b *testing.B) {
-	body := []byte(`{"model":"flux","prompt":"a photograph of a red fox in the snow, golden hour","size":"1024x1024","n":1,` +
-		`"num_inference_steps":28,"guidance_scale":3.5,"seed":1234,"response_format":"b64_json","extra_body":{"true_cfg_scale":1}}`)
-	m := costModel{steps: 20, width: 1024, height: 1024, frames: 96, cfgFactor: 2}
-	b.ReportAllocs()
-	for b.Loop() {
-		f, err := requestFields(body, "application/json")
-		if err != nil {
-			b.Fatal(err)
-		}
-		if _, err := m.cost("/v1/images/generations", f); err != nil {
-			b.Fatal(err)
-		}
-	}
-}
-
 // BenchmarkServeHTTP measures the router's own work on a zero-cost job,
 // with reverse_proxy replaced by a handler that writes a worker's answer:
 // what the router adds to every job, without the network.

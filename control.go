@@ -17,6 +17,9 @@ import (
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
 )
 
 // controlMux routes the endpoints the router answers itself, with the
@@ -161,7 +164,7 @@ func newWorkerJSON(w workerInfo) workerJSON {
 		IsSleeping:          w.Lifecycle == sleeping || w.State == sleeping,
 		WeightVersion:       w.Version,
 		ConsecutiveFailures: w.ConsecFails,
-		VideoSupport:        videoSupport(w.TaskTypes),
+		VideoSupport:        request.VideoSupport(w.TaskTypes),
 		State:               w.State.String(),
 		Source:              w.Source,
 		TaskTypes:           w.TaskTypes,
@@ -312,7 +315,7 @@ func rawWorkerURL(r *http.Request) (string, error) {
 		return "", err
 	}
 	for _, name := range []string{"url", "worker_url"} {
-		switch v := jsonMember(body, name).(type) {
+		switch v := strictjson.Member(body, name).(type) {
 		case string:
 			if v != "" {
 				return v, nil
@@ -339,8 +342,8 @@ func decodeJSONBody(r *http.Request) (map[string]json.RawMessage, error) {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return nil, nil
 	}
-	members, err := strictObject(body)
-	if errors.Is(err, errNotObject) {
+	members, err := strictjson.Object(body)
+	if errors.Is(err, strictjson.ErrNotObject) {
 		return nil, errors.New("Request body must be a JSON object")
 	}
 	return members, err

@@ -22,6 +22,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 func init() {
@@ -94,7 +96,7 @@ type Handler struct {
 	ctx      context.Context // ends when the config is unloaded
 	pool     *pool
 	dispatch dispatchConfig
-	costs    costModel
+	costs    request.Model
 	weights  weightsConfig
 	health   healthConfig
 	metrics  poolMetrics
@@ -186,18 +188,21 @@ func (h *Handler) Cleanup() error {
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	h.pool.store.awaitReady(r.Context()) // as the process starts: the fleet read back from storage first
 	rec := &recorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
-	class, err := "control", error(nil)
+	route := request.Endpoints.Match(r.Method, r.URL)
+	dotted := hasDotSegment(r.URL.Path)
+	control := !dotted && h.isControl(r, route)
+	class, err := route.Class, error(nil)
+	if control {
+		class = "control"
+	}
 	switch {
-	case hasDotSegment(r.URL.Path):
-		class = endpointClass(r.URL.Path)
+	case dotted:
 		err = writeError(rec, http.StatusBadRequest, "the path must not have . or .. segments")
-	case !h.isControl(r) && !h.forwards.has(r.URL.Path):
-		class = endpointClass(r.URL.Path)
+	case !control && !h.forwards.has(r.URL.Path):
 		err = writeError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
-	case !h.isControl(r):
-		class = endpointClass(r.URL.Path)
+	case !control:
 		h.pool.fleet.startCatchUps(&h.weights)
-		err = h.forward(rec, r, next)
+		err = h.forward(rec, r, route, next)
 	case r.ContentLength > maxControlBody:
 		rec.Header().Set("Connection", "close") // the body stays unread
 		err = writeError(rec, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body is larger than the %d bytes a control call may send", maxControlBody))
@@ -220,10 +225,11 @@ func hasDotSegment(path string) bool {
 	return false
 }
 
-// isControl reports whether the router answers r itself. Generation paths
-// skip the lookup: they are the bulk of the traffic and never control.
-func (h *Handler) isControl(r *http.Request) bool {
-	if generationPaths[r.URL.Path] || strings.HasPrefix(r.URL.Path, "/v1/videos/") {
+// isControl reports whether the router answers r itself. Paths of the
+// endpoint table skip the lookup: they are the bulk of the traffic and
+// never control.
+func (h *Handler) isControl(r *http.Request, route request.Route) bool {
+	if route.Kind != request.Forwarded {
 		return false
 	}
 	_, pattern := h.control.Handler(r)

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"mime"
 	"net/http"
 	"slices"
 	"strconv"
@@ -16,6 +15,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // requestIDHeader carries a request's id: the client's, or one the router
@@ -34,11 +35,11 @@ func requestID(r *http.Request) string {
 // forward proxies a request to a worker through next. It first gets the
 // request a worker from the pool (a generation may wait in the pool's queue
 // for one), and releases that worker once the response has been written.
-func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler) error {
+func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, next caddyhttp.Handler) error {
 	arrived := time.Now()
 	id := requestID(r)
 	rec.Header().Set(requestIDHeader, id)
-	t, status, msg := h.admit(rec, r)
+	t, status, msg := h.admit(rec, r, route)
 	if status != 0 {
 		return writeError(rec, status, msg)
 	}
@@ -60,8 +61,8 @@ func (h *Handler) forward(rec *recorder, r *http.Request, next caddyhttp.Handler
 
 // admit reads and costs r and gets it a worker. A non-zero status refuses
 // r with that status and message; a nil ticket means the client left.
-func (h *Handler) admit(rec *recorder, r *http.Request) (*ticket, int, string) {
-	t, status, msg := h.ticketFor(r)
+func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*ticket, int, string) {
+	t, status, msg := h.ticketFor(r, route)
 	if status == 0 {
 		status, msg = h.readBody(rec, r, t)
 	}
@@ -89,7 +90,7 @@ func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, wait
 	}
 	ce.Write(
 		zap.String("request_id", id),
-		zap.String("endpoint", endpointClass(r.URL.Path)),
+		zap.String("endpoint", t.route.Class),
 		zap.String("worker", t.servedBy),
 		zap.Float64("cost", t.cost),
 		zap.Duration("queue_wait", waited),
@@ -120,72 +121,48 @@ func retryAfter(t *ticket) int {
 	return max(1, int(t.cfg.timeout.Seconds()))
 }
 
-// ticketFor works out which workers may serve r. A non-zero status means r
-// must be refused with that status and message.
-func (h *Handler) ticketFor(r *http.Request) (*ticket, int, string) {
-	t := &ticket{pool: h.pool, cfg: &h.dispatch, wantVersion: r.Header.Get(weightVersionHeader)}
-	id, isJobPath := videoJobID(r.URL.Path)
-	if poll := r.URL.Query(); r.URL.Path == "/v1/videos" && r.Method == http.MethodGet && poll.Has("video_id") {
-		id, isJobPath = poll.Get("video_id"), true
-	}
+// ticketFor works out which workers may serve r, which goes to route. A
+// non-zero status means r must be refused with that status and message.
+func (h *Handler) ticketFor(r *http.Request, route request.Route) (*ticket, int, string) {
+	t := &ticket{pool: h.pool, cfg: &h.dispatch, route: route, job: route.Job(r.Method), wantVersion: r.Header.Get(weightVersionHeader)}
 	switch {
-	case isJobPath:
-		worker, ok := h.pool.videos.worker(id)
-		if !ok {
-			return nil, http.StatusNotFound, "Unknown video_id"
-		}
-		t.pin = worker
-	case isImageJobPath(r.URL.Path):
-		return h.pinImageJob(t, r)
-	case r.URL.Path == "/v1/videos":
-		t.task = videoTask
+	case route.Err != nil:
+		return nil, http.StatusBadRequest, route.Err.Error()
+	case route.Poll:
+		return h.pinToJob(t)
+	case route.Serves == request.VideoTask:
+		t.task = request.VideoTask
 		h.probeUnknown(r.Context())
-		if !h.pool.canServe(videoTask) {
+		if !h.pool.canServe(request.VideoTask) {
 			return nil, http.StatusBadRequest, "No video-capable workers available in current worker pool."
 		}
-	case strings.HasPrefix(r.URL.Path, "/v1/images/"):
-		t.task = imageTask
+	case route.Serves == request.ImageTask:
+		t.task = request.ImageTask
 		h.probeUnknown(r.Context())
-		if !h.pool.anyMakes(imageTask) { // as the Python router does: let a worker answer
-			t.task = anyTask
+		if !h.pool.anyMakes(request.ImageTask) { // as the Python router does: let a worker answer
+			t.task = request.AnyTask
 		}
-	case r.Method == http.MethodPost && generationPaths[r.URL.Path]:
+	case t.job:
 		// Before any update, a worker's weight version is the model id its
 		// /v1/models reports: learn it before the worker's first job.
 		h.probeUnknown(r.Context())
 	}
-	t.job = r.Method == http.MethodPost && generationPaths[r.URL.Path]
 	return t, 0, ""
 }
 
-// streams reports whether r's answer is a stream of server-sent events
-// that lasts as long as its generation.
-func streams(r *http.Request) bool {
-	return r.URL.Path == "/v1/images/generations/stream"
-}
-
-// videoJobID returns the job id of /v1/videos/{id} and /v1/videos/{id}/content.
-func videoJobID(path string) (string, bool) {
-	rest, ok := strings.CutPrefix(path, "/v1/videos/")
+// pinToJob pins t to the worker that made the job its route names. A
+// non-zero status refuses the request with that status and message.
+func (h *Handler) pinToJob(t *ticket) (*ticket, int, string) {
+	owners, unknown := h.pool.videos, "Unknown video_id"
+	if t.route.Kind == request.ImagePoll {
+		owners, unknown = h.pool.images, "Unknown image_id"
+	}
+	worker, ok := owners.worker(t.route.JobID)
 	if !ok {
-		return "", false
+		return nil, http.StatusNotFound, unknown
 	}
-	id, tail, _ := strings.Cut(rest, "/")
-	if id == "" || (tail != "" && tail != "content") {
-		return "", false
-	}
-	return id, true
-}
-
-// generationPaths are the endpoints whose POSTs are generation jobs: they
-// occupy a worker, so they are costed, take a slot and may wait for one.
-var generationPaths = map[string]bool{
-	"/v1/images/generations":        true,
-	"/v1/images/generations/stream": true,
-	"/v1/images/edits":              true,
-	"/v1/diffusion/generate":        true,
-	"/v1/videos":                    true,
-	"/rollout/generate":             true,
+	t.pin = worker
+	return t, 0, ""
 }
 
 // readBody caps the request body at max_body. A generation's body is read
@@ -217,9 +194,9 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (i
 	t.body = body
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.ContentLength = int64(len(body))
-	f, err := requestFields(body, r.Header.Get("Content-Type"))
+	f, err := request.ReadFields(body, r.Header.Get("Content-Type"))
 	if err == nil {
-		t.cost, err = h.costs.cost(r.URL.Path, f)
+		t.cost, err = t.route.Cost(h.costs, f)
 	}
 	if err != nil {
 		return http.StatusBadRequest, err.Error()
@@ -237,22 +214,6 @@ func readAll(body io.Reader, contentLength int64) ([]byte, error) {
 	buf := make([]byte, contentLength)
 	_, err := io.ReadFull(body, buf)
 	return buf, err
-}
-
-// requestFields reads a generation's parameters. A msgpack or other binary
-// body is passed on unread and costed by the pool's defaults.
-func requestFields(body []byte, contentType string) (fields, error) {
-	if contentType == "application/json" { // most bodies: no need to parse it
-		return jsonFields(body)
-	}
-	if mt, _, _ := mime.ParseMediaType(contentType); strings.HasPrefix(mt, "multipart/") {
-		return formFields(body, contentType)
-	}
-	// The workers read every other body as JSON, whatever the client called
-	// it (curl -d says x-www-form-urlencoded), so the router does too: a
-	// body it let pass unread as msgpack would be costed by defaults and
-	// checked by nobody.
-	return jsonFields(body)
 }
 
 func tooLarge(limit int64) string {

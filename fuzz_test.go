@@ -13,175 +13,13 @@ package diffusionrouter
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
-	"math"
-	"mime"
-	"mime/multipart"
 	"net/http/httptest"
-	"net/url"
-	"reflect"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson/strictjsontest"
 )
-
-// foldCollision is the reference for the strict reader: whether any object
-// in a valid JSON body has two keys equal under strings.EqualFold.
-func foldCollision(t *testing.T, body []byte) bool {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber()
-	var walk func() bool
-	walk = func() bool {
-		tok, err := dec.Token()
-		if err != nil {
-			t.Fatalf("reference walk of valid JSON: %v", err)
-		}
-		collide := false
-		switch tok {
-		case json.Delim('{'):
-			var keys []string
-			for dec.More() {
-				k, _ := dec.Token()
-				for _, prev := range keys {
-					collide = collide || strings.EqualFold(prev, k.(string))
-				}
-				keys = append(keys, k.(string))
-				collide = walk() || collide
-			}
-			dec.Token()
-		case json.Delim('['):
-			for dec.More() {
-				collide = walk() || collide
-			}
-			dec.Token()
-		}
-		return collide
-	}
-	return walk()
-}
-
-// checkKeyError checks that a refusal for a key names two keys that are
-// equal under case folding.
-func checkKeyError(t *testing.T, err error) {
-	if ke, ok := errors.AsType[*keyError](err); ok {
-		if !strings.EqualFold(ke.name, ke.other) || !strings.HasSuffix(ke.key, ke.name) {
-			t.Fatalf("key error %q names keys that do not collide", err)
-		}
-	}
-}
-
-func FuzzStrictJSON(f *testing.F) {
-	f.Fuzz(func(t *testing.T, body []byte) {
-		members, err := scanJSON(body)
-		checkKeyError(t, err)
-		valid := json.Valid(body)
-		_, isKeyError := errors.AsType[*keyError](err)
-		switch {
-		case err == nil && !valid:
-			t.Fatal("accepted JSON that encoding/json finds invalid")
-		case err == nil && foldCollision(t, body):
-			t.Fatal("accepted a body with two keys equal under case folding")
-		case err != nil && !isKeyError && valid:
-			t.Fatalf("refused valid JSON: %v", err)
-		case isKeyError && valid && !foldCollision(t, body):
-			t.Fatalf("refused a key the reference finds no twin of: %v", err)
-		case err != nil:
-			return
-		}
-		var ref map[string]json.RawMessage
-		if json.Unmarshal(body, &ref) != nil {
-			if members != nil {
-				t.Fatalf("members %v of a body that is not an object", members)
-			}
-			return
-		}
-		if len(members) != len(ref) {
-			t.Fatalf("%d members; encoding/json reads %d", len(members), len(ref))
-		}
-		for k, v := range ref {
-			if !bytes.Equal(members[k], v) {
-				t.Fatalf("member %q = %s; encoding/json reads %s", k, members[k], v)
-			}
-		}
-	})
-}
-
-func FuzzCost(f *testing.F) {
-	f.Fuzz(func(t *testing.T, body []byte, contentType string, video bool) {
-		endpoint := "/v1/images/generations"
-		if video {
-			endpoint = "/v1/videos"
-		}
-		fs, err := requestFields(body, contentType)
-		checkKeyError(t, err)
-		if err != nil {
-			return
-		}
-		if c, err := testCosts.cost(endpoint, fs); err == nil && !(c > 0 && c <= math.MaxFloat64) {
-			t.Fatalf("cost %v accepted", c)
-		}
-		switch mt, _, _ := mime.ParseMediaType(contentType); {
-		case strings.HasPrefix(mt, "multipart/"):
-			checkFormFields(t, body, contentType, fs)
-		case mt == "application/msgpack", mt == "application/x-msgpack", mt == "application/octet-stream":
-			if len(fs) > 0 {
-				t.Fatalf("fields %v read from a binary body", fs)
-			}
-		default:
-			checkJSONFields(t, body, fs)
-		}
-	})
-}
-
-// checkJSONFields checks that the cost model read what an exact-case JSON
-// reader reads: the top-level field, else extra_body's.
-func checkJSONFields(t *testing.T, body []byte, fs fields) {
-	if foldCollision(t, body) {
-		t.Fatal("accepted a body with two keys equal under case folding")
-	}
-	var top, extra map[string]any
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber()
-	if dec.Decode(&top) != nil {
-		t.Fatalf("fields %v read from a body that is not an object", fs)
-	}
-	if raw, err := json.Marshal(top["extra_body"]); err == nil {
-		dec := json.NewDecoder(bytes.NewReader(raw))
-		dec.UseNumber()
-		_ = dec.Decode(&extra)
-	}
-	for _, name := range costFieldNames {
-		want := top[name]
-		if want == nil {
-			want = extra[name]
-		}
-		if got, ok := fs[name]; !reflect.DeepEqual(got, want) || ok != (want != nil) {
-			t.Fatalf("field %s read as %#v; an exact-case reader reads %#v", name, got, want)
-		}
-	}
-}
-
-// checkFormFields checks that the cost model read the plain fields
-// mime/multipart's own form reader reads, each cost field once.
-func checkFormFields(t *testing.T, body []byte, contentType string, fs fields) {
-	_, params, _ := mime.ParseMediaType(contentType)
-	form, err := multipart.NewReader(bytes.NewReader(body), params["boundary"]).ReadForm(1 << 20)
-	if err != nil {
-		return // a limit of ReadForm's own
-	}
-	for _, name := range costFieldNames {
-		values := form.Value[name]
-		if len(values) > 1 {
-			t.Fatalf("form field %s given %d times was read", name, len(values))
-		}
-		if len(values) == 1 && fs[name] != values[0][:min(len(values[0]), maxFieldBytes)] {
-			t.Fatalf("form field %s read as %q; ReadForm reads %q", name, fs[name], values[0])
-		}
-		if _, ok := fs[name]; ok && len(values) == 0 {
-			t.Fatalf("form field %s read from a part ReadForm calls a file", name)
-		}
-	}
-}
 
 // fuzzPrefixes are the weights_path_prefix of FuzzWeightsRequest.
 var fuzzPrefixes = []string{"/ckpt", "s3://bucket/"}
@@ -217,7 +55,7 @@ func FuzzWeightsRequest(f *testing.F) {
 			t.Fatalf("refused %q, which lies under %v", mp, fuzzPrefixes)
 		case status != 0:
 			return
-		case !exact || foldCollision(t, body):
+		case !exact || strictjsontest.FoldCollision(t, body):
 			t.Fatal("accepted a body an exact-case reader reads otherwise")
 		case req.modelPath != mp || !bytes.Equal(req.body, body):
 			t.Fatalf("model_path read as %q; the workers read %q", req.modelPath, mp)
@@ -237,12 +75,12 @@ func FuzzWeightsRequest(f *testing.F) {
 func FuzzControlBody(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		members, err := decodeJSONBody(httptest.NewRequest("PUT", "/workers/x", bytes.NewReader(body)))
-		checkKeyError(t, err)
+		strictjsontest.CheckKeyError(t, err)
 		if err != nil {
 			return
 		}
 		var ref map[string]any
-		if len(bytes.TrimSpace(body)) > 0 && (json.Unmarshal(body, &ref) != nil || foldCollision(t, body)) {
+		if len(bytes.TrimSpace(body)) > 0 && (json.Unmarshal(body, &ref) != nil || strictjsontest.FoldCollision(t, body)) {
 			t.Fatal("accepted a body an exact-case reader reads otherwise")
 		}
 		isDead, refresh, err := parseWorkerUpdate(members)
@@ -276,47 +114,6 @@ func checkWorkerUpdate(t *testing.T, ref map[string]any, isDead *bool, refresh b
 	}
 }
 
-func FuzzVideoJobID(f *testing.F) {
-	f.Fuzz(func(t *testing.T, p string) {
-		const prefix = "/v1/videos/"
-		id, ok := videoJobID(p)
-		if ok && (id == "" || strings.Contains(id, "/") || !slices.Contains([]string{prefix + id, prefix + id + "/", prefix + id + "/content"}, p)) {
-			t.Fatalf("videoJobID(%q) = %q", p, id)
-		}
-		// Read as an id, p makes job paths that give it back.
-		if p != "" && !strings.Contains(p, "/") {
-			for _, jobPath := range []string{prefix + p, prefix + p + "/content"} {
-				if got, ok := videoJobID(jobPath); !ok || got != p {
-					t.Fatalf("videoJobID(%q) = %q, %v; want %q", jobPath, got, ok, p)
-				}
-			}
-		}
-	})
-}
-
-func FuzzImageJobID(f *testing.F) {
-	for _, seed := range []string{"0b6d3a4e-9d8c-4f7a-8e1b-2c3d4e5f6a7b", "abc/content", "abc%2Fcontent", "a%2fb/content", "%2e%2e", "abc/", "/content", "a%00", "%zz"} {
-		f.Add(seed)
-	}
-	f.Fuzz(func(t *testing.T, rest string) {
-		id, err := imageJobID("/v1/images/" + rest)
-		if err != nil {
-			return
-		}
-		// An id read from a path is one the router could have learned, and
-		// the path is that id's, escaped or not, with or without /content.
-		segment, _ := strings.CutSuffix(rest, "/content")
-		if unescaped, uerr := url.PathUnescape(segment); !validJobID(id) || uerr != nil || unescaped != id || strings.Contains(segment, "/") {
-			t.Fatalf("imageJobID(/v1/images/%s) = %q", rest, id)
-		}
-		for _, p := range []string{"/v1/images/" + id, "/v1/images/" + id + "/content"} {
-			if got, err := imageJobID(p); err != nil || got != id {
-				t.Fatalf("imageJobID(%q) = %q, %v; want %q", p, got, err, id)
-			}
-		}
-	})
-}
-
 // FuzzLeadingString checks the read of an id from the start of an answer
 // against encoding/json's reading of the whole answer: where it finds a
 // member in any prefix of an object, it is that object's member.
@@ -326,7 +123,7 @@ func FuzzLeadingString(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, answer []byte, cut int) {
 		var whole map[string]any
-		if json.Unmarshal(answer, &whole) != nil || whole == nil || foldCollision(t, answer) {
+		if json.Unmarshal(answer, &whole) != nil || whole == nil || strictjsontest.FoldCollision(t, answer) {
 			return
 		}
 		want, isString := whole["id"].(string)

@@ -43,9 +43,10 @@ type hedge struct {
 }
 
 // hedges reports whether t's attempt may get a copy: a job whose answer
-// comes when it is done (not a stream, not a video job answered at once).
-func (h *Handler) hedges(r *http.Request, t *ticket) bool {
-	return t.cfg.hedgeAfter > 0 && t.job && !streams(r) && r.URL.Path != "/v1/videos"
+// comes when it is done, as the endpoint table says (not a stream, not a
+// video job answered at once).
+func (h *Handler) hedges(t *ticket) bool {
+	return t.cfg.hedgeAfter > 0 && t.job && t.route.Hedged
 }
 
 // sendHedged is send with a copy of the job launched on an idle worker if
@@ -185,7 +186,7 @@ func (hd *hedge) runCopy(ctx context.Context, c *ticket) {
 		close(hd.copyEnded)
 	}()
 	// A copy's failure is no answer: the attempt goes on.
-	judge := hd.h.judge(hd.r)
+	judge := hd.h.judge(c)
 	rec.hold(hd.gate(c, func(status int) verdict {
 		if judge(status) != pass {
 			return lost
@@ -217,7 +218,7 @@ func (p *pool) hedgeCopy(t *ticket) *ticket {
 	if idle == nil {
 		return nil
 	}
-	c := &ticket{pool: p, cfg: t.cfg, task: t.task, job: true, cost: t.cost, wantVersion: t.wantVersion, seq: t.seq, body: t.body}
+	c := &ticket{pool: p, cfg: t.cfg, route: t.route, task: t.task, job: true, cost: t.cost, wantVersion: t.wantVersion, seq: t.seq, body: t.body}
 	p.assignLocked(c, idle)
 	p.hedging++
 	return c

@@ -8,9 +8,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 )
 
 // counterOf reads one series of a counter vector.

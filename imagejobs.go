@@ -3,11 +3,9 @@ package diffusionrouter
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
-	"fmt"
 	"net/http"
-	"net/url"
-	"strings"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // sglang-diffusion keeps the images it made: GET /v1/images/{id}/content
@@ -22,63 +20,6 @@ import (
 // The rest, megabytes of base64, streams through unread.
 const maxImageAnswerPeek = 1 << 10
 
-// maxJobIDLength bounds the ids the router looks up; sglang's are uuids.
-const maxJobIDLength = 128
-
-var (
-	errImageJobPath = errors.New("image job paths are /v1/images/{image_id} and /v1/images/{image_id}/content")
-	errImageJobID   = fmt.Errorf("image_id must be 1 to %d letters, digits, '-', '_' or '.' (an escaped '/' is none of them)", maxJobIDLength)
-)
-
-// isImageJobPath reports whether path names an image job rather than an
-// image generation endpoint.
-func isImageJobPath(path string) bool {
-	return strings.HasPrefix(path, "/v1/images/") && !generationPaths[path]
-}
-
-// imageJobID returns the id of an image job path, given as sent (escaped):
-// /v1/images/{id} or /v1/images/{id}/content, with an id of the shape
-// validJobID allows. The path is split at the slashes the client sent, so
-// an id with an escaped one (%2F) is an id with a '/', and refused.
-func imageJobID(escapedPath string) (string, error) {
-	segment, tail, hasTail := strings.Cut(strings.TrimPrefix(escapedPath, "/v1/images/"), "/")
-	if hasTail && tail != "content" {
-		return "", errImageJobPath
-	}
-	id, err := url.PathUnescape(segment)
-	if err != nil || !validJobID(id) {
-		return "", errImageJobID
-	}
-	return id, nil
-}
-
-func validJobID(id string) bool {
-	if id == "" || len(id) > maxJobIDLength {
-		return false
-	}
-	for _, c := range []byte(id) {
-		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '_' || c == '.') {
-			return false
-		}
-	}
-	return true
-}
-
-// pinImageJob pins t to the worker that made the image job r names. A
-// non-zero status refuses r with that status and message.
-func (h *Handler) pinImageJob(t *ticket, r *http.Request) (*ticket, int, string) {
-	id, err := imageJobID(r.URL.EscapedPath())
-	if err != nil {
-		return nil, http.StatusBadRequest, err.Error()
-	}
-	worker, ok := h.pool.images.worker(id)
-	if !ok {
-		return nil, http.StatusNotFound, "Unknown image_id"
-	}
-	t.pin = worker
-	return t, 0, ""
-}
-
 // learnImageJobs has rec read, from the start of r's answer and before it
 // goes out, the image job it made (then remembered as t's worker's), or
 // whether the image job it deleted is gone (then forgotten). A client can
@@ -87,12 +28,12 @@ func (h *Handler) pinImageJob(t *ticket, r *http.Request) (*ticket, int, string)
 func (h *Handler) learnImageJobs(rec *recorder, r *http.Request, t *ticket) {
 	var learn func(answer []byte) bool
 	switch {
-	case r.Method == http.MethodPost && streams(r):
+	case r.Method == http.MethodPost && t.route.Kind == request.ImageStream:
 		learn = func(answer []byte) bool { return h.rememberImage(firstEventData(answer), t) }
-	case r.Method == http.MethodPost && strings.HasPrefix(r.URL.Path, "/v1/images/") && generationPaths[r.URL.Path]:
+	case r.Method == http.MethodPost && t.route.LearnsImageID:
 		learn = func(answer []byte) bool { return h.rememberImage(answer, t) }
-	case r.Method == http.MethodDelete && t.pin != "" && isImageJobPath(r.URL.Path):
-		id, _ := imageJobID(r.URL.EscapedPath())
+	case r.Method == http.MethodDelete && t.pin != "" && t.route.Kind == request.ImagePoll:
+		id := t.route.JobID
 		learn = func(answer []byte) bool {
 			status, ok := leadingString(answer, "status")
 			if status == "deleted" { // not "cancelling": a stream still running is still there
@@ -113,7 +54,7 @@ func (h *Handler) learnImageJobs(rec *recorder, r *http.Request, t *ticket) {
 // as t's worker's, and reports whether answer named one.
 func (h *Handler) rememberImage(answer []byte, t *ticket) bool {
 	id, ok := leadingString(answer, "id")
-	if ok && validJobID(id) {
+	if ok && request.ValidJobID(id) {
 		h.pool.images.remember(id, t.servedBy)
 	}
 	return ok

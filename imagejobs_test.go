@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // makeImage makes an image through the router and returns its id and the
@@ -127,7 +128,7 @@ func TestBadImageIDsChangeNothing(t *testing.T) {
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
 	id, _ := makeImage(t, r)
 	for _, path := range []string{
-		"/v1/images/" + strings.Repeat("a", maxJobIDLength+1),
+		"/v1/images/" + strings.Repeat("a", request.MaxJobIDLength+1),
 		"/v1/images/" + id + "%2Fcontent",
 		"/v1/images/" + id + "%2f",
 		"/v1/images/a%2Fb/content",

@@ -5,6 +5,8 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
 )
 
 // LoRA adapters are how many diffusion RL setups sync weights after each
@@ -38,18 +40,18 @@ func (h *Handler) readLoraRequest(r *http.Request) (weightsRequest, int, string)
 	if status != 0 {
 		return req, status, msg
 	}
-	if target, ok := stringField(jsonMember(members, "target"), "all"); !ok || !slices.Contains(loraTargets, target) {
+	if target, ok := stringField(strictjson.Member(members, "target"), "all"); !ok || !slices.Contains(loraTargets, target) {
 		return req, http.StatusBadRequest, "target must be one of " + strings.Join(loraTargets, ", ")
 	}
 	base, _, _ := strings.Cut(h.pool.stats().version, loraSuffix)
 	req.version = base
 	switch r.URL.Path {
 	case "/v1/set_lora":
-		nicknames, ok := stringOrList(jsonMember(members, "lora_nickname"))
+		nicknames, ok := stringOrList(strictjson.Member(members, "lora_nickname"))
 		if !ok || len(nicknames) == 0 {
 			return req, http.StatusBadRequest, "lora_nickname is required: a string or a list of strings"
 		}
-		paths, ok := stringOrList(jsonMember(members, "lora_path"))
+		paths, ok := stringOrList(strictjson.Member(members, "lora_path"))
 		if !ok {
 			return req, http.StatusBadRequest, "lora_path must be a string or a list of strings"
 		}

@@ -153,32 +153,6 @@ func boolFloat(b bool) float64 {
 	return 0
 }
 
-// endpointClass names the kind of endpoint a request went to; raw paths
-// would make unbounded label values.
-func endpointClass(path string) string {
-	if _, ok := videoJobID(path); ok {
-		return "video_job"
-	}
-	if isImageJobPath(path) {
-		return "image_job"
-	}
-	switch path {
-	case "/v1/images/generations":
-		return "images"
-	case "/v1/images/generations/stream":
-		return "image_stream"
-	case "/v1/images/edits":
-		return "image_edits"
-	case "/v1/videos":
-		return "videos"
-	case "/v1/diffusion/generate":
-		return "diffusion"
-	case "/rollout/generate":
-		return "rollout"
-	}
-	return "other"
-}
-
 // statusClass is 2xx, 4xx, ...
 func statusClass(status int) string {
 	if status == 0 {

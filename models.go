@@ -12,68 +12,17 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
-
-// taskKind is what a request needs a worker to generate.
-type taskKind int
-
-const (
-	anyTask   taskKind = iota // RL and other endpoints: whatever the model makes
-	imageTask                 // /v1/images/*
-	videoTask                 // /v1/videos
-)
-
-// sglang-diffusion task types, as /v1/models reports them.
-var (
-	imageTaskTypes = []string{"T2I", "I2I", "TI2I"}
-	videoTaskTypes = []string{"T2V", "I2V", "TI2V"}
-)
-
-func hasTaskType(taskTypes, kinds []string) bool {
-	for _, t := range taskTypes {
-		if slices.Contains(kinds, strings.ToUpper(t)) {
-			return true
-		}
-	}
-	return false
-}
-
-// taskKinds is a set of task kinds, a bit for each.
-type taskKinds uint8
-
-// unprobed is what a worker not yet probed may be given: images (most
-// workers make them) but not videos, which only a worker known to be
-// video-capable gets, as in the Python router.
-const unprobed taskKinds = 1<<anyTask | 1<<imageTask
-
-// kindsOf is what a worker whose model card lists taskTypes may be given.
-func kindsOf(taskTypes []string) taskKinds {
-	kinds := taskKinds(1 << anyTask)
-	if hasTaskType(taskTypes, imageTaskTypes) {
-		kinds |= 1 << imageTask
-	}
-	if hasTaskType(taskTypes, videoTaskTypes) {
-		kinds |= 1 << videoTask
-	}
-	return kinds
-}
 
 // can reports whether w may be given a request of kind k.
-func (w *worker) can(k taskKind) bool {
-	return w.caps.makes&(1<<k) != 0
-}
-
-// videoSupport is the Python router's video_support: null while unknown.
-func videoSupport(taskTypes []string) *bool {
-	if taskTypes == nil {
-		return nil
-	}
-	v := hasTaskType(taskTypes, videoTaskTypes)
-	return &v
+func (w *worker) can(k request.Task) bool {
+	return w.caps.makes.Has(k)
 }
 
 // canServe reports whether a serving worker can take a request of kind k.
-func (p *pool) canServe(k taskKind) bool {
+func (p *pool) canServe(k request.Task) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := p.now().UnixNano()
@@ -94,7 +43,7 @@ const (
 
 // anyMakes reports whether some worker of the pool, serving or not, is
 // known or assumed to make requests of kind k.
-func (p *pool) anyMakes(k taskKind) bool {
+func (p *pool) anyMakes(k request.Task) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return slices.ContainsFunc(p.workers, func(w *worker) bool { return w.can(k) })

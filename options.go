@@ -14,6 +14,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // The handler's options, grouped in its JSON config the way reverse_proxy
@@ -329,14 +331,14 @@ func (h *Handler) provisionAttempts() error {
 // provisionCosts reads the cost model's defaults.
 func (h *Handler) provisionCosts() error {
 	o, c := &h.Cost, &h.costs
-	o.DefaultSize = cmp.Or(o.DefaultSize, defaultSize)
+	o.DefaultSize = cmp.Or(o.DefaultSize, request.DefaultSize)
 	var err error
-	if c.width, c.height, err = parseSize(o.DefaultSize); err != nil {
+	if c.Width, c.Height, err = request.ParseSize(o.DefaultSize); err != nil {
 		return optionError("default_size", "cost.default_size", "%q is not WIDTHxHEIGHT like 1024x1024", o.DefaultSize)
 	}
-	o.DefaultSteps = cmp.Or(o.DefaultSteps, defaultSteps)
-	o.DefaultFrames = cmp.Or(o.DefaultFrames, defaultFrames)
-	o.CFGFactor = cmp.Or(o.CFGFactor, defaultCFGFactor)
+	o.DefaultSteps = cmp.Or(o.DefaultSteps, request.DefaultSteps)
+	o.DefaultFrames = cmp.Or(o.DefaultFrames, request.DefaultFrames)
+	o.CFGFactor = cmp.Or(o.CFGFactor, request.DefaultCFGFactor)
 	switch {
 	case o.DefaultSteps < 0:
 		return optionError("default_steps", "cost.default_steps", "must be positive, got %d", o.DefaultSteps)
@@ -345,7 +347,7 @@ func (h *Handler) provisionCosts() error {
 	case !atLeastOne(o.CFGFactor):
 		return optionError("cfg_factor", "cost.cfg_factor", "must be a number of at least 1, got %g", o.CFGFactor)
 	}
-	c.steps, c.frames, c.cfgFactor = o.DefaultSteps, o.DefaultFrames, o.CFGFactor
+	c.Steps, c.Frames, c.CFGFactor = o.DefaultSteps, o.DefaultFrames, o.CFGFactor
 	return nil
 }
 

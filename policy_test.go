@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // fakeClock is a settable clock for a pool.
@@ -154,7 +156,7 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 	p.setCapabilities("http://b:1", []string{"T2I"}, "")
 	p.setCapabilities("http://c:1", []string{"T2V"}, "")
 	cfg := config(leastRequest{}, 0)
-	for task, want := range map[taskKind]string{videoTask: "c", imageTask: "b"} {
+	for task, want := range map[request.Task]string{request.VideoTask: "c", request.ImageTask: "b"} {
 		for range 5 {
 			tk := &ticket{pool: p, cfg: cfg, task: task, job: true}
 			if err := p.acquire(context.Background(), tk); err != nil || tk.worker.dial[:1] != want {

@@ -13,6 +13,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // pools holds every named pool across config reloads: a new config is
@@ -262,9 +264,9 @@ type workerStats struct {
 
 // capabilities are what a worker's /v1/models says it can generate.
 type capabilities struct {
-	makes     taskKinds // what the worker may be given
-	taskTypes []string  // nil until a probe answers
-	probedAt  time.Time // last capability probe attempt
+	makes     request.Tasks // what the worker may be given
+	taskTypes []string      // nil until a probe answers
+	probedAt  time.Time     // last capability probe attempt
 }
 
 // workerState is where a worker is. The fleet's operations move it
@@ -458,7 +460,7 @@ func (p *pool) add(u string) *worker {
 		delete(p.departing, dial)
 		w.url, w.life.removed = u, false
 	} else {
-		w = &worker{url: u, dial: dial, caps: capabilities{makes: unprobed}}
+		w = &worker{url: u, dial: dial, caps: capabilities{makes: request.Unprobed}}
 	}
 	p.fleet.holdIfBehindLocked(w)
 	if w.caps.taskTypes == nil {
@@ -568,7 +570,7 @@ func (p *pool) setCapabilities(url string, taskTypes []string, modelID string) {
 			p.unknown.Add(-1)
 		}
 		w.caps.taskTypes = append([]string{}, taskTypes...)
-		w.caps.makes = kindsOf(taskTypes)
+		w.caps.makes = request.TasksOf(taskTypes)
 		p.dispatchLocked()
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // dispatchConfig is how one diffusion_router config hands jobs to workers.
@@ -66,12 +68,13 @@ var (
 // the request reads the ticket again; a held video job's ticket passes to
 // the pool, which releases it when the job ends.
 type ticket struct {
-	pool *pool
-	cfg  *dispatchConfig
-	pin  string   // URL of the only worker that may serve (the creator of a video or image job)
-	task taskKind // what the worker must be able to generate
-	job  bool     // a generation: takes a worker slot, may wait for one
-	cost float64
+	pool  *pool
+	cfg   *dispatchConfig
+	route request.Route // the request's endpoint
+	pin   string        // URL of the only worker that may serve (the creator of a video or image job)
+	task  request.Task  // what the worker must be able to generate
+	job   bool          // a generation: takes a worker slot, may wait for one
+	cost  float64
 
 	wantVersion   string // only a worker on this weight version may serve
 	servedVersion string // the weight version of the worker chosen

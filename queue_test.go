@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // queued returns the number of jobs waiting in p's queue.
@@ -171,7 +173,7 @@ func TestNoWorkerThatCouldServeFailsAtOnce(t *testing.T) {
 	p, _ := poolOf(t, 1)
 	p.setCapabilities("http://a:1", []string{"T2I"}, "")
 	cfg := config(leastWork{}, 1)
-	if err := p.acquire(context.Background(), &ticket{pool: p, cfg: cfg, job: true, task: videoTask}); err != errNoWorker {
+	if err := p.acquire(context.Background(), &ticket{pool: p, cfg: cfg, job: true, task: request.VideoTask}); err != errNoWorker {
 		t.Fatalf("video job on an image pool: %v", err)
 	}
 	empty := newPool("empty")

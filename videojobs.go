@@ -3,8 +3,9 @@ package diffusionrouter
 import (
 	"encoding/json"
 	"net/http"
-	"strings"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // maxVideoResponsePeek bounds how much of a video job's answer the router
@@ -29,21 +30,23 @@ type videoJobStatus struct {
 	Status string `json:"status"`
 }
 
-// readsVideoJob reports whether r's answer is a video job object the router
-// must read: a new job, or a job's status.
-func readsVideoJob(r *http.Request) bool {
-	if r.URL.Path == "/v1/videos" {
-		return r.Method == http.MethodPost || r.Method == http.MethodGet && r.URL.Query().Has("video_id")
+// readsVideoJob reports whether r's answer, on route, is a video job
+// object the router must read: a new job, or a job's status.
+func readsVideoJob(r *http.Request, route request.Route) bool {
+	switch route.Kind {
+	case request.Video:
+		return r.Method == http.MethodPost || r.Method == http.MethodGet && route.Poll
+	case request.VideoPoll:
+		return r.Method == http.MethodGet && r.URL.Path == route.Path+route.JobID // not its content
 	}
-	rest, ok := strings.CutPrefix(r.URL.Path, "/v1/videos/")
-	return ok && r.Method == http.MethodGet && rest != "" && !strings.Contains(rest, "/")
+	return false
 }
 
 // trackVideoJob keeps the router's view of video jobs: which worker made a
 // new job (whose ticket it then holds, reporting true), and when a job
 // ended or was deleted (releasing its worker).
 func (h *Handler) trackVideoJob(r *http.Request, t *ticket, rec *recorder, err error) bool {
-	if err != nil || rec.status < 200 || rec.status > 299 || !strings.HasPrefix(r.URL.Path, "/v1/videos") {
+	if err != nil || rec.status < 200 || rec.status > 299 || t.route.Kind != request.Video && t.route.Kind != request.VideoPoll {
 		return false
 	}
 	var job videoJobStatus
@@ -55,7 +58,7 @@ func (h *Handler) trackVideoJob(r *http.Request, t *ticket, rec *recorder, err e
 		h.pool.videos.remember(job.ID, t.servedBy)
 		return h.pool.holdVideo(t, job.ID)
 	case r.Method == http.MethodDelete && t.pin != "":
-		id, _ := videoJobID(r.URL.Path)
+		id := t.route.JobID
 		h.pool.videos.forget(id)
 		h.pool.endVideo(id, abandoned)
 	case job.Status == "completed":

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
 )
 
 // Weight updates. In RL the trainer updates the policy between steps; a
@@ -131,16 +133,16 @@ func (h *Handler) readWeightsRequest(r *http.Request) (weightsRequest, int, stri
 		return req, status, msg
 	}
 	var ok bool
-	if req.modelPath, ok = jsonMember(members, "model_path").(string); !ok || req.modelPath == "" {
+	if req.modelPath, ok = strictjson.Member(members, "model_path").(string); !ok || req.modelPath == "" {
 		return req, http.StatusBadRequest, "model_path is required and must be a string"
 	}
 	if status, msg := h.checkWeightsPath("model_path", req.modelPath); status != 0 {
 		return req, status, msg
 	}
-	if req.version, ok = stringField(jsonMember(members, "weight_version"), req.modelPath); !ok {
+	if req.version, ok = stringField(strictjson.Member(members, "weight_version"), req.modelPath); !ok {
 		return req, http.StatusBadRequest, "weight_version must be a string"
 	}
-	if req.mode, ok = stringField(jsonMember(members, "mode"), h.weights.mode); !ok || (req.mode != modeDrain && req.mode != modeRolling) {
+	if req.mode, ok = stringField(strictjson.Member(members, "mode"), h.weights.mode); !ok || (req.mode != modeDrain && req.mode != modeRolling) {
 		return req, http.StatusBadRequest, `mode must be "drain" or "rolling"`
 	}
 	req.body = body
@@ -148,7 +150,7 @@ func (h *Handler) readWeightsRequest(r *http.Request) (weightsRequest, int, stri
 }
 
 // readControlObject reads a control call's body: one JSON object, read as
-// the workers read it (see strictObject). A non-zero status refuses it.
+// the workers read it (see strictjson.Object). A non-zero status refuses it.
 func readControlObject(r *http.Request) ([]byte, map[string]json.RawMessage, int, string) {
 	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
 	if err != nil {
@@ -157,8 +159,8 @@ func readControlObject(r *http.Request) ([]byte, map[string]json.RawMessage, int
 	if len(bytes.TrimSpace(body)) == 0 {
 		body = []byte("{}") // as FastAPI takes a call without a body: every field at its default
 	}
-	members, err := strictObject(body)
-	if _, ok := errors.AsType[*keyError](err); ok || errors.Is(err, errTooDeep) {
+	members, err := strictjson.Object(body)
+	if _, ok := errors.AsType[*strictjson.KeyError](err); ok || errors.Is(err, strictjson.ErrTooDeep) {
 		return nil, nil, http.StatusBadRequest, err.Error()
 	} else if err != nil {
 		return nil, nil, http.StatusBadRequest, "body must be a JSON object"
@@ -265,7 +267,7 @@ func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, op string)
 	// The workers read this body, the router does not; like every control
 	// body it is refused all the same if it names a key twice, in any case.
 	if len(bytes.TrimSpace(body)) > 0 {
-		if _, err := scanJSON(body); err != nil {
+		if _, err := strictjson.Scan(body); err != nil {
 			_ = writeError(w, http.StatusBadRequest, err.Error())
 			return
 		}

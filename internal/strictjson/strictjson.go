@@ -1,4 +1,6 @@
-package diffusionrouter
+// Package strictjson reads client JSON bodies as the workers read them:
+// by exact key, refusing any key given twice, in any case, at any depth.
+package strictjson
 
 import (
 	"bytes"
@@ -11,7 +13,7 @@ import (
 	"unicode/utf8"
 )
 
-// Client bodies are read as the workers read them. The workers are Python
+// Bodies are read as the workers read them. The workers are Python
 // (FastAPI, pydantic, json.loads): JSON keys are case-sensitive, and of a
 // repeated key the last value counts. Go's encoding/json matches struct
 // fields case-insensitively, even under Unicode folding ("ſize" is "size"
@@ -21,55 +23,59 @@ import (
 // refused, at every depth; the others are read by exact key, never through
 // struct tags.
 
+// The body errors; ErrInvalid's text is the Python router's.
 var (
-	errInvalidJSON = errors.New("Invalid JSON body")
-	errNotObject   = errors.New("request body must be a JSON object")
+	// ErrInvalid is a body that is not JSON.
+	ErrInvalid = errors.New("Invalid JSON body")
+	// ErrNotObject is JSON that is not an object where one must be.
+	ErrNotObject = errors.New("request body must be a JSON object")
 )
 
-// maxJSONDepth is encoding/json's own nesting limit; the scan keeps its
+// MaxDepth is encoding/json's own nesting limit; the scan keeps its
 // own stack, so a deep body costs no Go stack, only this much memory.
-const maxJSONDepth = 10000
+const MaxDepth = 10000
 
-var errTooDeep = fmt.Errorf("JSON body is nested deeper than %d levels", maxJSONDepth)
+// ErrTooDeep is a body nested beyond MaxDepth.
+var ErrTooDeep = fmt.Errorf("JSON body is nested deeper than %d levels", MaxDepth)
 
-// keyError is a key the router refuses: a repeated key, or one that
+// KeyError is a key the router refuses: a repeated key, or one that
 // differs from an earlier key of its object only in case.
-type keyError struct {
-	key   string // where, as "extra_body.num_frames" or "loras[2].scale"
-	other string // the earlier key as written; equal to key's own name for a repeat
-	name  string // the key's own name
+type KeyError struct {
+	Key   string // where, as "extra_body.num_frames" or "loras[2].scale"
+	Other string // the earlier key as written; equal to Name for a repeat
+	Name  string // the key's own name
 }
 
-func (e *keyError) Error() string {
-	if e.other == e.name {
-		return fmt.Sprintf("JSON key %q appears twice; give each key once", e.key)
+func (e *KeyError) Error() string {
+	if e.Other == e.Name {
+		return fmt.Sprintf("JSON key %q appears twice; give each key once", e.Key)
 	}
-	return fmt.Sprintf("JSON key %q differs from %q only in case; keys are case-sensitive, give each once", e.key, e.other)
+	return fmt.Sprintf("JSON key %q differs from %q only in case; keys are case-sensitive, give each once", e.Key, e.Other)
 }
 
-// strictObject reads body as one JSON object that names no key twice, not
+// Object reads body as one JSON object that names no key twice, not
 // even in different case, at any depth. It returns the object's members by
 // exact key, as slices of body.
-func strictObject(body []byte) (map[string]json.RawMessage, error) {
-	members, err := scanJSON(body)
+func Object(body []byte) (map[string]json.RawMessage, error) {
+	members, err := Scan(body)
 	if err == nil && members == nil {
-		err = errNotObject
+		err = ErrNotObject
 	}
 	return members, err
 }
 
-// scanJSON checks that body is one JSON value that names no key twice, not
+// Scan checks that body is one JSON value that names no key twice, not
 // even in different case, in any object. When the value is an object it
 // returns its members by exact key, as slices of body; otherwise nil.
 // encoding/json checks the syntax first, so the walk over the keys that
 // follows can take the body to be well formed: it runs on every
 // generation, and allocates only for the keys it keeps.
-func scanJSON(body []byte) (map[string]json.RawMessage, error) {
+func Scan(body []byte) (map[string]json.RawMessage, error) {
 	if !json.Valid(body) {
-		if nestedBeyond(body, maxJSONDepth) {
-			return nil, errTooDeep
+		if nestedBeyond(body, MaxDepth) {
+			return nil, ErrTooDeep
 		}
-		return nil, errInvalidJSON
+		return nil, ErrInvalid
 	}
 	s := keyScan{body: body}
 	s.space()
@@ -150,7 +156,7 @@ func (s *keyScan) object(members map[string]json.RawMessage) error {
 		key := s.key()
 		folded := foldKey(key)
 		if other, dup := seen[folded]; dup {
-			return &keyError{key: keyPath(s.path, key), other: other, name: key}
+			return &KeyError{Key: keyPath(s.path, key), Other: other, Name: key}
 		}
 		seen[folded] = key
 		s.space()
@@ -269,9 +275,9 @@ func foldRune(r rune) rune {
 	return least
 }
 
-// jsonMember decodes the member name of an object read by strictObject:
+// Member decodes the member name of an object read by Object:
 // nil when absent or null, numbers as json.Number.
-func jsonMember(members map[string]json.RawMessage, name string) any {
+func Member(members map[string]json.RawMessage, name string) any {
 	raw, ok := members[name]
 	if !ok {
 		return nil

@@ -1,14 +1,34 @@
-package diffusionrouter
+package request
 
 import (
 	"bytes"
-	"math"
+	"mime/multipart"
+	"net/http"
+	"net/url"
 	"strings"
 	"testing"
-	"time"
 )
 
-var testCosts = costModel{steps: 20, width: 1024, height: 1024, frames: 96, cfgFactor: 2}
+var testCosts = Model{Steps: 20, Width: 1024, Height: 1024, Frames: 96, CFGFactor: 2}
+
+// cost is what the endpoint at path charges for f.
+func cost(path string, f Fields) (float64, error) {
+	return Endpoints.Match(http.MethodPost, &url.URL{Path: path}).Cost(testCosts, f)
+}
+
+// multipartForm is a form with an image file part, then the fields given as
+// name, value pairs.
+func multipartForm(image []byte, fields ...string) (string, string) {
+	var b bytes.Buffer
+	mw := multipart.NewWriter(&b)
+	fw, _ := mw.CreateFormFile("image", "in.png")
+	fw.Write(image)
+	for i := 0; i+1 < len(fields); i += 2 {
+		mw.WriteField(fields[i], fields[i+1])
+	}
+	mw.Close()
+	return b.String(), mw.FormDataContentType()
+}
 
 func TestCostOfEveryFieldForm(t *testing.T) {
 	for _, tc := range []struct {
@@ -37,7 +57,7 @@ func TestCostOfEveryFieldForm(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", tc.body, err)
 		}
-		got, err := testCosts.cost(tc.path, f)
+		got, err := cost(tc.path, f)
 		if err != nil || got != tc.want {
 			t.Errorf("cost(%s %s) = %v, %v; want %v", tc.path, tc.body, got, err, tc.want)
 		}
@@ -51,7 +71,7 @@ func TestCostOfMultipartFields(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, err := testCosts.cost("/v1/images/edits", f); err != nil || got != 6 {
+	if got, err := cost("/v1/images/edits", f); err != nil || got != 6 {
 		t.Fatalf("multipart cost = %v, %v; want 6", got, err)
 	}
 	if _, err := formFields([]byte(body), "multipart/form-data"); err == nil {
@@ -85,7 +105,7 @@ func TestCostRefusesValuesThatCannotBeRight(t *testing.T) {
 	} {
 		f, err := jsonFields([]byte(body))
 		if err == nil {
-			_, err = testCosts.cost("/v1/images/generations", f)
+			_, err = cost("/v1/images/generations", f)
 		}
 		if err == nil || !strings.HasPrefix(err.Error(), field) {
 			t.Errorf("%s: error %v; want one naming %s", body, err, field)
@@ -97,7 +117,7 @@ func TestCostRefusesValuesThatCannotBeRight(t *testing.T) {
 		`{"fps":"x"}`:     "fps",
 	} {
 		f, _ := jsonFields([]byte(body))
-		if _, err := testCosts.cost("/v1/videos", f); err == nil || !strings.HasPrefix(err.Error(), field) {
+		if _, err := cost("/v1/videos", f); err == nil || !strings.HasPrefix(err.Error(), field) {
 			t.Errorf("video %s: error %v; want one naming %s", body, err, field)
 		}
 	}
@@ -108,51 +128,54 @@ func TestCostRefusesValuesThatCannotBeRight(t *testing.T) {
 	}
 }
 
-func TestSpeedLearningConvergesAndIgnoresAStall(t *testing.T) {
-	var s speedEstimate
-	// A worker that turns 4 units into a second, with ±10% noise.
-	for i := range 20 {
-		noise := 1 + 0.1*float64(i%3-1)
-		s.observe(8, time.Duration(2*noise*float64(time.Second)), 0)
+func TestCostReadsExactKeys(t *testing.T) {
+	// Python ignores a key it does not know, whatever its likeness to one
+	// it knows; so does the cost model.
+	f, err := jsonFields([]byte(`{"Num_Inference_Steps":1,"SIZE":"1x1","extra_body":{"N":9}}`))
+	if err != nil || len(f) != 0 {
+		t.Fatalf("fields %v, %v; want none", f, err)
 	}
-	if s.value < 3.6 || s.value > 4.4 {
-		t.Fatalf("learned speed %v; want about 4", s.value)
+	if _, err := jsonFields([]byte(`{"extra_body":[1]}`)); err == nil || !strings.HasPrefix(err.Error(), "extra_body") {
+		t.Errorf("extra_body that is not an object: %v", err)
 	}
-	before := s.value
-	s.observe(8, 200*time.Second, 2*time.Second) // one job stalled for 100x its time
-	if s.value < before*0.9 {
-		t.Fatalf("one stalled job moved the speed from %v to %v", before, s.value)
-	}
-	// The worker really slows down (another model, a throttled GPU): the
-	// estimate follows within a window.
-	for range speedWindow {
-		s.observe(8, 8*time.Second, 0)
-	}
-	if s.value != 1 {
-		t.Fatalf("speed after slowing down: %v; want 1", s.value)
+	if _, err := jsonFields([]byte(`{"extra_body":null,"size":"8x8"}`)); err != nil {
+		t.Errorf("extra_body null: %v", err)
 	}
 }
 
-func TestPredictionErrorTracked(t *testing.T) {
-	var s speedEstimate
-	s.observe(10, 2*time.Second, time.Second) // predicted half the real time
-	if s.relErr != 0.5 {
-		t.Fatalf("relative error %v; want 0.5", s.relErr)
+func TestCostRefusesAmbiguousFormParts(t *testing.T) {
+	part := func(header, value string) string {
+		return "--b\r\nContent-Disposition: " + header + "\r\n\r\n" + value + "\r\n"
 	}
-	for range 50 {
-		s.observe(10, 2*time.Second, 2*time.Second)
+	for name, body := range map[string]string{
+		"steps twice":      part(`form-data; name="num_inference_steps"`, "1") + part(`form-data; name="num_inference_steps"`, "50"),
+		"escaped name":     part(`form-data; name="num\_inference_steps"`, "1"),
+		"RFC 2231 name":    part(`form-data; name*=utf-8''num_inference_steps`, "1"),
+		"unquoted name":    part(`form-data; name=num_inference_steps`, "1"),
+		"no name":          part(`form-data`, "1"),
+		"unparsable":       part(`form-data; name="a"; name="num_inference_steps"`, "1"),
+		"RFC 2231 file":    part(`form-data; name="num_inference_steps"; filename*=utf-8''x.png`, "50"),
+		"two dispositions": "--b\r\nContent-Disposition: form-data; name=\"a\"\r\nContent-Disposition: form-data; name=\"num_inference_steps\"\r\n\r\n50\r\n",
+	} {
+		if _, err := formFields([]byte(body+"--b--\r\n"), "multipart/form-data; boundary=b"); err == nil {
+			t.Errorf("%s: form read", name)
+		}
 	}
-	if s.relErr > 0.01 {
-		t.Fatalf("relative error %v after exact predictions; want near 0", s.relErr)
+	ok := part(`form-data; name="image"; filename="in.png"`, "png") + part(`form-data; name="num_inference_steps"`, "4") +
+		part(`form-data; name="image"; filename="second.png"`, "png") + part(`form-data; name="tag"`, "a") + part(`form-data; name="tag"`, "b") +
+		part(`form-data; name="n"; filename=x.png`, "9") // a file to every parser, quoted or not
+	f, err := formFields([]byte(ok+"--b--\r\n"), "multipart/form-data; boundary=b")
+	if _, n := f["n"]; err != nil || f["num_inference_steps"] != "4" || n {
+		t.Fatalf("plain form: %v, %v", f, err)
 	}
 }
 
-func TestNewWorkerStartsFromPoolMedianSpeed(t *testing.T) {
-	p, clock := poolOf(t, 3)
-	teach(t, p, clock, config(leastWork{}, 0), map[string]float64{"a": 1, "b": 3, "c": 5})
-	registerRaw(p, "http://d:1")
-	d, _ := p.worker("http://d:1")
-	if d.SpeedLearned || math.Abs(d.Speed-3) > 1e-6 {
-		t.Fatalf("new worker's speed %v (learned %v); want the median 3", d.Speed, d.SpeedLearned)
+func TestCostRefusesFramesBeyondCounting(t *testing.T) {
+	f, err := jsonFields([]byte(`{"fps":1e10,"seconds":1e10}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c, err := cost("/v1/videos", f); err == nil {
+		t.Fatalf("1e20 frames cost %v", c)
 	}
 }
