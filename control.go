@@ -20,6 +20,7 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 // controlMux routes the endpoints the router answers itself, with the
@@ -290,9 +291,9 @@ func (h *Handler) workerURLFrom(r *http.Request) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	u, err := parseWorkerURL(raw)
-	if err == nil && h.guard.refusesURL(u) {
-		err = errWorkerURLAdmin
+	u, err := workerurl.Parse(raw)
+	if err == nil && h.guard.RefusesURL(u) {
+		err = workerurl.ErrAdmin
 	}
 	return u, err
 }
@@ -352,7 +353,7 @@ func decodeJSONBody(r *http.Request) (map[string]json.RawMessage, error) {
 // workerFromPath finds the worker named by /workers/{id}, answering the
 // client itself when there is none.
 func (h *Handler) workerFromPath(w http.ResponseWriter, r *http.Request) (workerInfo, bool) {
-	u, err := parseWorkerURL(r.PathValue("id"))
+	u, err := workerurl.Parse(r.PathValue("id"))
 	if err != nil {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
 		return workerInfo{}, false

@@ -24,6 +24,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 func init() {
@@ -103,7 +104,7 @@ type Handler struct {
 	allow    []netip.Prefix
 	token    string
 	control  *http.ServeMux
-	guard    *dialGuard
+	guard    *workerurl.Guard
 	found    *discovery // nil without DNS names
 	forwards pathSet
 	logger   *zap.Logger
@@ -128,8 +129,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.guard = newDialGuard(ctx)
 	for _, u := range h.Workers {
-		if h.guard.refusesURL(u) {
-			return optionError("workers", "workers", "%q: %v", u, errWorkerURLAdmin)
+		if h.guard.RefusesURL(u) {
+			return optionError("workers", "workers", "%q: %v", u, workerurl.ErrAdmin)
 		}
 	}
 	found, err := newDiscovery(ctx, h)

@@ -12,6 +12,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 // DNS discovery. A Kubernetes headless Service publishes the ready pods of
@@ -155,9 +157,9 @@ func (d *discovery) workerURLs(l *dnsLookup, dials []string) []string {
 	changed := !slices.Equal(dials, l.last)
 	var urls []string
 	for _, dial := range dials {
-		u, err := parseWorkerURL("http://" + dial)
-		if err == nil && d.h.guard.refusesURL(u) {
-			err = errWorkerURLAdmin
+		u, err := workerurl.Parse("http://" + dial)
+		if err == nil && d.h.guard.RefusesURL(u) {
+			err = workerurl.ErrAdmin
 		}
 		if err != nil {
 			if changed {

@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 // GET /engine_metrics is what miles scrapes for its engines' metrics (its
@@ -48,7 +50,7 @@ func (h *Handler) engineMetrics(ctx context.Context, urls []string) (int, string
 	for i, text := range texts {
 		if text != nil {
 			answered++
-			labelSamples(&out, text, dialAddress(urls[i]), seen)
+			labelSamples(&out, text, workerurl.DialAddress(urls[i]), seen)
 		}
 	}
 	if answered == 0 && len(urls) > 0 {

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 // The fleet outlives the process. Workers registered at run time (which
@@ -309,7 +311,7 @@ func (p *pool) restore(rec fleetRecord) (joined int, adopted bool) {
 	f := &p.fleet
 	adopted = f.version == "" && len(f.history) == 0
 	for _, r := range rec.Workers {
-		u, err := parseWorkerURL(r.URL)
+		u, err := workerurl.Parse(r.URL)
 		if err != nil {
 			p.logger.Warn("worker read back from storage is not a worker URL; left out", zap.String("worker", r.URL), zap.Error(err))
 			continue

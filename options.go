@@ -2,10 +2,8 @@ package diffusionrouter
 
 import (
 	"cmp"
-	"errors"
 	"fmt"
 	"math"
-	"net"
 	"net/netip"
 	"regexp"
 	"strings"
@@ -16,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 // The handler's options, grouped in its JSON config the way reverse_proxy
@@ -479,7 +478,7 @@ func (h *Handler) provisionAdmin() error {
 // them by.
 func (h *Handler) provisionWorkers() error {
 	for i, raw := range h.Workers {
-		u, err := parseWorkerURL(raw)
+		u, err := workerurl.Parse(raw)
 		if err != nil {
 			return optionError("workers", "workers", "%q: %v", raw, err)
 		}
@@ -505,7 +504,7 @@ func (h *Handler) provisionDiscovery() error {
 		return optionError("dns_refresh", "discovery.refresh", "must be positive, got %s", time.Duration(o.Refresh))
 	}
 	for _, a := range o.A {
-		if err := checkLookupName(a.Name); err != nil {
+		if err := workerurl.CheckLookupName(a.Name); err != nil {
 			return optionError("workers_dns", "discovery.a", "%q: %v", a.Name, err)
 		}
 		if a.Port < 1 || a.Port > 65535 {
@@ -513,7 +512,7 @@ func (h *Handler) provisionDiscovery() error {
 		}
 	}
 	for _, name := range o.SRV {
-		if err := checkLookupName(name); err != nil {
+		if err := workerurl.CheckLookupName(name); err != nil {
 			return optionError("workers_srv", "discovery.srv", "%q: %v", name, err)
 		}
 	}
@@ -523,21 +522,6 @@ func (h *Handler) provisionDiscovery() error {
 		if err := (&reverseproxy.UpstreamResolver{Addresses: []string{r}}).ParseAddresses(); err != nil {
 			return optionError("dns_resolvers", "discovery.resolvers", "%q: %v (want host:port, such as 10.96.0.10:53)", r, err)
 		}
-	}
-	return nil
-}
-
-// checkLookupName checks a name that DNS discovery looks up: a DNS name,
-// absolute (with a final dot) or not.
-func checkLookupName(name string) error {
-	bare := strings.TrimSuffix(strings.ToLower(name), ".")
-	switch {
-	case name == "":
-		return errors.New("a name to look up is required")
-	case net.ParseIP(bare) != nil, isNumericHost(bare):
-		return errors.New("is an address, not a name to look up: list it in workers")
-	case !isDNSName(bare):
-		return errors.New("is not a DNS name (letters, digits, '-', '_' and '.')")
 	}
 	return nil
 }

@@ -2,9 +2,7 @@ package diffusionrouter
 
 import (
 	"errors"
-	"net"
 	"net/http"
-	"net/url"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -15,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 // pools holds every named pool across config reloads: a new config is
@@ -97,7 +96,7 @@ type pool struct {
 	now    func() time.Time // the clock; tests set their own
 	logger *zap.Logger
 	client *http.Client // for the router's own calls to workers
-	guard  atomic.Pointer[dialGuard]
+	guard  atomic.Pointer[workerurl.Guard]
 	bg     background  // the pool's own goroutines and timers
 	store  *fleetStore // the pool's record in Caddy's storage
 
@@ -157,7 +156,7 @@ func newPool(name string) *pool {
 		images: newJobOwners(defaultJobOwnerLimit, defaultJobOwnerTTL),
 	}
 	p.defaultSpeed = 1
-	p.client = guardedClient(func() *dialGuard { return p.guard.Load() })
+	p.client = workerurl.GuardedClient(func() *workerurl.Guard { return p.guard.Load() })
 	p.fleet = fleet{pool: p, ops: make(chan struct{}, 1)}
 	p.bg = newBackground(p.logger)
 	p.store = newFleetStore(p)
@@ -166,7 +165,7 @@ func newPool(name string) *pool {
 
 // useGuard makes the pool's own calls to workers check their addresses
 // with g: the guard of the config loaded last.
-func (p *pool) useGuard(g *dialGuard) {
+func (p *pool) useGuard(g *workerurl.Guard) {
 	p.guard.Store(g)
 }
 
@@ -454,7 +453,7 @@ func (p *pool) remove(url string) bool {
 }
 
 func (p *pool) add(u string) *worker {
-	dial := dialAddress(u)
+	dial := workerurl.DialAddress(u)
 	w := p.departing[dial]
 	if w != nil { // back before its last jobs ended: they still count
 		delete(p.departing, dial)
@@ -593,24 +592,7 @@ func (p *pool) unprobed(now time.Time, interval time.Duration) []string {
 // find looks a worker up by URL; URLs that dial the same address name the
 // same worker (http://h and http://h:80).
 func (p *pool) find(url string) *worker {
-	return p.byDial[dialAddress(url)]
-}
-
-// dialAddress turns a normalized worker URL into the host:port reverse_proxy
-// dials, filling in the scheme's default port.
-func dialAddress(workerURL string) string {
-	u, err := url.Parse(workerURL)
-	if err != nil {
-		return workerURL
-	}
-	if u.Port() != "" {
-		return u.Host
-	}
-	port := "80"
-	if u.Scheme == "https" {
-		port = "443"
-	}
-	return net.JoinHostPort(u.Hostname(), port)
+	return p.byDial[workerurl.DialAddress(url)]
 }
 
 // poolStats are the pool-wide figures.

@@ -3,6 +3,8 @@ package diffusionrouter
 import (
 	"slices"
 	"testing"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 func workerURLs(p *pool) []string {
@@ -97,7 +99,7 @@ func TestPoolSharedAcrossLoadsAndReleased(t *testing.T) {
 
 // registerRaw registers a worker as POST /workers does: URL parsed first.
 func registerRaw(p *pool, raw string) (workerInfo, bool, error) {
-	u, err := parseWorkerURL(raw)
+	u, err := workerurl.Parse(raw)
 	if err != nil {
 		return workerInfo{}, false, err
 	}

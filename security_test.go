@@ -153,11 +153,11 @@ func TestDialGuardChecksTheResolvedAddress(t *testing.T) {
 		t.Fatal(err)
 	}
 	g := newDialGuard(ctx)
-	if !slices.Equal(g.adminPorts, []uint16{12019, 12021}) {
-		t.Fatalf("admin ports %v; want 12019 and 12021 read from the config", g.adminPorts)
+	if !slices.Equal(g.AdminPorts(), []uint16{12019, 12021}) {
+		t.Fatalf("admin ports %v; want 12019 and 12021 read from the config", g.AdminPorts())
 	}
 	disabled, _ := caddy.ProvisionContext(&caddy.Config{Admin: &caddy.AdminConfig{Disabled: true}})
-	if ports := newDialGuard(disabled).adminPorts; len(ports) != 0 {
+	if ports := newDialGuard(disabled).AdminPorts(); len(ports) != 0 {
 		t.Fatalf("admin off: ports %v; want none", ports)
 	}
 	for addr, refused := range map[string]bool{
@@ -171,7 +171,7 @@ func TestDialGuardChecksTheResolvedAddress(t *testing.T) {
 		"100.100.100.200:80":          true,
 		"0.0.0.0:30000":               true,
 	} {
-		if got := g.refuses(netip.MustParseAddrPort(addr)); got != refused {
+		if got := g.Refuses(netip.MustParseAddrPort(addr)); got != refused {
 			t.Errorf("refuses(%s) = %v; want %v", addr, got, refused)
 		}
 	}

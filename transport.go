@@ -33,9 +33,9 @@ func (t *DiffusionTransport) Provision(ctx caddy.Context) error {
 		return err
 	}
 	g := newDialGuard(ctx)
-	t.Transport.DialContext = g.wrapDial(t.Transport.DialContext)
+	t.Transport.DialContext = g.WrapDial(t.Transport.DialContext)
 	if t.Transport.DialTLSContext != nil {
-		t.Transport.DialTLSContext = g.wrapDial(t.Transport.DialTLSContext)
+		t.Transport.DialTLSContext = g.WrapDial(t.Transport.DialTLSContext)
 	}
 	return nil
 }

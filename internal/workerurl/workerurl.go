@@ -1,4 +1,8 @@
-package diffusionrouter
+// Package workerurl holds the rules for worker addresses: a worker URL
+// parsed once into the one form that names it, and the addresses that are
+// never workers, refused when a URL names them and again when a
+// connection is dialled.
+package workerurl
 
 import (
 	"errors"
@@ -15,47 +19,48 @@ import (
 // canonical form that always parses back to itself, and hosts that lead to
 // cloud instance metadata or to link-local services are refused in every
 // spelling. A name is only a promise: the address it resolves to is
-// checked again when it is dialled (see dialGuard).
+// checked again when it is dialled (see Guard).
 
 // Errors of worker URLs, worded as the Python router words them where it
 // has the same check.
 var (
-	errWorkerURLEmpty    = errors.New("worker_url cannot be empty")
-	errWorkerURLScheme   = errors.New("worker_url must start with http:// or https://")
-	errWorkerURLInvalid  = errors.New("worker_url is not a valid URL")
-	errWorkerURLHost     = errors.New("worker_url must include host and port")
-	errWorkerURLUser     = errors.New("worker_url must not include user credentials")
-	errWorkerURLQuery    = errors.New("worker_url must not include query or fragment")
-	errWorkerURLPath     = errors.New("worker_url path is not allowed")
-	errWorkerURLPort     = errors.New("worker_url port must be a number from 1 to 65535")
-	errWorkerURLHostName = errors.New("worker_url host must be an IP address or a DNS name (letters, digits, '-', '_' and '.')")
-	errWorkerURLNumeric  = errors.New("worker_url host made of numbers must be a dotted IPv4 address")
-	errWorkerURLBlocked  = errors.New("worker_url host is blocked: cloud metadata and link-local addresses are never workers")
-	errWorkerURLAdmin    = errors.New("worker_url is blocked: it is Caddy's admin API")
+	// ErrEmpty and the rest are what is wrong with a worker URL.
+	ErrEmpty    = errors.New("worker_url cannot be empty")
+	ErrScheme   = errors.New("worker_url must start with http:// or https://")
+	ErrInvalid  = errors.New("worker_url is not a valid URL")
+	ErrHost     = errors.New("worker_url must include host and port")
+	ErrUser     = errors.New("worker_url must not include user credentials")
+	ErrQuery    = errors.New("worker_url must not include query or fragment")
+	ErrPath     = errors.New("worker_url path is not allowed")
+	ErrPort     = errors.New("worker_url port must be a number from 1 to 65535")
+	ErrHostName = errors.New("worker_url host must be an IP address or a DNS name (letters, digits, '-', '_' and '.')")
+	ErrNumeric  = errors.New("worker_url host made of numbers must be a dotted IPv4 address")
+	ErrBlocked  = errors.New("worker_url host is blocked: cloud metadata and link-local addresses are never workers")
+	ErrAdmin    = errors.New("worker_url is blocked: it is Caddy's admin API")
 )
 
-// parseWorkerURL validates a worker URL and returns it as
+// Parse validates a worker URL and returns it as
 // scheme://host[:port], lower case, without a trailing dot, so that one
 // worker has one identity.
-func parseWorkerURL(raw string) (string, error) {
+func Parse(raw string) (string, error) {
 	raw = strings.TrimSpace(raw)
 	if raw == "" {
-		return "", errWorkerURLEmpty
+		return "", ErrEmpty
 	}
 	u, err := url.Parse(raw)
 	switch {
 	case err != nil && !strings.Contains(raw, "://"), err == nil && u.Scheme != "http" && u.Scheme != "https":
-		return "", errWorkerURLScheme
+		return "", ErrScheme
 	case err != nil, u.Opaque != "":
-		return "", errWorkerURLInvalid
+		return "", ErrInvalid
 	case u.Host == "" || u.Hostname() == "":
-		return "", errWorkerURLHost
+		return "", ErrHost
 	case u.User != nil:
-		return "", errWorkerURLUser
+		return "", ErrUser
 	case u.RawQuery != "" || u.ForceQuery || u.Fragment != "":
-		return "", errWorkerURLQuery
+		return "", ErrQuery
 	case u.Path != "" && u.Path != "/":
-		return "", errWorkerURLPath
+		return "", ErrPath
 	}
 	host, err := canonicalHost(u.Hostname())
 	if err != nil {
@@ -64,7 +69,7 @@ func parseWorkerURL(raw string) (string, error) {
 	if port := u.Port(); port != "" {
 		n, err := strconv.Atoi(port)
 		if err != nil || n < 1 || n > 65535 {
-			return "", errWorkerURLPort
+			return "", ErrPort
 		}
 		return u.Scheme + "://" + net.JoinHostPort(host, strconv.Itoa(n)), nil
 	}
@@ -78,22 +83,22 @@ func parseWorkerURL(raw string) (string, error) {
 func canonicalHost(host string) (string, error) {
 	host = strings.ToLower(host)
 	if a, err := netip.ParseAddr(host); err == nil {
-		if a.Zone() != "" || blockedAddr(a) {
-			return "", errWorkerURLBlocked
+		if a.Zone() != "" || BlockedAddr(a) {
+			return "", ErrBlocked
 		}
 		return a.String(), nil
 	}
 	host = strings.TrimSuffix(host, ".") // "metadata.google.internal." is the same name
 	if !isDNSName(host) {
-		return "", errWorkerURLHostName
+		return "", ErrHostName
 	}
 	if isNumericHost(host) {
 		// 2852039166, 0xa9fea9fe and 0251.0376.0251.0376 are all
 		// 169.254.169.254 to the C resolver, but not to Go's.
-		return "", errWorkerURLNumeric
+		return "", ErrNumeric
 	}
 	if blockedNames[host] {
-		return "", errWorkerURLBlocked
+		return "", ErrBlocked
 	}
 	return host, nil
 }
@@ -115,6 +120,21 @@ func isDNSName(s string) bool {
 		}
 	}
 	return true
+}
+
+// CheckLookupName checks a name that DNS discovery looks up: a DNS name,
+// absolute (with a final dot) or not.
+func CheckLookupName(name string) error {
+	bare := strings.TrimSuffix(strings.ToLower(name), ".")
+	switch {
+	case name == "":
+		return errors.New("a name to look up is required")
+	case net.ParseIP(bare) != nil, isNumericHost(bare):
+		return errors.New("is an address, not a name to look up: list it in workers")
+	case !isDNSName(bare):
+		return errors.New("is not a DNS name (letters, digits, '-', '_' and '.')")
+	}
+	return nil
 }
 
 // isNumericHost reports whether every label of s is a number as the C
@@ -151,11 +171,11 @@ var (
 	nat64Prefix     = netip.MustParsePrefix("64:ff9b::/96")
 )
 
-// blockedAddr reports whether a is never a worker's address: link-local
+// BlockedAddr reports whether a is never a worker's address: link-local
 // (where cloud metadata lives), a metadata service, unspecified (which
 // dials this very machine) or multicast, also when written as an IPv4
 // address inside an IPv6 one.
-func blockedAddr(a netip.Addr) bool {
+func BlockedAddr(a netip.Addr) bool {
 	a = embeddedIPv4(a)
 	return a.IsLinkLocalUnicast() || a.IsLinkLocalMulticast() || a.IsInterfaceLocalMulticast() ||
 		a.IsMulticast() || a.IsUnspecified() || a == alibabaMetadata || a == awsMetadataV6
@@ -174,4 +194,21 @@ func embeddedIPv4(a netip.Addr) netip.Addr {
 		return netip.AddrFrom4([4]byte(b[12:]))
 	}
 	return a
+}
+
+// DialAddress turns a worker URL from Parse into the host:port a
+// connection to it dials, filling in the scheme's default port.
+func DialAddress(workerURL string) string {
+	u, err := url.Parse(workerURL)
+	if err != nil {
+		return workerURL
+	}
+	if u.Port() != "" {
+		return u.Host
+	}
+	port := "80"
+	if u.Scheme == "https" {
+		port = "443"
+	}
+	return net.JoinHostPort(u.Hostname(), port)
 }

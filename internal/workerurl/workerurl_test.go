@@ -1,4 +1,4 @@
-package diffusionrouter
+package workerurl
 
 import (
 	"net/url"
@@ -22,9 +22,9 @@ func TestParseWorkerURL(t *testing.T) {
 		"http://[::ffff:10.0.0.1]":  "http://[::ffff:10.0.0.1]",
 	}
 	for in, want := range good {
-		got, err := parseWorkerURL(in)
+		got, err := Parse(in)
 		if err != nil || got != want {
-			t.Errorf("parseWorkerURL(%q) = %q, %v; want %q", in, got, err, want)
+			t.Errorf("Parse(%q) = %q, %v; want %q", in, got, err, want)
 		}
 	}
 	bad := map[string]string{
@@ -73,13 +73,13 @@ func TestParseWorkerURL(t *testing.T) {
 		"http://" + strings.Repeat("a", 64) + ".x": "DNS name",
 	}
 	for in, want := range bad {
-		if got, err := parseWorkerURL(in); err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("parseWorkerURL(%q) = %q, %v; want an error mentioning %q", in, got, err, want)
+		if got, err := Parse(in); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("Parse(%q) = %q, %v; want an error mentioning %q", in, got, err, want)
 		}
 	}
 }
 
-// FuzzParseWorkerURL checks that whatever parseWorkerURL accepts is in its
+// FuzzParseWorkerURL checks that whatever Parse accepts is in its
 // canonical form: it parses back with net/url to the same scheme and host,
 // and parsing it again gives it unchanged.
 func FuzzParseWorkerURL(f *testing.F) {
@@ -90,18 +90,18 @@ func FuzzParseWorkerURL(f *testing.F) {
 		f.Add(seed)
 	}
 	f.Fuzz(func(t *testing.T, raw string) {
-		got, err := parseWorkerURL(raw)
+		got, err := Parse(raw)
 		if err != nil {
 			return
 		}
 		u, err := url.Parse(got)
 		if err != nil || u.Scheme+"://"+u.Host != got || u.Hostname() == "" {
-			t.Fatalf("parseWorkerURL(%q) = %q, which does not parse back (%v)", raw, got, err)
+			t.Fatalf("Parse(%q) = %q, which does not parse back (%v)", raw, got, err)
 		}
-		if again, err := parseWorkerURL(got); err != nil || again != got {
-			t.Fatalf("parseWorkerURL(%q) = %q, but that gives %q, %v", raw, got, again, err)
+		if again, err := Parse(got); err != nil || again != got {
+			t.Fatalf("Parse(%q) = %q, but that gives %q, %v", raw, got, again, err)
 		}
-		if dialAddress(got) == got {
+		if DialAddress(got) == got {
 			t.Fatalf("no dial address for %q", got)
 		}
 	})
