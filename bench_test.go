@@ -13,6 +13,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // benchPool is a pool of n workers with learned, varied speeds, on a fixed
@@ -27,7 +29,7 @@ func benchPool(b *testing.B, n int) *pool {
 	}
 	p.declare(urls)
 	for i, w := range p.workers {
-		w.load.speed.value = 1 + float64(i%4)
+		w.load.speed.Observe(1+float64(i%4), time.Second, 0) // that many units a second
 	}
 	return p
 }
@@ -48,7 +50,7 @@ func BenchmarkDecision(b *testing.B) {
 		}{{"busy", 16}, {"half", n / 2}, {"idle", n}} {
 			b.Run(fmt.Sprintf("%d/%s", n, bc.name), func(b *testing.B) {
 				p := benchPool(b, n)
-				cfg := &dispatchConfig{strategy: leastWork{}, maxInflight: 1, maxQueue: 10}
+				cfg := &dispatchConfig{strategy: scheduler.LeastWork{}, maxInflight: 1, maxQueue: 10, order: scheduler.FIFO{}}
 				for _, w := range p.workers[bc.free:] {
 					p.assignLocked(&ticket{pool: p, cfg: cfg, job: true, cost: 10}, w)
 				}
@@ -73,7 +75,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 	for _, n := range fleetSizes {
 		b.Run(fmt.Sprint(n), func(b *testing.B) {
 			p := benchPool(b, n)
-			cfg := &dispatchConfig{strategy: leastWork{}, maxInflight: 1, maxQueue: 10}
+			cfg := &dispatchConfig{strategy: scheduler.LeastWork{}, maxInflight: 1, maxQueue: 10, order: scheduler.FIFO{}}
 			ctx := context.Background()
 			b.ReportAllocs()
 			for b.Loop() {

@@ -277,11 +277,11 @@ func (p *pool) setFound(key string, urls []string, maxWorkers int) foundChange {
 	c.left = p.forgetFoundLocked(old)
 	for _, u := range urls {
 		switch {
-		case p.find(u) != nil:
+		case p.findLocked(u) != nil:
 		case len(p.workers) >= maxWorkers:
 			c.noRoom++
 		default:
-			p.add(u)
+			p.addLocked(u)
 			c.joined = append(c.joined, u)
 		}
 	}
@@ -298,7 +298,7 @@ func (p *pool) forgetFoundLocked(urls []string) []string {
 			continue
 		}
 		delete(p.discovered, u)
-		if w := p.find(u); w != nil && !p.heldLocked(w) {
+		if w := p.findLocked(u); w != nil && !p.heldLocked(w) {
 			p.removeLocked(w)
 			gone = append(gone, u)
 		}

@@ -316,12 +316,12 @@ func (p *pool) restore(rec fleetRecord) (joined int, adopted bool) {
 			p.logger.Warn("worker read back from storage is not a worker URL; left out", zap.String("worker", r.URL), zap.Error(err))
 			continue
 		}
-		w := p.find(u)
+		w := p.findLocked(u)
 		switch {
 		case w == nil && !r.Registered:
 			continue // the config listed it, and no longer does
 		case w == nil:
-			w = p.add(u)
+			w = p.addLocked(u)
 			w.health.down, w.health.unverified = true, true
 			joined++
 		}

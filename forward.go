@@ -39,7 +39,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 	arrived := time.Now()
 	id := requestID(r)
 	rec.Header().Set(requestIDHeader, id)
-	t, status, msg := h.admit(rec, r, route)
+	t, r, status, msg := h.admit(rec, r, route)
 	if status != 0 {
 		return writeError(rec, status, msg)
 	}
@@ -53,31 +53,42 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 			zap.String("strategy", h.LoadBalancing.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
 	}
 	err := h.proxy(rec, r, t, next)
+	if cause := cancelledBy(r.Context()); cause != nil && rec.status == 0 {
+		err = writeError(rec, http.StatusConflict, cause.Error())
+	}
 	if t.job {
 		h.logJob(id, r, t, rec.status, dispatched.Sub(arrived), time.Since(dispatched))
 	}
 	return err
 }
 
-// admit reads and costs r and gets it a worker. A non-zero status refuses
-// r with that status and message; a nil ticket means the client left.
-func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*ticket, int, string) {
+// admit reads and costs r and gets it a worker. It returns r as the job
+// is to be sent, in its ticket's context. A non-zero status refuses r with
+// that status and message (409 for a job cancelled while it waited); a nil
+// ticket means the client left.
+func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*ticket, *http.Request, int, string) {
 	t, status, msg := h.ticketFor(r, route)
 	if status == 0 {
 		status, msg = h.readBody(rec, r, t)
 	}
 	if status != 0 {
-		return nil, status, msg
+		return nil, r, status, msg
+	}
+	if t.job {
+		r = r.WithContext(t.withCancel(r.Context()))
 	}
 	if err := h.pool.acquire(r.Context(), t); err != nil {
+		if cause := cancelledBy(r.Context()); cause != nil {
+			return nil, r, http.StatusConflict, cause.Error()
+		}
 		if r.Context().Err() != nil {
-			return nil, 0, ""
+			return nil, r, 0, ""
 		}
 		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
 		status, msg := queueError(h.pool, t, err)
-		return nil, status, msg
+		return nil, r, status, msg
 	}
-	return t, 0, ""
+	return t, r, 0, ""
 }
 
 // logJob logs a finished generation job and records its metrics. No
@@ -157,7 +168,7 @@ func (h *Handler) pinToJob(t *ticket) (*ticket, int, string) {
 	if t.route.Kind == request.ImagePoll {
 		owners, unknown = h.pool.images, "Unknown image_id"
 	}
-	worker, ok := owners.worker(t.route.JobID)
+	worker, ok := owners.Worker(t.route.JobID)
 	if !ok {
 		return nil, http.StatusNotFound, unknown
 	}

@@ -22,7 +22,7 @@ import (
 // proxies, and stall detection from the cost model. Two mistakes of
 // existing routers are avoided: a worker marked down keeps being probed and
 // comes back by itself, and a worker that is slow to answer because it is
-// busy on a minutes-long video is not declared dead.
+// busyLocked on a minutes-long video is not declared dead.
 
 func init() {
 	caddy.RegisterModule(new(HealthApp))
@@ -250,7 +250,7 @@ func (p *pool) urls() []string {
 func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChange {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	w := p.find(url)
+	w := p.findLocked(url)
 	if w == nil {
 		return unchanged
 	}
@@ -262,7 +262,7 @@ func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChang
 		return change
 	}
 	w.evidence.lastError = err.Error()
-	if isTimeout(err) && p.busy(w, now, cfg) {
+	if isTimeout(err) && p.busyLocked(w, now, cfg) {
 		return unchanged // slow because it is working, not because it is dead
 	}
 	w.health.unverified = false // down already; back after health_passes passes, as any unhealthy worker
@@ -279,7 +279,7 @@ func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChang
 func (p *pool) probePassedLocked(w *worker, now int64, cfg *healthConfig) healthChange {
 	w.evidence.probeFails = 0
 	w.evidence.probePasses++
-	if w.health.suspect && !p.overrunning(w, now, cfg) {
+	if w.health.suspect && !p.overrunningLocked(w, now, cfg) {
 		w.health.suspect = false
 	}
 	change := unchanged
@@ -300,31 +300,31 @@ func isTimeout(err error) bool {
 	return errors.Is(err, context.DeadlineExceeded) || (errors.As(err, &ne) && ne.Timeout())
 }
 
-// busy reports whether a slow probe answer is explained by work: a job
+// busyLocked reports whether a slow probe answer is explained by work: a job
 // still within twice its predicted time, or one finished within the last
 // interval.
-func (p *pool) busy(w *worker, now int64, cfg *healthConfig) bool {
-	if w.load.inflight > 0 && float64(now-w.load.headSince) < 2*p.predictedHead(w) {
+func (p *pool) busyLocked(w *worker, now int64, cfg *healthConfig) bool {
+	if w.load.inflight > 0 && float64(now-w.load.headSince) < 2*p.predictedHeadLocked(w) {
 		return true
 	}
 	return w.load.lastFinish > 0 && now-w.load.lastFinish < int64(cfg.interval)
 }
 
-// predictedHead is how long the running job of w is predicted to take, in
+// predictedHeadLocked is how long the running job of w is predicted to take, in
 // nanoseconds.
-func (p *pool) predictedHead(w *worker) float64 {
-	return w.load.headCost / p.speedOf(w) * float64(time.Second)
+func (p *pool) predictedHeadLocked(w *worker) float64 {
+	return w.load.headCost / p.speedOfLocked(w) * float64(time.Second)
 }
 
-// overrunning reports whether w's running job has overrun its prediction
+// overrunningLocked reports whether w's running job has overrun its prediction
 // by the stall factor (and at least the probe timeout). A held video job
 // never does: nobody waits on its connection, and its worker answers its
 // polls.
-func (p *pool) overrunning(w *worker, now int64, cfg *healthConfig) bool {
+func (p *pool) overrunningLocked(w *worker, now int64, cfg *healthConfig) bool {
 	if w.load.inflight == 0 || w.load.jobs[0].held {
 		return false
 	}
-	limit := max(cfg.stallFactor*p.predictedHead(w), float64(cfg.timeout))
+	limit := max(cfg.stallFactor*p.predictedHeadLocked(w), float64(cfg.timeout))
 	return float64(now-w.load.headSince) > limit
 }
 
@@ -336,7 +336,7 @@ func (p *pool) checkStalls(cfg *healthConfig) []string {
 	now := p.now().UnixNano()
 	var marked []string
 	for _, w := range p.workers {
-		if !w.health.suspect && p.overrunning(w, now, cfg) {
+		if !w.health.suspect && p.overrunningLocked(w, now, cfg) {
 			w.health.suspect = true
 			marked = append(marked, w.url)
 		}
@@ -405,7 +405,7 @@ func (p *pool) noteAsleepLocked(w *worker, now int64) {
 func (p *pool) setDown(url string, err error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if w := p.find(url); w != nil {
+	if w := p.findLocked(url); w != nil {
 		w.health.down, w.evidence.lastError = true, err.Error()
 	}
 }
@@ -415,7 +415,7 @@ func (p *pool) setDown(url string, err error) {
 func (p *pool) noteCutShort(t *ticket) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	w := p.find(t.servedBy)
+	w := p.findLocked(t.servedBy)
 	if w == nil {
 		return
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 var testHealth = &healthConfig{
@@ -42,8 +43,8 @@ func TestProbesTakeWorkerOutAndBringItBack(t *testing.T) {
 
 func TestBusyWorkerIsNotDead(t *testing.T) {
 	p, clock := poolOf(t, 1)
-	cfg := config(leastWork{}, 1)
-	p.workers[0].load.speed.observe(10, 10*time.Second, 0) // 1 unit per second
+	cfg := config(scheduler.LeastWork{}, 1)
+	p.workers[0].load.speed.Observe(10, 10*time.Second, 0) // 1 unit per second
 	tk, _ := choose(t, p, cfg, 60)                         // predicted to run a minute
 	timeout := context.DeadlineExceeded
 	for range 10 {
@@ -69,9 +70,9 @@ func TestBusyWorkerIsNotDead(t *testing.T) {
 
 func TestStalledJobMakesWorkerSuspect(t *testing.T) {
 	p, clock := poolOf(t, 2)
-	cfg := config(leastRequest{}, 0)
+	cfg := config(scheduler.LeastRequest{}, 0)
 	for _, w := range p.workers {
-		w.load.speed.observe(10, 10*time.Second, 0)
+		w.load.speed.Observe(10, 10*time.Second, 0)
 	}
 	stalled := &ticket{pool: p, cfg: cfg, job: true, cost: 2, pin: "http://a:1"}
 	if err := p.acquire(context.Background(), stalled); err != nil {
@@ -99,7 +100,7 @@ func TestStalledJobMakesWorkerSuspect(t *testing.T) {
 
 func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 	p, clock := poolOf(t, 1)
-	cfg := config(leastRequest{}, 0)
+	cfg := config(scheduler.LeastRequest{}, 0)
 	cfg.health = testHealth
 	fail := func(n int) {
 		for range n {
@@ -307,7 +308,7 @@ func TestReloadsLeaveNoGoroutines(t *testing.T) {
 
 func TestPassedProbeEndsEjection(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(leastRequest{}, 0)
+	cfg := config(scheduler.LeastRequest{}, 0)
 	cfg.health = testHealth
 	for range 3 {
 		tk, _ := choose(t, p, cfg, 1)
@@ -327,7 +328,7 @@ func TestPassedProbeEndsEjection(t *testing.T) {
 
 func TestOnlyWorkerFaultsCountAgainstIt(t *testing.T) {
 	p, clock := poolOf(t, 1)
-	cfg := config(leastRequest{}, 0)
+	cfg := config(scheduler.LeastRequest{}, 0)
 	cfg.health = testHealth
 	good, _ := choose(t, p, cfg, 10)
 	clock.advance(time.Second)

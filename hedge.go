@@ -30,7 +30,7 @@ type hedge struct {
 	vars  map[string]any // a copy of the request's variables, for the copy's reverse_proxy
 	timer *time.Timer
 
-	mu         sync.Mutex
+	mu         sync.Mutex // taken before the pool's lock, never after (see pool)
 	primary    *ticket
 	copy       *ticket
 	cancelPrim context.CancelFunc // ends the primary attempt
@@ -211,7 +211,7 @@ func (p *pool) hedgeCopy(t *ticket) *ticket {
 	var idle *worker
 	for _, w := range p.workers {
 		if w != t.worker && w.load.inflight == 0 && w.serving(now) && t.mayServe(w, "") &&
-			(idle == nil || p.speedOf(w) > p.speedOf(idle)) {
+			(idle == nil || p.speedOfLocked(w) > p.speedOfLocked(idle)) {
 			idle = w
 		}
 	}

@@ -37,7 +37,7 @@ func (h *Handler) learnImageJobs(rec *recorder, r *http.Request, t *ticket) {
 		learn = func(answer []byte) bool {
 			status, ok := leadingString(answer, "status")
 			if status == "deleted" { // not "cancelling": a stream still running is still there
-				h.pool.images.forget(id)
+				h.pool.images.Forget(id)
 			}
 			return ok
 		}
@@ -55,7 +55,7 @@ func (h *Handler) learnImageJobs(rec *recorder, r *http.Request, t *ticket) {
 func (h *Handler) rememberImage(answer []byte, t *ticket) bool {
 	id, ok := leadingString(answer, "id")
 	if ok && request.ValidJobID(id) {
-		h.pool.images.remember(id, t.servedBy)
+		h.pool.images.Remember(id, t.servedBy)
 	}
 	return ok
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
@@ -276,11 +277,12 @@ func (h *Handler) provisionOptions() error {
 // provisionDispatch reads the routing and queue options.
 func (h *Handler) provisionDispatch() error {
 	lb, q, d := &h.LoadBalancing, &h.Queue, &h.dispatch
-	lb.Policy = cmp.Or(lb.Policy, defaultStrategy)
-	var ok bool
-	if d.strategy, ok = strategies[lb.Policy]; !ok {
-		return optionError("policy", "load_balancing.policy", "unknown policy %q (want one of %s)", lb.Policy, strategyNames())
+	lb.Policy = cmp.Or(lb.Policy, scheduler.DefaultStrategy)
+	newStrategy, ok := scheduler.Strategies[lb.Policy]
+	if !ok {
+		return optionError("policy", "load_balancing.policy", "unknown policy %q (want one of %s)", lb.Policy, scheduler.StrategyNames())
 	}
+	d.strategy = newStrategy()
 	switch {
 	case lb.MaxInflight > 0:
 		d.maxInflight = lb.MaxInflight
@@ -293,7 +295,7 @@ func (h *Handler) provisionDispatch() error {
 		return err
 	}
 	q.Order = cmp.Or(q.Order, "fifo")
-	if d.order, ok = queueOrders[q.Order]; !ok {
+	if d.order, ok = scheduler.QueueOrders[q.Order]; !ok {
 		return optionError("queue_order", "queue.order", "unknown order %q (want fifo, largest_first or smallest_first)", q.Order)
 	}
 	if q.Timeout < 0 {

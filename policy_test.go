@@ -3,10 +3,12 @@ package diffusionrouter
 import (
 	"context"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // fakeClock is a settable clock for a pool.
@@ -29,8 +31,8 @@ func poolOf(t *testing.T, n int) (*pool, *fakeClock) {
 	return p, clock
 }
 
-func config(s strategy, maxInflight int) *dispatchConfig {
-	return &dispatchConfig{strategy: s, maxInflight: maxInflight, maxQueue: 1000}
+func config(s scheduler.Strategy, maxInflight int) *dispatchConfig {
+	return &dispatchConfig{strategy: s, maxInflight: maxInflight, maxQueue: 1000, order: scheduler.FIFO{}}
 }
 
 // choose acquires a worker for a new job and returns the ticket and the
@@ -46,7 +48,7 @@ func choose(t *testing.T, p *pool, cfg *dispatchConfig, cost float64) (*ticket, 
 
 func TestLeastRequestPicksLeastLoaded(t *testing.T) {
 	p, _ := poolOf(t, 3)
-	cfg := config(leastRequest{}, 0)
+	cfg := config(scheduler.LeastRequest{}, 0)
 	var held []*ticket
 	counts := map[string]int{}
 	for range 9 {
@@ -72,7 +74,7 @@ func TestLeastRequestPicksLeastLoaded(t *testing.T) {
 }
 
 func TestIdleWorkersShareTies(t *testing.T) {
-	for _, s := range []strategy{leastRequest{}, leastWork{}, randomPick{}} {
+	for _, s := range []scheduler.Strategy{scheduler.LeastRequest{}, scheduler.LeastWork{}, scheduler.Random{}} {
 		p, _ := poolOf(t, 4)
 		seen := map[string]bool{}
 		for range 200 {
@@ -89,8 +91,9 @@ func TestIdleWorkersShareTies(t *testing.T) {
 func TestRoundRobinCycles(t *testing.T) {
 	p, _ := poolOf(t, 3)
 	var got string
+	cfg := config(new(scheduler.RoundRobin), 0)
 	for range 6 {
-		tk, w := choose(t, p, config(roundRobin{}, 0), 1)
+		tk, w := choose(t, p, cfg, 1)
 		got += w
 		p.release(tk, succeeded)
 	}
@@ -101,7 +104,7 @@ func TestRoundRobinCycles(t *testing.T) {
 
 func TestLeastWorkPrefersTheFastWorker(t *testing.T) {
 	p, clock := poolOf(t, 2)
-	cfg := config(leastWork{}, 0)
+	cfg := config(scheduler.LeastWork{}, 0)
 	// a turns 1 unit of cost into a second, b 4.
 	teach(t, p, clock, cfg, map[string]float64{"a": 1, "b": 4})
 	if _, w := choose(t, p, cfg, 10); w != "b" {
@@ -116,7 +119,7 @@ func TestLeastWorkPrefersTheFastWorker(t *testing.T) {
 
 func TestLeastWorkCountsWorkNotRequests(t *testing.T) {
 	p, clock := poolOf(t, 2)
-	cfg := config(leastWork{}, 0)
+	cfg := config(scheduler.LeastWork{}, 0)
 	big, w1 := choose(t, p, cfg, 100)
 	var other string
 	for range 5 {
@@ -155,7 +158,7 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 	p.setDead("http://a:1", true)
 	p.setCapabilities("http://b:1", []string{"T2I"}, "")
 	p.setCapabilities("http://c:1", []string{"T2V"}, "")
-	cfg := config(leastRequest{}, 0)
+	cfg := config(scheduler.LeastRequest{}, 0)
 	for task, want := range map[request.Task]string{request.VideoTask: "c", request.ImageTask: "b"} {
 		for range 5 {
 			tk := &ticket{pool: p, cfg: cfg, task: task, job: true}
@@ -190,7 +193,7 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 
 func TestRetryAvoidsFailedWorker(t *testing.T) {
 	p, _ := poolOf(t, 2)
-	tk, first := choose(t, p, config(leastRequest{}, 0), 1)
+	tk, first := choose(t, p, config(scheduler.LeastRequest{}, 0), 1)
 	if err := p.retry(context.Background(), tk, failed); err != nil || tk.worker.dial[:1] == first {
 		t.Fatalf("retry went to %v (%v) after %s failed", tk.worker, err, first)
 	}
@@ -209,7 +212,7 @@ func TestRetryAvoidsFailedWorker(t *testing.T) {
 
 func TestRetryDoesNotWaitForWorkersThatAreOut(t *testing.T) {
 	p, _ := poolOf(t, 3)
-	tk, first := choose(t, p, config(leastRequest{}, 0), 1)
+	tk, first := choose(t, p, config(scheduler.LeastRequest{}, 0), 1)
 	for _, w := range p.workers {
 		if w.dial[:1] != first {
 			w.health.down = true // marked dead by its probes
@@ -217,5 +220,41 @@ func TestRetryDoesNotWaitForWorkersThatAreOut(t *testing.T) {
 	}
 	if err := p.retry(context.Background(), tk, failed); err != nil || tk.worker == nil || tk.worker.dial[:1] != first {
 		t.Fatalf("retry: worker %v, %v; want the one serving worker again at once", tk.worker, err)
+	}
+}
+
+// lastURL is a strategy known only to this test: the candidate whose URL
+// sorts last. That the pool runs it proves the seam.
+type lastURL struct{ seen [][]scheduler.Candidate }
+
+func (s *lastURL) Pick(_ scheduler.Job, cands []scheduler.Candidate) int {
+	s.seen = append(s.seen, slices.Clone(cands))
+	best := 0
+	for i, c := range cands {
+		if c.URL > cands[best].URL {
+			best = i
+		}
+	}
+	return best
+}
+
+func TestAStrategyFromOutsideTheScheduler(t *testing.T) {
+	p, _ := poolOf(t, 3)
+	s := &lastURL{}
+	cfg := config(s, 1)
+	var got string
+	for range 3 {
+		_, w := choose(t, p, cfg, 2)
+		got += w
+	}
+	if got != "cba" {
+		t.Fatalf("jobs went to %s; want c, b, a: the last free worker each time", got)
+	}
+	// The strategy saw only workers with a free slot, with their load.
+	if n := len(s.seen[2]); n != 1 || s.seen[2][0].URL != "http://a:1" || s.seen[2][0].Inflight != 0 {
+		t.Fatalf("third decision saw %+v; want only a, idle", s.seen[2])
+	}
+	if c := s.seen[0][0]; c.Speed <= 0 || c.WorkLeft != 0 {
+		t.Fatalf("an idle worker seen as %+v", c)
 	}
 }

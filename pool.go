@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
@@ -87,10 +88,16 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 // One mutex, mu, guards the registry, the scheduler, the fleet's state and
 // every worker: a routing decision reads load, health and lifecycle at
 // once and needs one consistent view of them, and a decision is a scan of
-// microseconds even for a large fleet. videos and images have locks of
-// their own, taken after mu when both are held (mu, then videos.mu or
-// images.mu; never the other way); the fleet store's is taken before mu
-// (store.mu, then mu).
+// microseconds even for a large fleet. A method whose name ends in Locked
+// must be called with mu held; every other method takes it itself.
+//
+// The lock order, outermost first; a goroutine holding one lock takes only
+// locks after it:
+//
+//  1. a hedge's mu (hedge.go: fire holds it while it asks for a copy's worker)
+//  2. the fleet store's mu (fleetstore.go: a record is taken under both)
+//  3. mu
+//  4. videos' and images' own locks (scheduler.JobOwners)
 type pool struct {
 	name   string
 	now    func() time.Time // the clock; tests set their own
@@ -102,15 +109,15 @@ type pool struct {
 
 	mu sync.Mutex
 	registry
-	scheduler
+	dispatchState
 	fleet  fleet                   // weight updates, sleep and wake
 	held   map[string]*heldVideo   // video jobs running on their workers, by id
 	ghosts map[*ticket]*time.Timer // jobs whose clients left, until their predicted end
 
-	videos  *jobOwners   // which worker made each video job
-	images  *jobOwners   // which worker made each image job
-	models  sharedAnswer // the union of the workers' model lists
-	metrics sharedAnswer // the workers' engine metrics
+	videos  *scheduler.JobOwners // which worker made each video job
+	images  *scheduler.JobOwners // which worker made each image job
+	models  sharedAnswer         // the union of the workers' model lists
+	metrics sharedAnswer         // the workers' engine metrics
 }
 
 // registry is which workers the pool has and why. A worker stays while
@@ -126,19 +133,19 @@ type registry struct {
 	unknown    atomic.Int32          // workers whose task types no probe has told yet; read without mu
 }
 
-// scheduler is the state of routing decisions and of the queue.
-type scheduler struct {
-	queue        []*waiter       // jobs waiting for a worker, in dispatch order
-	seq          uint64          // arrival counter of the queue
-	hedging      int             // copies of jobs running
-	next         int             // round-robin cursor
-	cands        []*worker       // scratch space of routing decisions
-	speeds       []float64       // scratch space of the median speed
-	defaultSpeed float64         // median learned speed, assumed for new workers
-	completions  uint64          // jobs completed
-	onRelease    []chan struct{} // closed when a worker is released: drains wait on them
-	ejectionEnds int64           // when the redispatch timer fires, Unix nanoseconds; 0: not set
-	redispatch   *time.Timer     // hands out jobs when an ejection ends
+// dispatchState is the state of routing decisions and of the queue.
+type dispatchState struct {
+	queue        []*waiter             // jobs waiting for a worker, in dispatch order
+	seq          uint64                // arrival counter of the queue
+	hedging      int                   // copies of jobs running
+	cands        []*worker             // scratch space of routing decisions
+	views        []scheduler.Candidate // the candidates as the strategy sees them
+	speeds       []float64             // scratch space of the median speed
+	defaultSpeed float64               // median learned speed, assumed for new workers
+	completions  uint64                // jobs completed
+	onRelease    []chan struct{}       // closed when a worker is released: drains wait on them
+	ejectionEnds int64                 // when the redispatch timer fires, Unix nanoseconds; 0: not set
+	redispatch   *time.Timer           // hands out jobs when an ejection ends
 }
 
 func newPool(name string) *pool {
@@ -152,8 +159,8 @@ func newPool(name string) *pool {
 		},
 		held:   make(map[string]*heldVideo),
 		ghosts: make(map[*ticket]*time.Timer),
-		videos: newJobOwners(defaultJobOwnerLimit, defaultJobOwnerTTL),
-		images: newJobOwners(defaultJobOwnerLimit, defaultJobOwnerTTL),
+		videos: scheduler.NewJobOwners(scheduler.DefaultOwnerLimit, scheduler.DefaultOwnerTTL),
+		images: scheduler.NewJobOwners(scheduler.DefaultOwnerLimit, scheduler.DefaultOwnerTTL),
 	}
 	p.defaultSpeed = 1
 	p.client = workerurl.GuardedClient(func() *workerurl.Guard { return p.guard.Load() })
@@ -217,7 +224,7 @@ type workerLoad struct {
 	headCost   float64 // cost of the oldest of them: the one running
 	headSince  int64   // when it started running, Unix nanoseconds
 	endsAt     int64   // when its jobs are predicted to be done, Unix nanoseconds
-	speed      speedEstimate
+	speed      scheduler.SpeedEstimate
 	jobs       []*ticket // jobs in flight, in dispatch order
 	lastFinish int64     // when a job last ended, Unix nanoseconds
 }
@@ -349,8 +356,8 @@ func (p *pool) infoLocked(w *worker) workerInfo {
 		Inflight: w.load.inflight, Served: w.stats.served,
 		Failures: w.stats.failures, ConsecFails: w.evidence.consecFails,
 		TaskTypes: slices.Clone(w.caps.taskTypes),
-		Speed:     p.speedOf(w), SpeedLearned: w.load.speed.value > 0,
-		WorkLeft: p.workLeft(w, now), PredictionError: w.load.speed.relErr,
+		Speed:     p.speedOfLocked(w), SpeedLearned: w.load.speed.Value() > 0,
+		WorkLeft: p.workLeftLocked(w, now), PredictionError: w.load.speed.RelErr(),
 		ProbeFails: w.evidence.probeFails, LastError: w.evidence.lastError,
 		Jobs: w.stats.jobsDone, Cost: w.stats.costDone, Ejections: w.stats.ejected,
 	}
@@ -371,8 +378,8 @@ func (p *pool) declare(urls []string) {
 	defer p.mu.Unlock()
 	for _, u := range urls {
 		p.declared[u]++
-		if p.find(u) == nil {
-			p.add(u)
+		if p.findLocked(u) == nil {
+			p.addLocked(u)
 		}
 	}
 	p.dispatchLocked()
@@ -390,7 +397,7 @@ func (p *pool) undeclare(urls []string) {
 			continue
 		}
 		delete(p.declared, u)
-		if w := p.find(u); w != nil && !p.heldLocked(w) {
+		if w := p.findLocked(u); w != nil && !p.heldLocked(w) {
 			p.removeLocked(w)
 		}
 	}
@@ -424,13 +431,13 @@ var errTooManyWorkers = errors.New("the pool has max_workers workers already")
 func (p *pool) register(u string, maxWorkers int) (workerInfo, bool, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	w := p.find(u)
+	w := p.findLocked(u)
 	created := w == nil
 	if created {
 		if len(p.workers) >= maxWorkers {
 			return workerInfo{}, false, errTooManyWorkers
 		}
-		w = p.add(u)
+		w = p.addLocked(u)
 	}
 	w.registered = true
 	p.dispatchLocked()
@@ -443,7 +450,7 @@ func (p *pool) register(u string, maxWorkers int) (workerInfo, bool, error) {
 func (p *pool) remove(url string) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	w := p.find(url)
+	w := p.findLocked(url)
 	if w == nil {
 		return false
 	}
@@ -452,7 +459,7 @@ func (p *pool) remove(url string) bool {
 	return true
 }
 
-func (p *pool) add(u string) *worker {
+func (p *pool) addLocked(u string) *worker {
 	dial := workerurl.DialAddress(u)
 	w := p.departing[dial]
 	if w != nil { // back before its last jobs ended: they still count
@@ -482,8 +489,8 @@ func (p *pool) removeLocked(w *worker) {
 			break
 		}
 	}
-	p.videos.forgetWorker(w.url)
-	p.images.forgetWorker(w.url)
+	p.videos.ForgetWorker(w.url)
+	p.images.ForgetWorker(w.url)
 	if w.load.inflight > 0 {
 		w.life.removed = true
 		p.departing[w.dial] = w
@@ -494,7 +501,7 @@ func (p *pool) removeLocked(w *worker) {
 func (p *pool) setDead(url string, dead bool) (workerInfo, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	w := p.find(url)
+	w := p.findLocked(url)
 	if w == nil {
 		return workerInfo{}, false
 	}
@@ -509,7 +516,7 @@ func (p *pool) setDead(url string, dead bool) (workerInfo, bool) {
 func (p *pool) worker(url string) (workerInfo, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	w := p.find(url)
+	w := p.findLocked(url)
 	if w == nil {
 		return workerInfo{}, false
 	}
@@ -561,7 +568,7 @@ func (p *pool) servingDials() []string {
 func (p *pool) setCapabilities(url string, taskTypes []string, modelID string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if w := p.find(url); w != nil {
+	if w := p.findLocked(url); w != nil {
 		if w.life.version == "" {
 			w.life.version = modelID
 		}
@@ -589,9 +596,9 @@ func (p *pool) unprobed(now time.Time, interval time.Duration) []string {
 	return urls
 }
 
-// find looks a worker up by URL; URLs that dial the same address name the
+// findLocked looks a worker up by URL; URLs that dial the same address name the
 // same worker (http://h and http://h:80).
-func (p *pool) find(url string) *worker {
+func (p *pool) findLocked(url string) *worker {
 	return p.byDial[workerurl.DialAddress(url)]
 }
 

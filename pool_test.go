@@ -1,9 +1,11 @@
 package diffusionrouter
 
 import (
+	"math"
 	"slices"
 	"testing"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
@@ -59,7 +61,7 @@ func TestDeclarationsSurviveReload(t *testing.T) {
 
 func TestRemoveKeepsInflightAccounting(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	tk, _ := choose(t, p, config(leastRequest{}, 0), 1)
+	tk, _ := choose(t, p, config(scheduler.LeastRequest{}, 0), 1)
 	w := p.byDial["a:1"]
 	if !p.remove("http://a:1") {
 		t.Fatal("remove failed")
@@ -128,5 +130,14 @@ func TestUnknownWorkersCounted(t *testing.T) {
 	}
 	if urls := p.unprobed(p.now(), 0); len(urls) != 0 {
 		t.Fatalf("unprobed = %v with unknown = 0", urls)
+	}
+}
+func TestNewWorkerStartsFromPoolMedianSpeed(t *testing.T) {
+	p, clock := poolOf(t, 3)
+	teach(t, p, clock, config(scheduler.LeastWork{}, 0), map[string]float64{"a": 1, "b": 3, "c": 5})
+	registerRaw(p, "http://d:1")
+	d, _ := p.worker("http://d:1")
+	if d.SpeedLearned || math.Abs(d.Speed-3) > 1e-6 {
+		t.Fatalf("new worker's speed %v (learned %v); want the median 3", d.Speed, d.SpeedLearned)
 	}
 }

@@ -9,30 +9,20 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // dispatchConfig is how one diffusion_router config hands jobs to workers.
 type dispatchConfig struct {
-	strategy    strategy
-	maxInflight int           // jobs a worker holds at once; 0: no limit
-	order       queueOrder    // which waiting job goes first
-	timeout     time.Duration // longest wait in the queue; 0: the client's own
-	maxQueue    int           // jobs that may wait at once
-	maxAttempts int           // workers a job may be sent to
-	hedgeAfter  float64       // a job overrunning its prediction this much gets a copy; 0: never
-	health      *healthConfig // how failed requests count against a worker
+	strategy    scheduler.Strategy
+	maxInflight int                  // jobs a worker holds at once; 0: no limit
+	order       scheduler.QueueOrder // which waiting job goes first
+	timeout     time.Duration        // longest wait in the queue; 0: the client's own
+	maxQueue    int                  // jobs that may wait at once
+	maxAttempts int                  // workers a job may be sent to
+	hedgeAfter  float64              // a job overrunning its prediction this much gets a copy; 0: never
+	health      *healthConfig        // how failed requests count against a worker
 }
-
-// queueOrder ranks waiting jobs.
-type queueOrder int
-
-const (
-	fifo          queueOrder = iota // arrival order
-	largestFirst                    // longest processing time first: the batch makespan rule
-	smallestFirst                   // shortest first: the mean latency rule
-)
-
-var queueOrders = map[string]queueOrder{"fifo": fifo, "largest_first": largestFirst, "smallest_first": smallestFirst}
 
 // outcome is how a ticket's claim on a worker ended.
 type outcome int
@@ -83,16 +73,50 @@ type ticket struct {
 	servedBy  string  // URL of the last worker chosen, kept after release
 	started   int64   // when the job reached the head of its worker, Unix nanoseconds
 	predicted time.Duration
-	tried     []*worker     // workers a retry must avoid
-	held      bool          // a video job answered at once and running on its worker
-	sent      bool          // the request went to the worker
-	ghost     bool          // its client left; the worker still computes it
-	lookups   int           // upstream lookups by reverse_proxy; more than one is a retry
-	attempts  int           // times the request was sent to a worker
-	seq       uint64        // arrival order among jobs: a job that runs again keeps its place
-	body      []byte        // a job's body, sent again when it runs again
-	due       time.Duration // predicted time, when it was given its worker, until that worker finishes it
-	race      *hedge        // the race of the job's copies, while it may have one
+	tried     []*worker               // workers a retry must avoid
+	held      bool                    // a video job answered at once and running on its worker
+	sent      bool                    // the request went to the worker
+	ghost     bool                    // its client left; the worker still computes it
+	lookups   int                     // upstream lookups by reverse_proxy; more than one is a retry
+	attempts  int                     // times the request was sent to a worker
+	seq       uint64                  // arrival order among jobs: a job that runs again keeps its place
+	body      []byte                  // a job's body, sent again when it runs again
+	due       time.Duration           // predicted time, when it was given its worker, until that worker finishes it
+	race      *hedge                  // the race of the job's copies, while it may have one
+	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
+}
+
+// errCancelled is the cause of a ticket's context that Cancel ended.
+type errCancelled struct{ cause error }
+
+func (e *errCancelled) Error() string { return e.cause.Error() }
+func (e *errCancelled) Unwrap() error { return e.cause }
+
+// withCancel makes t cancellable: its job waits for a worker and runs on
+// it in the context returned, a child of ctx.
+func (t *ticket) withCancel(ctx context.Context) context.Context {
+	ctx, t.cancel = context.WithCancelCause(ctx)
+	return ctx
+}
+
+// Cancel ends t's job for cause, whether it waits or runs. A waiting job
+// leaves the queue at once and never reaches a worker. A running one has
+// its connection to the worker closed; sglang-diffusion cannot stop a
+// generation, so its worker's slot stays counted until the job's
+// predicted end, as for a client that left: freeLocked decides that, in
+// one place, for every job released as abandoned.
+func (t *ticket) Cancel(cause error) {
+	if t.cancel != nil {
+		t.cancel(&errCancelled{cause})
+	}
+}
+
+// cancelledBy returns the cause Cancel gave ctx's job, or nil.
+func cancelledBy(ctx context.Context) error {
+	if c, ok := errors.AsType[*errCancelled](context.Cause(ctx)); ok {
+		return c.cause
+	}
+	return nil
 }
 
 // waiter is a job waiting in the pool's queue.
@@ -151,7 +175,7 @@ func (p *pool) wait(ctx context.Context, t *ticket, wt *waiter) error {
 	case <-wt.ready:
 		return nil
 	case <-ctx.Done():
-		err = ctx.Err()
+		err = cmp.Or(cancelledBy(ctx), ctx.Err())
 	case <-expired:
 		err = errQueueTimeout
 	}
@@ -213,7 +237,7 @@ func (p *pool) release(t *ticket, o outcome) time.Duration {
 func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
 	now := p.now().UnixNano()
 	if t.pin != "" {
-		w := p.find(t.pin)
+		w := p.findLocked(t.pin)
 		if w == nil || !t.mayServe(w, "") {
 			return nil, w != nil
 		}
@@ -229,7 +253,7 @@ func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
 	if p.fleet.paused && t.job {
 		return nil, false
 	}
-	cands := p.cands[:0]
+	cands, views := p.cands[:0], p.views[:0]
 	anyFree := false
 	job, limit := t.job, t.cfg.maxInflight
 	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
@@ -239,13 +263,19 @@ func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
 		anyFree = true
 		if t.mayServe(w, "") {
 			cands = append(cands, w)
+			views = append(views, p.viewLocked(w, now))
 		}
 	}
-	p.cands = cands
+	p.cands, p.views = cands, views
 	if len(cands) == 0 {
 		return nil, anyFree
 	}
-	return cands[t.cfg.strategy.pick(p, t, cands, now)], true
+	return cands[t.cfg.strategy.Pick(scheduler.Job{Cost: t.cost, Seq: t.seq}, views)], true
+}
+
+// viewLocked is w as a strategy sees it at now (Unix nanoseconds).
+func (p *pool) viewLocked(w *worker, now int64) scheduler.Candidate {
+	return scheduler.Candidate{URL: w.url, Inflight: w.load.inflight, WorkLeft: p.workLeftLocked(w, now), Speed: p.speedOfLocked(w)}
 }
 
 // prefetchWindow: a worker whose jobs are predicted to end within it gets
@@ -281,7 +311,7 @@ func fits(job bool, limit int, w *worker, now int64) bool {
 // updateEndsLocked predicts when w's jobs will be done, from when the
 // running one started: what fits checks for every full worker.
 func (p *pool) updateEndsLocked(w *worker) {
-	w.load.endsAt = w.load.headSince + int64(p.timeFor(w, w.load.work))
+	w.load.endsAt = w.load.headSince + int64(p.timeForLocked(w, w.load.work))
 }
 
 // mayServe reports whether t may go to w at all, whatever w's load and
@@ -329,9 +359,9 @@ func (p *pool) assignLocked(t *ticket, w *worker) {
 	w.load.inflight++
 	w.load.jobs = append(w.load.jobs, t)
 	w.load.work += t.cost
-	t.predicted = p.timeFor(w, t.cost)
+	t.predicted = p.timeForLocked(w, t.cost)
 	p.updateEndsLocked(w)
-	t.due = time.Duration(p.finishTime(w, 0, p.now().UnixNano()) * float64(time.Second))
+	t.due = time.Duration(p.finishTimeLocked(w, 0, p.now().UnixNano()) * float64(time.Second))
 }
 
 // startLocked notes that t has reached the head of w's jobs: a worker runs
@@ -383,14 +413,14 @@ func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
 		// An answer released before the head's (two arriving together)
 		// never started on this clock: it has no run time to learn from.
 		if t.started != 0 {
-			w.load.speed.observe(t.cost, time.Duration(now-t.started), t.predicted)
+			w.load.speed.Observe(t.cost, time.Duration(now-t.started), t.predicted)
 		}
 		w.stats.jobsDone++
 		w.stats.costDone += t.cost
 		p.completions++
 		// The median changes when a worker learns its first speed, and
 		// slowly otherwise.
-		if w.load.speed.n == 1 || p.completions%256 == 0 {
+		if w.load.speed.Samples() == 1 || p.completions%256 == 0 {
 			p.refreshDefaultSpeedLocked()
 		}
 	}
@@ -477,13 +507,7 @@ func (t *ticket) compare(u *ticket) int {
 func (t *ticket) before(u *ticket) bool { return t.compare(u) < 0 }
 
 func (t *ticket) queueKey() float64 {
-	switch t.cfg.order {
-	case largestFirst:
-		return -t.cost
-	case smallestFirst:
-		return t.cost
-	}
-	return 0
+	return t.cfg.order.Key(scheduler.Job{Cost: t.cost, Seq: t.seq})
 }
 
 // dequeueLocked takes a waiter out of the queue; false means it had already
@@ -497,11 +521,11 @@ func (p *pool) dequeueLocked(wt *waiter) bool {
 	return true
 }
 
-// speedOf is w's learned speed, or the pool's median speed while w has
+// speedOfLocked is w's learned speed, or the pool's median speed while w has
 // completed nothing.
-func (p *pool) speedOf(w *worker) float64 {
-	if w.load.speed.value > 0 {
-		return w.load.speed.value
+func (p *pool) speedOfLocked(w *worker) float64 {
+	if w.load.speed.Value() > 0 {
+		return w.load.speed.Value()
 	}
 	return p.defaultSpeed
 }
@@ -511,8 +535,8 @@ func (p *pool) speedOf(w *worker) float64 {
 func (p *pool) refreshDefaultSpeedLocked() {
 	speeds := p.speeds[:0]
 	for _, w := range p.workers {
-		if w.load.speed.value > 0 {
-			speeds = append(speeds, w.load.speed.value)
+		if w.load.speed.Value() > 0 {
+			speeds = append(speeds, w.load.speed.Value())
 		}
 	}
 	p.speeds = speeds
@@ -526,24 +550,24 @@ func (p *pool) refreshDefaultSpeedLocked() {
 // a time.Duration or an end time.
 const maxPrediction = 30 * 24 * time.Hour
 
-// timeFor is how long w is predicted to take over work of cost.
-func (p *pool) timeFor(w *worker, cost float64) time.Duration {
-	return time.Duration(min(cost/p.speedOf(w), maxPrediction.Seconds()) * float64(time.Second))
+// timeForLocked is how long w is predicted to take over work of cost.
+func (p *pool) timeForLocked(w *worker, cost float64) time.Duration {
+	return time.Duration(min(cost/p.speedOfLocked(w), maxPrediction.Seconds()) * float64(time.Second))
 }
 
-// finishTime is how long w would take, from now (Unix nanoseconds), to
+// finishTimeLocked is how long w would take, from now (Unix nanoseconds), to
 // finish the work it has and a job of cost, in seconds.
-func (p *pool) finishTime(w *worker, cost float64, now int64) float64 {
-	return (p.workLeft(w, now) + cost) / p.speedOf(w)
+func (p *pool) finishTimeLocked(w *worker, cost float64, now int64) float64 {
+	return (p.workLeftLocked(w, now) + cost) / p.speedOfLocked(w)
 }
 
-// workLeft is the predicted cost w still has to process at now (Unix
+// workLeftLocked is the predicted cost w still has to process at now (Unix
 // nanoseconds): its jobs' costs, less what the running one has done.
-func (p *pool) workLeft(w *worker, now int64) float64 {
+func (p *pool) workLeftLocked(w *worker, now int64) float64 {
 	if w.load.inflight == 0 {
 		return 0
 	}
-	done := float64(now-w.load.headSince) / float64(time.Second) * p.speedOf(w)
+	done := float64(now-w.load.headSince) / float64(time.Second) * p.speedOfLocked(w)
 	return w.load.work - min(w.load.headCost, max(0, done))
 }
 

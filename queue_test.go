@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // queued returns the number of jobs waiting in p's queue.
@@ -45,7 +46,7 @@ func enqueue(t *testing.T, p *pool, cfg *dispatchConfig, cost float64, ctx conte
 
 func TestJobsWaitForTheFirstWorkerToFreeUp(t *testing.T) {
 	p, _ := poolOf(t, 2)
-	cfg := config(leastWork{}, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
 	a, _ := choose(t, p, cfg, 100)
 	choose(t, p, cfg, 1)
 	late, done := enqueue(t, p, cfg, 5, context.Background())
@@ -57,7 +58,7 @@ func TestJobsWaitForTheFirstWorkerToFreeUp(t *testing.T) {
 
 func TestJobRunningAgainKeepsItsPlace(t *testing.T) {
 	p, _ := poolOf(t, 3)
-	cfg := config(leastWork{}, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
 	cfg.maxAttempts = 3
 	first, _ := choose(t, p, cfg, 1)
 	second, _ := choose(t, p, cfg, 1)
@@ -88,14 +89,14 @@ func TestJobRunningAgainKeepsItsPlace(t *testing.T) {
 }
 
 func TestQueueOrder(t *testing.T) {
-	for order, want := range map[queueOrder][]float64{
-		fifo:          {5, 1, 9, 3},
-		largestFirst:  {9, 5, 3, 1},
-		smallestFirst: {1, 3, 5, 9},
+	for order, want := range map[string][]float64{
+		"fifo":           {5, 1, 9, 3},
+		"largest_first":  {9, 5, 3, 1},
+		"smallest_first": {1, 3, 5, 9},
 	} {
 		p, _ := poolOf(t, 1)
-		cfg := config(leastWork{}, 1)
-		cfg.order = order
+		cfg := config(scheduler.LeastWork{}, 1)
+		cfg.order = scheduler.QueueOrders[order]
 		running, _ := choose(t, p, cfg, 1)
 		var waiting []*ticket
 		var dones []chan error
@@ -117,7 +118,7 @@ func TestQueueOrder(t *testing.T) {
 		}
 		for i := range want {
 			if got[i] != want[i] {
-				t.Fatalf("order %d served %v; want %v", order, got, want)
+				t.Fatalf("order %s served %v; want %v", order, got, want)
 			}
 		}
 	}
@@ -125,7 +126,7 @@ func TestQueueOrder(t *testing.T) {
 
 func TestQueueTimeout(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(leastWork{}, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
 	cfg.timeout = 20 * time.Millisecond
 	choose(t, p, cfg, 1)
 	tk := &ticket{pool: p, cfg: cfg, job: true, cost: 1}
@@ -139,7 +140,7 @@ func TestQueueTimeout(t *testing.T) {
 
 func TestMaxQueue(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(leastWork{}, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
 	cfg.maxQueue = 2
 	choose(t, p, cfg, 1)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -153,7 +154,7 @@ func TestMaxQueue(t *testing.T) {
 
 func TestCancelledJobLeavesTheQueueAtOnce(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(leastWork{}, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
 	running, _ := choose(t, p, cfg, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	_, done := enqueue(t, p, cfg, 1, ctx)
@@ -172,7 +173,7 @@ func TestCancelledJobLeavesTheQueueAtOnce(t *testing.T) {
 func TestNoWorkerThatCouldServeFailsAtOnce(t *testing.T) {
 	p, _ := poolOf(t, 1)
 	p.setCapabilities("http://a:1", []string{"T2I"}, "")
-	cfg := config(leastWork{}, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
 	if err := p.acquire(context.Background(), &ticket{pool: p, cfg: cfg, job: true, task: request.VideoTask}); err != errNoWorker {
 		t.Fatalf("video job on an image pool: %v", err)
 	}
@@ -187,7 +188,7 @@ func TestNoWorkerThatCouldServeFailsAtOnce(t *testing.T) {
 // may be in flight or queued.
 func TestCountersReturnToZero(t *testing.T) {
 	p, _ := poolOf(t, 4)
-	cfg := config(leastWork{}, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
 	cfg.timeout = 50 * time.Millisecond
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, 64)
@@ -237,7 +238,7 @@ func TestTenThousandWaitingJobsDrain(t *testing.T) {
 func drainQueue(tb testing.TB, n int) {
 	p := newPool("drain")
 	p.declare([]string{"http://a:1"})
-	cfg := &dispatchConfig{strategy: leastWork{}, maxInflight: 1, maxQueue: n}
+	cfg := &dispatchConfig{strategy: scheduler.LeastWork{}, maxInflight: 1, maxQueue: n, order: scheduler.FIFO{}}
 	got := make(chan *ticket, n)
 	// The first job is predicted to run for days, so that no waiting job is
 	// handed to the worker ahead of its end, however slow the queue fills.
@@ -275,7 +276,7 @@ func drainQueue(tb testing.TB, n int) {
 
 func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
 	p, _ := poolOf(t, 2)
-	cfg := config(leastWork{}, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
 	left, _ := choose(t, p, cfg, 100)
 	left.sent = true
 	p.release(left, abandoned) // the client left; the worker computes on
@@ -307,17 +308,17 @@ func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
 // whole Unix epoch, a speed of about nothing).
 func TestAnswerOvertakingTheHeadTeachesNoSpeed(t *testing.T) {
 	p, clock := poolOf(t, 1)
-	cfg := config(leastWork{}, 0)
+	cfg := config(scheduler.LeastWork{}, 0)
 	head, _ := choose(t, p, cfg, 1)
 	behind, _ := choose(t, p, cfg, 1)
 	clock.advance(time.Second)
 	p.release(behind, succeeded)
-	if s := p.workers[0].load.speed; s.n != 0 {
-		t.Fatalf("the overtaking answer taught a speed of %g units/s", s.value)
+	if s := p.workers[0].load.speed; s.Samples() != 0 {
+		t.Fatalf("the overtaking answer taught a speed of %g units/s", s.Value())
 	}
 	p.release(head, succeeded)
-	if s := p.workers[0].load.speed; s.n != 1 || s.value != 1 {
-		t.Fatalf("speed %g units/s from %d samples; want 1 from the head's 1 unit in 1 s", s.value, s.n)
+	if s := p.workers[0].load.speed; s.Samples() != 1 || s.Value() != 1 {
+		t.Fatalf("speed %g units/s from %d samples; want 1 from the head's 1 unit in 1 s", s.Value(), s.Samples())
 	}
 }
 
@@ -343,5 +344,58 @@ func TestPrefetchOnlyForJobsAboutToEnd(t *testing.T) {
 		if got := fits(true, 1, w, now); got != tc.fits {
 			t.Errorf("%s: fits = %v", tc.name, got)
 		}
+	}
+}
+
+// A cancelled ticket that waits leaves the queue at once, with the cause,
+// and never reaches a worker; the worker it would have had goes to the
+// next job.
+func TestCancelledWaitingJobLeavesTheQueue(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
+	running, _ := choose(t, p, cfg, 1)
+	tk := &ticket{pool: p, cfg: cfg, job: true, cost: 5}
+	ctx := tk.withCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.acquire(ctx, tk) }()
+	waitQueued(t, p, 1)
+	next, nextDone := enqueue(t, p, cfg, 7, context.Background())
+	cause := errors.New("step 12 aborted")
+	tk.Cancel(cause)
+	if err := <-done; err != cause {
+		t.Fatalf("cancelled job got %v; want its cause", err)
+	}
+	if queued(p) != 1 || tk.worker != nil {
+		t.Fatalf("after the cancel: %d queued, worker %v; want only the other job waiting", queued(p), tk.worker)
+	}
+	p.release(running, succeeded)
+	if err := <-nextDone; err != nil || next.worker == nil {
+		t.Fatalf("the job behind got %v", err)
+	}
+}
+
+// A cancelled ticket that runs ends its attempt's context; released as
+// abandoned, its worker's slot stays counted until the job's predicted
+// end, since the GPU finishes it anyway.
+func TestCancelledRunningJobKeepsItsSlotUntilItWouldEnd(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
+	tk := &ticket{pool: p, cfg: cfg, job: true, cost: 100}
+	ctx := tk.withCancel(context.Background())
+	if err := p.acquire(ctx, tk); err != nil {
+		t.Fatal(err)
+	}
+	tk.sent = true
+	tk.Cancel(errors.New("abort_all"))
+	if ctx.Err() == nil || cancelledBy(ctx) == nil {
+		t.Fatal("the running job's context was not ended with its cause")
+	}
+	p.release(tk, abandoned)
+	if info, _ := p.worker(tk.servedBy); info.Inflight != 1 {
+		t.Fatalf("after the cancel the worker has %d in flight; want the job still counted", info.Inflight)
+	}
+	p.endGhost(tk)
+	if info, _ := p.worker(tk.servedBy); info.Inflight != 0 {
+		t.Fatalf("at its predicted end the cancelled job still holds its worker: %d in flight", info.Inflight)
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // statusEndpointsAnswer checks that every status endpoint still answers
@@ -292,7 +293,7 @@ func TestIsDeadMustBeABoolean(t *testing.T) {
 
 func TestRemovedWorkerKeepsItsJobsWhenItReturns(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(leastWork{}, 1)
+	cfg := config(scheduler.LeastWork{}, 1)
 	running, _ := choose(t, p, cfg, 10)
 	u := running.servedBy
 	if !p.remove(u) {

@@ -55,11 +55,11 @@ func (h *Handler) trackVideoJob(r *http.Request, t *ticket, rec *recorder, err e
 	}
 	switch {
 	case r.Method == http.MethodPost && t.job && job.ID != "":
-		h.pool.videos.remember(job.ID, t.servedBy)
+		h.pool.videos.Remember(job.ID, t.servedBy)
 		return h.pool.holdVideo(t, job.ID)
 	case r.Method == http.MethodDelete && t.pin != "":
 		id := t.route.JobID
-		h.pool.videos.forget(id)
+		h.pool.videos.Forget(id)
 		h.pool.endVideo(id, abandoned)
 	case job.Status == "completed":
 		h.pool.endVideo(job.ID, succeeded)

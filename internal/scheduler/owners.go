@@ -1,4 +1,8 @@
-package diffusionrouter
+// Package scheduler decides which worker runs each job and when: the
+// workers' load and speed as the router learns them, the queue of waiting
+// jobs and the order it hands them out in, the strategies that choose a
+// worker, and which worker made each job a client will ask about again.
+package scheduler
 
 import (
 	"container/list"
@@ -10,17 +14,18 @@ import (
 // router remembers which worker made each job. The memory is bounded in
 // both size and age: a rollout that never polls its videos or fetches its
 // images must not grow the router.
+// The bounds of the router's own maps.
 const (
-	defaultJobOwnerLimit = 100_000
-	defaultJobOwnerTTL   = 24 * time.Hour
+	DefaultOwnerLimit = 100_000
+	DefaultOwnerTTL   = 24 * time.Hour
 )
 
-// jobOwners maps job ids to the URL of the worker that made them,
+// JobOwners maps job ids to the URL of the worker that made them,
 // forgetting the oldest entries first.
-type jobOwners struct {
+type JobOwners struct {
 	limit int
 	ttl   time.Duration
-	now   func() time.Time
+	now   func() time.Time // the clock; tests set their own
 
 	mu    sync.Mutex
 	byID  map[string]*list.Element
@@ -33,8 +38,9 @@ type ownedJob struct {
 	expires time.Time
 }
 
-func newJobOwners(limit int, ttl time.Duration) *jobOwners {
-	return &jobOwners{
+// NewJobOwners remembers at most limit jobs, each for at most ttl.
+func NewJobOwners(limit int, ttl time.Duration) *JobOwners {
+	return &JobOwners{
 		limit: limit,
 		ttl:   ttl,
 		now:   time.Now,
@@ -43,8 +49,8 @@ func newJobOwners(limit int, ttl time.Duration) *jobOwners {
 	}
 }
 
-// remember records that worker made the job id.
-func (o *jobOwners) remember(id, worker string) {
+// Remember records that worker made the job id.
+func (o *JobOwners) Remember(id, worker string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	now := o.now()
@@ -57,8 +63,8 @@ func (o *jobOwners) remember(id, worker string) {
 	}
 }
 
-// worker returns the URL of the worker that made job id.
-func (o *jobOwners) worker(id string) (string, bool) {
+// Worker returns the URL of the worker that made job id.
+func (o *JobOwners) Worker(id string) (string, bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	e, ok := o.byID[id]
@@ -72,8 +78,8 @@ func (o *jobOwners) worker(id string) (string, bool) {
 	return e.Value.(*ownedJob).worker, true
 }
 
-// forget drops job id, after it was deleted on its worker.
-func (o *jobOwners) forget(id string) {
+// Forget drops job id, after it was deleted on its worker.
+func (o *JobOwners) Forget(id string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if e, ok := o.byID[id]; ok {
@@ -81,8 +87,8 @@ func (o *jobOwners) forget(id string) {
 	}
 }
 
-// forgetWorker drops every job of a worker that left the pool.
-func (o *jobOwners) forgetWorker(worker string) {
+// ForgetWorker drops every job of a worker that left the pool.
+func (o *JobOwners) ForgetWorker(worker string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	for e := o.order.Front(); e != nil; {
@@ -94,11 +100,11 @@ func (o *jobOwners) forgetWorker(worker string) {
 	}
 }
 
-func (o *jobOwners) expired(e *list.Element, now time.Time) bool {
+func (o *JobOwners) expired(e *list.Element, now time.Time) bool {
 	return e != nil && !now.Before(e.Value.(*ownedJob).expires)
 }
 
-func (o *jobOwners) removeLocked(e *list.Element) {
+func (o *JobOwners) removeLocked(e *list.Element) {
 	delete(o.byID, e.Value.(*ownedJob).id)
 	o.order.Remove(e)
 }

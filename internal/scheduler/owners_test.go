@@ -1,4 +1,4 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"fmt"
@@ -8,29 +8,29 @@ import (
 
 func TestJobOwnersRememberAndExpire(t *testing.T) {
 	now := time.Unix(1000, 0)
-	v := newJobOwners(10, time.Hour)
+	v := NewJobOwners(10, time.Hour)
 	v.now = func() time.Time { return now }
 
-	v.remember("vid-1", "http://a:1")
-	if w, ok := v.worker("vid-1"); !ok || w != "http://a:1" {
+	v.Remember("vid-1", "http://a:1")
+	if w, ok := v.Worker("vid-1"); !ok || w != "http://a:1" {
 		t.Fatalf("worker(vid-1) = %q, %v", w, ok)
 	}
-	if _, ok := v.worker("vid-unknown"); ok {
+	if _, ok := v.Worker("vid-unknown"); ok {
 		t.Fatal("unknown id found")
 	}
 	now = now.Add(time.Hour)
-	if _, ok := v.worker("vid-1"); ok {
+	if _, ok := v.Worker("vid-1"); ok {
 		t.Fatal("expired job still mapped")
 	}
 }
 
 func TestJobOwnersBounded(t *testing.T) {
-	v := newJobOwners(3, time.Hour)
+	v := NewJobOwners(3, time.Hour)
 	for i := range 5 {
-		v.remember(fmt.Sprintf("vid-%d", i), "http://a:1")
+		v.Remember(fmt.Sprintf("vid-%d", i), "http://a:1")
 	}
 	for i, want := range []bool{false, false, true, true, true} {
-		if _, ok := v.worker(fmt.Sprintf("vid-%d", i)); ok != want {
+		if _, ok := v.Worker(fmt.Sprintf("vid-%d", i)); ok != want {
 			t.Fatalf("vid-%d known=%v; want %v (the oldest go first)", i, ok, want)
 		}
 	}
@@ -40,14 +40,14 @@ func TestJobOwnersBounded(t *testing.T) {
 }
 
 func TestJobOwnersForget(t *testing.T) {
-	v := newJobOwners(10, time.Hour)
-	v.remember("vid-a", "http://a:1")
-	v.remember("vid-b", "http://b:1")
-	v.remember("vid-c", "http://a:1")
-	v.forgetWorker("http://a:1")
-	v.forget("vid-b")
+	v := NewJobOwners(10, time.Hour)
+	v.Remember("vid-a", "http://a:1")
+	v.Remember("vid-b", "http://b:1")
+	v.Remember("vid-c", "http://a:1")
+	v.ForgetWorker("http://a:1")
+	v.Forget("vid-b")
 	for _, id := range []string{"vid-a", "vid-b", "vid-c"} {
-		if _, ok := v.worker(id); ok {
+		if _, ok := v.Worker(id); ok {
 			t.Fatalf("%s still mapped", id)
 		}
 	}

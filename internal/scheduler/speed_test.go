@@ -1,30 +1,29 @@
-package diffusionrouter
+package scheduler
 
 import (
-	"math"
 	"testing"
 	"time"
 )
 
 func TestSpeedLearningConvergesAndIgnoresAStall(t *testing.T) {
-	var s speedEstimate
+	var s SpeedEstimate
 	// A worker that turns 4 units into a second, with ±10% noise.
 	for i := range 20 {
 		noise := 1 + 0.1*float64(i%3-1)
-		s.observe(8, time.Duration(2*noise*float64(time.Second)), 0)
+		s.Observe(8, time.Duration(2*noise*float64(time.Second)), 0)
 	}
 	if s.value < 3.6 || s.value > 4.4 {
 		t.Fatalf("learned speed %v; want about 4", s.value)
 	}
 	before := s.value
-	s.observe(8, 200*time.Second, 2*time.Second) // one job stalled for 100x its time
+	s.Observe(8, 200*time.Second, 2*time.Second) // one job stalled for 100x its time
 	if s.value < before*0.9 {
 		t.Fatalf("one stalled job moved the speed from %v to %v", before, s.value)
 	}
 	// The worker really slows down (another model, a throttled GPU): the
 	// estimate follows within a window.
-	for range speedWindow {
-		s.observe(8, 8*time.Second, 0)
+	for range SpeedWindow {
+		s.Observe(8, 8*time.Second, 0)
 	}
 	if s.value != 1 {
 		t.Fatalf("speed after slowing down: %v; want 1", s.value)
@@ -32,25 +31,15 @@ func TestSpeedLearningConvergesAndIgnoresAStall(t *testing.T) {
 }
 
 func TestPredictionErrorTracked(t *testing.T) {
-	var s speedEstimate
-	s.observe(10, 2*time.Second, time.Second) // predicted half the real time
+	var s SpeedEstimate
+	s.Observe(10, 2*time.Second, time.Second) // predicted half the real time
 	if s.relErr != 0.5 {
 		t.Fatalf("relative error %v; want 0.5", s.relErr)
 	}
 	for range 50 {
-		s.observe(10, 2*time.Second, 2*time.Second)
+		s.Observe(10, 2*time.Second, 2*time.Second)
 	}
 	if s.relErr > 0.01 {
 		t.Fatalf("relative error %v after exact predictions; want near 0", s.relErr)
-	}
-}
-
-func TestNewWorkerStartsFromPoolMedianSpeed(t *testing.T) {
-	p, clock := poolOf(t, 3)
-	teach(t, p, clock, config(leastWork{}, 0), map[string]float64{"a": 1, "b": 3, "c": 5})
-	registerRaw(p, "http://d:1")
-	d, _ := p.worker("http://d:1")
-	if d.SpeedLearned || math.Abs(d.Speed-3) > 1e-6 {
-		t.Fatalf("new worker's speed %v (learned %v); want the median 3", d.Speed, d.SpeedLearned)
 	}
 }
