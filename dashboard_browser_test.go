@@ -280,9 +280,10 @@ func findChromium(t *testing.T) string {
 
 // browserOptions start Chromium as root on a machine without network:
 // nothing is fetched in the background, and the window is large enough
-// for the whole page. No user-data-dir is given, so chromedp makes a fresh
-// one and, as it owns it, kills Chromium's leftover children and removes it
-// when the browser stops.
+// for the whole page. They name again what chromedp's defaults already
+// have, as the tests rely on it. No user-data-dir is given, so chromedp
+// makes a fresh one and, as it owns it, kills Chromium's leftover children
+// and removes it when the browser stops.
 func browserOptions(chromium string, output io.Writer) []chromedp.ExecAllocatorOption {
 	return append(chromedp.DefaultExecAllocatorOptions[:],
 		chromedp.ExecPath(chromium),
@@ -312,7 +313,7 @@ func startBrowser(t *testing.T) *browserTab {
 	tab := &browserTab{t: t, ctx: ctx}
 	t.Cleanup(func() {
 		if t.Failed() {
-			tab.logStatus(output)
+			tab.logStatus()
 		}
 		cancel()      // kills the browser and waits for it
 		cancelAlloc() // waits for the copy of its output
@@ -326,16 +327,14 @@ func startBrowser(t *testing.T) *browserTab {
 	return tab
 }
 
-// logStatus logs the page's status line and the browser's output, for a
-// failed test.
-func (tab *browserTab) logStatus(output *lockedBuffer) {
+// logStatus logs the page's status line, for a failed test.
+func (tab *browserTab) logStatus() {
 	ctx, cancel := context.WithTimeout(tab.ctx, 10*time.Second)
 	defer cancel()
 	status, err := chromedp.Run(ctx, chromedp.Evaluate[string](`document.getElementById('status')?.textContent ?? ''`))
 	if err == nil {
 		tab.t.Logf("the page's status line: %q", status)
 	}
-	tab.t.Logf("the browser printed: %s", output)
 }
 
 // waitNoChromedpGoroutines fails the test if chromedp's goroutines outlive
