@@ -1,24 +1,20 @@
-//go:build unix
-
 package diffusionrouter
 
 // Browser tests of the status page at /dashboard: headless Chromium driven
-// through ChromeDriver's W3C WebDriver HTTP/JSON API, with nothing but the
-// standard library. They need the chromium and chromedriver binaries (the
-// Debian packages chromium and chromium-driver); without them they skip,
-// unless DIFFUSION_ROUTER_REQUIRE_BROWSER=1 (as in CI), when they fail.
+// over the DevTools protocol with chromedp. They need the chromium binary
+// (the Debian package chromium); without it they skip, unless
+// DIFFUSION_ROUTER_REQUIRE_BROWSER=1 (as in CI), when they fail.
 // DASHBOARD_SCREENSHOT=path makes TestDashboardInBrowser put some load on
 // the router and save a screenshot of the page there.
 
 import (
 	"bytes"
-	"encoding/base64"
+	"context"
 	"encoding/json"
 	"fmt"
 	"image/png"
 	"io"
 	"math"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -27,45 +23,45 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/chromedp/chromedp"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 )
 
 func TestDashboardInBrowser(t *testing.T) {
-	wd := startBrowser(t)
+	tab := startBrowser(t)
 	ws := startWorkers(t,
 		fakeworker.Config{Name: "a", UnitMs: 100},
 		fakeworker.Config{Name: "b", UnitMs: 100, Speed: 1.5},
 		fakeworker.Config{Name: "c", UnitMs: 100, Speed: 0.7})
 	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
 
-	wd.navigate(r.base + "/dashboard")
+	tab.navigate(r.base + "/dashboard")
 	waitUntil(t, 20*time.Second, "a table row for each worker", func() bool {
 		for _, w := range ws {
-			if len(wd.findElements(`#workers tr[data-worker="`+w.URL()+`"]`)) != 1 {
+			if tab.count(`#workers tr[data-worker="`+w.URL()+`"]`) != 1 {
 				return false
 			}
 		}
 		return true
 	})
-	if n := len(wd.findElements("#workers tr")); n != len(ws) {
+	if n := tab.count("#workers tr"); n != len(ws) {
 		t.Fatalf("%d table rows for %d workers", n, len(ws))
 	}
 
-	before := completedJobs(wd)
+	before := completedJobs(tab)
 	if before < 0 {
-		t.Fatalf("completed jobs shows %q", wd.text("#completed-jobs"))
+		t.Fatalf("completed jobs shows %q", tab.text("#completed-jobs"))
 	}
 	for i := range 5 {
 		expectStatus(t, fmt.Sprintf("generation %d", i), r.post("/v1/images/generations", smallImage), 200)
 	}
-	waitUntil(t, 20*time.Second, "completed jobs to grow by 5", func() bool { return completedJobs(wd) >= before+5 })
-	if got := completedJobs(wd); got != before+5 {
+	waitUntil(t, 20*time.Second, "completed jobs to grow by 5", func() bool { return completedJobs(tab) >= before+5 })
+	if got := completedJobs(tab); got != before+5 {
 		t.Fatalf("completed jobs went from %d to %d after 5 requests", before, got)
 	}
 
@@ -73,7 +69,7 @@ func TestDashboardInBrowser(t *testing.T) {
 	dead := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
 	expectStatus(t, "register", r.post("/workers", `{"url":"`+dead+`"}`), 200)
 	waitUntil(t, 20*time.Second, "a row for the registered worker", func() bool {
-		return len(wd.findElements(`#workers tr[data-worker="`+dead+`"]`)) == 1
+		return tab.count(`#workers tr[data-worker="`+dead+`"]`) == 1
 	})
 
 	shot := os.Getenv("DASHBOARD_SCREENSHOT")
@@ -89,13 +85,13 @@ func TestDashboardInBrowser(t *testing.T) {
 			default:
 			}
 			var q struct{ Peak, Last int }
-			wd.execute(`const q = samples.map((s) => s.queued); return {peak: Math.max(0, ...q), last: q[q.length - 1] || 0}`, &q)
+			tab.execute(`const q = samples.map((s) => s.queued); return {peak: Math.max(0, ...q), last: q[q.length - 1] || 0}`, &q)
 			return q.Peak >= 4 && 2*q.Last <= q.Peak
 		})
 	} else {
 		close(loaded)
 	}
-	img := wd.screenshot()
+	img := tab.screenshot()
 	<-loaded
 	cfg, err := png.DecodeConfig(bytes.NewReader(img))
 	if err != nil || cfg.Width < 100 || cfg.Height < 100 {
@@ -116,12 +112,12 @@ func TestDashboardInBrowser(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitUntil(t, 20*time.Second, "the page to notice the router is gone", func() bool {
-		return strings.Contains(wd.text("#status"), "disconnected, retrying")
+		return strings.Contains(tab.text("#status"), "disconnected, retrying")
 	})
 }
 
 func TestDashboardWith500Workers(t *testing.T) {
-	wd := startBrowser(t)
+	tab := startBrowser(t)
 	r := startRouter(t, "diffusion_router {\n}")
 
 	// Ports nothing listens on: registering probes each worker, and a
@@ -140,22 +136,22 @@ func TestDashboardWith500Workers(t *testing.T) {
 	}
 	t.Logf("registered 500 workers in %v", time.Since(start).Round(time.Millisecond))
 
-	wd.navigate(r.base + "/dashboard")
+	tab.navigate(r.base + "/dashboard")
 	start = time.Now()
 	rowCount := `return document.querySelectorAll('#workers tr').length`
 	waitUntil(t, 15*time.Second, "500 table rows", func() bool {
 		var n int
-		wd.execute(rowCount, &n)
+		tab.execute(rowCount, &n)
 		return n == 500
 	})
 	t.Logf("500 rows shown %v after navigating", time.Since(start).Round(time.Millisecond))
 
 	// Later polls update the rows in place, quickly, and the page answers.
 	var renders int
-	wd.execute(`window.firstRow = document.querySelector('#workers tr'); return dashboardStats.renders`, &renders)
+	tab.execute(`window.firstRow = document.querySelector('#workers tr'); return dashboardStats.renders`, &renders)
 	waitUntil(t, 15*time.Second, "two more polls", func() bool {
 		var n int
-		wd.execute(`return dashboardStats.renders`, &n)
+		tab.execute(`return dashboardStats.renders`, &n)
 		return n >= renders+2
 	})
 	var after struct {
@@ -164,7 +160,7 @@ func TestDashboardWith500Workers(t *testing.T) {
 		Render float64 `json:"render_ms"`
 	}
 	callStart := time.Now()
-	wd.execute(`return {kept: document.contains(window.firstRow), rows: document.querySelectorAll('#workers tr').length,
+	tab.execute(`return {kept: document.contains(window.firstRow), rows: document.querySelectorAll('#workers tr').length,
 		render_ms: dashboardStats.lastRenderMs}`, &after)
 	call := time.Since(callStart)
 	t.Logf("a poll with 500 workers renders in %.1f ms; a script call took %v", after.Render, call.Round(time.Millisecond))
@@ -182,11 +178,11 @@ func TestDashboardWith500Workers(t *testing.T) {
 	}
 	firstRow := `return document.querySelector('#workers tr').dataset.worker`
 	var first string
-	if wd.execute(firstRow, &first); first != fmt.Sprintf("http://127.0.0.1:%d", slices.Min(ports)) {
+	if tab.execute(firstRow, &first); first != fmt.Sprintf("http://127.0.0.1:%d", slices.Min(ports)) {
 		t.Fatalf("first row %s; want the lowest port, %d", first, slices.Min(ports))
 	}
-	wd.click(wd.findElements("#columns th")[0])
-	if wd.execute(firstRow, &first); first != fmt.Sprintf("http://127.0.0.1:%d", slices.Max(ports)) {
+	tab.click("#columns th")
+	if tab.execute(firstRow, &first); first != fmt.Sprintf("http://127.0.0.1:%d", slices.Max(ports)) {
 		t.Fatalf("first row after sorting descending %s; want the highest port, %d", first, slices.Max(ports))
 	}
 
@@ -199,18 +195,18 @@ func TestDashboardWith500Workers(t *testing.T) {
 			break
 		}
 	}
-	wd.sendKeys(wd.findElements("#filter")[0], target)
+	tab.sendKeys("#filter", target)
 	var shown []string
-	wd.execute(`return Array.from(document.querySelectorAll('#workers tr')).filter(tr => !tr.hidden).map(tr => tr.dataset.worker)`, &shown)
+	tab.execute(`return Array.from(document.querySelectorAll('#workers tr')).filter(tr => !tr.hidden).map(tr => tr.dataset.worker)`, &shown)
 	if len(shown) != 1 || shown[0] != target {
 		t.Fatalf("filter %q shows %v", target, shown)
 	}
 }
 
 // completedJobs is the completed-jobs figure the page shows.
-func completedJobs(wd *webDriver) int {
-	wd.t.Helper()
-	text := wd.text("#completed-jobs")
+func completedJobs(tab *browserTab) int {
+	tab.t.Helper()
+	text := tab.text("#completed-jobs")
 	n, err := strconv.Atoi(regexp.MustCompile(`[^0-9]`).ReplaceAllString(text, ""))
 	if err != nil {
 		return -1 // not shown yet
@@ -255,233 +251,180 @@ func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
 	}
 }
 
-// A minimal W3C WebDriver client.
+// actionTimeout bounds each browser command, so that a browser that stops
+// answering fails the test rather than hanging it.
+const actionTimeout = 90 * time.Second
 
-// webDriver is one session of a browser that ChromeDriver runs.
-type webDriver struct {
-	t       *testing.T
-	session string // http://127.0.0.1:port/session/id
+// browserTab is a tab of a headless Chromium of the test's own.
+type browserTab struct {
+	t   *testing.T
+	ctx context.Context // chromedp's context of the tab
 }
 
-// elementKey names the id of an element in WebDriver's JSON.
-const elementKey = "element-6066-11e4-a52e-4f735466cecf"
-
-var webDriverClient = &http.Client{Timeout: 90 * time.Second}
-
-// findBrowser finds Chromium and ChromeDriver, or skips the test without
-// them, unless DIFFUSION_ROUTER_REQUIRE_BROWSER=1.
-func findBrowser(t *testing.T) (chromium, chromedriver string) {
+// findChromium finds Chromium, or skips the test without it, unless
+// DIFFUSION_ROUTER_REQUIRE_BROWSER=1.
+func findChromium(t *testing.T) string {
 	t.Helper()
-	find := func(names ...string) string {
-		for _, name := range names {
-			if p, err := exec.LookPath(name); err == nil {
-				return p
-			}
+	for _, name := range []string{"chromium", "chromium-browser", "/usr/bin/chromium"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
 		}
-		return ""
 	}
-	chromium = find("chromium", "chromium-browser", "/usr/bin/chromium")
-	chromedriver = find("chromedriver", "/usr/bin/chromedriver")
-	if chromium == "" || chromedriver == "" {
-		msg := fmt.Sprintf("the dashboard browser test needs chromium and chromedriver on PATH "+
-			"(found chromium %q, chromedriver %q; Debian: apt-get install chromium chromium-driver)", chromium, chromedriver)
-		if os.Getenv("DIFFUSION_ROUTER_REQUIRE_BROWSER") == "1" {
-			t.Fatal(msg + "; DIFFUSION_ROUTER_REQUIRE_BROWSER=1 requires it")
-		}
-		t.Skip(msg)
+	msg := "the dashboard browser test needs chromium on PATH (Debian: apt-get install chromium)"
+	if os.Getenv("DIFFUSION_ROUTER_REQUIRE_BROWSER") == "1" {
+		t.Fatal(msg + "; DIFFUSION_ROUTER_REQUIRE_BROWSER=1 requires it")
 	}
-	return chromium, chromedriver
-}
-
-// startBrowser starts ChromeDriver and a headless Chromium session with a
-// fresh profile; both stop with the test.
-func startBrowser(t *testing.T) *webDriver {
-	t.Helper()
-	chromium, chromedriver := findBrowser(t)
-	profile := t.TempDir() // removed last, after the browser is gone
-	logs := &lockedBuffer{}
-	port := freePort(t)
-	cmd := exec.Command(chromedriver, fmt.Sprintf("--port=%d", port))
-	cmd.Stdout, cmd.Stderr = logs, logs
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // the browser joins its group
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		pgid := cmd.Process.Pid
-		_ = syscall.Kill(-pgid, syscall.SIGTERM)
-		select {
-		case <-exited:
-		case <-time.After(5 * time.Second):
-		}
-		_ = syscall.Kill(-pgid, syscall.SIGKILL) // whatever is left of the group
-		<-exited
-	})
-
-	base := fmt.Sprintf("http://127.0.0.1:%d", port)
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		var status struct {
-			Ready bool `json:"ready"`
-		}
-		if err := webDriverCall("GET", base+"/status", nil, &status); err == nil && status.Ready {
-			break
-		}
-		select {
-		case <-exited:
-			t.Fatalf("chromedriver exited: %s", logs)
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("chromedriver not ready after 20 s: %s", logs)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-
-	caps := map[string]any{"capabilities": map[string]any{"alwaysMatch": map[string]any{
-		"browserName": "chrome",
-		"goog:chromeOptions": map[string]any{
-			"binary": chromium,
-			"args": []string{
-				"--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-				"--disable-background-networking", "--disable-component-update", "--disable-sync",
-				"--disable-dev-shm-usage", "--user-data-dir=" + profile, "--window-size=1400,900",
-			},
-		},
-	}}}
-	var created struct {
-		SessionID string `json:"sessionId"`
-	}
-	if err := webDriverCall("POST", base+"/session", caps, &created); err != nil {
-		t.Fatalf("new session: %v; chromedriver says: %s", err, logs)
-	}
-	wd := &webDriver{t: t, session: base + "/session/" + created.SessionID}
-	t.Cleanup(func() {
-		if t.Failed() {
-			var status string
-			if webDriverCall("POST", wd.session+"/execute/sync", map[string]any{
-				"script": `return document.getElementById('status').textContent`, "args": []any{}}, &status) == nil {
-				t.Logf("the page's status line: %q", status)
-			}
-		}
-		if err := webDriverCall("DELETE", wd.session, nil, nil); err != nil {
-			t.Logf("deleting the WebDriver session: %v", err)
-		}
-	})
-	return wd
-}
-
-// webDriverCall sends one WebDriver command and decodes its "value" into
-// out, when out is not nil.
-func webDriverCall(method, url string, body, out any) error {
-	var rd io.Reader
-	if body != nil {
-		b, err := json.Marshal(body)
-		if err != nil {
-			return err
-		}
-		rd = bytes.NewReader(b)
-	}
-	req, err := http.NewRequest(method, url, rd)
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := webDriverClient.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	var reply struct {
-		Value json.RawMessage `json:"value"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&reply); err != nil {
-		return fmt.Errorf("%s %s: status %d, %v", method, url, resp.StatusCode, err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		var e struct{ Error, Message string }
-		_ = json.Unmarshal(reply.Value, &e)
-		msg, _, _ := strings.Cut(e.Message, "\n")
-		return fmt.Errorf("%s %s: %s: %s", method, url, e.Error, msg)
-	}
-	if out == nil {
-		return nil
-	}
-	return json.Unmarshal(reply.Value, out)
-}
-
-func (wd *webDriver) call(method, path string, body, out any) {
-	wd.t.Helper()
-	if err := webDriverCall(method, wd.session+path, body, out); err != nil {
-		wd.t.Fatal(err)
-	}
-}
-
-func (wd *webDriver) navigate(url string) {
-	wd.t.Helper()
-	wd.call("POST", "/url", map[string]string{"url": url}, nil)
-}
-
-// findElements returns the ids of the elements that match a CSS selector.
-func (wd *webDriver) findElements(css string) []string {
-	wd.t.Helper()
-	var found []map[string]string
-	wd.call("POST", "/elements", map[string]string{"using": "css selector", "value": css}, &found)
-	ids := make([]string, len(found))
-	for i, e := range found {
-		ids[i] = e[elementKey]
-	}
-	return ids
-}
-
-func (wd *webDriver) elementText(id string) string {
-	wd.t.Helper()
-	var text string
-	wd.call("GET", "/element/"+id+"/text", nil, &text)
-	return text
-}
-
-// text is the text of the first element that matches css, "" if none does.
-func (wd *webDriver) text(css string) string {
-	wd.t.Helper()
-	if ids := wd.findElements(css); len(ids) > 0 {
-		return wd.elementText(ids[0])
-	}
+	t.Skip(msg)
 	return ""
 }
 
-func (wd *webDriver) click(id string) {
-	wd.t.Helper()
-	wd.call("POST", "/element/"+id+"/click", map[string]any{}, nil)
+// browserOptions start Chromium as root on a machine without network:
+// nothing is fetched in the background, and the window is large enough
+// for the whole page. They name again what chromedp's defaults already
+// have, as the tests rely on it. No user-data-dir is given, so chromedp
+// makes a fresh one and, as it owns it, kills Chromium's leftover children
+// and removes it when the browser stops.
+func browserOptions(chromium string, output io.Writer) []chromedp.ExecAllocatorOption {
+	return append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(chromium),
+		chromedp.CombinedOutput(output),
+		chromedp.Headless,
+		chromedp.NoSandbox,
+		chromedp.DisableGPU,
+		chromedp.NoFirstRun,
+		chromedp.Flag("disable-quic", true),
+		chromedp.Flag("disable-background-networking", true),
+		chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true),
+		chromedp.WindowSize(1400, 900),
+	)
 }
 
-func (wd *webDriver) sendKeys(id, text string) {
-	wd.t.Helper()
-	wd.call("POST", "/element/"+id+"/value", map[string]string{"text": text}, nil)
+// startBrowser starts a headless Chromium with a blank tab; the browser
+// stops, and its goroutines end, with the test.
+func startBrowser(t *testing.T) *browserTab {
+	t.Helper()
+	chromium := findChromium(t)
+	output := &lockedBuffer{}
+	// Not t.Context(): it ends before the cleanups, and the one below still
+	// reads the page.
+	allocCtx, cancelAlloc := chromedp.NewExecAllocator(context.Background(), browserOptions(chromium, output)...)
+	ctx, cancel := chromedp.NewContext(allocCtx)
+	tab := &browserTab{t: t, ctx: ctx}
+	t.Cleanup(func() {
+		if t.Failed() {
+			tab.logStatus()
+		}
+		cancel()      // kills the browser and waits for it
+		cancelAlloc() // waits for the copy of its output
+		waitNoChromedpGoroutines(t)
+	})
+	// The first action starts the browser, whose life is then that of ctx:
+	// with no timeout, unlike the actions after it.
+	if err := chromedp.Do(ctx); err != nil {
+		t.Fatalf("starting %s: %v; it printed: %s", chromium, err, output)
+	}
+	return tab
+}
+
+// logStatus logs the page's status line, for a failed test.
+func (tab *browserTab) logStatus() {
+	ctx, cancel := context.WithTimeout(tab.ctx, 10*time.Second)
+	defer cancel()
+	status, err := chromedp.Run(ctx, chromedp.Evaluate[string](`document.getElementById('status')?.textContent ?? ''`))
+	if err == nil {
+		tab.t.Logf("the page's status line: %q", status)
+	}
+}
+
+// waitNoChromedpGoroutines fails the test if chromedp's goroutines outlive
+// the browser: goroutines_test.go's checks would not see them, as none
+// runs this package's code.
+func waitNoChromedpGoroutines(t *testing.T) {
+	t.Helper()
+	var left []string
+	waitUntilOr(30*time.Second, func() bool {
+		left = left[:0]
+		for _, s := range goroutineStacks() {
+			if strings.Contains(s, "github.com/chromedp/") {
+				left = append(left, s)
+			}
+		}
+		return len(left) == 0
+	})
+	if len(left) > 0 {
+		t.Errorf("%d goroutines of chromedp outlived the browser:\n\n%s", len(left), strings.Join(left, "\n\n"))
+	}
+}
+
+// run runs one action in the tab, for at most actionTimeout.
+func run[T any](tab *browserTab, action chromedp.Action[T]) T {
+	tab.t.Helper()
+	ctx, cancel := context.WithTimeout(tab.ctx, actionTimeout)
+	defer cancel()
+	v, err := chromedp.Run(ctx, action)
+	if err != nil {
+		tab.t.Fatal(err)
+	}
+	return v
+}
+
+func (tab *browserTab) navigate(url string) {
+	tab.t.Helper()
+	run(tab, chromedp.Navigate(url))
+}
+
+// count is the number of elements that match a CSS selector, at once: a
+// query action would wait for at least one.
+func (tab *browserTab) count(css string) int {
+	tab.t.Helper()
+	var n int
+	tab.execute(`return document.querySelectorAll(`+jsString(css)+`).length`, &n)
+	return n
+}
+
+// text is the rendered text of the first element that matches css, "" if
+// none does.
+func (tab *browserTab) text(css string) string {
+	tab.t.Helper()
+	var text string
+	tab.execute(`return document.querySelector(`+jsString(css)+`)?.innerText ?? ''`, &text)
+	return text
+}
+
+// click clicks, with the mouse, the first element that matches css.
+func (tab *browserTab) click(css string) {
+	tab.t.Helper()
+	run(tab, chromedp.Click(chromedp.CSS(css)))
+}
+
+// sendKeys types text into the first element that matches css.
+func (tab *browserTab) sendKeys(css, text string) {
+	tab.t.Helper()
+	run(tab, chromedp.SendKeys(chromedp.CSS(css), text))
 }
 
 // execute runs script in the page, as the body of a function, and decodes
 // what it returns into out.
-func (wd *webDriver) execute(script string, out any, args ...any) {
-	wd.t.Helper()
-	if args == nil {
-		args = []any{}
+func (tab *browserTab) execute(script string, out any) {
+	tab.t.Helper()
+	raw := run(tab, chromedp.Evaluate[[]byte]("(() => {\n"+script+"\n})()"))
+	if err := json.Unmarshal(raw, out); err != nil {
+		tab.t.Fatalf("the script's result %s: %v", raw, err)
 	}
-	wd.call("POST", "/execute/sync", map[string]any{"script": script, "args": args}, out)
 }
 
 // screenshot returns a PNG of the viewport.
-func (wd *webDriver) screenshot() []byte {
-	wd.t.Helper()
-	var b64 string
-	wd.call("GET", "/screenshot", nil, &b64)
-	img, err := base64.StdEncoding.DecodeString(b64)
-	if err != nil {
-		wd.t.Fatal(err)
-	}
-	return img
+func (tab *browserTab) screenshot() []byte {
+	tab.t.Helper()
+	return run(tab, chromedp.CaptureScreenshot())
+}
+
+// jsString is s as a JavaScript string literal: JSON's string syntax is
+// JavaScript's.
+func jsString(s string) string {
+	b, _ := json.Marshal(s)
+	return string(b)
 }
 
 // lockedBuffer collects a process's output.
