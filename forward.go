@@ -249,11 +249,23 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *ticket, err error) error 
 		status, msg = http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
 	case status == http.StatusServiceUnavailable:
 		_, msg = queueError(h.pool, t, errNoWorker)
+	case t.route.Poll:
+		msg = fmt.Sprintf("Worker request failed: job %s was made by %s, which did not answer: %v", t.route.JobID, t.pin, cause(err))
 	default:
-		msg = "Worker request failed: " + err.Error()
+		msg = "Worker request failed: " + cause(err).Error()
 	}
 	h.logger.Warn("proxying to worker failed", zap.Int("status", status), zap.Error(err))
 	return writeError(w, status, msg)
+}
+
+// cause is what went wrong in err, without the trace of the handler that
+// saw it: reverse_proxy's errors name its Go type and source line, which
+// are no client's concern.
+func cause(err error) error {
+	if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.Err != nil {
+		return he.Err
+	}
+	return err
 }
 
 func isMaxBytes(err error) bool {

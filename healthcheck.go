@@ -270,6 +270,10 @@ func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChang
 	w.evidence.probeFails++
 	if !w.health.down && w.evidence.probeFails >= cfg.fails {
 		w.health.down = true
+		// A worker down long enough to fail its probes has most likely
+		// lost what it ran; its video jobs give back their slots, so
+		// that it comes back with room for new ones.
+		p.endVideosOfLocked(w)
 		return becameUnhealthy
 	}
 	return unchanged

@@ -46,7 +46,17 @@ func readsVideoJob(r *http.Request, route request.Route) bool {
 // new job (whose ticket it then holds, reporting true), and when a job
 // ended or was deleted (releasing its worker).
 func (h *Handler) trackVideoJob(r *http.Request, t *ticket, rec *recorder, err error) bool {
-	if err != nil || rec.status < 200 || rec.status > 299 || t.route.Kind != request.Video && t.route.Kind != request.VideoPoll {
+	if t.route.Kind != request.Video && t.route.Kind != request.VideoPoll {
+		return false
+	}
+	// A status poll answered 404 is a job its worker no longer has; a
+	// content poll's 404 may only mean the video is not done yet.
+	denied := err == nil && heldStatus(rec) == http.StatusNotFound && readsVideoJob(r, t.route)
+	if t.route.Poll && r.Context().Err() == nil && (err != nil || denied) {
+		h.loseVideo(t.route.JobID, denied)
+		return false
+	}
+	if err != nil || rec.status < 200 || rec.status > 299 {
 		return false
 	}
 	var job videoJobStatus
@@ -69,6 +79,17 @@ func (h *Handler) trackVideoJob(r *http.Request, t *ticket, rec *recorder, err e
 	return false
 }
 
+// loseVideo gives back the slot of a video job whose worker did not
+// answer a poll of it, or answered that it has no such job (a worker that
+// restarted): the job failed. A worker that denies the job is no longer
+// asked about it.
+func (h *Handler) loseVideo(id string, denied bool) {
+	h.pool.endVideo(id, failed)
+	if denied {
+		h.pool.videos.Forget(id)
+	}
+}
+
 // holdVideo keeps t's worker claimed by the video job id.
 func (p *pool) holdVideo(t *ticket, id string) bool {
 	p.mu.Lock()
@@ -89,6 +110,10 @@ func (p *pool) holdVideo(t *ticket, id string) bool {
 func (p *pool) endVideo(id string, o outcome) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.endVideoLocked(id, o)
+}
+
+func (p *pool) endVideoLocked(id string, o outcome) {
 	hv, ok := p.held[id]
 	if !ok {
 		return
@@ -96,4 +121,14 @@ func (p *pool) endVideo(id string, o outcome) {
 	delete(p.held, id)
 	hv.timer.Stop()
 	p.releaseLocked(hv.t, o)
+}
+
+// endVideosOfLocked releases the video jobs w holds, which it lost: they
+// say nothing more of it than what lost them.
+func (p *pool) endVideosOfLocked(w *worker) {
+	for id, hv := range p.held {
+		if hv.t.worker == w {
+			p.endVideoLocked(id, abandoned)
+		}
+	}
 }

@@ -1,0 +1,42 @@
+package diffusionrouter
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+)
+
+// A video worker that crashes with a video running and comes back at the
+// same URL has lost the video: polls of it while the worker is down get a
+// clean JSON error, and once the worker denies the job, its slot is free
+// and the next video goes there.
+func TestVideoWorkerThatLostItsVideoGetsNewOnes(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "v", TaskType: "T2V", UnitMs: 60_000})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n health_interval 1h\n}")
+	id := createVideo(t, r, "v")
+
+	cfg := ws[0].Config()
+	cfg.Addr = strings.TrimPrefix(ws[0].URL(), "http://") // the same URL when it comes back
+	ws[0].Crash()
+	rp := r.get("/v1/videos/" + id)
+	if rp.status != 502 || !strings.Contains(rp.errorText(t), id) {
+		t.Fatalf("poll of a video on a crashed worker: %d %s; want 502 naming the video", rp.status, rp.body)
+	}
+	for _, internal := range []string{".go:", "reverseproxy.", "statusError", "goroutine "} {
+		if strings.Contains(string(rp.body), internal) {
+			t.Fatalf("the error shows the router's internals (%q): %s", internal, rp.body)
+		}
+	}
+
+	back, err := fakeworker.Start(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(back.Close)
+	expectStatus(t, "poll of a video the restarted worker never made", r.get("/v1/videos/"+id), 404)
+	if got := workerStates(t, r)[back.URL()]["active_requests"]; got != 0.0 {
+		t.Fatalf("the lost video still holds its worker: active_requests %v", got)
+	}
+	createVideo(t, r, "v")
+}
