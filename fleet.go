@@ -171,9 +171,9 @@ func (f *fleet) finishUpdate(group []*worker, results []result, version string) 
 	defer p.mu.Unlock()
 	for i, w := range group {
 		if results[i].ok {
-			w.life.version, w.life.state = version, serving
+			w.life.version, w.life.state, w.life.missed = version, serving, false
 		} else {
-			w.life.state = stale
+			w.life.state, w.life.missed = stale, !results[i].answered
 		}
 	}
 	p.dispatchLocked()
@@ -265,6 +265,18 @@ func (f *fleet) waitIdle(ctx context.Context, workers []*worker, timeout time.Du
 			return ctx.Err()
 		}
 	}
+}
+
+// recoveredLocked brings back a worker that was stale only because it did
+// not answer its update (it was down, or restarted on its old weights):
+// once a probe finds it again, it catches up as a late joiner does, before
+// its first job.
+func (f *fleet) recoveredLocked(w *worker) {
+	if w.life.state != stale || !w.life.missed || f.target != "" { // not while an operation runs: it decides the state
+		return
+	}
+	w.life.state, w.life.missed = serving, false
+	f.holdIfBehindLocked(w)
 }
 
 // holdIfBehindLocked holds a worker that missed an update (it joined
@@ -371,6 +383,7 @@ type result struct {
 	StatusCode int    `json:"status_code"`
 	Body       any    `json:"body"`
 	ok         bool
+	answered   bool // the worker answered at all
 }
 
 // broadcast POSTs body to path on every worker in parallel.
@@ -403,7 +416,7 @@ func (f *fleet) post(ctx context.Context, workerURL, path string, body []byte, t
 	}
 	defer resp.Body.Close()
 	raw, _ := io.ReadAll(io.LimitReader(resp.Body, maxControlBody))
-	res.StatusCode = resp.StatusCode
+	res.StatusCode, res.answered = resp.StatusCode, true
 	if json.Unmarshal(raw, &res.Body) != nil {
 		res.Body = map[string]string{"raw": string(raw)}
 	}

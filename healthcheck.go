@@ -283,6 +283,7 @@ func (p *pool) recordProbe(url string, err error, cfg *healthConfig) healthChang
 func (p *pool) probePassedLocked(w *worker, now int64, cfg *healthConfig) healthChange {
 	w.evidence.probeFails = 0
 	w.evidence.probePasses++
+	p.fleet.recoveredLocked(w)
 	if w.health.suspect && !p.overrunningLocked(w, now, cfg) {
 		w.health.suspect = false
 	}

@@ -256,6 +256,7 @@ type workerLife struct {
 	removed bool        // left the pool while jobs of it still ran
 	state   workerState // serving, draining, updating, stale or sleeping
 	behind  bool        // joined after an update; must load its weights first
+	missed  bool        // stale because its last update got no answer: caught up once a probe passes
 	version string      // weight version the worker serves; "" until known
 }
 

@@ -391,3 +391,39 @@ func TestBadWeightUpdates(t *testing.T) {
 		t.Fatalf("503 answer: %s", rp.body)
 	}
 }
+
+// A worker down during an update that comes back at the same URL on its
+// old weights is brought to the fleet's weights before its first job, as
+// a late joiner is, and then serves.
+func TestWorkerThatMissedAnUpdateCatchesUpWhenBack(t *testing.T) {
+	ws := namedWorkers(t, 2, fakeworker.Config{})
+	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n health_interval 50ms\n health_fails 1\n}")
+	cfg := ws[1].Config()
+	cfg.Addr = strings.TrimPrefix(ws[1].URL(), "http://")
+	ws[1].Crash()
+	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/8","weight_version":"step-8"}`)
+	if rp.status != 502 || workerStates(t, r)[ws[1].URL()]["state"] != "stale" {
+		t.Fatalf("update with one worker down: %d %s; workers %s", rp.status, rp.body, r.get("/workers").body)
+	}
+
+	back, err := fakeworker.Start(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(back.Close)
+	waitFor(t, func() bool {
+		r.post("/v1/images/generations", smallImage) // catch-ups start on requests
+		return workerStates(t, r)[back.URL()]["state"] == "serving"
+	})
+	if back.Weights() != "/ckpt/8" || workerStates(t, r)[back.URL()]["weight_version"] != "step-8" {
+		t.Fatalf("the worker came back on %q", back.Weights())
+	}
+	for range 8 {
+		if v := r.post("/v1/images/generations", smallImage).header.Get(weightVersionHeader); v != "step-8" {
+			t.Fatalf("served by %q", v)
+		}
+	}
+	if jobs := back.Stats().JobsOn; jobs[cfg.ModelPath] != 0 || jobs[""] != 0 {
+		t.Fatalf("the worker that came back served jobs on its old weights: %v", jobs)
+	}
+}
