@@ -271,7 +271,26 @@ func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 		h.pool.fleet.startCatchUps(&h.weights)
 		info, _ = h.pool.worker(info.URL)
 	}
-	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker": newWorkerJSON(info)})
+	_ = writeJSON(w, http.StatusOK, h.durable(r.Context(), map[string]any{"status": "success", "worker": newWorkerJSON(info)}))
+}
+
+// storageWait bounds how long a control call waits for its change to be
+// written: storage that hangs must not hold the caller.
+const storageWait = 5 * time.Second
+
+// durable writes the fleet's record after a control call changed it, and
+// tells the caller in answer when that failed: "persisted": false and a
+// warning. The change took effect all the same, and is written as soon as
+// storage works again; only a restart before then would lose it.
+func (h *Handler) durable(ctx context.Context, answer map[string]any) map[string]any {
+	ctx, cancel := context.WithTimeout(ctx, storageWait)
+	defer cancel()
+	if err := h.pool.store.persist(ctx); err != nil {
+		h.logger.Warn("a change to the fleet is not written to storage yet", zap.Error(err))
+		answer["persisted"] = false
+		answer["warning"] = "the change took effect but is not written to storage yet, so a restart now would lose it: " + err.Error()
+	}
+	return answer
 }
 
 // welcome learns what a worker that just joined can generate. One that
@@ -388,15 +407,18 @@ func (h *Handler) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	if isDead != nil {
-		info, _ = h.pool.setDead(info.URL, *isDead)
-		h.logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead))
-	}
 	if refresh {
 		_ = h.probe(r.Context(), info.URL)
 		info, _ = h.pool.worker(info.URL)
 	}
-	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker": newWorkerJSON(info)})
+	answer := map[string]any{"status": "success"}
+	if isDead != nil {
+		info, _ = h.pool.setDead(info.URL, *isDead)
+		h.logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead))
+		answer = h.durable(r.Context(), answer)
+	}
+	answer["worker"] = newWorkerJSON(info)
+	_ = writeJSON(w, http.StatusOK, answer)
 }
 
 // parseWorkerUpdate checks a PUT /workers/{id} body field by field, as the
@@ -424,7 +446,7 @@ func parseWorkerUpdate(update map[string]json.RawMessage) (isDead *bool, refresh
 
 func (h *Handler) serveDeleteWorker(w http.ResponseWriter, r *http.Request) {
 	if info, ok := h.workerFromPath(w, r); ok {
-		h.removeWorker(w, info.URL)
+		h.removeWorker(w, r, info.URL)
 	}
 }
 
@@ -435,14 +457,14 @@ func (h *Handler) serveRemoveWorker(w http.ResponseWriter, r *http.Request) {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	h.removeWorker(w, u)
+	h.removeWorker(w, r, u)
 }
 
-func (h *Handler) removeWorker(w http.ResponseWriter, workerURL string) {
+func (h *Handler) removeWorker(w http.ResponseWriter, r *http.Request, workerURL string) {
 	if !h.pool.remove(workerURL) {
 		_ = writeError(w, http.StatusNotFound, "Worker not found")
 		return
 	}
 	h.logger.Info("worker removed", zap.String("worker", workerURL))
-	_ = writeJSON(w, http.StatusOK, map[string]any{"status": "success", "worker_id": url.QueryEscape(workerURL)})
+	_ = writeJSON(w, http.StatusOK, h.durable(r.Context(), map[string]any{"status": "success", "worker_id": url.QueryEscape(workerURL)}))
 }

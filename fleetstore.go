@@ -4,11 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"net/url"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -98,9 +100,19 @@ type fleetStore struct {
 	setReady sync.Once
 	retryMin time.Duration // storeRetryMin; tests shorten it
 
+	restored atomic.Bool // the record was read back: writes may replace it
+
+	// writing serializes writes, so that the last one stored carries the
+	// newest state; taken before mu.
+	writing sync.Mutex
+
 	mu   sync.Mutex   // guards uses; taken before pool.mu when both are held
 	uses []storageUse // one per loaded handler of the pool, the newest last
 }
+
+// errNotReadBack is why a change cannot be written yet: the record in
+// storage has not been read back, and writing now would replace it.
+var errNotReadBack = errors.New("the fleet's record in storage is not read back yet; the change is written once it is")
 
 // storageUse is the storage one handler keeps its pool's record in.
 type storageUse struct {
@@ -186,6 +198,7 @@ func (s *fleetStore) run(ctx context.Context) {
 	if !s.retry(ctx, "read", s.restore) {
 		return
 	}
+	s.restored.Store(true)
 	s.markReady()
 	for {
 		select {
@@ -220,9 +233,32 @@ func (s *fleetStore) retry(ctx context.Context, what string, op func(context.Con
 	}
 }
 
+// persist writes the record now, for a control call that tells its
+// caller whether its change is durable, and returns why not: the write's
+// error, or errNotReadBack. Without storage there is nothing to write.
+// A change it could not write stays due: the background writer retries.
+func (s *fleetStore) persist(ctx context.Context) error {
+	s.mu.Lock()
+	storage := s.storageLocked()
+	s.mu.Unlock()
+	switch {
+	case storage == nil:
+		return nil
+	case !s.restored.Load():
+		return errNotReadBack
+	}
+	err := s.write(ctx)
+	if err != nil {
+		s.changed()
+	}
+	return err
+}
+
 // write stores the pool's state as it is now, which includes every change
 // marked so far: a retry after a failure writes them all at once.
 func (s *fleetStore) write(ctx context.Context) error {
+	s.writing.Lock()
+	defer s.writing.Unlock()
 	select {
 	case <-s.due:
 	default:
@@ -267,8 +303,7 @@ func (s *fleetStore) restore(ctx context.Context) error {
 	}
 	var rec fleetRecord
 	if err := json.Unmarshal(data, &rec); err != nil {
-		s.pool.logger.Error("the fleet's record in storage is not valid; the pool starts without it", zap.String("key", s.key), zap.Error(err))
-		return nil
+		return s.keepAside(ctx, storage, data, err)
 	}
 	// Not while a weight update runs: one that came in before the record
 	// was read has moved the fleet past it.
@@ -281,6 +316,22 @@ func (s *fleetStore) restore(ctx context.Context) error {
 	s.changed() // the state read back and what changed meanwhile, merged
 	s.pool.logger.Info("fleet read back from storage", zap.String("key", s.key),
 		zap.Int("workers_read_back", restored), zap.Bool("weights_read_back", adopted), zap.String("weight_version", rec.WeightVersion))
+	return nil
+}
+
+// keepAside stores a record that does not decode under a name of its own
+// before the pool starts without it, since the next write replaces it:
+// an operator can still read what it held. A record that cannot be kept
+// aside is not replaced either: reading back is tried again.
+func (s *fleetStore) keepAside(ctx context.Context, storage stateStorage, data []byte, why error) error {
+	aside := s.key + ".unreadable-" + s.pool.now().UTC().Format("20060102T150405Z")
+	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	if err := storage.Store(ctx, aside, data); err != nil {
+		return fmt.Errorf("the record does not decode (%v) and could not be kept aside as %s: %w", why, aside, err)
+	}
+	s.pool.logger.Error("the fleet's record in storage is not valid; it is kept aside and the pool starts without it",
+		zap.String("key", s.key), zap.String("kept_as", aside), zap.Error(why))
 	return nil
 }
 

@@ -104,7 +104,7 @@ func (h *Handler) runUpdate(w http.ResponseWriter, r *http.Request, req weightsR
 		log.Warn("weight update failed on some workers; they get no traffic until an update succeeds on them")
 	}
 	log.Info("weight update done", zap.Int("status", code))
-	_ = writeJSON(w, code, map[string]any{"success": code == http.StatusOK, "weight_version": req.version, "results": results})
+	_ = writeJSON(w, code, h.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": req.version, "results": results}))
 }
 
 // outcomeName names how a fleet operation ended, for its metric.

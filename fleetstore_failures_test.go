@@ -1,0 +1,79 @@
+package diffusionrouter
+
+import (
+	"encoding/json"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+)
+
+// A control call whose change cannot be written to storage says so in its
+// answer, which stays a success: the change took effect.
+func TestChangesStorageCannotKeepAreReported(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	dir := t.TempDir()
+	r := startRouterWith(t, "storage file_system "+dir, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
+	record := filepath.Join(dir, "diffusion_router", "default", "fleet.json")
+	rp := r.post("/add_worker?url="+ws[1].URL(), "")
+	expectStatus(t, "add_worker with storage working", rp, 200)
+	if _, warned := rp.json(t)["warning"]; warned {
+		t.Fatalf("a change storage kept was reported as not kept: %s", rp.body)
+	}
+	if _, err := os.Stat(record); err != nil {
+		t.Fatalf("the record is not written when add_worker answers: %v", err)
+	}
+
+	// Storage breaks: its folder is a file now, which no write gets past.
+	if err := os.RemoveAll(filepath.Join(dir, "diffusion_router")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "diffusion_router"), []byte("full"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, call := range []reply{
+		r.post("/remove_worker?url="+ws[1].URL(), ""),
+		r.post("/add_worker?url="+ws[1].URL(), ""),
+		do(t, "PUT", r.base+"/workers/"+url.QueryEscape(ws[1].URL()), strings.NewReader(`{"is_dead":true}`)),
+		r.post("/update_weights_from_disk", `{"model_path":"/ckpt/9"}`),
+	} {
+		expectStatus(t, "a change storage cannot keep", call, 200)
+		body := call.json(t)
+		if body["persisted"] != false || !strings.Contains(body["warning"].(string), "not written to storage") {
+			t.Fatalf("a change storage could not keep was not reported: %s", call.body)
+		}
+	}
+}
+
+// A record that does not decode is kept aside under a name of its own
+// before the pool starts without it, and a new one replaces it.
+func TestUnreadableRecordIsKeptAside(t *testing.T) {
+	ws := startWorkers(t, fakeworker.Config{Name: "a"})
+	dir := t.TempDir()
+	folder := filepath.Join(dir, "diffusion_router", "default")
+	if err := os.MkdirAll(folder, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	broken := []byte(`{"workers": [{"url": "http://10.0.0.1:30000", "registered": tr`)
+	if err := os.WriteFile(filepath.Join(folder, "fleet.json"), broken, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := startRouterWith(t, "storage file_system "+dir, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
+	expectStatus(t, "add_worker", r.post("/add_worker?url=http://10.0.0.2:30000", ""), 200)
+
+	aside, _ := filepath.Glob(filepath.Join(folder, "fleet.json.unreadable-*"))
+	if len(aside) != 1 {
+		t.Fatalf("records kept aside: %v; want one", aside)
+	}
+	if kept, _ := os.ReadFile(aside[0]); string(kept) != string(broken) {
+		t.Fatalf("kept aside: %q; want the record as it was", kept)
+	}
+	var rec fleetRecord
+	data, _ := os.ReadFile(filepath.Join(folder, "fleet.json"))
+	if err := json.Unmarshal(data, &rec); err != nil || len(rec.Workers) != 2 {
+		t.Fatalf("the new record: %s (%v)", data, err)
+	}
+}
