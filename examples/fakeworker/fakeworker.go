@@ -6,7 +6,7 @@
 // field names, defaults, status codes and messages, for the OpenAI-style
 // image and video endpoints, the native /v1/diffusion/generate, the RL
 // endpoint /rollout/generate (a JSON list, tensors as base64 safetensors),
-// weight updates, checksums, LoRA and sleep/wake; the README lists every
+// weight updates, checksums, LoRA and sleep/wake; docs/fake-worker.md lists every
 // endpoint and what differs. Like the real server it reports no weight
 // version: what a worker runs is for the router to record. Above all it keeps
 // the property a router must cope with: a worker runs one job at a time,

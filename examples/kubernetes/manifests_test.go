@@ -171,6 +171,107 @@ func TestProbesAndScrapeMatchTheRouter(t *testing.T) {
 	}
 }
 
+// TestRouterStorageOutlivesThePod checks that Caddy's storage, where each
+// pool keeps its fleet record (diffusion_router/<pool>/fleet.json), is a
+// persistent volume: a restarted router reads back the workers registered
+// at run time, the ones held back and the weight version. The volume is
+// mounted once at a time, and the pod's user may write it.
+func TestRouterStorageOutlivesThePod(t *testing.T) {
+	objs := manifests(t)
+	deploy := find(t, objs, "Deployment", "diffusion-router")
+	spec := at(deploy.doc, "spec", "template", "spec")
+
+	// Caddy's storage is the file system under $XDG_DATA_HOME/caddy, which
+	// the Dockerfile sets (the Deployment may set it again).
+	dataHome := dockerfileEnv(t, "XDG_DATA_HOME")
+	env, _ := at(spec, "containers", 0, "env").([]any)
+	for _, e := range env {
+		if str(e, "name") == "XDG_DATA_HOME" {
+			dataHome = str(e, "value")
+		}
+	}
+	if dataHome == "" {
+		t.Fatal("neither the Dockerfile nor the Deployment sets XDG_DATA_HOME: Caddy's storage would be under a home directory no volume holds")
+	}
+	mounts, _ := at(spec, "containers", 0, "volumeMounts").([]any)
+	var holder any // the mount that holds the storage: the deepest one above it
+	for _, m := range mounts {
+		dir := strings.TrimSuffix(str(m, "mountPath"), "/")
+		if dataHome == dir || strings.HasPrefix(dataHome, dir+"/") {
+			if holder == nil || len(dir) > len(str(holder, "mountPath")) {
+				holder = m
+			}
+		}
+	}
+	if holder == nil {
+		t.Fatalf("no volume is mounted at Caddy's storage (%s/caddy): it would be in the container's file system", dataHome)
+	}
+	if b, _ := at(holder, "readOnly").(bool); b {
+		t.Errorf("Caddy's storage (%s) is mounted read-only", dataHome)
+	}
+	vol := volume(t, deploy, str(holder, "name"))
+	claim := str(vol, "persistentVolumeClaim", "claimName")
+	if claim == "" {
+		t.Fatalf("Caddy's storage (%s) is on volume %v, not a PersistentVolumeClaim: the fleet record would not outlive the pod", dataHome, vol)
+	}
+	pvc := find(t, objs, "PersistentVolumeClaim", claim)
+	if str(pvc.doc, "spec", "resources", "requests", "storage") == "" {
+		t.Errorf("PersistentVolumeClaim %s requests no storage size", claim)
+	}
+
+	// A ReadWriteOnce volume must never be wanted by two pods at once, and
+	// two routers must never share one record: one replica, and the old pod
+	// gone before the new one starts.
+	if n, _ := at(deploy.doc, "spec", "replicas").(int); n != 1 {
+		t.Errorf("the router has %d replicas; one fleet record is for one router", n)
+	}
+	modes, _ := at(pvc.doc, "spec", "accessModes").([]any)
+	if len(modes) == 0 {
+		t.Errorf("PersistentVolumeClaim %s names no access mode", claim)
+	}
+	if got := str(deploy.doc, "spec", "strategy", "type"); got != "Recreate" {
+		t.Errorf("the router's Deployment updates with strategy %q; a rolling update would start a second router on the same volume and record (want Recreate)", got)
+	}
+	if at(spec, "securityContext", "fsGroup") == nil {
+		t.Error("the pod sets no fsGroup: Caddy's user may not write the volume")
+	}
+
+	// The Caddyfile keeps the default storage and does not turn the record off.
+	cm := find(t, objs, "ConfigMap", str(volume(t, deploy, "caddyfile"), "configMap", "name"))
+	cfg, _, err := harness.Adapt([]byte(str(cm.doc, "data", "Caddyfile")), "router.yaml:Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(cfg), `"storage":`) {
+		t.Error("the Caddyfile sets a storage of its own: check that it is kept across restarts, and this test")
+	}
+	if strings.Contains(string(cfg), `"persist_off":true`) {
+		t.Error("the Caddyfile turns persist off: nothing would be kept on the volume")
+	}
+}
+
+// dockerfileEnv returns the value the Dockerfile's ENV lines give name.
+func dockerfileEnv(t *testing.T, name string) string {
+	t.Helper()
+	data, err := os.ReadFile("Dockerfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	value := ""
+	for line := range strings.Lines(string(data)) {
+		fields := strings.Fields(line)
+		if len(fields) < 2 || fields[0] != "ENV" {
+			continue
+		}
+		for _, kv := range fields[1:] {
+			if k, v, ok := strings.Cut(kv, "="); ok && k == name {
+				value = v
+			}
+		}
+	}
+	return value
+}
+
 // volume returns the pod volume of the Deployment named name.
 func volume(t *testing.T, deploy object, name string) any {
 	t.Helper()
