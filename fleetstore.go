@@ -102,9 +102,10 @@ type fleetStore struct {
 
 	restored atomic.Bool // the record was read back: writes may replace it
 
-	// writing serializes writes, so that the last one stored carries the
-	// newest state; taken before mu.
-	writing sync.Mutex
+	// writing holds a token while a write runs: writes take turns, so that
+	// the last one stored carries the newest state. A channel rather than a
+	// mutex, so that a caller can give up waiting. Taken before mu.
+	writing chan struct{}
 
 	mu   sync.Mutex   // guards uses; taken before pool.mu when both are held
 	uses []storageUse // one per loaded handler of the pool, the newest last
@@ -123,7 +124,7 @@ type storageUse struct {
 func newFleetStore(p *pool) *fleetStore {
 	return &fleetStore{
 		pool: p, key: fleetKey(p.name), retryMin: storeRetryMin,
-		due: make(chan struct{}, 1), ready: make(chan struct{}),
+		due: make(chan struct{}, 1), ready: make(chan struct{}), writing: make(chan struct{}, 1),
 	}
 }
 
@@ -257,8 +258,12 @@ func (s *fleetStore) persist(ctx context.Context) error {
 // write stores the pool's state as it is now, which includes every change
 // marked so far: a retry after a failure writes them all at once.
 func (s *fleetStore) write(ctx context.Context) error {
-	s.writing.Lock()
-	defer s.writing.Unlock()
+	select {
+	case s.writing <- struct{}{}:
+		defer func() { <-s.writing }()
+	case <-ctx.Done():
+		return fmt.Errorf("storage is still busy with an earlier write: %w", ctx.Err())
+	}
 	select {
 	case <-s.due:
 	default:

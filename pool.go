@@ -95,7 +95,8 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 // locks after it:
 //
 //  1. a hedge's mu (hedge.go: fire holds it while it asks for a copy's worker)
-//  2. the fleet store's mu (fleetstore.go: a record is taken under both)
+//  2. the fleet store's writing token, then its mu (fleetstore.go: a
+//     record is read under both)
 //  3. mu
 //  4. videos' and images' own locks (scheduler.JobOwners)
 type pool struct {
