@@ -372,7 +372,7 @@ func Whole(data []byte) error {
 // lengthSize is, for the type bytes 0xc4 to 0xdf, the size of the length
 // field that follows them (0 for types of a fixed size).
 var lengthSize = [...]int{
-	tagBin8 - tagBin8: 1, tagBin16 - tagBin8: 2, tagBin32 - tagBin8: 4,
+	0: 1 /* bin8 */, tagBin16 - tagBin8: 2, tagBin32 - tagBin8: 4,
 	tagExt8 - tagBin8: 1, tagExt16 - tagBin8: 2, tagExt32 - tagBin8: 4,
 	tagStr8 - tagBin8: 1, tagStr16 - tagBin8: 2, tagStr32 - tagBin8: 4,
 	tagArray16 - tagBin8: 2, tagArray32 - tagBin8: 4,
