@@ -1,7 +1,6 @@
 package diffusionrouter
 
 import (
-	"encoding/json"
 	"fmt"
 	"os"
 	"strings"
@@ -12,6 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/msgpack"
 )
 
 // TestMilesExampleAdapts keeps examples/miles/Caddyfile a config Caddy
@@ -60,7 +60,8 @@ func milesRollout(prompt string, seed, outputs int) string {
 
 // rolloutStep sends n rollouts of a microgroup of outputs each at once, as
 // miles' rollout semaphore lets them go, and checks each answer as miles
-// reads it: a JSON list with one sample per output, its seed and prompt.
+// reads it: a msgpack list (by its Content-Type) with one sample per
+// output, its seed and prompt.
 // It returns the weight versions the answers name.
 func rolloutStep(t *testing.T, r *testRouter, step, n, outputs int) []string {
 	t.Helper()
@@ -70,14 +71,16 @@ func rolloutStep(t *testing.T, r *testRouter, step, n, outputs int) []string {
 		wg.Go(func() {
 			prompt, seed := fmt.Sprintf("step %d prompt %d", step, i), 1000*step+outputs*i
 			rp := r.post("/rollout/generate", milesRollout(prompt, seed, outputs), "Content-Type", "application/json")
-			var samples []map[string]any
-			if rp.status != 200 || json.Unmarshal(rp.body, &samples) != nil || len(samples) != outputs {
-				t.Errorf("rollout %d of step %d: %d %.300s", i, step, rp.status, rp.body)
+			decoded, err := msgpack.Unmarshal(rp.body)
+			samples, _ := decoded.([]any)
+			if rp.status != 200 || rp.header.Get("Content-Type") != "application/msgpack" || err != nil || len(samples) != outputs {
+				t.Errorf("rollout %d of step %d: %d %.300q (%v)", i, step, rp.status, rp.body, err)
 				return
 			}
-			for _, s := range samples {
+			for _, sample := range samples {
+				s, _ := sample.(map[string]any)
 				out, _ := s["generated_output"].(map[string]any)
-				if s["seed"] != float64(seed) || s["prompt"] != prompt || out["__tensor__"] != true || s["rollout_log_probs"] == nil {
+				if s["seed"] != int64(seed) || s["prompt"] != prompt || out["__tensor__"] != true || s["rollout_log_probs"] == nil {
 					t.Errorf("rollout %d of step %d: sample %.300v", i, step, s)
 				}
 			}

@@ -21,6 +21,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/msgpack"
 )
 
 // TestMain keeps Caddy's files out of the user's home.
@@ -264,9 +265,10 @@ func TestForwardsEveryEndpoint(t *testing.T) {
 
 	rp = r.post("/rollout/generate", `{"prompt":"a cat","width":64,"height":64,"num_inference_steps":2,"seed":7}`)
 	expectStatus(t, "rollout/generate", rp, 200)
-	var samples []map[string]any
-	if err := json.Unmarshal(rp.body, &samples); err != nil || len(samples) != 1 || samples[0]["seed"] != 7.0 {
-		t.Fatalf("rollout/generate body is not the worker's JSON list: %.200s (%v)", rp.body, err)
+	decoded, err := msgpack.Unmarshal(rp.body)
+	if samples, _ := decoded.([]any); err != nil || len(samples) != 1 || samples[0].(map[string]any)["seed"] != int64(7) ||
+		rp.header.Get("Content-Type") != "application/msgpack" {
+		t.Fatalf("rollout/generate body is not the worker's msgpack list: %.200q (%v)", rp.body, err)
 	}
 	if v := rp.header.Get(weightVersionHeader); v != "fake/diffusion-model" {
 		t.Fatalf("rollout/generate served on %q; want the model id", v)

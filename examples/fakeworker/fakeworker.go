@@ -5,8 +5,9 @@
 // It answers the worker's HTTP API as sglang's source does: the same paths,
 // field names, defaults, status codes and messages, for the OpenAI-style
 // image and video endpoints, the native /v1/diffusion/generate, the RL
-// endpoint /rollout/generate (a JSON list, tensors as base64 safetensors),
-// weight updates, checksums, LoRA and sleep/wake; docs/fake-worker.md lists every
+// endpoint /rollout/generate (msgpack, or the older JSON list, tensors as
+// base64 safetensors), weight updates, checksums, LoRA and sleep/wake;
+// docs/fake-worker.md lists every
 // endpoint and what differs. Like the real server it reports no weight
 // version: what a worker runs is for the router to record. Above all it keeps
 // the property a router must cope with: a worker runs one job at a time,
@@ -54,6 +55,21 @@ type Config struct {
 	HangAfter   int           // after N finished jobs, every later job holds the worker until Close (0 = never); Hang starts it at once
 	CrashAfter  int           // after N finished jobs, the next job kills the worker: listener and connections close unanswered (0 = never); Crash kills it at once
 	UpdateFail  bool          // weight updates fail: 400 {"success": false}, and the old weights stay, as sglang rolls back
+	// RolloutJSON answers /rollout/generate with the JSON list of the
+	// older rollout API (ORJSONResponse) instead of msgpack, for clients
+	// and routers of that time.
+	RolloutJSON bool
+	// Broken answers, for gray-failure tests: the fraction of successful
+	// answers of the generation endpoints broken each way (see Break),
+	// drawn from the rand of Seed; 1 breaks every one. SetBreakRate
+	// changes them.
+	CloseRate    float64 // half the body, then the connection closes short of its Content-Length
+	ResetRate    float64 // half the body, then the connection is reset (TCP RST)
+	TruncateRate float64 // a complete HTTP answer whose body is cut in half, Content-Length matching
+	// OOMPixels makes every job whose width×height reaches it run out of
+	// GPU memory in its first step, and fail as sglang fails such a job
+	// (0 = never); SetOOMPixels changes it.
+	OOMPixels int
 	// CloudStorage is the base URL of the storage generated media are
 	// uploaded to, as sglang does with SGLANG_CLOUD_STORAGE_TYPE=s3; a
 	// medium's URL is CloudStorage/<file name>. Empty (the default): none,
@@ -96,7 +112,8 @@ type Stats struct {
 	Jobs   int           // generation jobs completed successfully
 	Cost   float64       // sum of the costs of those jobs
 	Busy   time.Duration // time spent running generation jobs, failed and hung ones included
-	Failed int           // generation jobs that ended in an injected failure
+	Failed int           // generation jobs that ended in an injected failure (FailRate or OOMPixels)
+	Broken int           // successful answers broken on purpose (CloseRate, ResetRate, TruncateRate)
 	// JobsOn counts the completed jobs by the weights they ran on, as
 	// Weights names them: what no answer says, for tests to check.
 	JobsOn map[string]int
@@ -134,6 +151,10 @@ type Worker struct {
 	// HangAfter at first, then what SetFailRate and Hang make them.
 	failRate float64
 	hung     bool
+	// breakRates are CloseRate, ResetRate and TruncateRate in force;
+	// oomPixels is OOMPixels in force.
+	breakRates [3]float64
+	oomPixels  int
 	// weights names, per module, the weights loaded: the model path of the
 	// last update from disk, or a digest of the last tensors loaded.
 	weights map[string]string
@@ -178,16 +199,18 @@ func New(cfg Config) *Worker {
 	cfg = cfg.withDefaults()
 	life, stop := context.WithCancelCause(context.Background())
 	w := &Worker{
-		cfg:      cfg,
-		life:     life,
-		stop:     stop,
-		weights:  make(map[string]string),
-		loras:    make(map[string]string),
-		rng:      mrand.New(mrand.NewPCG(uint64(cfg.Seed), 0)),
-		failRate: cfg.FailRate,
-		videos:   make(map[string]*videoJob),
-		images:   imageStore{entries: make(map[string]*imageEntry)},
-		clock:    time.Now,
+		cfg:        cfg,
+		life:       life,
+		stop:       stop,
+		weights:    make(map[string]string),
+		loras:      make(map[string]string),
+		rng:        mrand.New(mrand.NewPCG(uint64(cfg.Seed), 0)),
+		failRate:   cfg.FailRate,
+		breakRates: [3]float64{cfg.CloseRate, cfg.ResetRate, cfg.TruncateRate},
+		oomPixels:  cfg.OOMPixels,
+		videos:     make(map[string]*videoJob),
+		images:     imageStore{entries: make(map[string]*imageEntry)},
+		clock:      time.Now,
 	}
 	for _, m := range modules {
 		w.weights[m] = cfg.ModelPath

@@ -18,6 +18,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/msgpack"
 )
 
 // start runs a worker for the test; UnitMs defaults to 1 to keep tests fast.
@@ -134,14 +136,46 @@ func (r reply) plain500(t *testing.T) {
 	}
 }
 
-// list decodes a JSON list body.
+// list decodes a list body, JSON or (by its Content-Type) msgpack. A
+// msgpack list is given JSON's types (numbers as float64), so that one set
+// of checks reads both forms of a rollout answer.
 func (r reply) list(t *testing.T) []map[string]any {
 	t.Helper()
 	var l []map[string]any
+	if r.header.Get("Content-Type") == "application/msgpack" {
+		v, err := msgpack.Unmarshal(r.body)
+		if err != nil {
+			t.Fatalf("msgpack body %.200q: %v", r.body, err)
+		}
+		for _, e := range v.([]any) {
+			l = append(l, asJSON(e).(map[string]any))
+		}
+		return l
+	}
 	if err := json.Unmarshal(r.body, &l); err != nil {
 		t.Fatalf("body %.200q: %v", r.body, err)
 	}
 	return l
+}
+
+// asJSON gives a decoded msgpack value the types encoding/json gives the
+// same value: numbers float64.
+func asJSON(v any) any {
+	switch v := v.(type) {
+	case int64:
+		return float64(v)
+	case uint64:
+		return float64(v)
+	case []any:
+		for i := range v {
+			v[i] = asJSON(v[i])
+		}
+	case map[string]any:
+		for k := range v {
+			v[k] = asJSON(v[k])
+		}
+	}
+	return v
 }
 
 func TestCost(t *testing.T) {
@@ -1108,11 +1142,23 @@ func toInts(a []any) []int {
 	return ns
 }
 
+// TestRollout reads rollout answers in both forms: msgpack, as
+// rollout_api.py answers now, and the older JSON list (RolloutJSON).
 func TestRollout(t *testing.T) {
-	w := start(t, Config{ImageBytes: 40})
+	for _, form := range []struct {
+		json        bool
+		contentType string
+		ditKeys     int // the msgpack form added dit_trajectory.sigmas
+	}{{false, "application/msgpack", 3}, {true, "application/json", 2}} {
+		t.Run(form.contentType, func(t *testing.T) { testRollout(t, form.json, form.contentType, form.ditKeys) })
+	}
+}
+
+func testRollout(t *testing.T, rolloutJSON bool, contentType string, ditKeys int) {
+	w := start(t, Config{ImageBytes: 40, RolloutJSON: rolloutJSON})
 	r := call(t, w, "POST", "/rollout/generate",
 		`{"prompt":"p","width":64,"height":64,"num_inference_steps":3,"num_outputs_per_prompt":2,"seed":7,"rollout_return_dit_trajectory":true,"rollout_return_denoising_env":true}`)
-	if r.status != 200 || r.header.Get("Content-Type") != "application/json" || r.header.Get("X-Weight-Version") != "" {
+	if r.status != 200 || r.header.Get("Content-Type") != contentType || r.header.Get("X-Weight-Version") != "" {
 		t.Fatalf("rollout: %d %v", r.status, r.header)
 	}
 	samples := r.list(t)
@@ -1139,10 +1185,13 @@ func TestRollout(t *testing.T) {
 		t.Errorf("denoising_env %v", env)
 	}
 	dit := s["dit_trajectory"].(map[string]any)
-	if shape := toInts(dit["latents"].(map[string]any)["shape"].([]any)); len(dit) != 2 || !slices.Equal(shape, []int{4, 16, 1, 8, 8}) {
+	if shape := toInts(dit["latents"].(map[string]any)["shape"].([]any)); len(dit) != ditKeys || !slices.Equal(shape, []int{4, 16, 1, 8, 8}) {
 		t.Errorf("dit_trajectory %v, latents shape %v", dit, shape)
 	}
 	safetensorsHeader(t, dit["timesteps"])
+	if !rolloutJSON {
+		safetensorsHeader(t, dit["sigmas"])
+	}
 
 	eval := call(t, w, "POST", "/rollout/generate", `{"prompt":"p","width":64,"height":64,"rollout":false,"seed":1}`).list(t)
 	if s := eval[0]; len(s) != len(keys) || s["rollout_log_probs"] != nil || s["rollout_debug_tensors"] != nil || s["generated_output"] == nil {

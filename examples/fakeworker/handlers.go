@@ -38,18 +38,18 @@ func (w *Worker) routes() http.Handler {
 	mux.HandleFunc("GET /v1/models", w.handleModels)
 	mux.HandleFunc("GET /v1/models/{model...}", w.handleModel)
 
-	mux.HandleFunc("POST /v1/images/generations", w.handleImageGenerations)
+	mux.HandleFunc("POST /v1/images/generations", w.breakable(w.handleImageGenerations))
 	mux.HandleFunc("POST /v1/images/generations/stream", w.handleImageStream)
-	mux.HandleFunc("POST /v1/images/edits", w.handleImageEdits)
-	mux.HandleFunc("GET /v1/images/{id}/content", w.handleImageContent)
+	mux.HandleFunc("POST /v1/images/edits", w.breakable(w.handleImageEdits))
+	mux.HandleFunc("GET /v1/images/{id}/content", w.breakable(w.handleImageContent))
 	mux.HandleFunc("DELETE /v1/images/{id}", w.handleDeleteImage)
-	mux.HandleFunc("POST /v1/videos", w.handleCreateVideo)
+	mux.HandleFunc("POST /v1/videos", w.breakable(w.handleCreateVideo))
 	mux.HandleFunc("GET /v1/videos", w.handleListVideos)
 	mux.HandleFunc("GET /v1/videos/{id}", w.handleGetVideo)
 	mux.HandleFunc("DELETE /v1/videos/{id}", w.handleDeleteVideo)
-	mux.HandleFunc("GET /v1/videos/{id}/content", w.handleVideoContent)
-	mux.HandleFunc("POST /v1/diffusion/generate", w.handleDiffusionGenerate)
-	mux.HandleFunc("POST /rollout/generate", w.handleRollout)
+	mux.HandleFunc("GET /v1/videos/{id}/content", w.breakable(w.handleVideoContent))
+	mux.HandleFunc("POST /v1/diffusion/generate", w.breakable(w.handleDiffusionGenerate))
+	mux.HandleFunc("POST /rollout/generate", w.breakable(w.handleRollout))
 
 	mux.HandleFunc("POST /update_weights_from_disk", w.handleUpdateFromDisk)
 	mux.HandleFunc("POST /update_weights_from_tensor", w.handleUpdateFromTensor)
@@ -60,6 +60,9 @@ func (w *Worker) routes() http.Handler {
 	mux.HandleFunc("POST /v1/merge_lora_weights", w.handleMergeLora)
 	mux.HandleFunc("POST /v1/unmerge_lora_weights", w.handleUnmergeLora)
 
+	// The answers of the generation endpoints (wrapped in breakable) can
+	// be broken on purpose; the event stream of
+	// /v1/images/generations/stream cannot.
 	return http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		if w.crashed.Load() {
 			panic(http.ErrAbortHandler)

@@ -309,7 +309,7 @@ type imageJob struct {
 // are stored), so a request with a format it cannot serve still costs a
 // job.
 func (w *Worker) serveImages(rw http.ResponseWriter, r *http.Request, job imageJob) {
-	took, err := w.runJob(r.Context(), job.cost(), nil)
+	took, err := w.runJob(r.Context(), job.shape, nil)
 	if err != nil {
 		w.failGeneration(rw, err)
 		return
@@ -464,7 +464,7 @@ func (w *Worker) handleImageStream(rw http.ResponseWriter, r *http.Request) {
 
 // runStream runs a streamed job and returns its terminal event.
 func (w *Worker) runStream(ctx context.Context, id string, job imageJob) streamEvent {
-	took, err := w.runJob(ctx, job.cost(), nil)
+	took, err := w.runJob(ctx, job.shape, nil)
 	status := "completed"
 	ev := streamEvent{Type: "completed", ID: id}
 	switch {

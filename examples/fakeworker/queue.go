@@ -72,17 +72,18 @@ func (q *slotQueue) handOff() {
 	q.waiters = q.waiters[1:]
 }
 
-// runJob queues a generation job of the given cost and waits for its end. If
-// ctx ends while the job waits, the job is dropped; once it runs, it keeps the
-// worker busy for its whole service time whether or not anyone still waits
-// for it, as a GPU kernel would. onStart, if not nil, learns the planned
-// service time (forever for a hung job) when the job starts. runJob returns
-// the time the job took.
-func (w *Worker) runJob(ctx context.Context, cost float64, onStart func(time.Duration)) (time.Duration, error) {
+// runJob queues a generation job of the given shape and waits for its end.
+// If ctx ends while the job waits, the job is dropped; once it runs, it
+// keeps the worker busy for its whole service time whether or not anyone
+// still waits for it, as a GPU kernel would. onStart, if not nil, learns
+// the planned service time (forever for a hung job) when the job starts.
+// runJob returns the time the job took.
+func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration)) (time.Duration, error) {
 	if err := w.acquire(ctx); err != nil {
 		return 0, err
 	}
-	hang, fail, err := w.admit()
+	cost := s.cost()
+	v, err := w.admit(s)
 	if err != nil {
 		w.slot.release()
 		if errors.Is(err, errCrashed) {
@@ -91,9 +92,16 @@ func (w *Worker) runJob(ctx context.Context, cost float64, onStart func(time.Dur
 		return 0, err
 	}
 	d := w.serviceTime(cost)
-	if hang {
+	switch {
+	case v.hang:
 		d = forever
+	case v.oom:
+		// The first denoising step's activations are what no longer fit:
+		// the job fails after one step's work, not at once, and not
+		// after all of it.
+		d = w.serviceTime(cost / float64(s.steps))
 	}
+	failure := v.failure
 	if onStart != nil {
 		onStart(d)
 	}
@@ -102,7 +110,7 @@ func (w *Worker) runJob(ctx context.Context, cost float64, onStart func(time.Dur
 	var completed bool
 	done := w.occupy(d, func(elapsed time.Duration, ok bool) {
 		took, completed = elapsed, ok
-		w.record(cost, elapsed, ok, fail)
+		w.record(cost, elapsed, ok, failure != nil)
 	})
 	if err := awaitDone(ctx, done); err != nil {
 		return 0, err
@@ -110,27 +118,39 @@ func (w *Worker) runJob(ctx context.Context, cost float64, onStart func(time.Dur
 	switch {
 	case !completed:
 		return 0, errClosed
-	case fail:
-		return 0, errInjected
+	case failure != nil:
+		return 0, failure
 	}
 	return took, nil
 }
 
-// admit decides, when a job gets the slot, what becomes of it. Deciding here
-// rather than on arrival keeps faults and failures in FIFO order.
-func (w *Worker) admit() (hang, fail bool, err error) {
+// verdict is what becomes of a job that got the slot.
+type verdict struct {
+	hang    bool  // it holds the worker until the worker closes
+	failure error // the scheduler error it ends with, after running
+	oom     bool  // it runs out of GPU memory in its first step
+}
+
+// admit decides, when a job of shape s gets the slot, what becomes of it,
+// or that it cannot run at all (err). Deciding here rather than on arrival
+// keeps faults and failures in FIFO order.
+func (w *Worker) admit(s shape) (verdict, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	finished := w.stats.Jobs + w.stats.Failed
 	switch {
 	case w.asleep:
-		return false, false, errAsleep
+		return verdict{}, errAsleep
 	case w.cfg.CrashAfter > 0 && finished >= w.cfg.CrashAfter:
-		return false, false, errCrashed
+		return verdict{}, errCrashed
 	case w.hung || w.cfg.HangAfter > 0 && finished >= w.cfg.HangAfter:
-		return true, false, nil
+		return verdict{hang: true}, nil
+	case w.oomPixels > 0 && s.width*s.height >= w.oomPixels:
+		return verdict{failure: oomError(s), oom: true}, nil
+	case w.rng.Float64() < w.failRate:
+		return verdict{failure: errInjected}, nil
 	}
-	return false, w.rng.Float64() < w.failRate, nil
+	return verdict{}, nil
 }
 
 func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed bool) {

@@ -13,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/msgpack"
 )
 
 // latentChannels is the channel count of the fake latents, as in Wan and
@@ -44,7 +46,7 @@ func (w *Worker) handleDiffusionGenerate(rw http.ResponseWriter, r *http.Request
 		internalServerError(rw) // build_sampling_params raises, unhandled
 		return
 	}
-	took, err := w.runJob(r.Context(), s.cost(), nil)
+	took, err := w.runJob(r.Context(), s, nil)
 	if err != nil {
 		w.failGeneration(rw, err)
 		return
@@ -138,9 +140,12 @@ type denoisingEnv struct {
 	Guidance      any `json:"guidance"`
 }
 
+// ditTrajectory is the dit_trajectory of a sample. The older JSON form had
+// latents and timesteps; the msgpack form added sigmas.
 type ditTrajectory struct {
 	Latents   *tensor `json:"latents"`
 	Timesteps *tensor `json:"timesteps"`
+	Sigmas    *tensor `json:"-"`
 }
 
 // rolloutResponse is io_struct.py's RolloutResponse, its fields in order.
@@ -157,11 +162,14 @@ type rolloutResponse struct {
 	PeakMemoryMB        *float64       `json:"peak_memory_mb"`
 }
 
-// handleRollout serves rollout_api.py's /rollout/generate: a JSON list with
-// one RolloutResponse per output, tensors as _maybe_serialize encodes them.
-// A scheduler error is 500 {"detail"}. A request without a seed runs and
-// then fails 500 in plain text, as sglang's does: RolloutResponse requires
-// an int seed.
+// handleRollout serves rollout_api.py's /rollout/generate: a list with one
+// RolloutResponse per output, tensors as _maybe_serialize encodes them (the
+// safetensors file in base64, a str), encoded as rollout_api.py does now,
+// msgspec.msgpack.encode of [r.model_dump() ...] with media type
+// application/msgpack, or with Config.RolloutJSON as the older
+// ORJSONResponse did. A scheduler error is 500 {"detail"} in JSON either
+// way (an HTTPException). A request without a seed runs and then fails 500
+// in plain text, as sglang's does: RolloutResponse requires an int seed.
 func (w *Worker) handleRollout(rw http.ResponseWriter, r *http.Request) {
 	var req rolloutRequest
 	if err := decodePrompted(r, &req); err != nil {
@@ -180,7 +188,7 @@ func (w *Worker) handleRollout(rw http.ResponseWriter, r *http.Request) {
 		w.fail(rw, badRequest("Invalid sampling params: %v", err))
 		return
 	}
-	took, err := w.runJob(r.Context(), s.cost(), nil)
+	took, err := w.runJob(r.Context(), s, nil)
 	var se schedulerError
 	switch {
 	case errors.As(err, &se) && !w.crashed.Load():
@@ -193,7 +201,85 @@ func (w *Worker) handleRollout(rw http.ResponseWriter, r *http.Request) {
 		internalServerError(rw)
 		return
 	}
-	w.writeMedia(rw, w.outputTensor(), w.rolloutSamples(req, s, took))
+	samples := w.rolloutSamples(req, s, took)
+	if w.cfg.RolloutJSON {
+		w.writeMedia(rw, w.outputTensor(), samples)
+		return
+	}
+	w.writeRolloutMsgpack(rw, samples)
+}
+
+// writeRolloutMsgpack answers samples as msgspec encodes the model_dump of
+// each: a map per sample, its fields in RolloutResponse's order, null
+// fields included, tensor data a str, and a Content-Length, as Starlette's
+// Response sends.
+func (w *Worker) writeRolloutMsgpack(rw http.ResponseWriter, samples []rolloutResponse) {
+	list := make([]any, len(samples))
+	for i, r := range samples {
+		var debug, env, dit any
+		if d := r.RolloutDebugTensors; d != nil {
+			debug = msgpack.Map{
+				{Key: "rollout_variance_noises", Value: d.VarianceNoises.msgpack(w)},
+				{Key: "rollout_prev_sample_means", Value: d.PrevSampleMeans.msgpack(w)},
+				{Key: "rollout_noise_std_devs", Value: d.NoiseStdDevs.msgpack(w)},
+				{Key: "rollout_model_outputs", Value: d.ModelOutputs.msgpack(w)},
+			}
+		}
+		if e := r.DenoisingEnv; e != nil {
+			env = msgpack.Map{{Key: "image_kwargs"}, {Key: "pos_cond_kwargs"}, {Key: "neg_cond_kwargs"}, {Key: "guidance"}}
+		}
+		if d := r.DitTrajectory; d != nil {
+			dit = msgpack.Map{
+				{Key: "latents", Value: d.Latents.msgpack(w)},
+				{Key: "timesteps", Value: d.Timesteps.msgpack(w)},
+				{Key: "sigmas", Value: d.Sigmas.msgpack(w)},
+			}
+		}
+		list[i] = msgpack.Map{
+			{Key: "request_id", Value: r.RequestID},
+			{Key: "prompt", Value: r.Prompt},
+			{Key: "seed", Value: r.Seed},
+			{Key: "generated_output", Value: r.GeneratedOutput.msgpack(w)},
+			{Key: "rollout_log_probs", Value: r.RolloutLogProbs.msgpack(w)},
+			{Key: "rollout_debug_tensors", Value: debug},
+			{Key: "denoising_env", Value: env},
+			{Key: "dit_trajectory", Value: dit},
+			{Key: "inference_time_s", Value: floatOrNil(r.InferenceTimeS)},
+			{Key: "peak_memory_mb", Value: floatOrNil(r.PeakMemoryMB)},
+		}
+	}
+	b, err := msgpack.Marshal(list)
+	if err != nil {
+		w.fail(rw, err)
+		return
+	}
+	rw.Header().Set("Content-Type", "application/msgpack")
+	rw.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	rw.Write(b) // a write error means the client left; nothing to do
+}
+
+// msgpack is t as _maybe_serialize's dict, nil for no tensor; the media
+// token stands for the output tensor's base64.
+func (t *tensor) msgpack(w *Worker) any {
+	if t == nil {
+		return nil
+	}
+	data := t.Data
+	if data == w.mediaToken {
+		data = w.outputTensor()
+	}
+	shape := t.Shape
+	if shape == nil {
+		shape = []int{}
+	}
+	return msgpack.Map{{Key: "__tensor__", Value: t.Tensor}, {Key: "data", Value: data}, {Key: "shape", Value: shape}, {Key: "dtype", Value: t.Dtype}}
+}
+
+func floatOrNil(f *float64) any {
+	if f == nil {
+		return nil
+	}
+	return *f
 }
 
 // rolloutSamples builds the RolloutResponse list. generated_output is a
@@ -214,7 +300,7 @@ func (w *Worker) rolloutSamples(req rolloutRequest, s shape, took time.Duration)
 			env = &denoisingEnv{}
 		}
 		if req.RolloutReturnDitTrajectory {
-			dit = &ditTrajectory{Latents: zeros(latentShape(s)...), Timesteps: zeros(s.steps)}
+			dit = &ditTrajectory{Latents: zeros(latentShape(s)...), Timesteps: zeros(s.steps), Sigmas: zeros(s.steps + 1)}
 		}
 	}
 	id := newID()

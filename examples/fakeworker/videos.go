@@ -187,7 +187,7 @@ func (w *Worker) handleCreateVideo(rw http.ResponseWriter, r *http.Request) {
 		return
 	}
 	job := w.addVideo(req, s)
-	go w.runVideo(job.ID, s.cost())
+	go w.runVideo(job.ID, s)
 	writeJSON(rw, http.StatusOK, job)
 }
 
@@ -217,8 +217,8 @@ var videoSeq atomic.Uint64
 
 // runVideo runs a video job in the background; it outlives the request that
 // made it and ends only with the worker.
-func (w *Worker) runVideo(id string, cost float64) {
-	took, err := w.runJob(w.life, cost, func(d time.Duration) {
+func (w *Worker) runVideo(id string, s shape) {
+	took, err := w.runJob(w.life, s, func(d time.Duration) {
 		w.updateVideo(id, func(j *videoJob) {
 			j.Status, j.started, j.duration = "in_progress", time.Now(), d
 		})

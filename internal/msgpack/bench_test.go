@@ -1,0 +1,45 @@
+package msgpack
+
+import (
+	"strings"
+	"testing"
+)
+
+// BenchmarkWhole checks a rollout answer of 8 outputs with a 16 MiB base64
+// tensor each (128 MiB), the size trajectories bring answers to. Whole
+// steps over each tensor in one move, so its MB/s is the body's size over
+// the time of a few dozen steps.
+func BenchmarkWhole(b *testing.B) {
+	data := strings.Repeat("QUJD", 4<<20)
+	list := make([]any, 8)
+	for i := range list {
+		list[i] = rolloutLike(data)[0]
+	}
+	body, err := Marshal(list)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := Whole(body); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkWholeSmallValues is the worst case for a framing walk: one step
+// per byte, a 1 MiB array of small integers.
+func BenchmarkWholeSmallValues(b *testing.B) {
+	ints := make([]int, 1<<20)
+	for i := range ints {
+		ints[i] = i % 100
+	}
+	body, _ := Marshal(ints)
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		if err := Whole(body); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
