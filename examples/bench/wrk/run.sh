@@ -9,9 +9,10 @@
 # image before base64, 1024 by default), CADDY (a Caddy binary with the
 # plugin; built from ./cmd/caddy when unset), PIN_WRK / PIN_SERVERS (CPU
 # lists for taskset, e.g. PIN_WRK=1 PIN_SERVERS=0; unset: no pinning),
-# PROFILE=router|least_conn (admin on :2019 with pprof, for profiling),
+# PROFILE=router|least_conn|before (admin on :2019 with pprof, for profiling),
 # BEFORE (another Caddy binary: its router runs too, as a third column, to
-# compare two builds of the router in the same alternation).
+# compare two builds of the router in the same alternation), LOG_LEVEL (both
+# Caddys' log level; Caddy's default, INFO, when unset).
 #
 # The ratio is router / least_conn per pair; on a shared machine the median
 # of the pairs' ratios is the figure least moved by another load's bursts.
@@ -22,43 +23,17 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 pairs=${1:-4} secs=${2:-10}
 conns=${CONNS:-16} threads=${THREADS:-2}
-tmp=$(mktemp -d)
-pids=()
-trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
+. examples/bench/wrk/lib.sh
 
 command -v wrk >/dev/null || { echo "run.sh needs wrk (apt-get install wrk)" >&2; exit 1; }
-caddy=${CADDY:-$tmp/caddy}
-[ -n "${CADDY:-}" ] || go build -o "$caddy" ./cmd/caddy
-go build -o "$tmp/fakeworker" ./examples/fakeworker/cmd/fakeworker
-
-pin() { # pin CPUS command...: exec command on CPUS, or anywhere when CPUS is empty
-	local cpus=$1; shift
-	if [ -n "$cpus" ]; then exec taskset -c "$cpus" "$@"; else exec "$@"; fi
-}
-# start command...: run it in the background; exec makes $! its own pid.
-start() { (pin "${PIN_SERVERS:-}" "$@") >"$tmp/log.${#pids[@]}" 2>&1 & pids+=($!); }
-declare -A pid_of # the Caddy serving each port
-
-# Caddy listens with SO_REUSEPORT: a leftover Caddy on a port would share
-# the load silently, so refuse to start over one.
-for port in 31001 31002 31003 31004 30801 30802 30803; do
-	if curl -s -o /dev/null "http://127.0.0.1:$port/"; then
-		echo "port $port is in use: stop what listens there first" >&2; exit 1
-	fi
-done
-for i in 1 2 3 4; do
-	start "$tmp/fakeworker" --port 3100$i --name w$i --unit-ms 1 --image-bytes "${IMAGE_BYTES:-1024}"
-done
-export HOME=$tmp XDG_DATA_HOME=$tmp XDG_CONFIG_HOME=$tmp # no state left behind
-admin() { [ "${PROFILE:-}" = "$1" ] && echo localhost:2019 || echo off; }
-ADMIN=$(admin least_conn) PORT=30801 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/least_conn.Caddyfile
-pid_of[30801]=${pids[-1]}
-ADMIN=$(admin router) PORT=30802 start "$caddy" run --adapter caddyfile --config examples/bench/wrk/router.Caddyfile
-pid_of[30802]=${pids[-1]}
+build_all
+refuse_busy_ports
+start_workers --image-bytes "${IMAGE_BYTES:-1024}"
+start_caddy least_conn 30801 examples/bench/wrk/least_conn.Caddyfile
+start_caddy router 30802 examples/bench/wrk/router.Caddyfile
 ports="30801 30802"
 if [ -n "${BEFORE:-}" ]; then
-	ADMIN=off PORT=30803 start "$BEFORE" run --adapter caddyfile --config examples/bench/wrk/router.Caddyfile
-	pid_of[30803]=${pids[-1]}
+	start_caddy before 30803 examples/bench/wrk/router.Caddyfile "$BEFORE"
 	ports="$ports 30803"
 fi
 
@@ -70,10 +45,6 @@ for port in $ports; do
 	for _ in $(seq 100); do job http://127.0.0.1:$port 2>/dev/null && break; sleep 0.1; done
 	job http://127.0.0.1:$port
 done
-
-# cpu_us PID: the CPU time (user and system) the process has used, in µs.
-hz=$(getconf CLK_TCK)
-cpu_us() { awk -v hz="$hz" '{printf "%.0f", ($14 + $15) * 1000000 / hz}' "/proc/$1/stat"; }
 
 # run NAME PORT SECONDS: one wrk run; prints its requests per second and the
 # Caddy's CPU time per request in µs.
@@ -87,15 +58,14 @@ run() {
 }
 
 for port in $ports; do run warm-up "$port" 2 >/dev/null; done # connections, learned speeds
+echo "load average (1, 5, 15 min) at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "wrk -t$threads -c$conns -d${secs}s, $pairs alternating rounds, images of ${IMAGE_BYTES:-1024} bytes${PIN_WRK:+, wrk on CPU $PIN_WRK}${PIN_SERVERS:+, servers on CPU $PIN_SERVERS}"
 printf '%-6s %10s %10s %6s' round least_conn router ratio
 [ -n "${BEFORE:-}" ] && printf ' %10s %6s' before ratio
-printf '   cpu/req (µs): %10s %10s' least_conn router
+printf '   cpu/req (µs): %10s %10s %6s' least_conn router ratio
 [ -n "${BEFORE:-}" ] && printf ' %10s' before
 echo
-sum=(0 0 0) cpu=(0 0 0) ratios=() before_ratios=()
-ratio() { echo "$1 / $2" | bc -l; }
-median() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END {printf "%.2f", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+sum=(0 0 0) cpu=(0 0 0) ratios=() before_ratios=() cpu_ratios=()
 for i in $(seq "$pairs"); do
 	row=() per=() j=0
 	for port in $ports; do
@@ -108,15 +78,18 @@ for i in $(seq "$pairs"); do
 		before_ratios+=("$(ratio "${row[2]}" "${row[0]}")")
 		printf ' %10s %6.2f' "${row[2]}" "${before_ratios[-1]}"
 	fi
-	printf '                 %10s %10s' "${per[0]}" "${per[1]}"
+	cpu_ratios+=("$(ratio "${per[1]}" "${per[0]}")")
+	printf '                 %10s %10s %6.2f' "${per[0]}" "${per[1]}" "${cpu_ratios[-1]}"
 	[ -n "${BEFORE:-}" ] && printf ' %10s' "${per[2]}"
 	echo
 done
 printf '%-6s %10d %10d %6.2f' mean $((sum[0] / pairs)) $((sum[1] / pairs)) "$(ratio "${sum[1]}" "${sum[0]}")"
 [ -n "${BEFORE:-}" ] && printf ' %10d %6.2f' $((sum[2] / pairs)) "$(ratio "${sum[2]}" "${sum[0]}")"
-printf '                 %10d %10d' $((cpu[0] / pairs)) $((cpu[1] / pairs))
+printf '                 %10d %10d %6.2f' $((cpu[0] / pairs)) $((cpu[1] / pairs)) "$(ratio "${cpu[1]}" "${cpu[0]}")"
 [ -n "${BEFORE:-}" ] && printf ' %10d' $((cpu[2] / pairs))
 echo
 printf '%-6s %10s %10s %6s' median "" "" "$(median "${ratios[@]}")"
 [ -n "${BEFORE:-}" ] && printf ' %10s %6s' "" "$(median "${before_ratios[@]}")"
+printf '                 %10s %10s %6s' "" "" "$(median "${cpu_ratios[@]}")"
 echo
+echo "load average (1, 5, 15 min) at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
