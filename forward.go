@@ -91,11 +91,15 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*t
 	return t, r, 0, ""
 }
 
-// logJob logs a finished generation job and records its metrics. No
-// prompt or image data is logged.
+// logJob records a finished generation job's metrics, logs it at DEBUG,
+// and adds what the router did with it to Caddy's access log entry. As
+// Caddy's own handlers log nothing per request at INFO, neither does the
+// router: a line per job would cost more than routing it. No prompt or
+// image data is logged.
 func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, waited, took time.Duration) {
 	h.metrics.observeJob(t, waited, took)
-	ce := h.logger.Check(zap.InfoLevel, "job finished")
+	accessLogFields(r, t, waited)
+	ce := h.logger.Check(zap.DebugLevel, "job finished")
 	if ce == nil {
 		return
 	}
@@ -110,6 +114,23 @@ func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, wait
 		zap.String("weight_version", t.servedVersion),
 		zap.Int("attempts", t.attempts),
 	)
+}
+
+// accessLogFields adds t's worker, cost, attempts and queue wait to the
+// access log entry of r, when the server writes access logs: each field
+// added costs an allocation or two that a server without them need not pay.
+func accessLogFields(r *http.Request, t *ticket, waited time.Duration) {
+	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); !ok || srv.Logs == nil {
+		return
+	}
+	extra, ok := r.Context().Value(caddyhttp.ExtraLogFieldsCtxKey).(*caddyhttp.ExtraLogFields)
+	if !ok {
+		return
+	}
+	extra.Add(zap.String("worker", t.servedBy))
+	extra.Add(zap.Float64("cost", t.cost))
+	extra.Add(zap.Int("attempts", t.attempts))
+	extra.Add(zap.Duration("queue_wait", waited))
 }
 
 // outcomeOf tells how the exchange with the worker ended, as evidence of

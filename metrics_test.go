@@ -172,7 +172,7 @@ func TestMetricsSurviveReloads(t *testing.T) {
 func TestFinishedJobIsLogged(t *testing.T) {
 	logFile := filepath.Join(t.TempDir(), "router.log")
 	ws := startWorkers(t, fakeworker.Config{Name: "a"})
-	jobLog := "log jobs {\n output file " + logFile + "\n format json\n level INFO\n include http.handlers.diffusion_router\n}"
+	jobLog := "log jobs {\n output file " + logFile + "\n format json\n level DEBUG\n include http.handlers.diffusion_router\n}"
 	r := startRouterWith(t, jobLog, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
 	rp := r.post("/v1/images/generations", `{"response_format":"b64_json","prompt":"a secret prompt","size":"512x512","num_inference_steps":4}`, requestIDHeader, "req-42")
 	expectStatus(t, "image", rp, 200)
