@@ -5,7 +5,6 @@
 package scheduler
 
 import (
-	"container/list"
 	"sync"
 	"time"
 )
@@ -21,45 +20,55 @@ const (
 )
 
 // JobOwners maps job ids to the URL of the worker that made them,
-// forgetting the oldest entries first.
+// forgetting the oldest entries first. The entries sit by value in a ring,
+// and the map holds their places, not pointers: a full map is 100,000 jobs
+// that the garbage collector would otherwise trace object by object on
+// every cycle, a cost that grew with each job the router served.
 type JobOwners struct {
 	limit int
 	ttl   time.Duration
 	now   func() time.Time // the clock; tests set their own
 
-	mu    sync.Mutex
-	byID  map[string]*list.Element
-	order *list.List // of *ownedJob, newest at the front
+	mu   sync.Mutex
+	byID map[string]uint64 // the place of each id's entry
+	// The entry at place s is ring[s % limit]; places oldest to next-1 are
+	// in use, the oldest first. The ring grows up to limit as it fills.
+	ring         []ownedJob
+	oldest, next uint64
 }
 
 type ownedJob struct {
-	id      string
+	id      string // empty once forgotten
 	worker  string
-	expires time.Time
+	expires int64 // Unix nanoseconds
 }
 
 // NewJobOwners remembers at most limit jobs, each for at most ttl.
 func NewJobOwners(limit int, ttl time.Duration) *JobOwners {
-	return &JobOwners{
-		limit: limit,
-		ttl:   ttl,
-		now:   time.Now,
-		byID:  make(map[string]*list.Element),
-		order: list.New(),
-	}
+	return &JobOwners{limit: limit, ttl: ttl, now: time.Now, byID: make(map[string]uint64)}
 }
 
 // Remember records that worker made the job id.
 func (o *JobOwners) Remember(id, worker string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	now := o.now()
-	if e, ok := o.byID[id]; ok {
-		o.order.Remove(e)
+	now := o.now().UnixNano()
+	if s, ok := o.byID[id]; ok {
+		o.at(s).id = ""
 	}
-	o.byID[id] = o.order.PushFront(&ownedJob{id: id, worker: worker, expires: now.Add(o.ttl)})
-	for o.order.Len() > o.limit || o.expired(o.order.Back(), now) {
-		o.removeLocked(o.order.Back())
+	if o.next-o.oldest == uint64(o.limit) {
+		o.dropOldestLocked()
+	}
+	e := ownedJob{id: id, worker: worker, expires: now + int64(o.ttl)}
+	if o.next < uint64(o.limit) {
+		o.ring = append(o.ring, e)
+	} else {
+		*o.at(o.next) = e
+	}
+	o.byID[id] = o.next
+	o.next++
+	for o.oldest < o.next && (o.at(o.oldest).id == "" || o.at(o.oldest).expires <= now) {
+		o.dropOldestLocked()
 	}
 }
 
@@ -67,23 +76,24 @@ func (o *JobOwners) Remember(id, worker string) {
 func (o *JobOwners) Worker(id string) (string, bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	e, ok := o.byID[id]
+	s, ok := o.byID[id]
 	if !ok {
 		return "", false
 	}
-	if o.expired(e, o.now()) {
-		o.removeLocked(e)
+	e := o.at(s)
+	if e.expires <= o.now().UnixNano() {
+		o.forgetLocked(e)
 		return "", false
 	}
-	return e.Value.(*ownedJob).worker, true
+	return e.worker, true
 }
 
 // Forget drops job id, after it was deleted on its worker.
 func (o *JobOwners) Forget(id string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if e, ok := o.byID[id]; ok {
-		o.removeLocked(e)
+	if s, ok := o.byID[id]; ok {
+		o.forgetLocked(o.at(s))
 	}
 }
 
@@ -91,20 +101,25 @@ func (o *JobOwners) Forget(id string) {
 func (o *JobOwners) ForgetWorker(worker string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	for e := o.order.Front(); e != nil; {
-		next := e.Next()
-		if e.Value.(*ownedJob).worker == worker {
-			o.removeLocked(e)
+	for s := o.oldest; s < o.next; s++ {
+		if e := o.at(s); e.id != "" && e.worker == worker {
+			o.forgetLocked(e)
 		}
-		e = next
 	}
 }
 
-func (o *JobOwners) expired(e *list.Element, now time.Time) bool {
-	return e != nil && !now.Before(e.Value.(*ownedJob).expires)
+func (o *JobOwners) at(s uint64) *ownedJob { return &o.ring[s%uint64(o.limit)] }
+
+// forgetLocked drops e's id; its place is reused when it is the oldest.
+func (o *JobOwners) forgetLocked(e *ownedJob) {
+	delete(o.byID, e.id)
+	e.id = ""
 }
 
-func (o *JobOwners) removeLocked(e *list.Element) {
-	delete(o.byID, e.Value.(*ownedJob).id)
-	o.order.Remove(e)
+func (o *JobOwners) dropOldestLocked() {
+	if e := o.at(o.oldest); e.id != "" {
+		o.forgetLocked(e)
+	}
+	*o.at(o.oldest) = ownedJob{} // lets go of the strings
+	o.oldest++
 }

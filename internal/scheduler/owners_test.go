@@ -34,8 +34,8 @@ func TestJobOwnersBounded(t *testing.T) {
 			t.Fatalf("vid-%d known=%v; want %v (the oldest go first)", i, ok, want)
 		}
 	}
-	if v.order.Len() != 3 || len(v.byID) != 3 {
-		t.Fatalf("holds %d/%d entries; limit is 3", v.order.Len(), len(v.byID))
+	if v.next-v.oldest != 3 || len(v.byID) != 3 {
+		t.Fatalf("holds %d/%d entries; limit is 3", v.next-v.oldest, len(v.byID))
 	}
 }
 
@@ -50,5 +50,24 @@ func TestJobOwnersForget(t *testing.T) {
 		if _, ok := v.Worker(id); ok {
 			t.Fatalf("%s still mapped", id)
 		}
+	}
+}
+
+func TestJobOwnersRememberedAgainAndForgottenAcrossTheRing(t *testing.T) {
+	v := NewJobOwners(3, time.Hour)
+	// a again: its old place is the first dropped, then d pushes b out.
+	for _, id := range []string{"a", "b", "c", "a", "d"} {
+		v.Remember(id, "http://w-"+id+":1")
+	}
+	v.Forget("c")
+	v.Remember("e", "http://w-e:1") // into c's place, now the oldest
+	for id, want := range map[string]bool{"a": true, "b": false, "c": false, "d": true, "e": true} {
+		w, ok := v.Worker(id)
+		if ok != want || ok && w != "http://w-"+id+":1" {
+			t.Errorf("worker(%s) = %q, %v; want known=%v", id, w, ok, want)
+		}
+	}
+	if len(v.byID) != 3 {
+		t.Fatalf("%d ids mapped, want 3", len(v.byID))
 	}
 }
