@@ -62,8 +62,8 @@ func StartWith(t *testing.T, globals, site string) *Router {
 	port := Port(t)
 	r := Attach(t, port)
 	r.globals, r.started = globals, true
+	t.Cleanup(func() { _ = caddy.Stop() }) // before Load, which may fail the test with Caddy running
 	r.Load(site)
-	t.Cleanup(func() { _ = caddy.Stop() })
 	return r
 }
 
