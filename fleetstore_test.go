@@ -34,6 +34,9 @@ func TestFleetRecordWriteRetriedWithoutBlockingRequests(t *testing.T) {
 	storing, release := store.GateNextStore()
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c"})
 	r := testrouter.StartWith(t, testrouter.UseStorage(store), "diffusion_router {\n workers "+ws[0].URL()+"\n}")
+	// Registered after the router's, so it runs first: a test that fails
+	// with the write held would otherwise wait for it when Caddy stops.
+	t.Cleanup(release)
 
 	select { // the first write of the pool hangs in storage
 	case <-storing:

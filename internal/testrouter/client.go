@@ -72,11 +72,15 @@ func Do(t testing.TB, method, u string, body io.Reader, header ...string) Reply 
 }
 
 // Get sends GET path to the router.
-func (r *Router) Get(path string) Reply { return Do(r.t, http.MethodGet, r.Base+path, nil) }
+func (r *Router) Get(path string) Reply {
+	r.t.Helper()
+	return Do(r.t, http.MethodGet, r.Base+path, nil)
+}
 
 // Post sends POST path with body to the router; header is name, value
 // pairs.
 func (r *Router) Post(path, body string, header ...string) Reply {
+	r.t.Helper()
 	return Do(r.t, http.MethodPost, r.Base+path, strings.NewReader(body), header...)
 }
 
