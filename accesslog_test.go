@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"encoding/json"
@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // logEntry is the first JSON line of file that has all of substrings, or
@@ -39,13 +40,13 @@ func containsAll(s string, substrings []string) bool {
 
 func TestAccessLogCarriesTheJob(t *testing.T) {
 	accessLog := filepath.Join(t.TempDir(), "access.log")
-	ws := startWorkers(t, fakeworker.Config{Name: "a"})
-	site := "log {\n output file " + accessLog + "\n format json\n}\ndiffusion_router {\n workers " + urlsOf(ws) + "\n}"
-	r := startRouter(t, site)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"})
+	site := "log {\n output file " + accessLog + "\n format json\n}\ndiffusion_router {\n workers " + testrouter.URLs(ws) + "\n}"
+	r := testrouter.Start(t, site)
 	unitJob := `{"response_format":"b64_json","prompt":"x","size":"512x512","num_inference_steps":4}` // cost 1
-	expectStatus(t, "image", r.post("/v1/images/generations", unitJob, requestIDHeader, "req-access"), 200)
+	testrouter.ExpectStatus(t, "image", r.Post("/v1/images/generations", unitJob, requestIDHeader, "req-access"), 200)
 	var entry map[string]any
-	waitFor(t, func() bool {
+	testrouter.WaitFor(t, func() bool {
 		entry = logEntry(t, accessLog, `"handled request"`, "req-access")
 		return entry != nil
 	})
@@ -65,12 +66,12 @@ func TestNoLinePerJobAtInfo(t *testing.T) {
 	logAt := func(name, level, file string) string {
 		return "log " + name + " {\n output file " + file + "\n format json\n level " + level + "\n include http.handlers.diffusion_router\n}\n"
 	}
-	ws := startWorkers(t, fakeworker.Config{})
-	r := startRouterWith(t, logAt("info", "INFO", infoLog)+logAt("debug", "DEBUG", debugLog), "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	expectStatus(t, "image", r.post("/v1/images/generations", smallImage, requestIDHeader, "req-quiet"), 200)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.StartWith(t, logAt("info", "INFO", infoLog)+logAt("debug", "DEBUG", debugLog), "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	testrouter.ExpectStatus(t, "image", r.Post("/v1/images/generations", smallImage, requestIDHeader, "req-quiet"), 200)
 	// The job's DEBUG line is written once the job is done with: any INFO
 	// line about it would have been written by then.
-	waitFor(t, func() bool { return logEntry(t, debugLog, `"job finished"`, "req-quiet") != nil })
+	testrouter.WaitFor(t, func() bool { return logEntry(t, debugLog, `"job finished"`, "req-quiet") != nil })
 	if entry := logEntry(t, infoLog, "req-quiet"); entry != nil {
 		t.Fatalf("a job was logged at INFO: %v", entry)
 	}

@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // fronted puts a stand-in before a fake worker, as a failing ingress or a
@@ -49,19 +50,21 @@ func fronted(t *testing.T, w *fakeworker.Worker, status int, fail func(*http.Req
 	return srv.URL, failed
 }
 
+// generations reports whether r asks for a generation: a job the router
+// costs, queues and may run again.
 func generations(r *http.Request) bool {
 	return request.Endpoints.Match(r.Method, r.URL).Job(r.Method)
 }
 
 func TestJobRunsAgainAfterBadGateway(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "bad"}, fakeworker.Config{Name: "good"})
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "bad"}, fakeworker.Config{Name: "good"})
 	bad, failed := fronted(t, ws[0], http.StatusServiceUnavailable, generations)
-	r := startRouter(t, metricsSite("diffusion_router {\n workers "+bad+" "+ws[1].URL()+"\n policy round_robin\n max_fails 100\n}"))
+	r := testrouter.Start(t, metricsSite("diffusion_router {\n workers "+bad+" "+ws[1].URL()+"\n policy round_robin\n max_fails 100\n}"))
 	before := value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "status"})
 	for i := range 6 {
-		rp := r.post("/v1/images/generations", smallImage)
-		expectStatus(t, "a job its first worker answered 503", rp, 200)
-		if got := rp.header.Get("X-Fake-Worker"); got != "good" {
+		rp := r.Post("/v1/images/generations", smallImage)
+		testrouter.ExpectStatus(t, "a job its first worker answered 503", rp, 200)
+		if got := rp.Header.Get("X-Fake-Worker"); got != "good" {
 			t.Fatalf("request %d answered by %q", i, got)
 		}
 	}
@@ -71,20 +74,20 @@ func TestJobRunsAgainAfterBadGateway(t *testing.T) {
 	if got := value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "status"}) - before; got != float64(failed.Load()) {
 		t.Fatalf("job_reruns_total{cause=status} rose by %g; the failing worker answered %d jobs", got, failed.Load())
 	}
-	if got := workerStates(t, r)[bad]["failures"]; got != float64(failed.Load()) {
+	if got := r.Workers()[bad]["failures"]; got != float64(failed.Load()) {
 		t.Fatalf("the failing worker shows %v failures, want %d", got, failed.Load())
 	}
 }
 
 func TestJobFailingEverywhereAnswersTheLastError(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
 	a, failedA := fronted(t, ws[0], http.StatusBadGateway, generations)
 	b, failedB := fronted(t, ws[1], http.StatusBadGateway, generations)
-	r := startRouter(t, "diffusion_router {\n workers "+a+" "+b+"\n max_attempts 3\n max_fails 100\n}")
-	rp := r.post("/v1/images/generations", smallImage)
-	expectStatus(t, "a job every worker fails", rp, http.StatusBadGateway)
-	if !strings.Contains(string(rp.body), "upstream unavailable") {
-		t.Fatalf("body %s; want the last worker's answer", rp.body)
+	r := testrouter.Start(t, "diffusion_router {\n workers "+a+" "+b+"\n max_attempts 3\n max_fails 100\n}")
+	rp := r.Post("/v1/images/generations", smallImage)
+	testrouter.ExpectStatus(t, "a job every worker fails", rp, http.StatusBadGateway)
+	if !strings.Contains(string(rp.Body), "upstream unavailable") {
+		t.Fatalf("body %s; want the last worker's answer", rp.Body)
 	}
 	if n := failedA.Load() + failedB.Load(); n != 3 {
 		t.Fatalf("the job was sent %d times; want max_attempts, 3", n)
@@ -92,12 +95,12 @@ func TestJobFailingEverywhereAnswersTheLastError(t *testing.T) {
 }
 
 func TestNoRunAgainOnceTheAnswerBegan(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "breaks"}, fakeworker.Config{Name: "good"})
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks"}, fakeworker.Config{Name: "good"})
 	breaks, failed := fronted(t, ws[0], 0, generations)
-	r := startRouter(t, "diffusion_router {\n workers "+breaks+" "+ws[1].URL()+"\n policy round_robin\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+breaks+" "+ws[1].URL()+"\n policy round_robin\n}")
 	broken, whole := 0, 0
 	for failed.Load() == 0 && whole < 10 {
-		resp, err := client.Post(r.base+"/v1/images/generations", "application/json", strings.NewReader(smallImage))
+		resp, err := testrouter.Client.Post(r.Base+"/v1/images/generations", "application/json", strings.NewReader(smallImage))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -121,12 +124,12 @@ func TestNoRunAgainOnceTheAnswerBegan(t *testing.T) {
 }
 
 func TestVideoJobAnsweredIsNotRunAgain(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a", TaskType: "T2V"}, fakeworker.Config{Name: "b", TaskType: "T2V"})
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a", TaskType: "T2V"}, fakeworker.Config{Name: "b", TaskType: "T2V"})
 	a, failed := fronted(t, ws[0], http.StatusServiceUnavailable, generations)
-	r := startRouter(t, "diffusion_router {\n workers "+a+" "+ws[1].URL()+"\n policy round_robin\n max_fails 100\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+a+" "+ws[1].URL()+"\n policy round_robin\n max_fails 100\n}")
 	statuses := map[int]int{}
 	for range 2 {
-		statuses[r.post("/v1/videos", `{"prompt":"a cat","num_frames":4,"num_inference_steps":1}`).status]++
+		statuses[r.Post("/v1/videos", `{"prompt":"a cat","num_frames":4,"num_inference_steps":1}`).Status]++
 	}
 	if failed.Load() != 1 || statuses[503] != 1 || statuses[200] != 1 {
 		t.Fatalf("answers %v with %d failed at the worker; a video job its worker answered for may exist there, so its answer stands", statuses, failed.Load())
@@ -134,46 +137,46 @@ func TestVideoJobAnsweredIsNotRunAgain(t *testing.T) {
 }
 
 func TestAsleepWorkerIsSleepingNotFailing(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "slept"}, fakeworker.Config{Name: "awake"})
-	r := startRouter(t, metricsSite("diffusion_router {\n workers "+urlsOf(ws)+"\n policy round_robin\n}"))
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "slept"}, fakeworker.Config{Name: "awake"})
+	r := testrouter.Start(t, metricsSite("diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n}"))
 	// A trainer puts one engine to sleep directly, not through the router.
-	expectStatus(t, "sleep", do(t, "POST", ws[0].URL()+"/release_memory_occupation", strings.NewReader("{}")), 200)
+	testrouter.ExpectStatus(t, "sleep", testrouter.Do(t, "POST", ws[0].URL()+"/release_memory_occupation", strings.NewReader("{}")), 200)
 	before := value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "asleep"})
 	rollout := `{"prompt":"a cat","width":null,"height":null,"num_inference_steps":2,"seed":7}`
 	for i := range 4 {
-		rp := r.post("/rollout/generate", rollout)
-		expectStatus(t, "a rollout while one engine sleeps", rp, 200)
-		if got := rp.header.Get("X-Fake-Worker"); got != "awake" {
+		rp := r.Post("/rollout/generate", rollout)
+		testrouter.ExpectStatus(t, "a rollout while one engine sleeps", rp, 200)
+		if got := rp.Header.Get("X-Fake-Worker"); got != "awake" {
 			t.Fatalf("request %d answered by %q", i, got)
 		}
 	}
 	if got := value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "asleep"}) - before; got != 1 {
 		t.Fatalf("job_reruns_total{cause=asleep} rose by %g; one job found the engine asleep and then none went there", got)
 	}
-	st := workerStates(t, r)[ws[0].URL()]
+	st := r.Workers()[ws[0].URL()]
 	if st["state"] != "sleeping" || st["is_sleeping"] != true || st["failures"] != 0.0 {
 		t.Fatalf("the sleeping engine shows %v; want sleeping, with no failure", st)
 	}
 	// Woken directly too, it gets jobs again once it answers one.
-	expectStatus(t, "wake", do(t, "POST", ws[0].URL()+"/resume_memory_occupation", strings.NewReader("{}")), 200)
-	waitFor(t, func() bool {
-		return r.post("/rollout/generate", rollout).header.Get("X-Fake-Worker") == "slept"
+	testrouter.ExpectStatus(t, "wake", testrouter.Do(t, "POST", ws[0].URL()+"/resume_memory_occupation", strings.NewReader("{}")), 200)
+	testrouter.WaitFor(t, func() bool {
+		return r.Post("/rollout/generate", rollout).Header.Get("X-Fake-Worker") == "slept"
 	})
-	if st := workerStates(t, r)[ws[0].URL()]; st["state"] != "serving" {
+	if st := r.Workers()[ws[0].URL()]; st["state"] != "serving" {
 		t.Fatalf("the woken engine shows %v", st)
 	}
 }
 
 func TestEveryWorkerAsleepAnswers503AtOnce(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	for _, w := range ws {
-		expectStatus(t, "sleep", do(t, "POST", w.URL()+"/release_memory_occupation", strings.NewReader("{}")), 200)
+		testrouter.ExpectStatus(t, "sleep", testrouter.Do(t, "POST", w.URL()+"/release_memory_occupation", strings.NewReader("{}")), 200)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, "POST", r.base+"/rollout/generate", strings.NewReader(`{"prompt":"a cat","seed":1}`))
-	resp, err := client.Do(req)
+	req, _ := http.NewRequestWithContext(ctx, "POST", r.Base+"/rollout/generate", strings.NewReader(`{"prompt":"a cat","seed":1}`))
+	resp, err := testrouter.Client.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +184,7 @@ func TestEveryWorkerAsleepAnswers503AtOnce(t *testing.T) {
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
 		t.Fatalf("status %d, Retry-After %q; with every engine asleep, 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
 	}
-	for _, w := range workerStates(t, r) {
+	for _, w := range r.Workers() {
 		if w["state"] != "sleeping" || w["failures"] != 0.0 {
 			t.Fatalf("worker %v; want sleeping, no failure", w)
 		}

@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"net/url"
@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // These tests send bodies that would read one way to the router and another
@@ -21,12 +22,12 @@ type refusal struct {
 	want   string // in the error message
 }
 
-func expectRefusals(t *testing.T, r *testRouter, method, path string, cases []refusal) {
+func expectRefusals(t *testing.T, r *testrouter.Router, method, path string, cases []refusal) {
 	t.Helper()
 	for _, tc := range cases {
-		rp := do(t, method, r.base+path, strings.NewReader(tc.body))
-		expectStatus(t, path+" "+tc.body, rp, tc.status)
-		if msg := rp.errorText(t); !strings.Contains(msg, tc.want) {
+		rp := testrouter.Do(t, method, r.Base+path, strings.NewReader(tc.body))
+		testrouter.ExpectStatus(t, path+" "+tc.body, rp, tc.status)
+		if msg := rp.ErrorText(t); !strings.Contains(msg, tc.want) {
 			t.Errorf("%s %s: error %q; want it to say %s", path, tc.body, msg, tc.want)
 		}
 	}
@@ -34,8 +35,8 @@ func expectRefusals(t *testing.T, r *testRouter, method, path string, cases []re
 
 func TestWeightUpdateKeyAndPrefixTricksChangeNothing(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n weights_path_prefix /ckpt s3://bucket/\n}")
-	version := func() any { return r.get("/health").json(t)["weight_version"] }
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n weights_path_prefix /ckpt s3://bucket/\n}")
+	version := func() any { return r.Get("/health").JSON(t)["weight_version"] }
 	before := version()
 
 	expectRefusals(t, r, "POST", "/update_weights_from_disk", []refusal{
@@ -56,15 +57,15 @@ func TestWeightUpdateKeyAndPrefixTricksChangeNothing(t *testing.T) {
 		t.Fatalf("a refused update reached the worker: it is on %q", v)
 	}
 
-	expectStatus(t, "update under the prefix", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/ok"}`), 200)
+	testrouter.ExpectStatus(t, "update under the prefix", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/ok"}`), 200)
 	if v := ws[0].Weights(); v != "/ckpt/ok" || version() != "/ckpt/ok" {
 		t.Fatalf("after a good update the worker is on %q, the pool on %v", v, version())
 	}
 }
 
 func TestGenerationKeyTricksReachNoWorker(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "w"})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w"})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	cases := []refusal{
 		{`{"prompt":"x","size":"64x64","num_inference_steps":50,"Num_Inference_Steps":1}`, 400, `JSON key "Num_Inference_Steps" differs from "num_inference_steps"`},
 		{`{"prompt":"x","size":"64x64","num_inference_steps":1,"num_inference_steps":50}`, 400, `JSON key "num_inference_steps" appears twice`},
@@ -75,33 +76,33 @@ func TestGenerationKeyTricksReachNoWorker(t *testing.T) {
 		expectRefusals(t, r, "POST", path, cases)
 	}
 
-	twice, ctype := multipartForm([]byte("\x89PNG"), "prompt", "x", "num_inference_steps", "1", "num_inference_steps", "50")
-	rp := r.post("/v1/images/edits", twice, "Content-Type", ctype)
-	expectStatus(t, "form with a field twice", rp, 400)
-	if msg := rp.errorText(t); !strings.Contains(msg, "num_inference_steps") {
+	twice, ctype := testrouter.MultipartForm([]byte("\x89PNG"), "prompt", "x", "num_inference_steps", "1", "num_inference_steps", "50")
+	rp := r.Post("/v1/images/edits", twice, "Content-Type", ctype)
+	testrouter.ExpectStatus(t, "form with a field twice", rp, 400)
+	if msg := rp.ErrorText(t); !strings.Contains(msg, "num_inference_steps") {
 		t.Fatalf("form with a field twice: %q names no field", msg)
 	}
 	// Go reads the name as num\_inference_steps, an RFC 7230 parser as
 	// num_inference_steps: refused rather than guessed at.
 	escaped := "--b\r\nContent-Disposition: form-data; name=\"num\\_inference_steps\"\r\n\r\n1\r\n--b--\r\n"
-	rp = r.post("/v1/images/edits", escaped, "Content-Type", "multipart/form-data; boundary=b")
-	expectStatus(t, "form with an escaped field name", rp, 400)
-	if msg := rp.errorText(t); !strings.Contains(msg, "not named plainly") {
+	rp = r.Post("/v1/images/edits", escaped, "Content-Type", "multipart/form-data; boundary=b")
+	testrouter.ExpectStatus(t, "form with an escaped field name", rp, 400)
+	if msg := rp.ErrorText(t); !strings.Contains(msg, "not named plainly") {
 		t.Fatalf("form with an escaped name: %q", msg)
 	}
 
 	if s := ws[0].Stats(); s.Jobs+s.Failed != 0 {
 		t.Fatalf("refused requests reached the worker: %+v", s)
 	}
-	if q := r.get("/health").json(t)["queued_requests"]; q != 0.0 {
+	if q := r.Get("/health").JSON(t)["queued_requests"]; q != 0.0 {
 		t.Fatalf("%v requests left queued", q)
 	}
-	expectStatus(t, "a plain request after the refused ones", r.post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "a plain request after the refused ones", r.Post("/v1/images/generations", smallImage), 200)
 }
 
 func TestControlKeyTricksChangeNothing(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
-	r := startRouter(t, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
 	a, b := ws[0].URL(), ws[1].URL()
 
 	expectRefusals(t, r, "POST", "/workers", []refusal{
@@ -110,7 +111,7 @@ func TestControlKeyTricksChangeNothing(t *testing.T) {
 		{`{"URL":"` + b + `"}`, 400, "worker_url is required"}, // read by exact key, as the Python router does
 		{`{"url":5}`, 400, "url must be a string"},
 	})
-	if urls := r.get("/list_workers").json(t)["urls"].([]any); len(urls) != 1 {
+	if urls := r.Get("/list_workers").JSON(t)["urls"].([]any); len(urls) != 1 {
 		t.Fatalf("refused registrations changed the pool: %v", urls)
 	}
 
@@ -124,8 +125,8 @@ func TestControlKeyTricksChangeNothing(t *testing.T) {
 	expectRefusals(t, r, "POST", "/resume_memory_occupation", []refusal{
 		{`{"tags":["weights"],"tags":[]}`, 400, `JSON key "tags" appears twice`},
 	})
-	if st := workerStates(t, r)[a]["state"]; st != "serving" {
+	if st := r.Workers()[a]["state"]; st != "serving" {
 		t.Fatalf("refused control calls left the worker %v", st)
 	}
-	expectStatus(t, "a generation after the refused calls", r.post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "a generation after the refused calls", r.Post("/v1/images/generations", smallImage), 200)
 }

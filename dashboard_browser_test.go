@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 // Browser tests of the status page at /dashboard: headless Chromium driven
 // over the DevTools protocol with chromedp. They need the chromium binary
@@ -30,17 +30,18 @@ import (
 	"github.com/chromedp/chromedp"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 func TestDashboardInBrowser(t *testing.T) {
 	tab := startBrowser(t)
-	ws := startWorkers(t,
+	ws := testrouter.StartWorkers(t,
 		fakeworker.Config{Name: "a", UnitMs: 100},
 		fakeworker.Config{Name: "b", UnitMs: 100, Speed: 1.5},
 		fakeworker.Config{Name: "c", UnitMs: 100, Speed: 0.7})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 
-	tab.navigate(r.base + "/dashboard")
+	tab.navigate(r.Base + "/dashboard")
 	waitUntil(t, 20*time.Second, "a table row for each worker", func() bool {
 		for _, w := range ws {
 			if tab.count(`#workers tr[data-worker="`+w.URL()+`"]`) != 1 {
@@ -58,7 +59,7 @@ func TestDashboardInBrowser(t *testing.T) {
 		t.Fatalf("completed jobs shows %q", tab.text("#completed-jobs"))
 	}
 	for i := range 5 {
-		expectStatus(t, fmt.Sprintf("generation %d", i), r.post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, fmt.Sprintf("generation %d", i), r.Post("/v1/images/generations", smallImage), 200)
 	}
 	waitUntil(t, 20*time.Second, "completed jobs to grow by 5", func() bool { return completedJobs(tab) >= before+5 })
 	if got := completedJobs(tab); got != before+5 {
@@ -66,8 +67,8 @@ func TestDashboardInBrowser(t *testing.T) {
 	}
 
 	// A worker that does not answer gets a row of its own.
-	dead := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
-	expectStatus(t, "register", r.post("/workers", `{"url":"`+dead+`"}`), 200)
+	dead := fmt.Sprintf("http://127.0.0.1:%d", testrouter.Port(t))
+	testrouter.ExpectStatus(t, "register", r.Post("/workers", `{"url":"`+dead+`"}`), 200)
 	waitUntil(t, 20*time.Second, "a row for the registered worker", func() bool {
 		return tab.count(`#workers tr[data-worker="`+dead+`"]`) == 1
 	})
@@ -118,25 +119,25 @@ func TestDashboardInBrowser(t *testing.T) {
 
 func TestDashboardWith500Workers(t *testing.T) {
 	tab := startBrowser(t)
-	r := startRouter(t, "diffusion_router {\n}")
+	r := testrouter.Start(t, "diffusion_router {\n}")
 
 	// Ports nothing listens on: registering probes each worker, and a
 	// refused connection fails at once.
 	var urls []string
 	seen := map[int]bool{}
 	for len(urls) < 500 {
-		if p := freePort(t); !seen[p] {
+		if p := testrouter.Port(t); !seen[p] {
 			seen[p] = true
 			urls = append(urls, fmt.Sprintf("http://127.0.0.1:%d", p))
 		}
 	}
 	start := time.Now()
 	for _, u := range urls {
-		expectStatus(t, "register "+u, r.post("/workers", `{"url":"`+u+`"}`), 200)
+		testrouter.ExpectStatus(t, "register "+u, r.Post("/workers", `{"url":"`+u+`"}`), 200)
 	}
 	t.Logf("registered 500 workers in %v", time.Since(start).Round(time.Millisecond))
 
-	tab.navigate(r.base + "/dashboard")
+	tab.navigate(r.Base + "/dashboard")
 	start = time.Now()
 	rowCount := `return document.querySelectorAll('#workers tr').length`
 	waitUntil(t, 15*time.Second, "500 table rows", func() bool {
@@ -216,7 +217,7 @@ func completedJobs(tab *browserTab) int {
 
 // generateLoad sends image requests from up to ten clients for d, their
 // number rising and falling, and returns when all have been answered.
-func generateLoad(r *testRouter, d time.Duration) {
+func generateLoad(r *testrouter.Router, d time.Duration) {
 	start := time.Now()
 	var wg sync.WaitGroup
 	for c := range 10 {
@@ -228,7 +229,7 @@ func generateLoad(r *testRouter, d time.Duration) {
 					continue
 				}
 				body := fmt.Sprintf(`{"response_format":"b64_json","prompt":"a cat","size":"512x512","num_inference_steps":%d}`, 2+(c+i)%5)
-				resp, err := client.Post(r.base+"/v1/images/generations", "application/json", strings.NewReader(body))
+				resp, err := testrouter.Client.Post(r.Base+"/v1/images/generations", "application/json", strings.NewReader(body))
 				if err == nil {
 					_, _ = io.Copy(io.Discard, resp.Body)
 					resp.Body.Close()
@@ -343,9 +344,9 @@ func (tab *browserTab) logStatus() {
 func waitNoChromedpGoroutines(t *testing.T) {
 	t.Helper()
 	var left []string
-	waitUntilOr(30*time.Second, func() bool {
+	testrouter.WaitUntil(30*time.Second, func() bool {
 		left = left[:0]
-		for _, s := range goroutineStacks() {
+		for _, s := range testrouter.Stacks() {
 			if strings.Contains(s, "github.com/chromedp/") {
 				left = append(left, s)
 			}

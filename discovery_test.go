@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"cmp"
@@ -16,6 +16,7 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // dnsServer answers DNS queries on 127.0.0.1 from records the test
@@ -101,7 +102,7 @@ func (s *dnsServer) answerAll(rcode int) {
 func (s *dnsServer) waitLookups(t *testing.T) {
 	t.Helper()
 	seen := s.queries.Load()
-	waitFor(t, func() bool { return s.queries.Load() >= seen+12 })
+	testrouter.WaitFor(t, func() bool { return s.queries.Load() >= seen+12 })
 }
 
 // podFleet is fake workers as the pods behind a headless Service: each on
@@ -181,22 +182,22 @@ func dnsSite(srv *dnsServer, lines ...string) string {
 }
 
 // sources is what /workers says keeps each worker in the pool, by URL.
-func sources(t *testing.T, r *testRouter) map[string]string {
+func sources(t *testing.T, r *testrouter.Router) map[string]string {
 	t.Helper()
 	out := map[string]string{}
-	for u, w := range workerStates(t, r) {
+	for u, w := range r.Workers() {
 		out[u] = w["source"].(string)
 	}
 	return out
 }
 
 // waitForWorkers waits until the pool has exactly these workers.
-func waitForWorkers(t *testing.T, r *testRouter, urls ...string) {
+func waitForWorkers(t *testing.T, r *testrouter.Router, urls ...string) {
 	t.Helper()
 	want := slices.Sorted(slices.Values(urls))
 	var got []string
-	if !waitUntilOr(10*time.Second, func() bool {
-		got = slices.Sorted(maps.Keys(workerStates(t, r)))
+	if !testrouter.WaitUntil(10*time.Second, func() bool {
+		got = slices.Sorted(maps.Keys(r.Workers()))
 		return slices.Equal(got, want)
 	}) {
 		t.Fatalf("the pool has workers %v; want %v", got, want)
@@ -208,7 +209,7 @@ func TestDNSDiscoveryFollowsRecordsUnderLoad(t *testing.T) {
 	pods := startPods(t, fakeworker.Config{UnitMs: 20}, "a", "b", "c", "d", "e")
 	const name = "workers.rollout.test."
 	dnsSrv.set(t, name, pods.records(name, "a", "b")...)
-	r := startRouter(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port)))
+	r := testrouter.Start(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port)))
 	waitForWorkers(t, r, pods.urls("a", "b")...)
 	for u, src := range sources(t, r) {
 		if src != "dns" {
@@ -237,7 +238,7 @@ func TestDNSDiscoveryFollowsRecordsUnderLoad(t *testing.T) {
 		waitForWorkers(t, r, pods.urls(names...)...)
 		windows[i].from = time.Now()
 		for _, n := range names {
-			waitFor(t, func() bool {
+			testrouter.WaitFor(t, func() bool {
 				return answered(func(s sample) bool { return s.worker == n && s.sent.After(windows[i].from) }) >= 3
 			})
 		}
@@ -263,7 +264,7 @@ func TestDNSLookupFailureKeepsWorkers(t *testing.T) {
 	pods := startPods(t, fakeworker.Config{}, "a", "b")
 	const name = "workers.rollout.test."
 	dnsSrv.set(t, name, pods.records(name, "a", "b")...)
-	r := startRouter(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port)))
+	r := testrouter.Start(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port)))
 	waitForWorkers(t, r, pods.urls("a", "b")...)
 
 	for _, fault := range []struct {
@@ -279,11 +280,11 @@ func TestDNSLookupFailureKeepsWorkers(t *testing.T) {
 	} {
 		fault.apply()
 		dnsSrv.waitLookups(t)
-		if got := slices.Sorted(maps.Keys(workerStates(t, r))); !slices.Equal(got, pods.urls("a", "b")) {
+		if got := slices.Sorted(maps.Keys(r.Workers())); !slices.Equal(got, pods.urls("a", "b")) {
 			t.Fatalf("%s: the pool has workers %v; want the last ones DNS named", fault.name, got)
 		}
-		expectStatus(t, fault.name+": /health", r.get("/health"), 200)
-		expectStatus(t, fault.name+": a generation", r.post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, fault.name+": /health", r.Get("/health"), 200)
+		testrouter.ExpectStatus(t, fault.name+": a generation", r.Post("/v1/images/generations", smallImage), 200)
 	}
 
 	dnsSrv.set(t, name, pods.records(name, "b")...)
@@ -296,9 +297,9 @@ func TestDiscoveredListedAndRegisteredWorkersCoexist(t *testing.T) {
 	const name = "workers.rollout.test."
 	dnsSrv.set(t, name, append(pods.records(name, "a", "listed"), name+" 0 IN A 169.254.169.254")...)
 	listed, registered := pods.urls("listed")[0], pods.urls("registered")[0]
-	r := startRouter(t, dnsSite(dnsSrv, "workers "+listed, fmt.Sprintf("workers_dns %s %d", name, pods.port)))
+	r := testrouter.Start(t, dnsSite(dnsSrv, "workers "+listed, fmt.Sprintf("workers_dns %s %d", name, pods.port)))
 	waitForWorkers(t, r, append(pods.urls("a"), listed)...) // not the metadata address
-	expectStatus(t, "registration", r.post("/workers?url="+url.QueryEscape(registered), ""), 200)
+	testrouter.ExpectStatus(t, "registration", r.Post("/workers?url="+url.QueryEscape(registered), ""), 200)
 
 	want := map[string]string{pods.urls("a")[0]: "dns", listed: "config", registered: "registered"}
 	if got := sources(t, r); !maps.Equal(got, want) {
@@ -314,7 +315,7 @@ func TestDiscoveredListedAndRegisteredWorkersCoexist(t *testing.T) {
 		t.Fatalf("sources %v; want %v", got, want)
 	}
 	for range 6 {
-		expectStatus(t, "a generation", r.post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, "a generation", r.Post("/v1/images/generations", smallImage), 200)
 	}
 }
 
@@ -323,20 +324,20 @@ func TestDNSWorkerJoinsAtThePoolsWeights(t *testing.T) {
 	pods := startPods(t, fakeworker.Config{}, "a", "b")
 	const name = "workers.rollout.test."
 	dnsSrv.set(t, name, pods.records(name, "a")...)
-	r := startRouter(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port)))
+	r := testrouter.Start(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port)))
 	waitForWorkers(t, r, pods.urls("a")...)
-	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/step-1"}`), 200)
+	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/step-1"}`), 200)
 
 	dnsSrv.set(t, name, pods.records(name, "a", "b")...)
 	waitForWorkers(t, r, pods.urls("a", "b")...)
 	servedByB := 0
 	for servedByB == 0 {
-		rp := r.post("/v1/images/generations", smallImage)
-		expectStatus(t, "a generation", rp, 200)
-		if v := rp.header.Get(weightVersionHeader); v != "/ckpt/step-1" {
-			t.Fatalf("%s answered from weights %q, after the update to /ckpt/step-1", rp.header.Get("X-Fake-Worker"), v)
+		rp := r.Post("/v1/images/generations", smallImage)
+		testrouter.ExpectStatus(t, "a generation", rp, 200)
+		if v := rp.Header.Get(weightVersionHeader); v != "/ckpt/step-1" {
+			t.Fatalf("%s answered from weights %q, after the update to /ckpt/step-1", rp.Header.Get("X-Fake-Worker"), v)
 		}
-		if rp.header.Get("X-Fake-Worker") == "b" {
+		if rp.Header.Get("X-Fake-Worker") == "b" {
 			servedByB++
 		}
 	}
@@ -361,7 +362,7 @@ func TestDNSDiscoverySRV(t *testing.T) {
 	}
 	rrs, urls := records(ws[0], ws[1])
 	dnsSrv.set(t, name, rrs...)
-	r := startRouter(t, dnsSite(dnsSrv, "workers_srv "+name))
+	r := testrouter.Start(t, dnsSite(dnsSrv, "workers_srv "+name))
 	waitForWorkers(t, r, urls...)
 
 	rrs, urls = records(ws[1], ws[2])
@@ -374,10 +375,10 @@ func TestDNSDiscoverySRV(t *testing.T) {
 	served := map[string]int{}
 	for range 8 {
 		wg.Go(func() {
-			rp := do(t, "POST", r.base+"/v1/images/generations", strings.NewReader(`{"response_format":"b64_json","prompt":"x","size":"512x512","num_inference_steps":4}`))
+			rp := testrouter.Do(t, "POST", r.Base+"/v1/images/generations", strings.NewReader(`{"response_format":"b64_json","prompt":"x","size":"512x512","num_inference_steps":4}`))
 			mu.Lock()
 			defer mu.Unlock()
-			served[fmt.Sprint(rp.status, " ", rp.header.Get("X-Fake-Worker"))]++
+			served[fmt.Sprint(rp.Status, " ", rp.Header.Get("X-Fake-Worker"))]++
 		})
 	}
 	wg.Wait()
@@ -392,19 +393,19 @@ func TestDNSWorkersSurviveReload(t *testing.T) {
 	const name = "workers.rollout.test."
 	dnsSrv.set(t, name, pods.records(name, "a")...)
 	site := dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port))
-	r := startRouter(t, site)
+	r := testrouter.Start(t, site)
 	waitForWorkers(t, r, pods.urls("a")...)
-	expectStatus(t, "a generation", r.post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "a generation", r.Post("/v1/images/generations", smallImage), 200)
 
-	r.load(site)
-	a := workerStates(t, r)[pods.urls("a")[0]]
+	r.Load(site)
+	a := r.Workers()[pods.urls("a")[0]]
 	if a == nil || a["requests_served"] != 1.0 {
 		t.Fatalf("after a reload the discovered worker is %v; want it kept, with its one request served", a)
 	}
 
-	r.load("diffusion_router {\n workers " + pods.urls("listed")[0] + "\n}")
+	r.Load("diffusion_router {\n workers " + pods.urls("listed")[0] + "\n}")
 	waitForWorkers(t, r, pods.urls("listed")...) // a config without the lookup lets its workers go
-	for _, stack := range goroutineStacks() {
+	for _, stack := range testrouter.Stacks() {
 		if strings.Contains(stack, "(*discovery).run") {
 			t.Fatalf("the unloaded configs' lookups still run:\n%s", stack)
 		}
@@ -423,11 +424,11 @@ func TestDNSDiscoveryAAAA(t *testing.T) {
 	dnsSrv := startDNS(t)
 	const name = "workers.rollout.test."
 	dnsSrv.set(t, name, name+" 0 IN AAAA ::1")
-	r := startRouter(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, port)))
+	r := testrouter.Start(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, port)))
 	waitForWorkers(t, r, fmt.Sprintf("http://[::1]:%d", port))
-	rp := r.post("/v1/images/generations", smallImage)
-	expectStatus(t, "a generation", rp, 200)
-	if got := rp.header.Get("X-Fake-Worker"); got != "v6" {
+	rp := r.Post("/v1/images/generations", smallImage)
+	testrouter.ExpectStatus(t, "a generation", rp, 200)
+	if got := rp.Header.Get("X-Fake-Worker"); got != "v6" {
 		t.Fatalf("served by %q; want the worker of the AAAA record", got)
 	}
 }

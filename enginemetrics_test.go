@@ -1,26 +1,13 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
-	"bytes"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
-)
 
-func TestLabelSamples(t *testing.T) {
-	var out bytes.Buffer
-	seen := map[string]bool{}
-	text := "# HELP x_total Xs.\n# TYPE x_total counter\nx_total 3\ny{a=\"{}\"} 1.5\nz{} 2\n"
-	labelSamples(&out, []byte(text), "10.0.0.1:30000", seen)
-	labelSamples(&out, []byte(text), "10.0.0.2:30000", seen)
-	want := "# HELP x_total Xs.\n# TYPE x_total counter\n" +
-		"x_total{worker_addr=\"10.0.0.1:30000\"} 3\ny{worker_addr=\"10.0.0.1:30000\",a=\"{}\"} 1.5\nz{worker_addr=\"10.0.0.1:30000\"} 2\n" +
-		"x_total{worker_addr=\"10.0.0.2:30000\"} 3\ny{worker_addr=\"10.0.0.2:30000\",a=\"{}\"} 1.5\nz{worker_addr=\"10.0.0.2:30000\"} 2\n"
-	if out.String() != want {
-		t.Fatalf("labelled:\n%s\nwant:\n%s", out.String(), want)
-	}
-}
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
+)
 
 func TestEngineMetricsGathersEveryWorker(t *testing.T) {
 	metrics := func(n string) *httptest.Server {
@@ -35,18 +22,18 @@ func TestEngineMetricsGathersEveryWorker(t *testing.T) {
 		return srv
 	}
 	a, b := metrics("1"), metrics("2")
-	r := startRouter(t, "diffusion_router {\n workers "+a.URL+" "+b.URL+"\n}")
-	rp := r.get("/engine_metrics")
-	expectStatus(t, "engine metrics", rp, http.StatusOK)
+	r := testrouter.Start(t, "diffusion_router {\n workers "+a.URL+" "+b.URL+"\n}")
+	rp := r.Get("/engine_metrics")
+	testrouter.ExpectStatus(t, "engine metrics", rp, http.StatusOK)
 	for _, want := range []string{
 		`sglang:num_running_reqs{worker_addr="` + strings.TrimPrefix(a.URL, "http://") + `"} 1`,
 		`sglang:num_running_reqs{worker_addr="` + strings.TrimPrefix(b.URL, "http://") + `"} 2`,
 	} {
-		if !strings.Contains(string(rp.body), want) {
-			t.Errorf("engine metrics lack %s:\n%s", want, rp.body)
+		if !strings.Contains(string(rp.Body), want) {
+			t.Errorf("engine metrics lack %s:\n%s", want, rp.Body)
 		}
 	}
-	if strings.Count(string(rp.body), "# TYPE") != 1 {
-		t.Errorf("TYPE line repeated:\n%s", rp.body)
+	if strings.Count(string(rp.Body), "# TYPE") != 1 {
+		t.Errorf("TYPE line repeated:\n%s", rp.Body)
 	}
 }

@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"net/url"
@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // TestExternalProxyWithoutTicket runs the long form: diffusion_router with
@@ -14,11 +15,11 @@ import (
 // the proxy with no ticket: the upstream source offers every serving
 // worker and the selection policy picks one of them at random.
 func TestExternalProxyWithoutTicket(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c"})
-	r := startRouter(t, `route {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c"})
+	r := testrouter.Start(t, `route {
 	@routed not path /direct/*
 	diffusion_router @routed external-pool {
-		workers `+urlsOf(ws)+`
+		workers `+testrouter.URLs(ws)+`
 		reverse_proxy external
 	}
 	uri strip_prefix /direct
@@ -34,20 +35,20 @@ func TestExternalProxyWithoutTicket(t *testing.T) {
 		t.Helper()
 		served := map[string]int{}
 		for range n {
-			rp := r.post("/direct/v1/images/generations", smallImage)
-			expectStatus(t, "generation without a ticket", rp, 200)
-			if data, _ := rp.json(t)["data"].([]any); len(data) != 1 {
-				t.Fatalf("generation without a ticket answered %.200s", rp.body)
+			rp := r.Post("/direct/v1/images/generations", smallImage)
+			testrouter.ExpectStatus(t, "generation without a ticket", rp, 200)
+			if data, _ := rp.JSON(t)["data"].([]any); len(data) != 1 {
+				t.Fatalf("generation without a ticket answered %.200s", rp.Body)
 			}
-			served[rp.header.Get("X-Fake-Worker")]++
+			served[rp.Header.Get("X-Fake-Worker")]++
 		}
 		return served
 	}
 
 	// A request through the handler still gets its worker from the pool.
-	rp := r.post("/v1/images/generations", smallImage)
-	expectStatus(t, "generation through the router", rp, 200)
-	if w := rp.header.Get("X-Fake-Worker"); w != "a" && w != "b" && w != "c" {
+	rp := r.Post("/v1/images/generations", smallImage)
+	testrouter.ExpectStatus(t, "generation through the router", rp, 200)
+	if w := rp.Header.Get("X-Fake-Worker"); w != "a" && w != "b" && w != "c" {
 		t.Fatalf("generation through the router served by %q", w)
 	}
 
@@ -59,7 +60,7 @@ func TestExternalProxyWithoutTicket(t *testing.T) {
 	}
 	jobs := func() map[string]any {
 		out := map[string]any{}
-		for u, w := range workerStates(t, r) {
+		for u, w := range r.Workers() {
 			out[u] = w["active_requests"]
 		}
 		return out
@@ -77,8 +78,8 @@ func TestExternalProxyWithoutTicket(t *testing.T) {
 		if dead {
 			body = `{"is_dead":true}`
 		}
-		rp := do(t, "PUT", r.base+"/workers/"+url.QueryEscape(ws[i].URL()), strings.NewReader(body))
-		expectStatus(t, "mark "+ws[i].URL()+" "+body, rp, 200)
+		rp := testrouter.Do(t, "PUT", r.Base+"/workers/"+url.QueryEscape(ws[i].URL()), strings.NewReader(body))
+		testrouter.ExpectStatus(t, "mark "+ws[i].URL()+" "+body, rp, 200)
 	}
 	mark(1, true)
 	bJobs := ws[1].Stats().Jobs
@@ -94,8 +95,8 @@ func TestExternalProxyWithoutTicket(t *testing.T) {
 	mark(0, true)
 	mark(2, true)
 	before := ws[0].Stats().Jobs + ws[1].Stats().Jobs + ws[2].Stats().Jobs
-	rp = r.post("/direct/v1/images/generations", smallImage)
-	expectStatus(t, "generation without a ticket, every worker dead", rp, 503)
+	rp = r.Post("/direct/v1/images/generations", smallImage)
+	testrouter.ExpectStatus(t, "generation without a ticket, every worker dead", rp, 503)
 	if after := ws[0].Stats().Jobs + ws[1].Stats().Jobs + ws[2].Stats().Jobs; after != before {
 		t.Fatal("a dead worker was sent a job")
 	}

@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"encoding/json"
@@ -9,19 +9,20 @@ import (
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // A control call whose change cannot be written to storage says so in its
 // answer, which stays a success: the change took effect.
 func TestChangesStorageCannotKeepAreReported(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
 	dir := t.TempDir()
-	r := startRouterWith(t, "storage file_system "+dir, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
+	r := testrouter.StartWith(t, "storage file_system "+dir, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
 	record := filepath.Join(dir, "diffusion_router", "default", "fleet.json")
-	rp := r.post("/add_worker?url="+ws[1].URL(), "")
-	expectStatus(t, "add_worker with storage working", rp, 200)
-	if _, warned := rp.json(t)["warning"]; warned {
-		t.Fatalf("a change storage kept was reported as not kept: %s", rp.body)
+	rp := r.Post("/add_worker?url="+ws[1].URL(), "")
+	testrouter.ExpectStatus(t, "add_worker with storage working", rp, 200)
+	if _, warned := rp.JSON(t)["warning"]; warned {
+		t.Fatalf("a change storage kept was reported as not kept: %s", rp.Body)
 	}
 	if _, err := os.Stat(record); err != nil {
 		t.Fatalf("the record is not written when add_worker answers: %v", err)
@@ -34,16 +35,16 @@ func TestChangesStorageCannotKeepAreReported(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, "diffusion_router"), []byte("full"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	for _, call := range []reply{
-		r.post("/remove_worker?url="+ws[1].URL(), ""),
-		r.post("/add_worker?url="+ws[1].URL(), ""),
-		do(t, "PUT", r.base+"/workers/"+url.QueryEscape(ws[1].URL()), strings.NewReader(`{"is_dead":true}`)),
-		r.post("/update_weights_from_disk", `{"model_path":"/ckpt/9"}`),
+	for _, call := range []testrouter.Reply{
+		r.Post("/remove_worker?url="+ws[1].URL(), ""),
+		r.Post("/add_worker?url="+ws[1].URL(), ""),
+		testrouter.Do(t, "PUT", r.Base+"/workers/"+url.QueryEscape(ws[1].URL()), strings.NewReader(`{"is_dead":true}`)),
+		r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/9"}`),
 	} {
-		expectStatus(t, "a change storage cannot keep", call, 200)
-		body := call.json(t)
+		testrouter.ExpectStatus(t, "a change storage cannot keep", call, 200)
+		body := call.JSON(t)
 		if body["persisted"] != false || !strings.Contains(body["warning"].(string), "not written to storage") {
-			t.Fatalf("a change storage could not keep was not reported: %s", call.body)
+			t.Fatalf("a change storage could not keep was not reported: %s", call.Body)
 		}
 	}
 }
@@ -51,7 +52,7 @@ func TestChangesStorageCannotKeepAreReported(t *testing.T) {
 // A record that does not decode is kept aside under a name of its own
 // before the pool starts without it, and a new one replaces it.
 func TestUnreadableRecordIsKeptAside(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"})
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"})
 	dir := t.TempDir()
 	folder := filepath.Join(dir, "diffusion_router", "default")
 	if err := os.MkdirAll(folder, 0o700); err != nil {
@@ -61,8 +62,8 @@ func TestUnreadableRecordIsKeptAside(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(folder, "fleet.json"), broken, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	r := startRouterWith(t, "storage file_system "+dir, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
-	expectStatus(t, "add_worker", r.post("/add_worker?url=http://10.0.0.2:30000", ""), 200)
+	r := testrouter.StartWith(t, "storage file_system "+dir, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
+	testrouter.ExpectStatus(t, "add_worker", r.Post("/add_worker?url=http://10.0.0.2:30000", ""), 200)
 
 	aside, _ := filepath.Glob(filepath.Join(folder, "fleet.json.unreadable-*"))
 	if len(aside) != 1 {
@@ -71,7 +72,7 @@ func TestUnreadableRecordIsKeptAside(t *testing.T) {
 	if kept, _ := os.ReadFile(aside[0]); string(kept) != string(broken) {
 		t.Fatalf("kept aside: %q; want the record as it was", kept)
 	}
-	var rec fleetRecord
+	var rec struct{ Workers []storedWorker }
 	data, _ := os.ReadFile(filepath.Join(folder, "fleet.json"))
 	if err := json.Unmarshal(data, &rec); err != nil || len(rec.Workers) != 2 {
 		t.Fatalf("the new record: %s (%v)", data, err)

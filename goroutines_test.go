@@ -2,7 +2,6 @@ package diffusionrouter
 
 import (
 	"bytes"
-	"fmt"
 	"runtime"
 	"strings"
 	"testing"
@@ -87,23 +86,4 @@ func waitNoNewPackageGoroutines(t *testing.T, what string, before map[string]str
 	if len(added) > 0 {
 		t.Fatalf("%s left %d goroutines of this package running:\n\n%s", what, len(added), strings.Join(added, "\n\n"))
 	}
-}
-
-// describeGoroutines counts goroutines by the function that started them,
-// for a failure message.
-func describeGoroutines(stacks map[string]string) string {
-	count := map[string]int{}
-	for _, s := range stacks {
-		creator := "(no creator)"
-		if _, after, ok := strings.Cut(s, "\ncreated by "); ok {
-			creator, _, _ = strings.Cut(after, " in goroutine")
-			creator, _, _ = strings.Cut(creator, "\n")
-		}
-		count[creator]++
-	}
-	var b strings.Builder
-	for c, n := range count {
-		fmt.Fprintf(&b, "%5d %s\n", n, c)
-	}
-	return b.String()
 }

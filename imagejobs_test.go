@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"bufio"
@@ -10,27 +10,28 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // makeImage makes an image through the router and returns its id and the
 // worker that made it.
-func makeImage(t *testing.T, r *testRouter) (id, worker string) {
+func makeImage(t *testing.T, r *testrouter.Router) (id, worker string) {
 	t.Helper()
-	rp := r.post("/v1/images/generations", smallImage)
-	expectStatus(t, "make an image", rp, 200)
-	id, _ = rp.json(t)["id"].(string)
+	rp := r.Post("/v1/images/generations", smallImage)
+	testrouter.ExpectStatus(t, "make an image", rp, 200)
+	id, _ = rp.JSON(t)["id"].(string)
 	if id == "" {
-		t.Fatalf("no image id in %.200s", rp.body)
+		t.Fatalf("no image id in %.200s", rp.Body)
 	}
-	return id, rp.header.Get("X-Fake-Worker")
+	return id, rp.Header.Get("X-Fake-Worker")
 }
 
 // Round robin would send every other request to the wrong worker: only
 // pinning gets an image's content and its deletion to the worker that made
 // it.
 func TestImageJobsStayWithTheirWorker(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n policy round_robin\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n}")
 	made := map[string]string{} // id → worker
 	for range 4 {
 		id, worker := makeImage(t, r)
@@ -38,28 +39,28 @@ func TestImageJobsStayWithTheirWorker(t *testing.T) {
 	}
 	for id, worker := range made {
 		for range 2 {
-			rp := r.get("/v1/images/" + id + "/content")
-			expectStatus(t, "content of "+id, rp, 200)
-			if got := rp.header.Get("X-Fake-Worker"); got != worker || rp.header.Get("Content-Type") != "image/jpeg" || len(rp.body) != 1024 {
-				t.Fatalf("content of %s made on %s: served by %q, %s, %d bytes", id, worker, got, rp.header.Get("Content-Type"), len(rp.body))
+			rp := r.Get("/v1/images/" + id + "/content")
+			testrouter.ExpectStatus(t, "content of "+id, rp, 200)
+			if got := rp.Header.Get("X-Fake-Worker"); got != worker || rp.Header.Get("Content-Type") != "image/jpeg" || len(rp.Body) != 1024 {
+				t.Fatalf("content of %s made on %s: served by %q, %s, %d bytes", id, worker, got, rp.Header.Get("Content-Type"), len(rp.Body))
 			}
 		}
-		rp := do(t, "DELETE", r.base+"/v1/images/"+id, nil)
-		expectStatus(t, "delete "+id, rp, 200)
-		if got := rp.header.Get("X-Fake-Worker"); got != worker || rp.json(t)["status"] != "deleted" {
-			t.Fatalf("delete of %s made on %s: served by %q: %s", id, worker, got, rp.body)
+		rp := testrouter.Do(t, "DELETE", r.Base+"/v1/images/"+id, nil)
+		testrouter.ExpectStatus(t, "delete "+id, rp, 200)
+		if got := rp.Header.Get("X-Fake-Worker"); got != worker || rp.JSON(t)["status"] != "deleted" {
+			t.Fatalf("delete of %s made on %s: served by %q: %s", id, worker, got, rp.Body)
 		}
 		// Deleted on its worker, the id is forgotten: the router answers.
-		rp = r.get("/v1/images/" + id + "/content")
-		expectStatus(t, "content of a deleted image", rp, 404)
-		if msg := rp.errorText(t); msg != "Unknown image_id" {
+		rp = r.Get("/v1/images/" + id + "/content")
+		testrouter.ExpectStatus(t, "content of a deleted image", rp, 404)
+		if msg := rp.ErrorText(t); msg != "Unknown image_id" {
 			t.Fatalf("content of a deleted image: %q", msg)
 		}
 	}
 
-	rp := do(t, "DELETE", r.base+"/v1/images/0b6d3a4e-9d8c-4f7a-8e1b-2c3d4e5f6a7b", nil)
-	expectStatus(t, "delete an unknown image", rp, 404)
-	if msg := rp.errorText(t); msg != "Unknown image_id" {
+	rp := testrouter.Do(t, "DELETE", r.Base+"/v1/images/0b6d3a4e-9d8c-4f7a-8e1b-2c3d4e5f6a7b", nil)
+	testrouter.ExpectStatus(t, "delete an unknown image", rp, 404)
+	if msg := rp.ErrorText(t); msg != "Unknown image_id" {
 		t.Fatalf("delete of an unknown image: %q", msg)
 	}
 }
@@ -69,8 +70,8 @@ func TestImageJobsStayWithTheirWorker(t *testing.T) {
 func TestStreamedImageJobIsPinnedWhileItRuns(t *testing.T) {
 	// Each job runs for 10 s: long enough to be cancelled.
 	ws := namedWorkers(t, 2, fakeworker.Config{UnitMs: 10_000})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n policy round_robin\n}")
-	resp, err := client.Post(r.base+"/v1/images/generations/stream", "application/json",
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n}")
+	resp, err := testrouter.Client.Post(r.Base+"/v1/images/generations/stream", "application/json",
 		strings.NewReader(`{"prompt":"p","size":"1024x1024","num_inference_steps":1,"response_format":"b64_json"}`))
 	if err != nil {
 		t.Fatal(err)
@@ -87,19 +88,19 @@ func TestStreamedImageJobIsPinnedWhileItRuns(t *testing.T) {
 		t.Fatalf("first event %v", accepted)
 	}
 
-	rp := do(t, "DELETE", r.base+"/v1/images/"+id, nil)
-	expectStatus(t, "cancel the stream", rp, 200)
-	if got := rp.header.Get("X-Fake-Worker"); got != maker || rp.json(t)["status"] != "cancelling" {
-		t.Fatalf("cancel of a stream on %s: served by %q: %s", maker, got, rp.body)
+	rp := testrouter.Do(t, "DELETE", r.Base+"/v1/images/"+id, nil)
+	testrouter.ExpectStatus(t, "cancel the stream", rp, 200)
+	if got := rp.Header.Get("X-Fake-Worker"); got != maker || rp.JSON(t)["status"] != "cancelling" {
+		t.Fatalf("cancel of a stream on %s: served by %q: %s", maker, got, rp.Body)
 	}
 	if last := nextEvent(t, events); last["type"] != "cancelled" || last["id"] != id {
 		t.Fatalf("the stream ended with %v", last)
 	}
 	// A job being cancelled is still on its worker: the id still leads there.
-	rp = do(t, "DELETE", r.base+"/v1/images/"+id, nil)
-	expectStatus(t, "delete the cancelled stream", rp, 200)
-	if rp.header.Get("X-Fake-Worker") != maker || rp.json(t)["status"] != "deleted" {
-		t.Fatalf("delete of a cancelled stream: %s", rp.body)
+	rp = testrouter.Do(t, "DELETE", r.Base+"/v1/images/"+id, nil)
+	testrouter.ExpectStatus(t, "delete the cancelled stream", rp, 200)
+	if rp.Header.Get("X-Fake-Worker") != maker || rp.JSON(t)["status"] != "deleted" {
+		t.Fatalf("delete of a cancelled stream: %s", rp.Body)
 	}
 }
 
@@ -124,8 +125,8 @@ func nextEvent(t *testing.T, events *bufio.Reader) map[string]any {
 // Bad image ids get a clear 400 from the router and reach no worker: the
 // image stays where it is.
 func TestBadImageIDsChangeNothing(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	id, _ := makeImage(t, r)
 	for _, path := range []string{
 		"/v1/images/" + strings.Repeat("a", request.MaxJobIDLength+1),
@@ -142,11 +143,11 @@ func TestBadImageIDsChangeNothing(t *testing.T) {
 		"/v1/images/" + id + "/../../update_weights_from_disk",
 	} {
 		for _, method := range []string{"GET", "DELETE"} {
-			req, err := http.NewRequest(method, r.base+path, nil)
+			req, err := http.NewRequest(method, r.Base+path, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
-			resp, err := client.Do(req)
+			resp, err := testrouter.Client.Do(req)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -158,5 +159,5 @@ func TestBadImageIDsChangeNothing(t *testing.T) {
 			}
 		}
 	}
-	expectStatus(t, "the image after the refused calls", r.get("/v1/images/"+id+"/content"), 200)
+	testrouter.ExpectStatus(t, "the image after the refused calls", r.Get("/v1/images/"+id+"/content"), 200)
 }

@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"bufio"
@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // metricsSite serves Caddy's metrics at /metrics beside the router.
@@ -25,12 +26,12 @@ type metric struct {
 }
 
 // scrape reads the named series from the router's /metrics.
-func scrape(t *testing.T, r *testRouter, name string) []metric {
+func scrape(t *testing.T, r *testrouter.Router, name string) []metric {
 	t.Helper()
-	rp := r.get("/metrics")
-	expectStatus(t, "metrics", rp, 200)
+	rp := r.Get("/metrics")
+	testrouter.ExpectStatus(t, "metrics", rp, 200)
 	var out []metric
-	sc := bufio.NewScanner(strings.NewReader(string(rp.body)))
+	sc := bufio.NewScanner(strings.NewReader(string(rp.Body)))
 	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
@@ -51,7 +52,7 @@ func scrape(t *testing.T, r *testRouter, name string) []metric {
 }
 
 // value is the sum of the series of name whose labels include want.
-func value(t *testing.T, r *testRouter, name string, want map[string]string) float64 {
+func value(t *testing.T, r *testrouter.Router, name string, want map[string]string) float64 {
 	t.Helper()
 	sum := 0.0
 	for _, m := range scrape(t, r, name) {
@@ -67,8 +68,8 @@ func value(t *testing.T, r *testRouter, name string, want map[string]string) flo
 }
 
 func TestMetricsCountWhatHappened(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
-	r := startRouter(t, metricsSite("diffusion_router metrics-pool {\n workers "+urlsOf(ws)+"\n}"))
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	r := testrouter.Start(t, metricsSite("diffusion_router metrics-pool {\n workers "+testrouter.URLs(ws)+"\n}"))
 
 	pool := map[string]string{"pool": "metrics-pool"}
 	with := func(kv ...string) map[string]string {
@@ -102,11 +103,11 @@ func TestMetricsCountWhatHappened(t *testing.T) {
 	}
 
 	for range 3 {
-		expectStatus(t, "image", r.post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":2}`), 200)
+		testrouter.ExpectStatus(t, "image", r.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":2}`), 200)
 	}
-	expectStatus(t, "bad JSON", r.post("/v1/images/generations", `{`), 400)
-	expectStatus(t, "workers", r.get("/workers"), 200)
-	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/m","weight_version":"m1"}`), 200)
+	testrouter.ExpectStatus(t, "bad JSON", r.Post("/v1/images/generations", `{`), 400)
+	testrouter.ExpectStatus(t, "workers", r.Get("/workers"), 200)
+	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/m","weight_version":"m1"}`), 200)
 
 	for i, c := range grown {
 		if got := value(t, r, c.name, c.want) - start[i]; got != c.v {
@@ -138,14 +139,14 @@ func TestMetricsCountWhatHappened(t *testing.T) {
 }
 
 func TestMetricsOfRemovedWorkerDisappear(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
-	r := startRouter(t, metricsSite("diffusion_router removal-pool {\n workers "+ws[0].URL()+"\n}"))
-	expectStatus(t, "register", r.post("/workers", `{"url":"`+ws[1].URL()+`"}`), 200)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+	r := testrouter.Start(t, metricsSite("diffusion_router removal-pool {\n workers "+ws[0].URL()+"\n}"))
+	testrouter.ExpectStatus(t, "register", r.Post("/workers", `{"url":"`+ws[1].URL()+`"}`), 200)
 	series := func() int { return len(scrape(t, r, "caddy_diffusion_worker_inflight_jobs")) }
 	if n := series(); n != 2 {
 		t.Fatalf("%d in-flight series with two workers", n)
 	}
-	expectStatus(t, "remove", do(t, "DELETE", r.base+"/workers/"+url.QueryEscape(ws[1].URL()), nil), 200)
+	testrouter.ExpectStatus(t, "remove", testrouter.Do(t, "DELETE", r.Base+"/workers/"+url.QueryEscape(ws[1].URL()), nil), 200)
 	for _, m := range scrape(t, r, "caddy_diffusion_worker_state") {
 		if m.labels["worker"] == ws[1].URL() {
 			t.Fatalf("removed worker still has series: %v", m.labels)
@@ -157,12 +158,12 @@ func TestMetricsOfRemovedWorkerDisappear(t *testing.T) {
 }
 
 func TestMetricsSurviveReloads(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{})
-	site := metricsSite("diffusion_router reload-pool {\n workers " + urlsOf(ws) + "\n}")
-	r := startRouter(t, site)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	site := metricsSite("diffusion_router reload-pool {\n workers " + testrouter.URLs(ws) + "\n}")
+	r := testrouter.Start(t, site)
 	for i := range 5 {
-		r.load(site + "\n# reload " + strconv.Itoa(i))
-		expectStatus(t, "image", r.post("/v1/images/generations", smallImage), 200)
+		r.Load(site + "\n# reload " + strconv.Itoa(i))
+		testrouter.ExpectStatus(t, "image", r.Post("/v1/images/generations", smallImage), 200)
 	}
 	if got := value(t, r, "caddy_diffusion_worker_jobs_total", map[string]string{"pool": "reload-pool"}); got != 5 {
 		t.Fatalf("jobs after 5 reloads: %v", got)
@@ -171,19 +172,19 @@ func TestMetricsSurviveReloads(t *testing.T) {
 
 func TestFinishedJobIsLogged(t *testing.T) {
 	logFile := filepath.Join(t.TempDir(), "router.log")
-	ws := startWorkers(t, fakeworker.Config{Name: "a"})
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"})
 	jobLog := "log jobs {\n output file " + logFile + "\n format json\n level DEBUG\n include http.handlers.diffusion_router\n}"
-	r := startRouterWith(t, jobLog, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	rp := r.post("/v1/images/generations", `{"response_format":"b64_json","prompt":"a secret prompt","size":"512x512","num_inference_steps":4}`, requestIDHeader, "req-42")
-	expectStatus(t, "image", rp, 200)
-	if rp.header.Get(requestIDHeader) != "req-42" {
-		t.Fatalf("request id echoed as %q", rp.header.Get(requestIDHeader))
+	r := testrouter.StartWith(t, jobLog, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	rp := r.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"a secret prompt","size":"512x512","num_inference_steps":4}`, requestIDHeader, "req-42")
+	testrouter.ExpectStatus(t, "image", rp, 200)
+	if rp.Header.Get(requestIDHeader) != "req-42" {
+		t.Fatalf("request id echoed as %q", rp.Header.Get(requestIDHeader))
 	}
-	if id := r.post("/v1/images/generations", smallImage).header.Get(requestIDHeader); len(id) != 16 {
+	if id := r.Post("/v1/images/generations", smallImage).Header.Get(requestIDHeader); len(id) != 16 {
 		t.Fatalf("generated request id %q", id)
 	}
 	var entry map[string]any
-	waitFor(t, func() bool {
+	testrouter.WaitFor(t, func() bool {
 		data, _ := os.ReadFile(logFile)
 		for _, line := range strings.Split(string(data), "\n") {
 			if strings.Contains(line, "a secret prompt") {

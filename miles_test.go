@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"fmt"
@@ -12,6 +12,7 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/msgpack"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // TestMilesExampleAdapts keeps examples/miles/Caddyfile a config Caddy
@@ -36,11 +37,11 @@ func TestMilesExampleAdapts(t *testing.T) {
 }
 
 func TestTensorUpdateIsRefused(t *testing.T) {
-	r := startRouter(t, "diffusion_router\n")
-	rp := r.post("/update_weights_from_tensor", `{"serialized_named_tensors":["x"]}`)
-	expectStatus(t, "update_weights_from_tensor through the router", rp, 400)
-	if !strings.Contains(rp.errorText(t), "each engine") {
-		t.Fatalf("error %q does not say where to send it", rp.errorText(t))
+	r := testrouter.Start(t, "diffusion_router\n")
+	rp := r.Post("/update_weights_from_tensor", `{"serialized_named_tensors":["x"]}`)
+	testrouter.ExpectStatus(t, "update_weights_from_tensor through the router", rp, 400)
+	if !strings.Contains(rp.ErrorText(t), "each engine") {
+		t.Fatalf("error %q does not say where to send it", rp.ErrorText(t))
 	}
 }
 
@@ -63,18 +64,18 @@ func milesRollout(prompt string, seed, outputs int) string {
 // reads it: a msgpack list (by its Content-Type) with one sample per
 // output, its seed and prompt.
 // It returns the weight versions the answers name.
-func rolloutStep(t *testing.T, r *testRouter, step, n, outputs int) []string {
+func rolloutStep(t *testing.T, r *testrouter.Router, step, n, outputs int) []string {
 	t.Helper()
 	versions := make([]string, n)
 	var wg sync.WaitGroup
 	for i := range n {
 		wg.Go(func() {
 			prompt, seed := fmt.Sprintf("step %d prompt %d", step, i), 1000*step+outputs*i
-			rp := r.post("/rollout/generate", milesRollout(prompt, seed, outputs), "Content-Type", "application/json")
-			decoded, err := msgpack.Unmarshal(rp.body)
+			rp := r.Post("/rollout/generate", milesRollout(prompt, seed, outputs), "Content-Type", "application/json")
+			decoded, err := msgpack.Unmarshal(rp.Body)
 			samples, _ := decoded.([]any)
-			if rp.status != 200 || rp.header.Get("Content-Type") != "application/msgpack" || err != nil || len(samples) != outputs {
-				t.Errorf("rollout %d of step %d: %d %.300q (%v)", i, step, rp.status, rp.body, err)
+			if rp.Status != 200 || rp.Header.Get("Content-Type") != "application/msgpack" || err != nil || len(samples) != outputs {
+				t.Errorf("rollout %d of step %d: %d %.300q (%v)", i, step, rp.Status, rp.Body, err)
 				return
 			}
 			for _, sample := range samples {
@@ -84,7 +85,7 @@ func rolloutStep(t *testing.T, r *testRouter, step, n, outputs int) []string {
 					t.Errorf("rollout %d of step %d: sample %.300v", i, step, s)
 				}
 			}
-			versions[i] = rp.header.Get(weightVersionHeader)
+			versions[i] = rp.Header.Get(weightVersionHeader)
 		})
 	}
 	wg.Wait()
@@ -112,22 +113,22 @@ func jobsOn(engines []*fakeworker.Worker, weights string) int {
 // from X-Forwarded-For.
 func TestMilesDiffusionRun(t *testing.T) {
 	engines := namedWorkers(t, 3, fakeworker.Config{UnitMs: 2})
-	r := startRouterWith(t, "servers {\n trusted_proxies static private_ranges\n}",
+	r := testrouter.StartWith(t, "servers {\n trusted_proxies static private_ranges\n}",
 		"diffusion_router {\n admin_allow private_ranges\n forward_paths sglang\n weights_path_prefix /ckpt\n}")
 	fromCluster := []string{"X-Forwarded-For", "10.0.3.7"}
 	fromPublic := []string{"X-Forwarded-For", "203.0.113.9"}
-	listed := func() []any { return r.get("/list_workers").json(t)["urls"].([]any) }
+	listed := func() []any { return r.Get("/list_workers").JSON(t)["urls"].([]any) }
 
 	// Start-up: two engines register from their nodes; any non-2xx would
 	// be fatal to the run.
 	for _, e := range engines[:2] {
-		expectStatus(t, "an engine registers from the cluster", r.post("/add_worker?url="+e.URL(), "", fromCluster...), 200)
+		testrouter.ExpectStatus(t, "an engine registers from the cluster", r.Post("/add_worker?url="+e.URL(), "", fromCluster...), 200)
 	}
 	for _, path := range []string{"/add_worker?url=" + engines[2].URL(), "/remove_worker?url=" + engines[0].URL()} {
-		rp := r.post(path, "", fromPublic...)
-		expectStatus(t, path+" from a public address", rp, 403)
-		if !strings.Contains(rp.errorText(t), "admin_allow") {
-			t.Fatalf("403 answer %s", rp.body)
+		rp := r.Post(path, "", fromPublic...)
+		testrouter.ExpectStatus(t, path+" from a public address", rp, 403)
+		if !strings.Contains(rp.ErrorText(t), "admin_allow") {
+			t.Fatalf("403 answer %s", rp.Body)
 		}
 	}
 	if urls := listed(); len(urls) != 2 || urls[0] != engines[0].URL() || urls[1] != engines[1].URL() {
@@ -145,15 +146,15 @@ func TestMilesDiffusionRun(t *testing.T) {
 	}
 
 	// The LoRA of step 1 reaches every engine before any later rollout.
-	rp := r.post("/v1/set_lora", `{"lora_nickname":"step-1","lora_path":"/ckpt/lora-1"}`, fromCluster...)
-	expectStatus(t, "set_lora", rp, 200)
+	rp := r.Post("/v1/set_lora", `{"lora_nickname":"step-1","lora_path":"/ckpt/lora-1"}`, fromCluster...)
+	testrouter.ExpectStatus(t, "set_lora", rp, 200)
 	reached := map[string]bool{}
-	for _, res := range rp.json(t)["results"].([]any) {
+	for _, res := range rp.JSON(t)["results"].([]any) {
 		res := res.(map[string]any)
 		reached[res["worker_url"].(string)] = res["status_code"] == 200.0 && res["body"].(map[string]any)["status"] == "ok"
 	}
 	if len(reached) != 2 || !reached[engines[0].URL()] || !reached[engines[1].URL()] {
-		t.Fatalf("set_lora reached %v: %s", reached, rp.body)
+		t.Fatalf("set_lora reached %v: %s", reached, rp.Body)
 	}
 	for _, v := range rolloutStep(t, r, 2, 4, 1) {
 		if v != oldVersion+"+lora:step-1" {
@@ -163,16 +164,16 @@ func TestMilesDiffusionRun(t *testing.T) {
 
 	// Training: the fleet sleeps; an engine joins meanwhile; the weights
 	// are updated; the fleet wakes. No rollout may come from the old weights.
-	expectStatus(t, "sleep", r.post("/release_memory_occupation", `{}`, fromCluster...), 200)
+	testrouter.ExpectStatus(t, "sleep", r.Post("/release_memory_occupation", `{}`, fromCluster...), 200)
 	jobs := jobsOn(engines, oldVersion)
-	rp = r.post("/rollout/generate", milesRollout("while asleep", 1, 1))
-	expectStatus(t, "a rollout while the fleet sleeps", rp, 503)
-	if rp.header.Get("Retry-After") == "" || jobsOn(engines, oldVersion) != jobs {
-		t.Fatalf("a rollout while the fleet sleeps: Retry-After %q, %d jobs ran", rp.header.Get("Retry-After"), jobsOn(engines, oldVersion)-jobs)
+	rp = r.Post("/rollout/generate", milesRollout("while asleep", 1, 1))
+	testrouter.ExpectStatus(t, "a rollout while the fleet sleeps", rp, 503)
+	if rp.Header.Get("Retry-After") == "" || jobsOn(engines, oldVersion) != jobs {
+		t.Fatalf("a rollout while the fleet sleeps: Retry-After %q, %d jobs ran", rp.Header.Get("Retry-After"), jobsOn(engines, oldVersion)-jobs)
 	}
-	expectStatus(t, "the third engine registers", r.post("/add_worker?url="+engines[2].URL(), "", fromCluster...), 200)
-	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/step-2","weight_version":"step-2"}`, fromCluster...), 200)
-	expectStatus(t, "wake", r.post("/resume_memory_occupation", `{}`, fromCluster...), 200)
+	testrouter.ExpectStatus(t, "the third engine registers", r.Post("/add_worker?url="+engines[2].URL(), "", fromCluster...), 200)
+	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/step-2","weight_version":"step-2"}`, fromCluster...), 200)
+	testrouter.ExpectStatus(t, "wake", r.Post("/resume_memory_occupation", `{}`, fromCluster...), 200)
 	before := jobsOn(engines, oldVersion)
 	versions := rolloutStep(t, r, 3, 12, 1)
 	if old := jobsOn(engines, oldVersion) - before; old != 0 {
@@ -189,7 +190,7 @@ func TestMilesDiffusionRun(t *testing.T) {
 
 	// Shutdown: each engine deregisters itself.
 	for _, e := range engines {
-		expectStatus(t, "an engine leaves", r.post("/remove_worker?url="+e.URL(), "", fromCluster...), 200)
+		testrouter.ExpectStatus(t, "an engine leaves", r.Post("/remove_worker?url="+e.URL(), "", fromCluster...), 200)
 	}
 	if urls := listed(); len(urls) != 0 {
 		t.Fatalf("after every engine left the router lists %v", urls)
@@ -201,11 +202,11 @@ func TestMilesDiffusionRun(t *testing.T) {
 // fleet, its weights and the engines' work stay as they were.
 func TestMilesCallsRefuseBadInput(t *testing.T) {
 	engines := namedWorkers(t, 1, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(engines)+"\n admin_allow private_ranges\n weights_path_prefix /ckpt\n}")
-	expectStatus(t, "a rollout", r.post("/rollout/generate", milesRollout("p", 1, 1)), 200)
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(engines)+"\n admin_allow private_ranges\n weights_path_prefix /ckpt\n}")
+	testrouter.ExpectStatus(t, "a rollout", r.Post("/rollout/generate", milesRollout("p", 1, 1)), 200)
 	fleet := func() string {
-		h := r.get("/health").json(t)
-		return fmt.Sprint(r.get("/list_workers").json(t)["urls"], h["weight_version"], h["healthy_workers"], engines[0].Stats().Jobs+engines[0].Stats().Failed)
+		h := r.Get("/health").JSON(t)
+		return fmt.Sprint(r.Get("/list_workers").JSON(t)["urls"], h["weight_version"], h["healthy_workers"], engines[0].Stats().Jobs+engines[0].Stats().Failed)
 	}
 	before := fleet()
 	for _, tc := range []struct {
@@ -236,9 +237,9 @@ func TestMilesCallsRefuseBadInput(t *testing.T) {
 		{"POST", "/rollout/generate", `[{"prompt":"p","seed":1}]`, 400, "JSON object"},
 		{"POST", "/rollout/generate", `{"prompt":"p",`, 400, "Invalid JSON"},
 	} {
-		rp := do(t, tc.method, r.base+tc.path, strings.NewReader(tc.body))
-		expectStatus(t, tc.method+" "+tc.path+" "+tc.body, rp, tc.status)
-		if msg := rp.errorText(t); !strings.Contains(msg, tc.says) {
+		rp := testrouter.Do(t, tc.method, r.Base+tc.path, strings.NewReader(tc.body))
+		testrouter.ExpectStatus(t, tc.method+" "+tc.path+" "+tc.body, rp, tc.status)
+		if msg := rp.ErrorText(t); !strings.Contains(msg, tc.says) {
 			t.Errorf("%s %s %s: %q does not say %q", tc.method, tc.path, tc.body, msg, tc.says)
 		}
 	}

@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"encoding/json"
@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // buildEnv is the environment this test binary started with, before
@@ -47,7 +48,7 @@ type caddyProcess struct {
 
 // startCaddy runs bin on the Caddyfile in dir and waits until r answers
 // /healthz.
-func startCaddy(t *testing.T, bin, dir string, r *testRouter) *caddyProcess {
+func startCaddy(t *testing.T, bin, dir string, r *testrouter.Router) *caddyProcess {
 	t.Helper()
 	logFile, err := os.CreateTemp(dir, "caddy-*.log")
 	if err != nil {
@@ -63,8 +64,8 @@ func startCaddy(t *testing.T, bin, dir string, r *testRouter) *caddyProcess {
 	}
 	p := &caddyProcess{t: t, cmd: cmd, log: logFile.Name()}
 	t.Cleanup(p.kill)
-	up := waitUntilOr(60*time.Second, func() bool {
-		resp, err := client.Get(r.base + "/healthz")
+	up := testrouter.WaitUntil(60*time.Second, func() bool {
+		resp, err := testrouter.Client.Get(r.Base + "/healthz")
 		if err != nil {
 			return false
 		}
@@ -85,7 +86,7 @@ func (p *caddyProcess) kill() {
 	}
 	_ = p.cmd.Process.Kill()
 	_ = p.cmd.Wait()
-	client.CloseIdleConnections() // they were to the process now gone
+	testrouter.Client.CloseIdleConnections() // they were to the process now gone
 }
 
 func (p *caddyProcess) fail(format string, args ...any) {
@@ -102,28 +103,37 @@ type fleetView struct {
 	weightVersion string
 }
 
-func viewFleet(t *testing.T, r *testRouter) fleetView {
+// workerView is what the test reads of a worker in the control API's
+// answers.
+type workerView struct {
+	URL           string `json:"url"`
+	IsDead        bool   `json:"is_dead"`
+	State         string `json:"state"`
+	WeightVersion string `json:"weight_version"`
+}
+
+func viewFleet(t *testing.T, r *testrouter.Router) fleetView {
 	t.Helper()
 	var list struct{ URLs []string }
-	if err := json.Unmarshal(r.get("/list_workers").body, &list); err != nil {
+	if err := json.Unmarshal(r.Get("/list_workers").Body, &list); err != nil {
 		t.Fatal(err)
 	}
-	var workers struct{ Workers []workerJSON }
-	if err := json.Unmarshal(r.get("/workers").body, &workers); err != nil {
+	var workers struct{ Workers []workerView }
+	if err := json.Unmarshal(r.Get("/workers").Body, &workers); err != nil {
 		t.Fatal(err)
 	}
 	v := fleetView{urls: list.URLs, dead: map[string]bool{}}
 	for _, w := range workers.Workers {
 		v.dead[w.URL] = w.IsDead
 	}
-	v.weightVersion, _ = r.get("/health").json(t)["weight_version"].(string)
+	v.weightVersion, _ = r.Get("/health").JSON(t)["weight_version"].(string)
 	return v
 }
 
-func workerOf(t *testing.T, r *testRouter, u string) workerJSON {
+func workerOf(t *testing.T, r *testrouter.Router, u string) workerView {
 	t.Helper()
-	var one struct{ Worker workerJSON }
-	if err := json.Unmarshal(r.get("/workers/"+url.QueryEscape(u)).body, &one); err != nil {
+	var one struct{ Worker workerView }
+	if err := json.Unmarshal(r.Get("/workers/"+url.QueryEscape(u)).Body, &one); err != nil {
 		t.Fatal(err)
 	}
 	return one.Worker
@@ -138,12 +148,11 @@ func TestFleetSurvivesKill9(t *testing.T) {
 		t.Skip("builds Caddy and runs it as a process")
 	}
 	bin := buildCaddy(t)
-	ws := startWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c"}, fakeworker.Config{Name: "d"})
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c"}, fakeworker.Config{Name: "d"})
 	a, b, c, d := ws[0], ws[1], ws[2], ws[3]
 	dir := t.TempDir()
 	storage := filepath.Join(dir, "storage")
-	r := &testRouter{t: t, port: freePort(t)}
-	r.base = fmt.Sprintf("http://127.0.0.1:%d", r.port)
+	r := testrouter.Attach(t, testrouter.Port(t))
 	caddyfile := fmt.Sprintf(`{
 	admin off
 	persist_config off
@@ -157,17 +166,17 @@ func TestFleetSurvivesKill9(t *testing.T) {
 		health_interval 200ms
 	}
 }
-`, storage, r.port, a.URL())
+`, storage, r.Port, a.URL())
 	if err := os.WriteFile(filepath.Join(dir, "Caddyfile"), []byte(caddyfile), 0o600); err != nil {
 		t.Fatal(err)
 	}
 
 	first := startCaddy(t, bin, dir, r)
-	expectStatus(t, "add_worker", r.post("/add_worker?url="+b.URL(), ""), 200)
-	expectStatus(t, "POST /workers", r.post("/workers", `{"url":"`+c.URL()+`"}`), 200)
-	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/step-7","weight_version":"step-7"}`), 200)
-	expectStatus(t, "set_lora", r.post("/v1/set_lora", `{"lora_nickname":"x","lora_path":"/lora/x"}`), 200)
-	expectStatus(t, "hold back", do(t, "PUT", r.base+"/workers/"+url.QueryEscape(c.URL()), strings.NewReader(`{"is_dead":true}`)), 200)
+	testrouter.ExpectStatus(t, "add_worker", r.Post("/add_worker?url="+b.URL(), ""), 200)
+	testrouter.ExpectStatus(t, "POST /workers", r.Post("/workers", `{"url":"`+c.URL()+`"}`), 200)
+	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/step-7","weight_version":"step-7"}`), 200)
+	testrouter.ExpectStatus(t, "set_lora", r.Post("/v1/set_lora", `{"lora_nickname":"x","lora_path":"/lora/x"}`), 200)
+	testrouter.ExpectStatus(t, "hold back", testrouter.Do(t, "PUT", r.Base+"/workers/"+url.QueryEscape(c.URL()), strings.NewReader(`{"is_dead":true}`)), 200)
 	before := viewFleet(t, r)
 	if !slices.Equal(before.urls, []string{a.URL(), b.URL(), c.URL()}) || !before.dead[c.URL()] || before.weightVersion != "step-7+lora:x" {
 		t.Fatalf("fleet before the kill: %+v", before)
@@ -176,7 +185,7 @@ func TestFleetSurvivesKill9(t *testing.T) {
 	// last one reached the disk, as it would some time after an
 	// operator's change.
 	record := filepath.Join(storage, "diffusion_router", "default", "fleet.json")
-	written := waitUntilOr(10*time.Second, func() bool {
+	written := testrouter.WaitUntil(10*time.Second, func() bool {
 		data, _ := os.ReadFile(record)
 		return strings.Contains(string(data), `"is_dead":true`)
 	})
@@ -191,12 +200,12 @@ func TestFleetSurvivesKill9(t *testing.T) {
 		second.fail("fleet after kill -9 and a start: %+v; want %+v", after, before)
 	}
 	for i := range 10 {
-		rp := r.post("/v1/images/generations", smallImage)
-		expectStatus(t, fmt.Sprintf("job %d after the start", i), rp, 200)
-		if by := rp.header.Get("X-Fake-Worker"); by != "a" {
+		rp := r.Post("/v1/images/generations", smallImage)
+		testrouter.ExpectStatus(t, fmt.Sprintf("job %d after the start", i), rp, 200)
+		if by := rp.Header.Get("X-Fake-Worker"); by != "a" {
 			second.fail("job %d served by %s; only a may serve (b failed its probe, c is held back)", i, by)
 		}
-		if v := rp.header.Get(weightVersionHeader); v != "step-7+lora:x" {
+		if v := rp.Header.Get(weightVersionHeader); v != "step-7+lora:x" {
 			second.fail("job %d served on weights %q; want step-7+lora:x", i, v)
 		}
 	}
@@ -204,14 +213,14 @@ func TestFleetSurvivesKill9(t *testing.T) {
 		second.fail("b, read back and failing its probes, is %s and ran %d jobs; want unhealthy and none", st.State, b.Stats().Jobs)
 	}
 	b.SetHealthFail(false)
-	if !waitUntilOr(30*time.Second, func() bool { return workerOf(t, r, b.URL()).State == "serving" }) {
+	if !testrouter.WaitUntil(30*time.Second, func() bool { return workerOf(t, r, b.URL()).State == "serving" }) {
 		second.fail("b did not serve again within 30 s of passing its probes")
 	}
 
 	// A worker that joins after the restart is sent the update and the
 	// LoRA call read back before its first job.
-	expectStatus(t, "add_worker d", r.post("/add_worker?url="+d.URL(), ""), 200)
-	if !waitUntilOr(30*time.Second, func() bool { return workerOf(t, r, d.URL()).WeightVersion == "step-7+lora:x" }) {
+	testrouter.ExpectStatus(t, "add_worker d", r.Post("/add_worker?url="+d.URL(), ""), 200)
+	if !testrouter.WaitUntil(30*time.Second, func() bool { return workerOf(t, r, d.URL()).WeightVersion == "step-7+lora:x" }) {
 		second.fail("d was not brought to step-7+lora:x: %+v", workerOf(t, r, d.URL()))
 	}
 	if w := d.Weights(); w != "/ckpt/step-7" {

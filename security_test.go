@@ -1,16 +1,13 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"net/netip"
 	"net/url"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -18,54 +15,55 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	diffusionrouter "github.com/miles-rollout/miles-diffusion-router"
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
-	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // statusEndpointsAnswer checks that every status endpoint still answers
 // with JSON (200, or 503 when no worker serves), and returns the worker
 // list.
-func statusEndpointsAnswer(t *testing.T, r *testRouter) []any {
+func statusEndpointsAnswer(t *testing.T, r *testrouter.Router) []any {
 	t.Helper()
 	for _, path := range []string{"/health", "/readyz", "/dashboard/data", "/list_workers"} {
-		rp := r.get(path)
-		if rp.status != http.StatusOK && rp.status != http.StatusServiceUnavailable {
-			t.Fatalf("GET %s answered %d: %.200s", path, rp.status, rp.body)
+		rp := r.Get(path)
+		if rp.Status != http.StatusOK && rp.Status != http.StatusServiceUnavailable {
+			t.Fatalf("GET %s answered %d: %.200s", path, rp.Status, rp.Body)
 		}
-		rp.json(t)
+		rp.JSON(t)
 	}
-	rp := r.get("/workers")
-	expectStatus(t, "GET /workers", rp, http.StatusOK)
-	return rp.json(t)["workers"].([]any)
+	rp := r.Get("/workers")
+	testrouter.ExpectStatus(t, "GET /workers", rp, http.StatusOK)
+	return rp.JSON(t)["workers"].([]any)
 }
 
 func TestHostileWorkerURLsAreRefused(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	for _, raw := range []string{
 		"http://169%252500", "http://169.254.169.254", "http://metadata.google.internal.", "http://metadata",
 		"http://[fd00:ec2::254]", "http://100.100.100.200", "http://instance-data.ec2.internal",
 		"http://[::169.254.169.254]", "http://2852039166", "http://0xa9fea9fe", "http://0251.0376.0251.0376",
 		"http://0.0.0.0:2019", "http://user:pw@10.0.0.1", "http://10.0.0.1/v1", "ftp://10.0.0.1",
 	} {
-		rp := r.post("/add_worker?url="+url.QueryEscape(raw), "")
-		expectStatus(t, "add_worker "+raw, rp, http.StatusBadRequest)
-		if !strings.Contains(rp.errorText(t), "worker_url") {
-			t.Errorf("add_worker %s: error %q does not say what is wrong with worker_url", raw, rp.errorText(t))
+		rp := r.Post("/add_worker?url="+url.QueryEscape(raw), "")
+		testrouter.ExpectStatus(t, "add_worker "+raw, rp, http.StatusBadRequest)
+		if !strings.Contains(rp.ErrorText(t), "worker_url") {
+			t.Errorf("add_worker %s: error %q does not say what is wrong with worker_url", raw, rp.ErrorText(t))
 		}
 		// The same URL, unescaped, as miles sends it.
-		expectStatus(t, "add_worker unescaped "+raw, r.post("/add_worker?url="+raw, ""), http.StatusBadRequest)
+		testrouter.ExpectStatus(t, "add_worker unescaped "+raw, r.Post("/add_worker?url="+raw, ""), http.StatusBadRequest)
 	}
 	if workers := statusEndpointsAnswer(t, r); len(workers) != 1 {
 		t.Fatalf("after the refusals the pool has %d workers; want the 1 it had", len(workers))
 	}
-	expectStatus(t, "generation after the refusals", r.post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
+	testrouter.ExpectStatus(t, "generation after the refusals", r.Post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
 
-	_, err := adaptSite(freePort(t), "", "diffusion_router {\n workers http://169%252500\n}")
+	_, err := testrouter.AdaptSite(testrouter.Port(t), "", "diffusion_router {\n workers http://169%252500\n}")
 	if err != nil {
 		t.Fatalf("the Caddyfile's syntax is fine and should adapt: %v", err)
 	}
-	cfg, _ := adaptSite(freePort(t), "", "diffusion_router {\n workers http://169%252500\n}")
+	cfg, _ := testrouter.AdaptSite(testrouter.Port(t), "", "diffusion_router {\n workers http://169%252500\n}")
 	if err := caddy.Validate(mustConfig(t, cfg)); err == nil || !strings.Contains(err.Error(), "workers (workers)") {
 		t.Fatalf("caddy validate of a config listing http://169%%252500: %v; want an error naming workers", err)
 	}
@@ -82,10 +80,10 @@ func mustConfig(t *testing.T, raw []byte) *caddy.Config {
 
 // startRouterWithAdmin is startRouter with Caddy's admin API on
 // 127.0.0.1:adminPort.
-func startRouterWithAdmin(t *testing.T, adminPort int, site string) *testRouter {
+func startRouterWithAdmin(t *testing.T, adminPort int, site string) *testrouter.Router {
 	t.Helper()
-	port := freePort(t)
-	raw, err := adaptSite(port, ownStorage(t), site)
+	port := testrouter.Port(t)
+	raw, err := testrouter.AdaptSite(port, testrouter.OwnStorage(t), site)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,27 +97,27 @@ func startRouterWithAdmin(t *testing.T, adminPort int, site string) *testRouter 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = caddy.Stop() })
-	return &testRouter{t: t, port: port, base: fmt.Sprintf("http://127.0.0.1:%d", port)}
+	return testrouter.Attach(t, port)
 }
 
 func TestCaddyAdminAPIIsNeverAWorker(t *testing.T) {
-	adminPort := freePort(t)
-	ws := startWorkers(t, fakeworker.Config{})
-	r := startRouterWithAdmin(t, adminPort, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	adminPort := testrouter.Port(t)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := startRouterWithAdmin(t, adminPort, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	admin := fmt.Sprintf("127.0.0.1:%d", adminPort)
-	waitFor(t, func() bool { c, err := net.Dial("tcp", admin); c.Close(); return err == nil })
+	testrouter.WaitFor(t, func() bool { c, err := net.Dial("tcp", admin); c.Close(); return err == nil })
 
 	for _, raw := range []string{"http://" + admin, fmt.Sprintf("http://localhost:%d", adminPort), fmt.Sprintf("http://localhost.:%d", adminPort)} {
-		rp := r.post("/add_worker?url="+raw, "")
-		expectStatus(t, "registering Caddy's admin API "+raw, rp, http.StatusBadRequest)
-		if !strings.Contains(rp.errorText(t), "admin API") {
-			t.Errorf("%s: error %q does not say why", raw, rp.errorText(t))
+		rp := r.Post("/add_worker?url="+raw, "")
+		testrouter.ExpectStatus(t, "registering Caddy's admin API "+raw, rp, http.StatusBadRequest)
+		if !strings.Contains(rp.ErrorText(t), "admin API") {
+			t.Errorf("%s: error %q does not say why", raw, rp.ErrorText(t))
 		}
 	}
 
 	// A name that leads there is refused when it is dialled: the
 	// transport of the generated reverse_proxy checks every connection.
-	tr := new(DiffusionTransport)
+	tr := new(diffusionrouter.DiffusionTransport)
 	ctx, err := caddy.ProvisionContext(&caddy.Config{Admin: &caddy.AdminConfig{Listen: admin}})
 	if err != nil {
 		t.Fatal(err)
@@ -140,49 +138,8 @@ func TestCaddyAdminAPIIsNeverAWorker(t *testing.T) {
 	} else {
 		resp.Body.Close()
 	}
-	if statusEndpointsAnswer(t, r); len(r.get("/list_workers").json(t)["urls"].([]any)) != 1 {
+	if statusEndpointsAnswer(t, r); len(r.Get("/list_workers").JSON(t)["urls"].([]any)) != 1 {
 		t.Fatal("a refused registration changed the pool")
-	}
-}
-
-func TestDialGuardChecksTheResolvedAddress(t *testing.T) {
-	ctx, err := caddy.ProvisionContext(&caddy.Config{Admin: &caddy.AdminConfig{
-		Listen: "localhost:12019",
-		Remote: &caddy.RemoteAdmin{Listen: ":12021"},
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := newDialGuard(ctx)
-	if !slices.Equal(g.AdminPorts(), []uint16{12019, 12021}) {
-		t.Fatalf("admin ports %v; want 12019 and 12021 read from the config", g.AdminPorts())
-	}
-	disabled, _ := caddy.ProvisionContext(&caddy.Config{Admin: &caddy.AdminConfig{Disabled: true}})
-	if ports := newDialGuard(disabled).AdminPorts(); len(ports) != 0 {
-		t.Fatalf("admin off: ports %v; want none", ports)
-	}
-	for addr, refused := range map[string]bool{
-		"127.0.0.1:12019":             true,
-		"[::1]:12019":                 true,
-		"127.0.0.1:30000":             false,
-		"10.1.2.3:12019":              false,
-		"169.254.169.254:80":          true,
-		"[::ffff:169.254.169.254]:80": true,
-		"[fd00:ec2::254]:80":          true,
-		"100.100.100.200:80":          true,
-		"0.0.0.0:30000":               true,
-	} {
-		if got := g.Refuses(netip.MustParseAddrPort(addr)); got != refused {
-			t.Errorf("refuses(%s) = %v; want %v", addr, got, refused)
-		}
-	}
-
-	// The router's own client dials through the guard.
-	p := newPool(t.Name())
-	p.useGuard(g)
-	_, err = p.client.Get("http://127.0.0.1:12019/config/")
-	if err == nil || !strings.Contains(err.Error(), "blocked") {
-		t.Fatalf("the pool's client reached Caddy's admin port: %v", err)
 	}
 }
 
@@ -193,31 +150,31 @@ func TestWorkersSeeTheirOwnHost(t *testing.T) {
 		_, _ = w.Write([]byte(`{}`))
 	}))
 	t.Cleanup(srv.Close)
-	r := startRouter(t, "diffusion_router {\n workers "+srv.URL+"\n}")
-	do(t, "GET", r.base+"/any/path", nil, "Host", "127.0.0.1:2019")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+srv.URL+"\n}")
+	testrouter.Do(t, "GET", r.Base+"/any/path", nil, "Host", "127.0.0.1:2019")
 	if got, want := host.Load(), strings.TrimPrefix(srv.URL, "http://"); got != want {
 		t.Fatalf("the worker saw Host %v; want its own %s, never the client's", got, want)
 	}
 }
 
 func TestMaxWorkers(t *testing.T) {
-	r := startRouter(t, "diffusion_router {\n max_workers 2\n}")
+	r := testrouter.Start(t, "diffusion_router {\n max_workers 2\n}")
 	for i, want := range []int{200, 200, 429} {
-		rp := r.post(fmt.Sprintf("/add_worker?url=http://10.9.9.%d:30000", i+1), "")
-		expectStatus(t, fmt.Sprintf("registration %d", i+1), rp, want)
+		rp := r.Post(fmt.Sprintf("/add_worker?url=http://10.9.9.%d:30000", i+1), "")
+		testrouter.ExpectStatus(t, fmt.Sprintf("registration %d", i+1), rp, want)
 	}
-	if n := len(r.get("/list_workers").json(t)["urls"].([]any)); n != 2 {
+	if n := len(r.Get("/list_workers").JSON(t)["urls"].([]any)); n != 2 {
 		t.Fatalf("%d workers registered; want max_workers, 2", n)
 	}
 	// A known worker registers again without counting twice.
-	expectStatus(t, "registering a known worker", r.post("/add_worker?url=http://10.9.9.1:30000", ""), 200)
+	testrouter.ExpectStatus(t, "registering a known worker", r.Post("/add_worker?url=http://10.9.9.1:30000", ""), 200)
 }
 
 func TestTooLargeContentLengthIsRefusedAtOnce(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n max_body 1MB\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_body 1MB\n}")
 	for _, path := range []string{"/v1/images/generations", "/update_weights_from_disk", "/any/path"} {
-		conn, err := net.Dial("tcp", strings.TrimPrefix(r.base, "http://"))
+		conn, err := net.Dial("tcp", strings.TrimPrefix(r.Base, "http://"))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -243,15 +200,15 @@ func TestModelListsAreBounded(t *testing.T) {
 		_, _ = w.Write([]byte(`{"object":"list","data":[{"id":"m","task_type":"T2I"}]` + huge + `}`))
 	}))
 	t.Cleanup(srv.Close)
-	r := startRouter(t, "diffusion_router {\n workers "+srv.URL+"\n}")
-	rp := r.get("/v1/models")
-	expectStatus(t, "a 3 MB model list", rp, http.StatusBadGateway)
-	if !strings.Contains(string(rp.body), "larger than") {
-		t.Fatalf("answer %s does not say the list was too large", rp.body)
+	r := testrouter.Start(t, "diffusion_router {\n workers "+srv.URL+"\n}")
+	rp := r.Get("/v1/models")
+	testrouter.ExpectStatus(t, "a 3 MB model list", rp, http.StatusBadGateway)
+	if !strings.Contains(string(rp.Body), "larger than") {
+		t.Fatalf("answer %s does not say the list was too large", rp.Body)
 	}
 	before := asked.Load()
 	for range 5 {
-		r.get("/v1/models")
+		r.Get("/v1/models")
 	}
 	if asked.Load() != before {
 		t.Fatalf("5 more model lists within the cache's lifetime asked the worker %d more times; want none", asked.Load()-before)
@@ -259,61 +216,35 @@ func TestModelListsAreBounded(t *testing.T) {
 }
 
 func TestAbsurdCostIsRefused(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	for _, body := range []string{
 		`{"prompt":"a","size":"999999999x999999999"}`,
 		`{"prompt":"a","width":100000,"height":100000,"num_inference_steps":100000}`,
 	} {
-		rp := r.post("/v1/images/generations", body)
-		expectStatus(t, body, rp, http.StatusBadRequest)
-		if !strings.Contains(rp.errorText(t), "more than any GPU could run") {
-			t.Errorf("%s: error %q", body, rp.errorText(t))
+		rp := r.Post("/v1/images/generations", body)
+		testrouter.ExpectStatus(t, body, rp, http.StatusBadRequest)
+		if !strings.Contains(rp.ErrorText(t), "more than any GPU could run") {
+			t.Errorf("%s: error %q", body, rp.ErrorText(t))
 		}
 	}
 	if ws[0].Stats().Jobs != 0 {
 		t.Fatal("a refused job reached the worker")
 	}
-	expectStatus(t, "a sane job after them", r.post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
+	testrouter.ExpectStatus(t, "a sane job after them", r.Post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
 }
 
 func TestIsDeadMustBeABoolean(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	id := url.QueryEscape(ws[0].URL())
-	expectStatus(t, "hold back", do(t, "PUT", r.base+"/workers/"+id, strings.NewReader(`{"is_dead": true}`)), 200)
+	testrouter.ExpectStatus(t, "hold back", testrouter.Do(t, "PUT", r.Base+"/workers/"+id, strings.NewReader(`{"is_dead": true}`)), 200)
 	for _, body := range []string{`{"is_dead": null}`, `{"is_dead": "false"}`, `{"is_dead": 0}`} {
-		rp := do(t, "PUT", r.base+"/workers/"+id, strings.NewReader(body))
-		expectStatus(t, body, rp, http.StatusBadRequest)
+		rp := testrouter.Do(t, "PUT", r.Base+"/workers/"+id, strings.NewReader(body))
+		testrouter.ExpectStatus(t, body, rp, http.StatusBadRequest)
 	}
-	if w := r.get("/workers/" + id).json(t)["worker"].(map[string]any); w["is_dead"] != true {
+	if w := r.Get("/workers/" + id).JSON(t)["worker"].(map[string]any); w["is_dead"] != true {
 		t.Fatalf("a refused update revived the worker: %v", w)
-	}
-}
-
-func TestRemovedWorkerKeepsItsJobsWhenItReturns(t *testing.T) {
-	p, _ := poolOf(t, 1)
-	cfg := config(scheduler.LeastWork{}, 1)
-	running, _ := choose(t, p, cfg, 10)
-	u := running.servedBy
-	if !p.remove(u) {
-		t.Fatal("remove failed")
-	}
-	if _, _, err := p.register(u, defaultMaxWorkers); err != nil {
-		t.Fatal(err)
-	}
-	if info, _ := p.worker(u); info.Inflight != 1 {
-		t.Fatalf("back in the pool, the worker has %d jobs in flight; want the 1 still running", info.Inflight)
-	}
-	waiting := &ticket{pool: p, cfg: cfg, job: true, cost: 1}
-	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-	defer cancel()
-	if err := p.acquire(ctx, waiting); err == nil {
-		t.Fatal("a second job went to a worker still running its first (max_inflight 1)")
-	}
-	p.release(running, succeeded)
-	if info, _ := p.worker(u); info.Inflight != 0 {
-		t.Fatalf("after its job ended the worker has %d in flight", info.Inflight)
 	}
 }
 
@@ -330,8 +261,8 @@ func TestCutShortAnswerIsAFailure(t *testing.T) {
 		conn.Close()
 	}))
 	t.Cleanup(srv.Close)
-	r := startRouter(t, "diffusion_router {\n workers "+srv.URL+"\n}")
-	resp, err := client.Post(r.base+"/v1/images/generations", "application/json", strings.NewReader(`{"prompt":"a"}`))
+	r := testrouter.Start(t, "diffusion_router {\n workers "+srv.URL+"\n}")
+	resp, err := testrouter.Client.Post(r.Base+"/v1/images/generations", "application/json", strings.NewReader(`{"prompt":"a"}`))
 	if err == nil {
 		_, err = io.ReadAll(resp.Body)
 		resp.Body.Close()
@@ -339,40 +270,40 @@ func TestCutShortAnswerIsAFailure(t *testing.T) {
 	if err == nil {
 		t.Fatal("the client got a whole answer from a worker that cut it short")
 	}
-	waitFor(t, func() bool {
-		w := r.get("/workers").json(t)["workers"].([]any)[0].(map[string]any)
+	testrouter.WaitFor(t, func() bool {
+		w := r.Get("/workers").JSON(t)["workers"].([]any)[0].(map[string]any)
 		return w["failures"] == 1.0
 	})
 }
 
 func TestForwardPaths(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n forward_paths sglang\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n forward_paths sglang\n}")
 	for _, path := range []string{"/config/", "/any/path", "/debug/pprof/", "/v2/images/generations"} {
-		rp := r.get(path)
-		expectStatus(t, "GET "+path+" with forward_paths sglang", rp, http.StatusNotFound)
-		if !strings.Contains(rp.errorText(t), "forward_paths") {
-			t.Errorf("GET %s: error %q does not name forward_paths", path, rp.errorText(t))
+		rp := r.Get(path)
+		testrouter.ExpectStatus(t, "GET "+path+" with forward_paths sglang", rp, http.StatusNotFound)
+		if !strings.Contains(rp.ErrorText(t), "forward_paths") {
+			t.Errorf("GET %s: error %q does not name forward_paths", path, rp.ErrorText(t))
 		}
 	}
-	expectStatus(t, "a generation", r.post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
-	expectStatus(t, "the router's own /health", r.get("/health"), http.StatusOK)
+	testrouter.ExpectStatus(t, "a generation", r.Post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
+	testrouter.ExpectStatus(t, "the router's own /health", r.Get("/health"), http.StatusOK)
 
-	r.load("diffusion_router {\n workers " + urlsOf(ws) + "\n forward_paths /v1/images/*\n}")
-	expectStatus(t, "under a prefix", r.post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
-	expectStatus(t, "outside the prefix", r.post("/rollout/generate", `{"prompt":"a"}`), http.StatusNotFound)
+	r.Load("diffusion_router {\n workers " + testrouter.URLs(ws) + "\n forward_paths /v1/images/*\n}")
+	testrouter.ExpectStatus(t, "under a prefix", r.Post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
+	testrouter.ExpectStatus(t, "outside the prefix", r.Post("/rollout/generate", `{"prompt":"a"}`), http.StatusNotFound)
 
 	// By default every path goes on, as in the Python router: with no
 	// worker, a path nobody knows gets 503.
-	r.load("diffusion_router\n")
-	expectStatus(t, "catch-all without workers", r.get("/any/path"), http.StatusServiceUnavailable)
+	r.Load("diffusion_router\n")
+	testrouter.ExpectStatus(t, "catch-all without workers", r.Get("/any/path"), http.StatusServiceUnavailable)
 }
 
 func TestDotSegmentsAreRefused(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	for _, path := range []string{"/v1/videos/../update_weights_from_disk", "/v1/videos/%2e%2e/update_weights_from_disk", "/v1/images/./generations", "/x/.."} {
-		conn, err := net.Dial("tcp", strings.TrimPrefix(r.base, "http://"))
+		conn, err := net.Dial("tcp", strings.TrimPrefix(r.Base, "http://"))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -392,20 +323,20 @@ func TestDotSegmentsAreRefused(t *testing.T) {
 }
 
 func TestUnreachableRegistrationsDrawNoJobs(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "live"})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n policy round_robin\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "live"})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n}")
 	// freePort may give a port it gave before: register 50 distinct ones.
 	for dead := map[string]bool{}; len(dead) < 50; {
-		u := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+		u := fmt.Sprintf("http://127.0.0.1:%d", testrouter.Port(t))
 		if !dead[u] {
 			dead[u] = true
-			expectStatus(t, "register "+u, r.post("/add_worker?url="+u, ""), http.StatusOK)
+			testrouter.ExpectStatus(t, "register "+u, r.Post("/add_worker?url="+u, ""), http.StatusOK)
 		}
 	}
 	for i := range 30 {
-		expectStatus(t, fmt.Sprint("generation ", i), r.post("/v1/images/generations", smallImage), http.StatusOK)
+		testrouter.ExpectStatus(t, fmt.Sprint("generation ", i), r.Post("/v1/images/generations", smallImage), http.StatusOK)
 	}
-	if h := r.get("/health").json(t); h["healthy_workers"] != 1.0 || h["unhealthy_workers"] != 50.0 {
+	if h := r.Get("/health").JSON(t); h["healthy_workers"] != 1.0 || h["unhealthy_workers"] != 50.0 {
 		t.Fatalf("health after 50 unreachable registrations: %v", h)
 	}
 }

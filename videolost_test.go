@@ -1,10 +1,11 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"strings"
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // A video worker that crashes with a video running and comes back at the
@@ -12,20 +13,20 @@ import (
 // clean JSON error, and once the worker denies the job, its slot is free
 // and the next video goes there.
 func TestVideoWorkerThatLostItsVideoGetsNewOnes(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "v", TaskType: "T2V", UnitMs: 60_000})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n health_interval 1h\n}")
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "v", TaskType: "T2V", UnitMs: 60_000})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_interval 1h\n}")
 	id := createVideo(t, r, "v")
 
 	cfg := ws[0].Config()
 	cfg.Addr = strings.TrimPrefix(ws[0].URL(), "http://") // the same URL when it comes back
 	ws[0].Crash()
-	rp := r.get("/v1/videos/" + id)
-	if rp.status != 502 || !strings.Contains(rp.errorText(t), id) {
-		t.Fatalf("poll of a video on a crashed worker: %d %s; want 502 naming the video", rp.status, rp.body)
+	rp := r.Get("/v1/videos/" + id)
+	if rp.Status != 502 || !strings.Contains(rp.ErrorText(t), id) {
+		t.Fatalf("poll of a video on a crashed worker: %d %s; want 502 naming the video", rp.Status, rp.Body)
 	}
 	for _, internal := range []string{".go:", "reverseproxy.", "statusError", "goroutine "} {
-		if strings.Contains(string(rp.body), internal) {
-			t.Fatalf("the error shows the router's internals (%q): %s", internal, rp.body)
+		if strings.Contains(string(rp.Body), internal) {
+			t.Fatalf("the error shows the router's internals (%q): %s", internal, rp.Body)
 		}
 	}
 
@@ -34,8 +35,8 @@ func TestVideoWorkerThatLostItsVideoGetsNewOnes(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(back.Close)
-	expectStatus(t, "poll of a video the restarted worker never made", r.get("/v1/videos/"+id), 404)
-	if got := workerStates(t, r)[back.URL()]["active_requests"]; got != 0.0 {
+	testrouter.ExpectStatus(t, "poll of a video the restarted worker never made", r.Get("/v1/videos/"+id), 404)
+	if got := r.Workers()[back.URL()]["active_requests"]; got != 0.0 {
 		t.Fatalf("the lost video still holds its worker: active_requests %v", got)
 	}
 	createVideo(t, r, "v")

@@ -1,4 +1,4 @@
-package diffusionrouter
+package diffusionrouter_test
 
 import (
 	"io"
@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 const oldVersion = "fake/diffusion-model" // the fake workers' initial weights
@@ -25,7 +26,7 @@ type sample struct {
 // load keeps clients generation requests in flight until the returned stop
 // is called, which reports every request; meanwhile answered counts the
 // requests answered so far that match.
-func load(t *testing.T, r *testRouter, clients int) (stop func() []sample, answered func(match func(sample) bool) int) {
+func load(t *testing.T, r *testrouter.Router, clients int) (stop func() []sample, answered func(match func(sample) bool) int) {
 	t.Helper()
 	var (
 		mu      sync.Mutex
@@ -42,9 +43,9 @@ func load(t *testing.T, r *testRouter, clients int) (stop func() []sample, answe
 				default:
 				}
 				s := sample{sent: time.Now()}
-				rp := do(t, "POST", r.base+"/v1/images/generations", strings.NewReader(`{"response_format":"b64_json","prompt":"x","size":"512x512","num_inference_steps":4}`))
-				s.received, s.status, s.version = time.Now(), rp.status, rp.header.Get(weightVersionHeader)
-				s.worker = rp.header.Get("X-Fake-Worker")
+				rp := testrouter.Do(t, "POST", r.Base+"/v1/images/generations", strings.NewReader(`{"response_format":"b64_json","prompt":"x","size":"512x512","num_inference_steps":4}`))
+				s.received, s.status, s.version = time.Now(), rp.Status, rp.Header.Get(weightVersionHeader)
+				s.worker = rp.Header.Get("X-Fake-Worker")
 				mu.Lock()
 				samples = append(samples, s)
 				mu.Unlock()
@@ -80,37 +81,27 @@ func namedWorkers(t *testing.T, n int, cfg fakeworker.Config) []*fakeworker.Work
 		cfgs[i] = cfg
 		cfgs[i].Name = string(rune('a' + i))
 	}
-	return startWorkers(t, cfgs...)
-}
-
-func workerStates(t *testing.T, r *testRouter) map[string]map[string]any {
-	t.Helper()
-	out := map[string]map[string]any{}
-	for _, w := range r.get("/workers").json(t)["workers"].([]any) {
-		w := w.(map[string]any)
-		out[w["url"].(string)] = w
-	}
-	return out
+	return testrouter.StartWorkers(t, cfgs...)
 }
 
 func TestDrainUpdateUnderLoad(t *testing.T) {
 	ws := namedWorkers(t, 4, fakeworker.Config{UnitMs: 20})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	stop, answered := load(t, r, 12)
 	all := func(sample) bool { return true }
-	waitFor(t, func() bool { return answered(all) >= 12 }) // a round of requests before the update
+	testrouter.WaitFor(t, func() bool { return answered(all) >= 12 }) // a round of requests before the update
 
 	start := time.Now()
-	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/step-1","flush_cache":true}`)
+	rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/step-1","flush_cache":true}`)
 	updated := time.Now()
-	expectStatus(t, "update", rp, 200)
+	testrouter.ExpectStatus(t, "update", rp, 200)
 	sentAfter := func(s sample) bool { return s.sent.After(updated) }
-	waitFor(t, func() bool { return answered(sentAfter) >= 12 }) // and a round after it
+	testrouter.WaitFor(t, func() bool { return answered(sentAfter) >= 12 }) // and a round after it
 	samples := stop()
 
-	body := rp.json(t)
+	body := rp.JSON(t)
 	if body["success"] != true || body["weight_version"] != "/ckpt/step-1" || len(body["results"].([]any)) != 4 {
-		t.Fatalf("update answered %s", rp.body)
+		t.Fatalf("update answered %s", rp.Body)
 	}
 	var before, after int
 	for _, s := range samples {
@@ -135,7 +126,7 @@ func TestDrainUpdateUnderLoad(t *testing.T) {
 			t.Fatalf("worker on %q", w.Weights())
 		}
 	}
-	for u, w := range workerStates(t, r) {
+	for u, w := range r.Workers() {
 		if w["weight_version"] != "/ckpt/step-1" || w["state"] != "serving" {
 			t.Fatalf("%s after the update: %v", u, w)
 		}
@@ -144,34 +135,34 @@ func TestDrainUpdateUnderLoad(t *testing.T) {
 
 func TestJobsInFlightFinishOnOldWeights(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 100})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	job := busyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":5}`)
-	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"step-2"}`), 200)
+	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"step-2"}`), 200)
 	long := <-job
-	expectStatus(t, "job in flight", long, 200)
-	if long.header.Get(weightVersionHeader) != oldVersion {
-		t.Fatalf("job in flight when the update came was served by %q", long.header.Get(weightVersionHeader))
+	testrouter.ExpectStatus(t, "job in flight", long, 200)
+	if long.Header.Get(weightVersionHeader) != oldVersion {
+		t.Fatalf("job in flight when the update came was served by %q", long.Header.Get(weightVersionHeader))
 	}
-	rp := r.post("/v1/images/generations", smallImage)
-	if rp.header.Get(weightVersionHeader) != "step-2" {
-		t.Fatalf("after the update: %q", rp.header.Get(weightVersionHeader))
+	rp := r.Post("/v1/images/generations", smallImage)
+	if rp.Header.Get(weightVersionHeader) != "step-2" {
+		t.Fatalf("after the update: %q", rp.Header.Get(weightVersionHeader))
 	}
 }
 
 func TestRollingUpdateKeepsServing(t *testing.T) {
 	ws := namedWorkers(t, 4, fakeworker.Config{UnitMs: 20})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n weights_mode rolling\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n weights_mode rolling\n}")
 	stop, _ := load(t, r, 8)
-	answered := make(chan reply)
-	go func() { answered <- r.post("/update_weights_from_disk", `{"model_path":"/ckpt/r"}`) }()
-	var rp reply
+	answered := make(chan testrouter.Reply)
+	go func() { answered <- r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/r"}`) }()
+	var rp testrouter.Reply
 	maxOut := 0
-	for rp.status == 0 {
+	for rp.Status == 0 {
 		select {
 		case rp = <-answered:
 		default:
 			out := 0
-			for _, w := range workerStates(t, r) {
+			for _, w := range r.Workers() {
 				if w["state"] != "serving" {
 					out++
 				}
@@ -180,7 +171,7 @@ func TestRollingUpdateKeepsServing(t *testing.T) {
 		}
 	}
 	samples := stop()
-	expectStatus(t, "rolling update", rp, 200)
+	testrouter.ExpectStatus(t, "rolling update", rp, 200)
 	if maxOut > 1 {
 		t.Fatalf("%d workers out of service at once; rolling_batch is 1", maxOut)
 	}
@@ -197,38 +188,38 @@ func TestRollingUpdateKeepsServing(t *testing.T) {
 }
 
 func TestFailedUpdateKeepsWorkerOut(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "good"}, fakeworker.Config{Name: "bad", UpdateFail: true})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/3"}`)
-	expectStatus(t, "partly failed update", rp, 502)
-	if rp.json(t)["success"] != false {
-		t.Fatalf("answer %s", rp.body)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "good"}, fakeworker.Config{Name: "bad", UpdateFail: true})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/3"}`)
+	testrouter.ExpectStatus(t, "partly failed update", rp, 502)
+	if rp.JSON(t)["success"] != false {
+		t.Fatalf("answer %s", rp.Body)
 	}
-	if st := workerStates(t, r)[ws[1].URL()]["state"]; st != "stale" {
+	if st := r.Workers()[ws[1].URL()]["state"]; st != "stale" {
 		t.Fatalf("failed worker is %v; want stale", st)
 	}
 	for range 10 {
-		rp := r.post("/v1/images/generations", smallImage)
-		if rp.header.Get("X-Fake-Worker") != "good" || rp.header.Get(weightVersionHeader) != "/ckpt/3" {
-			t.Fatalf("served by %q on %q", rp.header.Get("X-Fake-Worker"), rp.header.Get(weightVersionHeader))
+		rp := r.Post("/v1/images/generations", smallImage)
+		if rp.Header.Get("X-Fake-Worker") != "good" || rp.Header.Get(weightVersionHeader) != "/ckpt/3" {
+			t.Fatalf("served by %q on %q", rp.Header.Get("X-Fake-Worker"), rp.Header.Get(weightVersionHeader))
 		}
 	}
 }
 
 func TestUpdatesAreSerialised(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 300})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	busyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":3}`)
 	var wg sync.WaitGroup
-	var first, second reply
-	wg.Go(func() { first = r.post("/update_weights_from_disk", `{"model_path":"/ckpt/a"}`) })
-	waitFor(t, func() bool { return r.get("/health").json(t)["updating_to"] == "/ckpt/a" })
-	rp := r.post("/update_weights_from_disk?wait=false", `{"model_path":"/ckpt/x"}`)
-	expectStatus(t, "update while one runs, wait=false", rp, 409)
-	wg.Go(func() { second = r.post("/update_weights_from_disk", `{"model_path":"/ckpt/b"}`) })
+	var first, second testrouter.Reply
+	wg.Go(func() { first = r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/a"}`) })
+	testrouter.WaitFor(t, func() bool { return r.Get("/health").JSON(t)["updating_to"] == "/ckpt/a" })
+	rp := r.Post("/update_weights_from_disk?wait=false", `{"model_path":"/ckpt/x"}`)
+	testrouter.ExpectStatus(t, "update while one runs, wait=false", rp, 409)
+	wg.Go(func() { second = r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/b"}`) })
 	wg.Wait()
-	expectStatus(t, "first update", first, 200)
-	expectStatus(t, "second update", second, 200)
+	testrouter.ExpectStatus(t, "first update", first, 200)
+	testrouter.ExpectStatus(t, "second update", second, 200)
 	if ws[0].Weights() != "/ckpt/b" {
 		t.Fatalf("worker ended on %q; the second update runs after the first", ws[0].Weights())
 	}
@@ -236,62 +227,62 @@ func TestUpdatesAreSerialised(t *testing.T) {
 
 func TestDrainTimeoutChangesNothing(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 500})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n drain_timeout 100ms\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n drain_timeout 100ms\n}")
 	job := busyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":3}`)
-	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/late"}`)
-	expectStatus(t, "update behind a long job", rp, 504)
-	if !strings.Contains(rp.errorText(t), "drain_timeout") {
-		t.Fatalf("504 answer: %s", rp.body)
+	rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/late"}`)
+	testrouter.ExpectStatus(t, "update behind a long job", rp, 504)
+	if !strings.Contains(rp.ErrorText(t), "drain_timeout") {
+		t.Fatalf("504 answer: %s", rp.Body)
 	}
-	expectStatus(t, "the long job", <-job, 200)
-	rp = r.post("/v1/images/generations", smallImage)
-	expectStatus(t, "after the timed-out update", rp, 200)
-	if ws[0].Weights() != oldVersion || rp.header.Get(weightVersionHeader) != oldVersion {
+	testrouter.ExpectStatus(t, "the long job", <-job, 200)
+	rp = r.Post("/v1/images/generations", smallImage)
+	testrouter.ExpectStatus(t, "after the timed-out update", rp, 200)
+	if ws[0].Weights() != oldVersion || rp.Header.Get(weightVersionHeader) != oldVersion {
 		t.Fatalf("a timed-out update changed the weights to %q", ws[0].Weights())
 	}
 }
 
 func TestSleepAndWake(t *testing.T) {
 	ws := namedWorkers(t, 2, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n queue_timeout 200ms\n}")
-	expectStatus(t, "warm-up", r.post("/v1/images/generations", smallImage), 200)
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n queue_timeout 200ms\n}")
+	testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", smallImage), 200)
 	jobs := ws[0].Stats().Jobs + ws[1].Stats().Jobs
 
-	expectStatus(t, "sleep", r.post("/release_memory_occupation", `{}`), 200)
-	rp := r.post("/release_memory_occupation", "")
-	expectStatus(t, "sleep again", rp, 200)
-	if rp.json(t)["message"] != "No eligible workers available in the pool" {
-		t.Fatalf("second sleep: %s", rp.body)
+	testrouter.ExpectStatus(t, "sleep", r.Post("/release_memory_occupation", `{}`), 200)
+	rp := r.Post("/release_memory_occupation", "")
+	testrouter.ExpectStatus(t, "sleep again", rp, 200)
+	if rp.JSON(t)["message"] != "No eligible workers available in the pool" {
+		t.Fatalf("second sleep: %s", rp.Body)
 	}
-	if h := r.get("/health"); h.status != 503 || h.json(t)["sleeping_workers"] != 2.0 {
-		t.Fatalf("health while asleep: %d %s", h.status, h.body)
+	if h := r.Get("/health"); h.Status != 503 || h.JSON(t)["sleeping_workers"] != 2.0 {
+		t.Fatalf("health while asleep: %d %s", h.Status, h.Body)
 	}
-	expectStatus(t, "generation while asleep", r.post("/v1/images/generations", smallImage), 503)
+	testrouter.ExpectStatus(t, "generation while asleep", r.Post("/v1/images/generations", smallImage), 503)
 	if n := ws[0].Stats().Jobs + ws[1].Stats().Jobs; n != jobs {
 		t.Fatalf("sleeping workers were sent %d jobs", n-jobs)
 	}
 
-	expectStatus(t, "wake", r.post("/resume_memory_occupation", ""), 200)
-	expectStatus(t, "wake again", r.post("/resume_memory_occupation", ""), 200)
-	expectStatus(t, "generation after wake", r.post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "wake", r.Post("/resume_memory_occupation", ""), 200)
+	testrouter.ExpectStatus(t, "wake again", r.Post("/resume_memory_occupation", ""), 200)
+	testrouter.ExpectStatus(t, "generation after wake", r.Post("/v1/images/generations", smallImage), 200)
 }
 
 func TestJoiningWorkerIsBroughtToCurrentWeights(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "first"}, fakeworker.Config{Name: "late"}, fakeworker.Config{Name: "broken", UpdateFail: true})
-	r := startRouter(t, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
-	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/7","weight_version":"step-7"}`), 200)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "first"}, fakeworker.Config{Name: "late"}, fakeworker.Config{Name: "broken", UpdateFail: true})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+ws[0].URL()+"\n}")
+	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/7","weight_version":"step-7"}`), 200)
 
-	expectStatus(t, "register late", r.post("/workers", `{"url":"`+ws[1].URL()+`"}`), 200)
-	expectStatus(t, "register broken", r.post("/workers", `{"url":"`+ws[2].URL()+`"}`), 200)
-	waitFor(t, func() bool {
-		s := workerStates(t, r)
+	testrouter.ExpectStatus(t, "register late", r.Post("/workers", `{"url":"`+ws[1].URL()+`"}`), 200)
+	testrouter.ExpectStatus(t, "register broken", r.Post("/workers", `{"url":"`+ws[2].URL()+`"}`), 200)
+	testrouter.WaitFor(t, func() bool {
+		s := r.Workers()
 		return s[ws[1].URL()]["state"] == "serving" && s[ws[2].URL()]["state"] == "stale"
 	})
-	if ws[1].Weights() != "/ckpt/7" || workerStates(t, r)[ws[1].URL()]["weight_version"] != "step-7" {
+	if ws[1].Weights() != "/ckpt/7" || r.Workers()[ws[1].URL()]["weight_version"] != "step-7" {
 		t.Fatalf("late worker on %q", ws[1].Weights())
 	}
 	for range 6 {
-		if v := r.post("/v1/images/generations", smallImage).header.Get(weightVersionHeader); v != "step-7" {
+		if v := r.Post("/v1/images/generations", smallImage).Header.Get(weightVersionHeader); v != "step-7" {
 			t.Fatalf("served by %q", v)
 		}
 	}
@@ -302,14 +293,14 @@ func TestJoiningWorkerIsBroughtToCurrentWeights(t *testing.T) {
 
 func TestRequestedWeightVersion(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/9","weight_version":"step-9"}`), 200)
-	rp := r.post("/v1/images/generations", smallImage, weightVersionHeader, "step-9")
-	expectStatus(t, "current version", rp, 200)
-	rp = r.post("/v1/images/generations", smallImage, weightVersionHeader, "step-8")
-	expectStatus(t, "a version nobody has", rp, 409)
-	if !strings.Contains(rp.errorText(t), "step-8") {
-		t.Fatalf("409 answer: %s", rp.body)
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/9","weight_version":"step-9"}`), 200)
+	rp := r.Post("/v1/images/generations", smallImage, weightVersionHeader, "step-9")
+	testrouter.ExpectStatus(t, "current version", rp, 200)
+	rp = r.Post("/v1/images/generations", smallImage, weightVersionHeader, "step-8")
+	testrouter.ExpectStatus(t, "a version nobody has", rp, 409)
+	if !strings.Contains(rp.ErrorText(t), "step-8") {
+		t.Fatalf("409 answer: %s", rp.Body)
 	}
 }
 
@@ -318,14 +309,14 @@ func TestRequestedWeightVersion(t *testing.T) {
 // the worker's /v1/models reports, learned before its first job of any
 // kind.
 func TestWeightVersionIsTheRouters(t *testing.T) {
-	ws := startWorkers(t, fakeworker.Config{Name: "w", ModelPath: "org/model-a"})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n}")
-	rp := r.post("/rollout/generate", `{"prompt":"a cat","width":64,"height":64,"num_inference_steps":2,"seed":1}`)
-	expectStatus(t, "first job, a rollout", rp, 200)
-	if v := rp.header.Get(weightVersionHeader); v != "org/model-a" {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w", ModelPath: "org/model-a"})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	rp := r.Post("/rollout/generate", `{"prompt":"a cat","width":64,"height":64,"num_inference_steps":2,"seed":1}`)
+	testrouter.ExpectStatus(t, "first job, a rollout", rp, 200)
+	if v := rp.Header.Get(weightVersionHeader); v != "org/model-a" {
 		t.Fatalf("the first job was served on %q; want the worker's model id", v)
 	}
-	if v := r.get("/health").header.Get(weightVersionHeader); v != "" {
+	if v := r.Get("/health").Header.Get(weightVersionHeader); v != "" {
 		t.Fatalf("the router's own answer names %q", v)
 	}
 
@@ -340,21 +331,21 @@ func TestWeightVersionIsTheRouters(t *testing.T) {
 		}
 	}))
 	t.Cleanup(liar.Close)
-	r = startRouter(t, "diffusion_router {\n workers "+liar.URL+"\n}")
-	rp = r.post("/rollout/generate", `{"prompt":"a cat","seed":1}`)
-	expectStatus(t, "job on a worker whose model is unknown", rp, 200)
-	if v, ok := rp.header[weightVersionHeader]; ok {
+	r = testrouter.Start(t, "diffusion_router {\n workers "+liar.URL+"\n}")
+	rp = r.Post("/rollout/generate", `{"prompt":"a cat","seed":1}`)
+	testrouter.ExpectStatus(t, "job on a worker whose model is unknown", rp, 200)
+	if v, ok := rp.Header[weightVersionHeader]; ok {
 		t.Fatalf("answer names %q; the router knows no version for it", v)
 	}
-	expectStatus(t, "update", r.post("/update_weights_from_disk", `{"model_path":"/ckpt/1","weight_version":"step-1"}`), 200)
-	if v := r.get("/model_info").header.Get(weightVersionHeader); v != "step-1" {
+	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/1","weight_version":"step-1"}`), 200)
+	if v := r.Get("/model_info").Header.Get(weightVersionHeader); v != "step-1" {
 		t.Fatalf("after the update: %q", v)
 	}
 }
 
 func TestBadWeightUpdates(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n weights_path_prefix /ckpt/ s3://bucket/\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n weights_path_prefix /ckpt/ s3://bucket/\n}")
 	for body, want := range map[string]int{
 		`model_path=/ckpt/1`:                   400,
 		`[1]`:                                  400,
@@ -371,24 +362,24 @@ func TestBadWeightUpdates(t *testing.T) {
 		`{"model_path":"/ckpt/..hidden/1","mode":"x"}`:                                             400,
 		`{"model_path":"/ckpt/ok","flush_cache":false,"target_modules":["transformer"],"extra":1}`: 200,
 	} {
-		rp := r.post("/update_weights_from_disk", body)
-		expectStatus(t, body, rp, want)
+		rp := r.Post("/update_weights_from_disk", body)
+		testrouter.ExpectStatus(t, body, rp, want)
 		if want != 200 {
-			rp.errorText(t)
+			rp.ErrorText(t)
 		}
 	}
 	if ws[0].Weights() != "/ckpt/ok" {
 		t.Fatalf("worker on %q; only the one good update may reach it", ws[0].Weights())
 	}
 	for _, path := range []string{"/update_weights_from_disk", "/release_memory_occupation", "/resume_memory_occupation"} {
-		r.load("diffusion_router {\n workers " + urlsOf(ws) + "\n admin_allow 10.0.0.0/8\n}")
-		expectStatus(t, "untrusted "+path, r.post(path, `{"model_path":"/ckpt/1"}`), 403)
+		r.Load("diffusion_router {\n workers " + testrouter.URLs(ws) + "\n admin_allow 10.0.0.0/8\n}")
+		testrouter.ExpectStatus(t, "untrusted "+path, r.Post(path, `{"model_path":"/ckpt/1"}`), 403)
 	}
-	r.load("diffusion_router") // the worker leaves with the config that listed it
-	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/1"}`)
-	expectStatus(t, "update with no workers", rp, 503)
-	if rp.errorText(t) != "No healthy workers available in the pool" {
-		t.Fatalf("503 answer: %s", rp.body)
+	r.Load("diffusion_router") // the worker leaves with the config that listed it
+	rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/1"}`)
+	testrouter.ExpectStatus(t, "update with no workers", rp, 503)
+	if rp.ErrorText(t) != "No healthy workers available in the pool" {
+		t.Fatalf("503 answer: %s", rp.Body)
 	}
 }
 
@@ -397,13 +388,13 @@ func TestBadWeightUpdates(t *testing.T) {
 // a late joiner is, and then serves.
 func TestWorkerThatMissedAnUpdateCatchesUpWhenBack(t *testing.T) {
 	ws := namedWorkers(t, 2, fakeworker.Config{})
-	r := startRouter(t, "diffusion_router {\n workers "+urlsOf(ws)+"\n health_interval 50ms\n health_fails 1\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_interval 50ms\n health_fails 1\n}")
 	cfg := ws[1].Config()
 	cfg.Addr = strings.TrimPrefix(ws[1].URL(), "http://")
 	ws[1].Crash()
-	rp := r.post("/update_weights_from_disk", `{"model_path":"/ckpt/8","weight_version":"step-8"}`)
-	if rp.status != 502 || workerStates(t, r)[ws[1].URL()]["state"] != "stale" {
-		t.Fatalf("update with one worker down: %d %s; workers %s", rp.status, rp.body, r.get("/workers").body)
+	rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/8","weight_version":"step-8"}`)
+	if rp.Status != 502 || r.Workers()[ws[1].URL()]["state"] != "stale" {
+		t.Fatalf("update with one worker down: %d %s; workers %s", rp.Status, rp.Body, r.Get("/workers").Body)
 	}
 
 	back, err := fakeworker.Start(cfg)
@@ -411,15 +402,15 @@ func TestWorkerThatMissedAnUpdateCatchesUpWhenBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(back.Close)
-	waitFor(t, func() bool {
-		r.post("/v1/images/generations", smallImage) // catch-ups start on requests
-		return workerStates(t, r)[back.URL()]["state"] == "serving"
+	testrouter.WaitFor(t, func() bool {
+		r.Post("/v1/images/generations", smallImage) // catch-ups start on requests
+		return r.Workers()[back.URL()]["state"] == "serving"
 	})
-	if back.Weights() != "/ckpt/8" || workerStates(t, r)[back.URL()]["weight_version"] != "step-8" {
+	if back.Weights() != "/ckpt/8" || r.Workers()[back.URL()]["weight_version"] != "step-8" {
 		t.Fatalf("the worker came back on %q", back.Weights())
 	}
 	for range 8 {
-		if v := r.post("/v1/images/generations", smallImage).header.Get(weightVersionHeader); v != "step-8" {
+		if v := r.Post("/v1/images/generations", smallImage).Header.Get(weightVersionHeader); v != "step-8" {
 			t.Fatalf("served by %q", v)
 		}
 	}

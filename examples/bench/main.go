@@ -130,7 +130,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // options are the parsed flags.
@@ -245,7 +245,7 @@ func parseSpeeds(s string) ([]float64, error) {
 
 // run prints the header, runs the modes and writes the SVG.
 func run(ctx context.Context, o options, out io.Writer) error {
-	cleanHome, err := harness.IsolateHome("diffusion-router-bench-")
+	cleanHome, err := testrouter.IsolateHome("diffusion-router-bench-")
 	if err != nil {
 		return err
 	}

@@ -15,7 +15,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // buildEnv is the environment the bench started with, before run moved
@@ -64,7 +64,7 @@ func startRouterProcess(ctx context.Context, bin, dir string, cfg []byte, admin 
 		close(p.exited)
 	}()
 	for _, url := range urls {
-		if err := harness.WaitHealthy(ctx, url, 30*time.Second); err != nil {
+		if err := testrouter.WaitHealthy(ctx, url, 30*time.Second); err != nil {
 			return nil, errors.Join(err, p.stop())
 		}
 	}

@@ -8,7 +8,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // strategy is one way of spreading the jobs: a diffusion_router policy
@@ -122,19 +122,19 @@ var errUnavailable = errors.New("strategy unavailable")
 // startCaddy adapts the Caddyfile text, loads it in this process and waits
 // until GET url/health answers 200 for each of urls. Stop it with stopCaddy.
 func startCaddy(ctx context.Context, text string, urls []string) error {
-	cfg, _, err := harness.Adapt([]byte(text), "bench.Caddyfile")
+	cfg, _, err := testrouter.Adapt([]byte(text), "bench.Caddyfile")
 	if err != nil {
 		return fmt.Errorf("%w: %v", errUnavailable, err)
 	}
-	err = harness.StartRouter(ctx, cfg, urls...)
-	if errors.Is(err, harness.ErrLoad) {
+	err = testrouter.StartRouter(ctx, cfg, urls...)
+	if errors.Is(err, testrouter.ErrLoad) {
 		return fmt.Errorf("%w: %v", errUnavailable, err)
 	}
 	return err
 }
 
 func stopCaddy() {
-	if err := harness.StopRouter(); err != nil {
+	if err := testrouter.StopRouter(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench: stopping caddy:", err)
 	}
 }

@@ -16,7 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // outcome is one measured request.
@@ -80,7 +80,7 @@ func runStrategy(ctx context.Context, o options, s strategy, measure measureFunc
 	res := runResult{name: s.name}
 	ctx, cancel := context.WithTimeout(ctx, o.timeout)
 	defer cancel()
-	f, err := harness.StartFleet(o.speeds, o.unitMs)
+	f, err := testrouter.StartFleet(o.speeds, o.unitMs)
 	if err != nil {
 		res.err = err
 		return res
@@ -89,7 +89,7 @@ func runStrategy(ctx context.Context, o options, s strategy, measure measureFunc
 	ports := make([]int, s.routers)
 	urls := make([]string, s.routers)
 	for i := range ports {
-		if ports[i], err = harness.FreePort(); err != nil {
+		if ports[i], err = testrouter.FreePort(); err != nil {
 			res.err = err
 			return res
 		}

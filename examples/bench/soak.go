@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // soak is one soak run: the workers as the faults change them, the router
@@ -19,7 +19,7 @@ import (
 type soak struct {
 	o      options
 	router *routerProcess
-	images harness.Fleet      // the workers the config lists; the schedule restarts them
+	images testrouter.Fleet   // the workers the config lists; the schedule restarts them
 	video  *fakeworker.Worker // the video pool's one worker
 	joined *fakeworker.Worker // registered at run time, until removed
 	joins  int                // workers registered so far, to name them
@@ -94,14 +94,14 @@ func benchSoak(ctx context.Context, o options, out io.Writer) error {
 // config in dir.
 func (s *soak) start(ctx context.Context, bin, dir string) error {
 	var err error
-	if s.images, err = harness.StartFleet(s.o.speeds, s.o.unitMs); err != nil {
+	if s.images, err = testrouter.StartFleet(s.o.speeds, s.o.unitMs); err != nil {
 		return err
 	}
 	if s.video, err = fakeworker.Start(fakeworker.Config{Name: "v1", TaskType: "T2V", UnitMs: s.o.unitMs}); err != nil {
 		return err
 	}
 	for _, p := range []*int{&s.ports.images, &s.ports.videos, &s.ports.admin} {
-		if *p, err = harness.FreePort(); err != nil {
+		if *p, err = testrouter.FreePort(); err != nil {
 			return err
 		}
 	}

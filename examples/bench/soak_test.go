@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 func TestParseSoakFlags(t *testing.T) {
@@ -31,7 +31,7 @@ func TestParseSoakFlags(t *testing.T) {
 // TestSoakConfig checks the router config the soak loads, and that the
 // reload with a changed option changes only that option.
 func TestSoakConfig(t *testing.T) {
-	f, err := harness.StartFleet([]float64{1, 2}, 1)
+	f, err := testrouter.StartFleet([]float64{1, 2}, 1)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // How long the faults of the schedule last. A hang and a share of 500s
@@ -222,7 +222,7 @@ func (s *soak) config() ([]byte, error) {
 }
 `, s.ports.admin, s.ports.images, strings.Join(s.images.URLs(), " "), s.order, soakHealth, soakHealth,
 		s.ports.videos, s.video.URL(), soakHealth, soakHealth)
-	cfg, _, err := harness.Adapt([]byte(text), "soak.Caddyfile")
+	cfg, _, err := testrouter.Adapt([]byte(text), "soak.Caddyfile")
 	return cfg, err
 }
 

@@ -23,7 +23,7 @@ import (
 	"os"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // The fleet: one fake worker per speed. A job keeps a worker busy for
@@ -60,13 +60,13 @@ func run(ctx context.Context, caddyfile string) error {
 	if err != nil {
 		return err
 	}
-	cleanHome, err := harness.IsolateHome("diffusion-router-demo-")
+	cleanHome, err := testrouter.IsolateHome("diffusion-router-demo-")
 	if err != nil {
 		return err
 	}
 	defer cleanHome()
 
-	fleet, err := harness.StartFleet(speeds, unitMs)
+	fleet, err := testrouter.StartFleet(speeds, unitMs)
 	if err != nil {
 		return err
 	}

@@ -5,13 +5,13 @@ import (
 	"io"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // report prints the work each worker did and the batch's wall time against
 // the ideal. It fails if the workers' own counts disagree with the
 // X-Fake-Worker headers the client saw.
-func report(out io.Writer, f harness.Fleet, b batch, res result) error {
+func report(out io.Writer, f testrouter.Fleet, b batch, res result) error {
 	total, longest := b.totalCost()
 	var speedSum, fastest float64
 	for _, w := range f {

@@ -8,7 +8,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // findCaddyfile returns path if given, else examples/Caddyfile of the
@@ -43,7 +43,7 @@ func findCaddyfile(path string) (string, error) {
 // and loads it, and waits until the router's /health answers 200. It
 // returns the router's URL; stop it with stopRouter.
 func startRouter(ctx context.Context, caddyfile string, workers []string) (string, error) {
-	port, err := harness.FreePort()
+	port, err := testrouter.FreePort()
 	if err != nil {
 		return "", err
 	}
@@ -62,7 +62,7 @@ func startRouter(ctx context.Context, caddyfile string, workers []string) (strin
 		return "", err
 	}
 	url := fmt.Sprintf("http://127.0.0.1:%d", port)
-	if err := harness.StartRouter(ctx, cfg, url); err != nil {
+	if err := testrouter.StartRouter(ctx, cfg, url); err != nil {
 		return "", fmt.Errorf("starting the router: %w", err)
 	}
 	return url, nil
@@ -74,7 +74,7 @@ func adapt(path string) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	cfg, warnings, err := harness.Adapt(body, path)
+	cfg, warnings, err := testrouter.Adapt(body, path)
 	if err != nil {
 		return nil, fmt.Errorf("adapting %s: %w", path, err)
 	}
@@ -85,7 +85,7 @@ func adapt(path string) ([]byte, error) {
 }
 
 func stopRouter() {
-	if err := harness.StopRouter(); err != nil {
+	if err := testrouter.StopRouter(); err != nil {
 		fmt.Fprintln(os.Stderr, "demo: stopping the router:", err)
 	}
 }

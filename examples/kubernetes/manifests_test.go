@@ -16,7 +16,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/internal/harness"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // object is one Kubernetes object of a manifest, as parsed YAML.
@@ -108,7 +108,7 @@ func TestRouterCaddyfileAdapts(t *testing.T) {
 	deploy := find(t, objs, "Deployment", "diffusion-router")
 	cm := find(t, objs, "ConfigMap", str(volume(t, deploy, "caddyfile"), "configMap", "name"))
 	caddyfile := str(cm.doc, "data", "Caddyfile")
-	cfg, warnings, err := harness.Adapt([]byte(caddyfile), "router.yaml:Caddyfile")
+	cfg, warnings, err := testrouter.Adapt([]byte(caddyfile), "router.yaml:Caddyfile")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -238,7 +238,7 @@ func TestRouterStorageOutlivesThePod(t *testing.T) {
 
 	// The Caddyfile keeps the default storage and does not turn the record off.
 	cm := find(t, objs, "ConfigMap", str(volume(t, deploy, "caddyfile"), "configMap", "name"))
-	cfg, _, err := harness.Adapt([]byte(str(cm.doc, "data", "Caddyfile")), "router.yaml:Caddyfile")
+	cfg, _, err := testrouter.Adapt([]byte(str(cm.doc, "data", "Caddyfile")), "router.yaml:Caddyfile")
 	if err != nil {
 		t.Fatal(err)
 	}

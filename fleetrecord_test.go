@@ -1,0 +1,183 @@
+package diffusionrouter
+
+import (
+	"encoding/json"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter/memstore"
+)
+
+// applyUpdate records a weight update that succeeded on every worker of
+// p, as the fleet does at the end of one.
+func applyUpdate(p *pool, path, version, body string) {
+	req := weightsRequest{path: path, version: version, mode: modeDrain, body: []byte(body)}
+	p.mu.Lock()
+	workers := slices.Clone(p.workers)
+	p.mu.Unlock()
+	results := make([]result, len(workers))
+	for i := range results {
+		results[i].ok = true
+	}
+	p.fleet.finishUpdate(workers, results, version)
+	p.fleet.end(results, req)
+}
+
+// throughStorage is rec as a later process reads it back.
+func throughStorage(t *testing.T, rec fleetRecord) fleetRecord {
+	t.Helper()
+	data, err := json.Marshal(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back fleetRecord
+	if err := json.Unmarshal(data, &back); err != nil {
+		t.Fatal(err)
+	}
+	return back
+}
+
+func infoOf(t *testing.T, p *pool, u string) workerInfo {
+	t.Helper()
+	info, ok := p.worker(u)
+	if !ok {
+		t.Fatalf("worker %s is not in the pool", u)
+	}
+	return info
+}
+
+func TestFleetReadBackAfterRestart(t *testing.T) {
+	before, _ := poolOf(t, 2) // a and b from the config
+	registerRaw(before, "http://r:1")
+	registerRaw(before, "http://s:1")
+	applyUpdate(before, diskUpdatePath, "step-7", `{"model_path":"/ckpt/7"}`)
+	applyUpdate(before, "/v1/set_lora", "step-7+lora:x", `{"lora_nickname":"x","lora_path":"/lora/x"}`)
+	before.setDead("http://s:1", true)
+	before.setDead("http://a:1", true)
+
+	// The process starts again, with a config that lists a but no longer b.
+	after := newPool(t.Name())
+	after.declare([]string{"http://a:1"})
+	joined, adopted := after.restore(throughStorage(t, before.record()))
+
+	if joined != 2 || !adopted {
+		t.Fatalf("restore: %d joined, weights taken %v; want 2 and true", joined, adopted)
+	}
+	if got, want := workerURLs(after), []string{"http://a:1", "http://r:1", "http://s:1"}; !slices.Equal(got, want) {
+		t.Fatalf("workers read back: %v; want %v (b left the config)", got, want)
+	}
+	if v := after.stats().version; v != "step-7+lora:x" {
+		t.Fatalf("weight version read back: %q", v)
+	}
+	for u, want := range map[string]workerState{"http://a:1": dead, "http://r:1": unhealthy, "http://s:1": dead} {
+		info := infoOf(t, after, u)
+		if info.State != want || info.Version != "step-7+lora:x" {
+			t.Errorf("%s read back %s on %q; want %s on step-7+lora:x", u, info.State, info.Version, want)
+		}
+		if (info.Source == "registered") != (u != "http://a:1") {
+			t.Errorf("%s read back from source %s", u, info.Source)
+		}
+	}
+	// A worker that joins now is brought to the weights read back by the
+	// same calls, in the same order.
+	var replayed []string
+	for _, req := range after.fleet.history {
+		replayed = append(replayed, req.path+" "+string(req.body))
+	}
+	if want := []string{`/update_weights_from_disk {"model_path":"/ckpt/7"}`, `/v1/set_lora {"lora_nickname":"x","lora_path":"/lora/x"}`}; !slices.Equal(replayed, want) {
+		t.Fatalf("updates read back: %q; want %q", replayed, want)
+	}
+
+	// The worker read back gets jobs once a probe passes, one being enough.
+	if got := after.recordProbe("http://r:1", nil, testHealth); got != becameHealthy {
+		t.Fatalf("first passed probe of a worker read back: %v; want becameHealthy", got)
+	}
+	if info := infoOf(t, after, "http://r:1"); info.State != serving {
+		t.Fatalf("worker read back is %s after its probe passed", info.State)
+	}
+}
+
+func TestWorkerReadBackFailingItsProbeIsUnhealthy(t *testing.T) {
+	before := newPool(t.Name())
+	registerRaw(before, "http://r:1")
+	after := newPool(t.Name())
+	after.restore(throughStorage(t, before.record()))
+	if urls := after.unverified(); !slices.Equal(urls, []string{"http://r:1"}) {
+		t.Fatalf("unverified = %v", urls)
+	}
+	after.recordProbe("http://r:1", errProbe, testHealth)
+	if after.recordProbe("http://r:1", nil, testHealth) != unchanged || infoOf(t, after, "http://r:1").State != unhealthy {
+		t.Fatal("a worker read back that failed its first probe serves after one pass; want health_passes (2)")
+	}
+	if after.recordProbe("http://r:1", nil, testHealth) != becameHealthy {
+		t.Fatal("the worker read back did not come back after health_passes passes")
+	}
+	if urls := after.unverified(); len(urls) != 0 {
+		t.Fatalf("unverified = %v after probes", urls)
+	}
+}
+
+// An update that ran before the record was read is newer than it: the
+// pool keeps its weights, and a worker read back catches up with them.
+func TestRecordOlderThanAnUpdateLeavesTheWeights(t *testing.T) {
+	before := newPool(t.Name())
+	registerRaw(before, "http://r:1")
+	applyUpdate(before, diskUpdatePath, "step-7", `{"model_path":"/ckpt/7"}`)
+
+	after, _ := poolOf(t, 1)
+	applyUpdate(after, diskUpdatePath, "step-8", `{"model_path":"/ckpt/8"}`)
+	if _, adopted := after.restore(throughStorage(t, before.record())); adopted {
+		t.Fatal("the record's weights replaced those of a later update")
+	}
+	if v := after.stats().version; v != "step-8" {
+		t.Fatalf("weight version %q; want step-8", v)
+	}
+	if info := infoOf(t, after, "http://r:1"); info.Lifecycle != updating || info.Version == "step-8" {
+		t.Fatalf("worker read back is %s on %q; want updating (to catch up with step-8)", info.Lifecycle, info.Version)
+	}
+}
+
+func TestFleetKeyStaysInItsFolder(t *testing.T) {
+	for pool, want := range map[string]string{
+		"default":  "diffusion_router/default/fleet.json",
+		"..":       "diffusion_router/%2E./fleet.json",
+		"a/../../": "diffusion_router/a%2F..%2F..%2F/fleet.json",
+		`a\b`:      "diffusion_router/a%5Cb/fleet.json",
+	} {
+		if got := fleetKey(pool); got != want {
+			t.Errorf("fleetKey(%q) = %q; want %q", pool, got, want)
+		}
+	}
+}
+
+// Nothing is written before the record is read back: a write would
+// overwrite the fleet the process is about to learn. A read that fails is
+// retried.
+func TestFleetRecordReadBeforeAnyWrite(t *testing.T) {
+	store := memstore.New()
+	before := newPool(t.Name())
+	registerRaw(before, "http://r:1")
+	data, _ := json.Marshal(before.record())
+	store.Put(fleetKey(t.Name()), data)
+	store.FailLoads(2)
+
+	p := newPool(t.Name())
+	t.Cleanup(func() { _ = p.Destruct() })
+	p.store.retryMin = time.Millisecond
+	p.store.use(nil, store)
+	registerRaw(p, "http://n:1") // registered before the record was read
+	p.store.startOnce()
+	if got, want := workerURLs(p), []string{"http://n:1", "http://r:1"}; !slices.Equal(got, want) {
+		t.Fatalf("workers once started: %v; want %v", got, want)
+	}
+	if !waitUntilOr(30*time.Second, func() bool { return len(store.Stored()) > 0 }) {
+		t.Fatal("the merged fleet was never written")
+	}
+	for _, v := range store.Stored() {
+		if !strings.Contains(string(v), "http://r:1") || !strings.Contains(string(v), "http://n:1") {
+			t.Fatalf("a write lost part of the fleet: %s", v)
+		}
+	}
+}

@@ -1,0 +1,140 @@
+package testrouter
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"mime/multipart"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Reply is a response read whole.
+type Reply struct {
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+// JSON decodes the body as a JSON object, failing t if it is not one.
+func (rp Reply) JSON(t testing.TB) map[string]any {
+	t.Helper()
+	var v map[string]any
+	if err := json.Unmarshal(rp.Body, &v); err != nil {
+		t.Fatalf("status %d, body is not JSON: %v: %.200s", rp.Status, err, rp.Body)
+	}
+	return v
+}
+
+// ErrorText is the message of a {"error": "..."} body, the shape of every
+// error the router itself answers.
+func (rp Reply) ErrorText(t testing.TB) string {
+	t.Helper()
+	msg, ok := rp.JSON(t)["error"].(string)
+	if !ok {
+		t.Fatalf("status %d, no error message in %.200s", rp.Status, rp.Body)
+	}
+	return msg
+}
+
+// Client is the HTTP client of Do. Its timeout ends a test whose request
+// would otherwise hang on a stuck router.
+var Client = &http.Client{Timeout: 60 * time.Second}
+
+// Do sends a request to u and reads the whole answer. header is name, value
+// pairs.
+func Do(t testing.TB, method, u string, body io.Reader, header ...string) Reply {
+	t.Helper()
+	req, err := http.NewRequest(method, u, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := Client.Do(req)
+	if err != nil && method == http.MethodGet {
+		// A reload closes the old server's connections, even one it has
+		// just accepted; a client retries a GET, as browsers do.
+		resp, err = Client.Do(req)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return Reply{resp.StatusCode, resp.Header, b}
+}
+
+// Get sends GET path to the router.
+func (r *Router) Get(path string) Reply {
+	r.t.Helper()
+	return Do(r.t, http.MethodGet, r.Base+path, nil)
+}
+
+// Post sends POST path with body to the router; header is name, value
+// pairs.
+func (r *Router) Post(path, body string, header ...string) Reply {
+	r.t.Helper()
+	return Do(r.t, http.MethodPost, r.Base+path, strings.NewReader(body), header...)
+}
+
+// Workers returns the router's GET /workers answer as each worker's
+// fields, by worker URL.
+func (r *Router) Workers() map[string]map[string]any {
+	r.t.Helper()
+	out := map[string]map[string]any{}
+	for _, w := range r.Get("/workers").JSON(r.t)["workers"].([]any) {
+		m := w.(map[string]any)
+		out[m["url"].(string)] = m
+	}
+	return out
+}
+
+// ExpectStatus fails t unless rp has status want; what names the request.
+func ExpectStatus(t testing.TB, what string, rp Reply, want int) {
+	t.Helper()
+	if rp.Status != want {
+		t.Fatalf("%s: status %d, want %d; body %.300s", what, rp.Status, want, rp.Body)
+	}
+}
+
+// MultipartForm is a form with an image file part, then the fields given as
+// name, value pairs; it returns the body and its Content-Type.
+func MultipartForm(image []byte, fields ...string) (string, string) {
+	var buf bytes.Buffer
+	mw := multipart.NewWriter(&buf)
+	fw, _ := mw.CreateFormFile("image", "in.png")
+	fw.Write(image)
+	for i := 0; i+1 < len(fields); i += 2 {
+		mw.WriteField(fields[i], fields[i+1])
+	}
+	mw.Close()
+	return buf.String(), mw.FormDataContentType()
+}
+
+// WaitFor polls cond until it holds, failing t if it has not within 10 s.
+func WaitFor(t testing.TB, cond func() bool) {
+	t.Helper()
+	if !WaitUntil(10*time.Second, cond) {
+		t.Fatal("condition never held")
+	}
+}
+
+// WaitUntil polls cond every few milliseconds until it holds or d has
+// passed, and reports whether it held.
+func WaitUntil(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return true
+}

@@ -1,0 +1,116 @@
+package testrouter
+
+import (
+	"bytes"
+	"fmt"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Leak checks look at goroutines by what their stacks name, not at the
+// process's goroutine count, which other tests, Caddy and net/http move
+// at any time.
+
+// modulePath is the router's module path, as function names in stack traces
+// start with it.
+const modulePath = "github.com/miles-rollout/miles-diffusion-router"
+
+// routerCode reports whether a function name in a stack trace is the
+// router's own code: the root package or a package under internal/ (where
+// the core lives), but not this harness; the examples' fake workers are
+// not the router.
+func routerCode(frame string) bool {
+	return strings.HasPrefix(frame, modulePath+".") ||
+		strings.HasPrefix(frame, modulePath+"/internal/") && !strings.HasPrefix(frame, modulePath+"/internal/testrouter.")
+}
+
+// Stacks returns the stacks of all goroutines but the caller's, by
+// goroutine id.
+func Stacks() map[string]string {
+	self := make([]byte, 64)
+	self = self[:runtime.Stack(self, false)]
+	selfID := goroutineID(self)
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	out := map[string]string{}
+	for _, g := range bytes.Split(buf, []byte("\n\n")) {
+		if id := goroutineID(g); id != "" && id != selfID {
+			out[id] = string(g)
+		}
+	}
+	return out
+}
+
+// goroutineID reads N from a stack that starts "goroutine N [...]".
+func goroutineID(stack []byte) string {
+	rest, ok := bytes.CutPrefix(stack, []byte("goroutine "))
+	if !ok {
+		return ""
+	}
+	id, _, _ := bytes.Cut(rest, []byte(" "))
+	return string(id)
+}
+
+// RouterGoroutines returns the stacks, by goroutine id, of the goroutines
+// other than the caller's that run or were started by the router's code.
+func RouterGoroutines() map[string]string {
+	out := map[string]string{}
+	for id, s := range Stacks() {
+		for _, line := range strings.Split(s, "\n") {
+			if routerCode(strings.TrimPrefix(line, "created by ")) {
+				out[id] = s
+				break
+			}
+		}
+	}
+	return out
+}
+
+// WaitNoNewRouterGoroutines waits, for up to 30 s, until every goroutine of
+// the router's code still running was already running when before was
+// taken (by RouterGoroutines), and otherwise fails the test with the stacks
+// of the new ones. what names the step that should have left none.
+func WaitNoNewRouterGoroutines(t testing.TB, what string, before map[string]string) {
+	t.Helper()
+	var added []string
+	WaitUntil(30*time.Second, func() bool {
+		added = added[:0]
+		for id, s := range RouterGoroutines() {
+			if _, ok := before[id]; !ok {
+				added = append(added, s)
+			}
+		}
+		return len(added) == 0
+	})
+	if len(added) > 0 {
+		t.Fatalf("%s left %d goroutines of the router running:\n\n%s", what, len(added), strings.Join(added, "\n\n"))
+	}
+}
+
+// DescribeGoroutines counts goroutines by the function that started them,
+// for a failure message.
+func DescribeGoroutines(stacks map[string]string) string {
+	count := map[string]int{}
+	for _, s := range stacks {
+		creator := "(no creator)"
+		if _, after, ok := strings.Cut(s, "\ncreated by "); ok {
+			creator, _, _ = strings.Cut(after, " in goroutine")
+			creator, _, _ = strings.Cut(creator, "\n")
+		}
+		count[creator]++
+	}
+	var b strings.Builder
+	for c, n := range count {
+		fmt.Fprintf(&b, "%5d %s\n", n, c)
+	}
+	return b.String()
+}

@@ -1,0 +1,148 @@
+// Package memstore is a certmagic.Storage in memory whose reads and writes
+// of the router's records can be made to fail or to wait, for tests of the
+// fleet record. It imports nothing of the router, so the root package's own
+// unit tests can use it as well as tests through internal/testrouter.
+package memstore
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/caddyserver/certmagic"
+)
+
+// ErrDown is what a read or write made to fail returns.
+var ErrDown = errors.New("storage is down")
+
+// routerKeys starts the keys the router writes; Caddy's own (such as its
+// TLS app's) are kept but never failed, gated or counted.
+const routerKeys = "diffusion_router/"
+
+// Storage is the storage. The zero value is not ready: use New.
+type Storage struct {
+	mu        sync.Mutex
+	values    map[string][]byte
+	stored    [][]byte      // every router record Store was given, in order
+	loadFails int           // Load calls still to fail
+	storeGate chan struct{} // when set, the next Store of a record waits for it to close and fails
+	storing   chan struct{} // closed when a Store waits at the gate
+}
+
+// New returns an empty storage.
+func New() *Storage {
+	return &Storage{values: map[string][]byte{}}
+}
+
+// Put sets key to value, as a write by an earlier process left it.
+func (s *Storage) Put(key string, value []byte) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.values[key] = value
+}
+
+// Value returns what key holds.
+func (s *Storage) Value(key string) ([]byte, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	v, ok := s.values[key]
+	return v, ok
+}
+
+// FailLoads makes the next n Load calls fail with ErrDown.
+func (s *Storage) FailLoads(n int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.loadFails = n
+}
+
+// GateNextStore makes the next Store of a router record wait until release
+// is called and then fail with ErrDown; storing is closed once it waits.
+func (s *Storage) GateNextStore() (storing <-chan struct{}, release func()) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	gate := make(chan struct{})
+	s.storeGate, s.storing = gate, make(chan struct{})
+	return s.storing, sync.OnceFunc(func() { close(gate) })
+}
+
+// Stored returns every router record Store was given, in order, including
+// the ones it failed.
+func (s *Storage) Stored() [][]byte {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.stored)
+}
+
+// Store implements certmagic.Storage.
+func (s *Storage) Store(_ context.Context, key string, value []byte) error {
+	s.mu.Lock()
+	if !strings.HasPrefix(key, routerKeys) {
+		defer s.mu.Unlock()
+		s.values[key] = value
+		return nil
+	}
+	gate, storing := s.storeGate, s.storing
+	s.storeGate = nil
+	s.stored = append(s.stored, value)
+	s.mu.Unlock()
+	if gate != nil {
+		close(storing)
+		<-gate
+		return ErrDown
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.values[key] = value
+	return nil
+}
+
+// Load implements certmagic.Storage.
+func (s *Storage) Load(_ context.Context, key string) ([]byte, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.loadFails > 0 {
+		s.loadFails--
+		return nil, ErrDown
+	}
+	v, ok := s.values[key]
+	if !ok {
+		return nil, fs.ErrNotExist
+	}
+	return v, nil
+}
+
+// Delete implements certmagic.Storage.
+func (s *Storage) Delete(_ context.Context, key string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.values, key)
+	return nil
+}
+
+// Exists implements certmagic.Storage.
+func (s *Storage) Exists(_ context.Context, key string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.values[key]
+	return ok
+}
+
+// List implements certmagic.Storage; nothing the router does lists.
+func (s *Storage) List(context.Context, string, bool) ([]string, error) {
+	return nil, errors.New("not listed")
+}
+
+// Stat implements certmagic.Storage; nothing the router does needs it.
+func (s *Storage) Stat(context.Context, string) (certmagic.KeyInfo, error) {
+	return certmagic.KeyInfo{}, errors.New("no stat")
+}
+
+// Lock implements certmagic.Storage; one process uses it.
+func (s *Storage) Lock(context.Context, string) error { return nil }
+
+// Unlock implements certmagic.Storage.
+func (s *Storage) Unlock(context.Context, string) error { return nil }
