@@ -71,9 +71,12 @@ func TestCrashLosesNoUnsentRequest(t *testing.T) {
 	}
 }
 
+// Hedging off, so that the hung job stays on b: a copy winning on a would
+// end it, and b's suspicion with the next probe (hedges have tests of
+// their own).
 func TestHangIsDetectedAsStall(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b", HangAfter: 1})
-	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n health_interval 20ms\n health_timeout 50ms\n stall_factor 2\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n health_interval 20ms\n health_timeout 50ms\n stall_factor 2\n hedge_after off\n}")
 	for range 2 {
 		testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", smallImage), 200)
 	}
