@@ -84,8 +84,13 @@ func (f *fleet) update(ctx context.Context, req weightsRequest, cfg *weightsConf
 			return results, drainError(ctx, err)
 		}
 		f.setState(group, updating)
-		res := f.broadcast(ctx, group, req.path, req.body, cfg.timeout)
-		f.finishUpdate(group, res, req.version)
+		// Jobs may flow again: only workers that have loaded the new
+		// weights serve, each as soon as it has, so one worker slow to
+		// answer its call holds up only itself.
+		f.resume()
+		res := f.broadcastEach(ctx, group, req.path, req.body, cfg.timeout, func(w *worker, r result) {
+			f.finishUpdate([]*worker{w}, []result{r}, req.version)
+		})
 		results = append(results, res...)
 	}
 	f.end(results, req)
@@ -388,10 +393,21 @@ type result struct {
 
 // broadcast POSTs body to path on every worker in parallel.
 func (f *fleet) broadcast(ctx context.Context, workers []*worker, path string, body []byte, timeout time.Duration) []result {
+	return f.broadcastEach(ctx, workers, path, body, timeout, nil)
+}
+
+// broadcastEach is broadcast, calling done (when not nil) with each
+// worker's result as soon as it has it.
+func (f *fleet) broadcastEach(ctx context.Context, workers []*worker, path string, body []byte, timeout time.Duration, done func(*worker, result)) []result {
 	results := make([]result, len(workers))
 	var wg sync.WaitGroup
 	for i, w := range workers {
-		goSafely(&wg, f.pool.logger, path+" on "+w.url, func() { results[i] = f.post(ctx, w.url, path, body, timeout) })
+		goSafely(&wg, f.pool.logger, path+" on "+w.url, func() {
+			results[i] = f.post(ctx, w.url, path, body, timeout)
+			if done != nil {
+				done(w, results[i])
+			}
+		})
 	}
 	wg.Wait()
 	return results

@@ -4,6 +4,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -416,5 +418,55 @@ func TestWorkerThatMissedAnUpdateCatchesUpWhenBack(t *testing.T) {
 	}
 	if jobs := back.Stats().JobsOn; jobs[cfg.ModelPath] != 0 || jobs[""] != 0 {
 		t.Fatalf("the worker that came back served jobs on its old weights: %v", jobs)
+	}
+}
+
+// An update never waits on one worker slow to answer its call: the
+// workers that loaded the new weights serve at once, on them, while the
+// straggler's call is still open.
+func TestWorkersUpdatedServeWhileAStragglerLoads(t *testing.T) {
+	ws := namedWorkers(t, 3, fakeworker.Config{})
+	target, err := url.Parse(ws[2].URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	release := make(chan struct{})
+	straggler := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/update_weights_from_disk" {
+			<-release // the call hangs until the test lets it go
+		}
+		proxy.ServeHTTP(rw, r)
+	}))
+	t.Cleanup(straggler.Close)
+	var once sync.Once
+	letGo := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(letGo)
+
+	r := testrouter.Start(t, "diffusion_router {\n workers "+ws[0].URL()+" "+ws[1].URL()+" "+straggler.URL+"\n}")
+	updated := make(chan testrouter.Reply, 1)
+	go func() {
+		updated <- r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/10","weight_version":"step-10"}`)
+	}()
+	testrouter.WaitFor(t, func() bool {
+		s := r.Workers()
+		return s[ws[0].URL()]["state"] == "serving" && s[ws[1].URL()]["weight_version"] == "step-10" && s[straggler.URL]["state"] == "updating"
+	})
+	for range 6 {
+		rp := r.Post("/v1/images/generations", smallImage)
+		testrouter.ExpectStatus(t, "a job while the straggler loads", rp, 200)
+		if v := rp.Header.Get(weightVersionHeader); v != "step-10" {
+			t.Fatalf("served by %q while the update runs", v)
+		}
+	}
+	select {
+	case rp := <-updated:
+		t.Fatalf("the update answered before the straggler did: %s", rp.Body)
+	default:
+	}
+	letGo()
+	testrouter.ExpectStatus(t, "update", <-updated, 200)
+	if ws[2].Weights() != "/ckpt/10" {
+		t.Fatalf("the straggler ended on %q", ws[2].Weights())
 	}
 }
