@@ -63,6 +63,8 @@ func FuzzWeightsRequest(f *testing.F) {
 			t.Fatalf("accepted model_path %q", mp)
 		case !underFuzzPrefixes(mp):
 			t.Fatalf("accepted model_path %q, outside %v", mp, fuzzPrefixes)
+		case len(req.version) > maxWeightVersion || strings.ContainsFunc(req.version, func(c rune) bool { return c < 0x20 || c > 0x7e }):
+			t.Fatalf("accepted weight version %q, which cannot go out as a header", req.version)
 		case req.mode != modeDrain && req.mode != modeRolling:
 			t.Fatalf("accepted mode %q", req.mode)
 		}

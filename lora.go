@@ -61,6 +61,9 @@ func (h *Handler) readLoraRequest(r *http.Request) (weightsRequest, int, string)
 			}
 		}
 		req.version = base + loraSuffix + strings.Join(nicknames, ",")
+		if status, msg := checkWeightVersion("lora_nickname", req.version); status != 0 {
+			return req, status, msg
+		}
 	case "/v1/merge_lora_weights":
 		req.version = h.pool.stats().version // merging changes how, not what, is served
 	}

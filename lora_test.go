@@ -68,6 +68,8 @@ func TestBadLoraCallsChangeNothing(t *testing.T) {
 		{"/v1/set_lora", `{"lora_nickname":"a","lora_path":"/elsewhere/a"}`, 403, "weights_path_prefix"},
 		{"/v1/set_lora", `{"lora_nickname":"a","Lora_Nickname":"b"}`, 400, "only in case"},
 		{"/v1/set_lora", `{"lora_nickname":"a","target":"everything"}`, 400, "target must be one of"},
+		{"/v1/set_lora", `{"lora_nickname":"` + strings.Repeat("n", 1000) + `","lora_path":"/ckpt/lora-1"}`, 400, "at most 512"},
+		{"/v1/set_lora", `{"lora_nickname":"a\nb","lora_path":"/ckpt/lora-1"}`, 400, "printable ASCII"},
 		{"/v1/merge_lora_weights", `[1]`, 400, "JSON object"},
 	} {
 		rp := r.Post(tc.path, tc.body)

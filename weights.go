@@ -142,11 +142,39 @@ func (h *Handler) readWeightsRequest(r *http.Request) (weightsRequest, int, stri
 	if req.version, ok = stringField(strictjson.Member(members, "weight_version"), req.modelPath); !ok {
 		return req, http.StatusBadRequest, "weight_version must be a string"
 	}
+	named := "weight_version"
+	if strictjson.Member(members, "weight_version") == nil {
+		named = "model_path (the weight version when weight_version is not given)"
+	}
+	if status, msg := checkWeightVersion(named, req.version); status != 0 {
+		return req, status, msg
+	}
 	if req.mode, ok = stringField(strictjson.Member(members, "mode"), h.weights.mode); !ok || (req.mode != modeDrain && req.mode != modeRolling) {
 		return req, http.StatusBadRequest, `mode must be "drain" or "rolling"`
 	}
 	req.body = body
 	return req, 0, ""
+}
+
+// maxWeightVersion bounds a weight version: the router sends it as a
+// header on every answer and keeps it in storage, and clients' header
+// readers have limits of their own (Python's http.client fails a line of
+// 64 KiB).
+const maxWeightVersion = 512
+
+// checkWeightVersion refuses a weight version, given by the field named,
+// that could not go out as a header value: too long, or with bytes that
+// are not printable ASCII.
+func checkWeightVersion(named, version string) (int, string) {
+	if len(version) > maxWeightVersion {
+		return http.StatusBadRequest, fmt.Sprintf("%s: the weight version is %d bytes long; at most %d", named, len(version), maxWeightVersion)
+	}
+	for _, c := range []byte(version) {
+		if c < 0x20 || c > 0x7e {
+			return http.StatusBadRequest, fmt.Sprintf("%s: the weight version must be printable ASCII, as it is sent in a header", named)
+		}
+	}
+	return 0, ""
 }
 
 // readControlObject reads a control call's body: one JSON object, read as

@@ -362,6 +362,10 @@ func TestBadWeightUpdates(t *testing.T) {
 		`{"model_path":"/ckpt/1","mode":"eventually"}`:                                             400,
 		`{"model_path":"s3://other/1"}`:                                                            403,
 		`{"model_path":"/ckpt/..hidden/1","mode":"x"}`:                                             400,
+		`{"model_path":"/ckpt/1","weight_version":"` + strings.Repeat("v", 100_000) + `"}`:         400,
+		`{"model_path":"/ckpt/` + strings.Repeat("d", 600) + `"}`:                                  400,
+		`{"model_path":"/ckpt/1","weight_version":"step\r\nX-Evil: 1"}`:                            400,
+		`{"model_path":"/ckpt/1","weight_version":"step-\u00e9"}`:                                  400,
 		`{"model_path":"/ckpt/ok","flush_cache":false,"target_modules":["transformer"],"extra":1}`: 200,
 	} {
 		rp := r.Post("/update_weights_from_disk", body)
