@@ -7,6 +7,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 func init() {
@@ -54,7 +56,7 @@ func (p *pool) pickUntracked(upstreams []*reverseproxy.Upstream) *reverseproxy.U
 	var ok []*reverseproxy.Upstream
 	now := p.now().UnixNano()
 	for _, u := range upstreams {
-		if w := p.byDial[u.Dial]; w != nil && w.serving(now) && u.Available() {
+		if w := p.byDial[workerurl.AddressKey(u.Dial)]; w != nil && w.serving(now) && u.Available() {
 			ok = append(ok, u)
 		}
 	}

@@ -126,11 +126,11 @@ type pool struct {
 // DNS answer that names it.
 type registry struct {
 	workers    []*worker             // in order of joining
-	byDial     map[string]*worker    // one worker per dial address
+	byDial     map[string]*worker    // one worker per address, by workerurl.AddressKey
 	declared   map[string]int        // worker URL -> number of loaded configs listing it
 	discovered map[string]int        // worker URL -> number of DNS answers naming it
 	answers    map[string]*dnsAnswer // DNS lookup -> its last answer, while a loaded config names the lookup
-	departing  map[string]*worker    // removed workers whose jobs have not ended, by dial address
+	departing  map[string]*worker    // removed workers whose jobs have not ended, by workerurl.AddressKey
 	unknown    atomic.Int32          // workers whose task types no probe has told yet; read without mu
 }
 
@@ -463,9 +463,10 @@ func (p *pool) remove(url string) bool {
 
 func (p *pool) addLocked(u string) *worker {
 	dial := workerurl.DialAddress(u)
-	w := p.departing[dial]
+	key := workerurl.AddressKey(dial)
+	w := p.departing[key]
 	if w != nil { // back before its last jobs ended: they still count
-		delete(p.departing, dial)
+		delete(p.departing, key)
 		w.url, w.life.removed = u, false
 	} else {
 		w = &worker{url: u, dial: dial, caps: capabilities{makes: request.Unprobed}}
@@ -475,7 +476,7 @@ func (p *pool) addLocked(u string) *worker {
 		p.unknown.Add(1)
 	}
 	p.workers = append(p.workers, w)
-	p.byDial[w.dial] = w
+	p.byDial[key] = w
 	return w
 }
 
@@ -484,7 +485,7 @@ func (p *pool) removeLocked(w *worker) {
 	if w.caps.taskTypes == nil {
 		p.unknown.Add(-1)
 	}
-	delete(p.byDial, w.dial)
+	delete(p.byDial, workerurl.AddressKey(w.dial))
 	for i, x := range p.workers {
 		if x == w {
 			p.workers = append(p.workers[:i:i], p.workers[i+1:]...)
@@ -495,7 +496,7 @@ func (p *pool) removeLocked(w *worker) {
 	p.images.ForgetWorker(w.url)
 	if w.load.inflight > 0 {
 		w.life.removed = true
-		p.departing[w.dial] = w
+		p.departing[workerurl.AddressKey(w.dial)] = w
 	}
 }
 
@@ -601,7 +602,7 @@ func (p *pool) unprobed(now time.Time, interval time.Duration) []string {
 // findLocked looks a worker up by URL; URLs that dial the same address name the
 // same worker (http://h and http://h:80).
 func (p *pool) findLocked(url string) *worker {
-	return p.byDial[workerurl.DialAddress(url)]
+	return p.byDial[workerurl.AddressKey(workerurl.DialAddress(url))]
 }
 
 // poolStats are the pool-wide figures.

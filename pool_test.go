@@ -141,3 +141,21 @@ func TestNewWorkerStartsFromPoolMedianSpeed(t *testing.T) {
 		t.Fatalf("new worker's speed %v (learned %v); want the median 3", d.Speed, d.SpeedLearned)
 	}
 }
+
+// Spellings of one address are one worker: one GPU must not draw the
+// jobs of three.
+func TestOneAddressIsOneWorker(t *testing.T) {
+	p := newPool(t.Name())
+	for i, raw := range []string{"http://127.0.0.1:30000", "http://localhost:30000", "http://[::ffff:127.0.0.1]:30000"} {
+		info, created, err := registerRaw(p, raw)
+		if err != nil || created != (i == 0) || info.URL != "http://127.0.0.1:30000" {
+			t.Fatalf("register %s: %+v, new %v, %v; want the first worker", raw, info, created, err)
+		}
+	}
+	if n := len(p.snapshot()); n != 1 {
+		t.Fatalf("%d workers for one address", n)
+	}
+	if !p.remove("http://localhost:30000") || len(p.snapshot()) != 0 {
+		t.Fatal("the worker was not removed by another spelling of its address")
+	}
+}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 // dispatchConfig is how one diffusion_router config hands jobs to workers.
@@ -441,7 +442,7 @@ func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
 		w.health.suspect = false // the stalled job, if it was one, has ended
 	}
 	if w.life.removed && w.load.inflight == 0 {
-		delete(p.departing, w.dial)
+		delete(p.departing, workerurl.AddressKey(w.dial))
 	}
 	p.updateEndsLocked(w)
 	return ejected

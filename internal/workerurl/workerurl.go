@@ -196,6 +196,25 @@ func embeddedIPv4(a netip.Addr) netip.Addr {
 	return a
 }
 
+// AddressKey is what identifies the machine and port a dial address
+// (host:port) reaches, so that spellings of one address are one worker:
+// localhost is 127.0.0.1, and an IPv4 address inside IPv6 is that IPv4
+// address. Names other than localhost are taken as they are: what they
+// resolve to may change.
+func AddressKey(dial string) string {
+	host, port, err := net.SplitHostPort(dial)
+	if err != nil {
+		return dial
+	}
+	if host == "localhost" {
+		return net.JoinHostPort("127.0.0.1", port)
+	}
+	if a, err := netip.ParseAddr(host); err == nil {
+		return net.JoinHostPort(a.Unmap().String(), port)
+	}
+	return dial
+}
+
 // DialAddress turns a worker URL from Parse into the host:port a
 // connection to it dials, filling in the scheme's default port.
 func DialAddress(workerURL string) string {

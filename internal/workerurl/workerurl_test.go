@@ -106,3 +106,28 @@ func FuzzParseWorkerURL(f *testing.F) {
 		}
 	})
 }
+
+func TestSpellingsOfOneAddressAreOneKey(t *testing.T) {
+	for _, spellings := range [][]string{
+		{"http://127.0.0.1:30000", "http://localhost:30000", "http://[::ffff:127.0.0.1]:30000", "http://LOCALHOST.:30000"},
+		{"http://10.0.0.1", "http://[::ffff:a00:1]:80", "http://10.0.0.1:80"},
+	} {
+		want := ""
+		for _, raw := range spellings {
+			u, err := Parse(raw)
+			if err != nil {
+				t.Fatalf("Parse(%q): %v", raw, err)
+			}
+			key := AddressKey(DialAddress(u))
+			if want == "" {
+				want = key
+			}
+			if key != want {
+				t.Errorf("%s is %s; %s is %s", raw, key, spellings[0], want)
+			}
+		}
+	}
+	if AddressKey("workers.internal:30000") != "workers.internal:30000" || AddressKey("[::1]:30000") == AddressKey("127.0.0.1:30000") {
+		t.Error("names and other addresses must keep their own keys")
+	}
+}
