@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -76,7 +77,7 @@ func TestGenerationKeyTricksReachNoWorker(t *testing.T) {
 		expectRefusals(t, r, "POST", path, cases)
 	}
 
-	twice, ctype := testrouter.MultipartForm([]byte("\x89PNG"), "prompt", "x", "num_inference_steps", "1", "num_inference_steps", "50")
+	twice, ctype := testkit.MultipartForm([]byte("\x89PNG"), "prompt", "x", "num_inference_steps", "1", "num_inference_steps", "50")
 	rp := r.Post("/v1/images/edits", twice, "Content-Type", ctype)
 	testrouter.ExpectStatus(t, "form with a field twice", rp, 400)
 	if msg := rp.ErrorText(t); !strings.Contains(msg, "num_inference_steps") {

@@ -30,6 +30,7 @@ import (
 	"github.com/chromedp/chromedp"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -344,9 +345,9 @@ func (tab *browserTab) logStatus() {
 func waitNoChromedpGoroutines(t *testing.T) {
 	t.Helper()
 	var left []string
-	testrouter.WaitUntil(30*time.Second, func() bool {
+	testkit.WaitUntil(30*time.Second, func() bool {
 		left = left[:0]
-		for _, s := range testrouter.Stacks() {
+		for _, s := range testkit.Stacks() {
 			if strings.Contains(s, "github.com/chromedp/") {
 				left = append(left, s)
 			}

@@ -16,6 +16,7 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -196,7 +197,7 @@ func waitForWorkers(t *testing.T, r *testrouter.Router, urls ...string) {
 	t.Helper()
 	want := slices.Sorted(slices.Values(urls))
 	var got []string
-	if !testrouter.WaitUntil(10*time.Second, func() bool {
+	if !testkit.WaitUntil(10*time.Second, func() bool {
 		got = slices.Sorted(maps.Keys(r.Workers()))
 		return slices.Equal(got, want)
 	}) {
@@ -405,7 +406,7 @@ func TestDNSWorkersSurviveReload(t *testing.T) {
 
 	r.Load("diffusion_router {\n workers " + pods.urls("listed")[0] + "\n}")
 	waitForWorkers(t, r, pods.urls("listed")...) // a config without the lookup lets its workers go
-	for _, stack := range testrouter.Stacks() {
+	for _, stack := range testkit.Stacks() {
 		if strings.Contains(stack, "(*discovery).run") {
 			t.Fatalf("the unloaded configs' lookups still run:\n%s", stack)
 		}

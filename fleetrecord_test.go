@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter/memstore"
 )
 
@@ -172,7 +173,7 @@ func TestFleetRecordReadBeforeAnyWrite(t *testing.T) {
 	if got, want := workerURLs(p), []string{"http://n:1", "http://r:1"}; !slices.Equal(got, want) {
 		t.Fatalf("workers once started: %v; want %v", got, want)
 	}
-	if !waitUntilOr(30*time.Second, func() bool { return len(store.Stored()) > 0 }) {
+	if !testkit.WaitUntil(30*time.Second, func() bool { return len(store.Stored()) > 0 }) {
 		t.Fatal("the merged fleet was never written")
 	}
 	for _, v := range store.Stored() {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter/memstore"
 )
@@ -51,7 +52,7 @@ func TestFleetRecordWriteRetriedWithoutBlockingRequests(t *testing.T) {
 
 	want := []storedWorker{{URL: ws[0].URL()}, {URL: ws[1].URL(), Registered: true}, {URL: ws[2].URL(), Registered: true, IsDead: true}}
 	var data []byte
-	if !testrouter.WaitUntil(30*time.Second, func() bool {
+	if !testkit.WaitUntil(30*time.Second, func() bool {
 		var ok bool
 		data, ok = store.Value(fleetKey)
 		return ok

@@ -1,11 +1,12 @@
 package diffusionrouter
 
 import (
-	"bytes"
 	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
 
 // Leak checks look at goroutines by what their stacks name, not at the
@@ -22,45 +23,11 @@ var packagePrefix = func() string {
 	return name[:slash+strings.IndexByte(name[slash:], '.')+1]
 }()
 
-// goroutineStacks returns the stacks of all goroutines but the caller's, by
-// goroutine id.
-func goroutineStacks() map[string]string {
-	self := make([]byte, 64)
-	self = self[:runtime.Stack(self, false)]
-	selfID := goroutineID(self)
-	buf := make([]byte, 1<<20)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
-	out := map[string]string{}
-	for _, g := range bytes.Split(buf, []byte("\n\n")) {
-		if id := goroutineID(g); id != "" && id != selfID {
-			out[id] = string(g)
-		}
-	}
-	return out
-}
-
-// goroutineID reads N from a stack that starts "goroutine N [...]".
-func goroutineID(stack []byte) string {
-	rest, ok := bytes.CutPrefix(stack, []byte("goroutine "))
-	if !ok {
-		return ""
-	}
-	id, _, _ := bytes.Cut(rest, []byte(" "))
-	return string(id)
-}
-
 // packageGoroutines returns the stacks, by goroutine id, of the goroutines
 // other than the caller's that run or were started by this package's code.
 func packageGoroutines() map[string]string {
 	out := map[string]string{}
-	for id, s := range goroutineStacks() {
+	for id, s := range testkit.Stacks() {
 		if strings.Contains(s, "\n"+packagePrefix) || strings.Contains(s, "created by "+packagePrefix) {
 			out[id] = s
 		}
@@ -74,7 +41,7 @@ func packageGoroutines() map[string]string {
 func waitNoNewPackageGoroutines(t *testing.T, what string, before map[string]string) {
 	t.Helper()
 	var added []string
-	waitUntilOr(30*time.Second, func() bool {
+	testkit.WaitUntil(30*time.Second, func() bool {
 		added = added[:0]
 		for id, s := range packageGoroutines() {
 			if _, ok := before[id]; !ok {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -172,7 +173,7 @@ func TestReloadsLeaveNoGoroutines(t *testing.T) {
 	const tolerance = 5
 	var after int
 	var pkg map[string]string
-	if !testrouter.WaitUntil(30*time.Second, func() bool {
+	if !testkit.WaitUntil(30*time.Second, func() bool {
 		testrouter.Client.CloseIdleConnections()
 		after, pkg = runtime.NumGoroutine(), testrouter.RouterGoroutines()
 		return after <= before+tolerance && len(pkg) <= beforePkg+2

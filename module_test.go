@@ -17,6 +17,7 @@ import (
 	diffusionrouter "github.com/miles-rollout/miles-diffusion-router"
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/msgpack"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -79,7 +80,7 @@ func TestForwardsEveryEndpoint(t *testing.T) {
 
 func multipartEdit(t *testing.T) (string, string) {
 	t.Helper()
-	return testrouter.MultipartForm([]byte("\x89PNG fake image bytes"), "prompt", "make it blue", "size", "256x256", "num_inference_steps", "2")
+	return testkit.MultipartForm([]byte("\x89PNG fake image bytes"), "prompt", "make it blue", "size", "256x256", "num_inference_steps", "2")
 }
 
 // busyWith starts a job on the router that keeps the given worker busy and

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -64,7 +65,7 @@ func startCaddy(t *testing.T, bin, dir string, r *testrouter.Router) *caddyProce
 	}
 	p := &caddyProcess{t: t, cmd: cmd, log: logFile.Name()}
 	t.Cleanup(p.kill)
-	up := testrouter.WaitUntil(60*time.Second, func() bool {
+	up := testkit.WaitUntil(60*time.Second, func() bool {
 		resp, err := testrouter.Client.Get(r.Base + "/healthz")
 		if err != nil {
 			return false
@@ -185,7 +186,7 @@ func TestFleetSurvivesKill9(t *testing.T) {
 	// last one reached the disk, as it would some time after an
 	// operator's change.
 	record := filepath.Join(storage, "diffusion_router", "default", "fleet.json")
-	written := testrouter.WaitUntil(10*time.Second, func() bool {
+	written := testkit.WaitUntil(10*time.Second, func() bool {
 		data, _ := os.ReadFile(record)
 		return strings.Contains(string(data), `"is_dead":true`)
 	})
@@ -213,14 +214,14 @@ func TestFleetSurvivesKill9(t *testing.T) {
 		second.fail("b, read back and failing its probes, is %s and ran %d jobs; want unhealthy and none", st.State, b.Stats().Jobs)
 	}
 	b.SetHealthFail(false)
-	if !testrouter.WaitUntil(30*time.Second, func() bool { return workerOf(t, r, b.URL()).State == "serving" }) {
+	if !testkit.WaitUntil(30*time.Second, func() bool { return workerOf(t, r, b.URL()).State == "serving" }) {
 		second.fail("b did not serve again within 30 s of passing its probes")
 	}
 
 	// A worker that joins after the restart is sent the update and the
 	// LoRA call read back before its first job.
 	testrouter.ExpectStatus(t, "add_worker d", r.Post("/add_worker?url="+d.URL(), ""), 200)
-	if !testrouter.WaitUntil(30*time.Second, func() bool { return workerOf(t, r, d.URL()).WeightVersion == "step-7+lora:x" }) {
+	if !testkit.WaitUntil(30*time.Second, func() bool { return workerOf(t, r, d.URL()).WeightVersion == "step-7+lora:x" }) {
 		second.fail("d was not brought to step-7+lora:x: %+v", workerOf(t, r, d.URL()))
 	}
 	if w := d.Weights(); w != "/ckpt/step-7" {

@@ -2,11 +2,12 @@ package request
 
 import (
 	"bytes"
-	"mime/multipart"
 	"net/http"
 	"net/url"
 	"strings"
 	"testing"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
 
 var testCosts = Model{Steps: 20, Width: 1024, Height: 1024, Frames: 96, CFGFactor: 2}
@@ -14,20 +15,6 @@ var testCosts = Model{Steps: 20, Width: 1024, Height: 1024, Frames: 96, CFGFacto
 // cost is what the endpoint at path charges for f.
 func cost(path string, f Fields) (float64, error) {
 	return Endpoints.Match(http.MethodPost, &url.URL{Path: path}).Cost(testCosts, f)
-}
-
-// multipartForm is a form with an image file part, then the fields given as
-// name, value pairs.
-func multipartForm(image []byte, fields ...string) (string, string) {
-	var b bytes.Buffer
-	mw := multipart.NewWriter(&b)
-	fw, _ := mw.CreateFormFile("image", "in.png")
-	fw.Write(image)
-	for i := 0; i+1 < len(fields); i += 2 {
-		mw.WriteField(fields[i], fields[i+1])
-	}
-	mw.Close()
-	return b.String(), mw.FormDataContentType()
 }
 
 func TestCostOfEveryFieldForm(t *testing.T) {
@@ -66,7 +53,7 @@ func TestCostOfEveryFieldForm(t *testing.T) {
 
 func TestCostOfMultipartFields(t *testing.T) {
 	// The file's bytes are not fields.
-	body, ctype := multipartForm(bytes.Repeat([]byte("size=9999x9999 "), 1000), "prompt", "make it blue", "size", "512x512", "n", "3", "num_inference_steps", "8")
+	body, ctype := testkit.MultipartForm(bytes.Repeat([]byte("size=9999x9999 "), 1000), "prompt", "make it blue", "size", "512x512", "n", "3", "num_inference_steps", "8")
 	f, err := formFields([]byte(body), ctype)
 	if err != nil {
 		t.Fatal(err)

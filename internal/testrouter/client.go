@@ -1,14 +1,14 @@
 package testrouter
 
 import (
-	"bytes"
 	"encoding/json"
 	"io"
-	"mime/multipart"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
 
 // Reply is a response read whole.
@@ -104,37 +104,10 @@ func ExpectStatus(t testing.TB, what string, rp Reply, want int) {
 	}
 }
 
-// MultipartForm is a form with an image file part, then the fields given as
-// name, value pairs; it returns the body and its Content-Type.
-func MultipartForm(image []byte, fields ...string) (string, string) {
-	var buf bytes.Buffer
-	mw := multipart.NewWriter(&buf)
-	fw, _ := mw.CreateFormFile("image", "in.png")
-	fw.Write(image)
-	for i := 0; i+1 < len(fields); i += 2 {
-		mw.WriteField(fields[i], fields[i+1])
-	}
-	mw.Close()
-	return buf.String(), mw.FormDataContentType()
-}
-
 // WaitFor polls cond until it holds, failing t if it has not within 10 s.
 func WaitFor(t testing.TB, cond func() bool) {
 	t.Helper()
-	if !WaitUntil(10*time.Second, cond) {
+	if !testkit.WaitUntil(10*time.Second, cond) {
 		t.Fatal("condition never held")
 	}
-}
-
-// WaitUntil polls cond every few milliseconds until it holds or d has
-// passed, and reports whether it held.
-func WaitUntil(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	return true
 }

@@ -1,12 +1,12 @@
 package testrouter
 
 import (
-	"bytes"
 	"fmt"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
 
 // Leak checks look at goroutines by what their stacks name, not at the
@@ -26,45 +26,11 @@ func routerCode(frame string) bool {
 		strings.HasPrefix(frame, modulePath+"/internal/") && !strings.HasPrefix(frame, modulePath+"/internal/testrouter.")
 }
 
-// Stacks returns the stacks of all goroutines but the caller's, by
-// goroutine id.
-func Stacks() map[string]string {
-	self := make([]byte, 64)
-	self = self[:runtime.Stack(self, false)]
-	selfID := goroutineID(self)
-	buf := make([]byte, 1<<20)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
-	out := map[string]string{}
-	for _, g := range bytes.Split(buf, []byte("\n\n")) {
-		if id := goroutineID(g); id != "" && id != selfID {
-			out[id] = string(g)
-		}
-	}
-	return out
-}
-
-// goroutineID reads N from a stack that starts "goroutine N [...]".
-func goroutineID(stack []byte) string {
-	rest, ok := bytes.CutPrefix(stack, []byte("goroutine "))
-	if !ok {
-		return ""
-	}
-	id, _, _ := bytes.Cut(rest, []byte(" "))
-	return string(id)
-}
-
 // RouterGoroutines returns the stacks, by goroutine id, of the goroutines
 // other than the caller's that run or were started by the router's code.
 func RouterGoroutines() map[string]string {
 	out := map[string]string{}
-	for id, s := range Stacks() {
+	for id, s := range testkit.Stacks() {
 		for _, line := range strings.Split(s, "\n") {
 			if routerCode(strings.TrimPrefix(line, "created by ")) {
 				out[id] = s
@@ -82,7 +48,7 @@ func RouterGoroutines() map[string]string {
 func WaitNoNewRouterGoroutines(t testing.TB, what string, before map[string]string) {
 	t.Helper()
 	var added []string
-	WaitUntil(30*time.Second, func() bool {
+	testkit.WaitUntil(30*time.Second, func() bool {
 		added = added[:0]
 		for id, s := range RouterGoroutines() {
 			if _, ok := before[id]; !ok {

@@ -28,6 +28,7 @@ import (
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 
 	_ "github.com/miles-rollout/miles-diffusion-router"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
 
 // Router is Caddy running in this process with one site on a port of
@@ -89,7 +90,7 @@ func (r *Router) Load(site string) {
 	// server has read. caddy.Load returns before the old server has closed
 	// its socket, so wait for that before a test sends anything.
 	addr := fmt.Sprintf("127.0.0.1:%d", r.Port)
-	if !WaitUntil(30*time.Second, func() bool { return listeners(addr) <= 1 }) {
+	if !testkit.WaitUntil(30*time.Second, func() bool { return listeners(addr) <= 1 }) {
 		r.t.Fatalf("%d sockets still listen on %s 30 s after a reload", listeners(addr), addr)
 	}
 }

@@ -1,0 +1,73 @@
+// Package testkit holds the test helpers that need no Caddy, so that the
+// core's tests, the root package's own unit tests and internal/testrouter
+// share one copy: waiting for a condition, goroutine stacks for leak
+// checks, and multipart bodies.
+package testkit
+
+import (
+	"bytes"
+	"mime/multipart"
+	"runtime"
+	"time"
+)
+
+// WaitUntil polls cond every few milliseconds until it holds or d has
+// passed, and reports whether it held.
+func WaitUntil(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return true
+}
+
+// Stacks returns the stacks of all goroutines but the caller's, by
+// goroutine id.
+func Stacks() map[string]string {
+	self := make([]byte, 64)
+	self = self[:runtime.Stack(self, false)]
+	selfID := goroutineID(self)
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	out := map[string]string{}
+	for _, g := range bytes.Split(buf, []byte("\n\n")) {
+		if id := goroutineID(g); id != "" && id != selfID {
+			out[id] = string(g)
+		}
+	}
+	return out
+}
+
+// goroutineID reads N from a stack that starts "goroutine N [...]".
+func goroutineID(stack []byte) string {
+	rest, ok := bytes.CutPrefix(stack, []byte("goroutine "))
+	if !ok {
+		return ""
+	}
+	id, _, _ := bytes.Cut(rest, []byte(" "))
+	return string(id)
+}
+
+// MultipartForm is a form with an image file part, then the fields given as
+// name, value pairs; it returns the body and its Content-Type.
+func MultipartForm(image []byte, fields ...string) (string, string) {
+	var buf bytes.Buffer
+	mw := multipart.NewWriter(&buf)
+	fw, _ := mw.CreateFormFile("image", "in.png")
+	fw.Write(image)
+	for i := 0; i+1 < len(fields); i += 2 {
+		mw.WriteField(fields[i], fields[i+1])
+	}
+	mw.Close()
+	return buf.String(), mw.FormDataContentType()
+}
