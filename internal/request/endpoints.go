@@ -139,10 +139,6 @@ func (t Table) matchJob(e *Endpoint, u *url.URL) Route {
 	return Route{Endpoint: e}
 }
 
-// Class labels a path for metrics: its row's class, or "other".
-func (t Table) Class(path string) string {
-	return t.Match(http.MethodPost, &url.URL{Path: path}).Class
-}
 
 // VideoJobID returns the job id of /v1/videos/{id} and /v1/videos/{id}/content.
 func VideoJobID(path string) (string, bool) {

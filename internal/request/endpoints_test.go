@@ -88,7 +88,7 @@ func TestANewEndpointIsOneRow(t *testing.T) {
 	if c, err := r.Cost(testCosts, f); err != nil || c != 3 {
 		t.Fatalf("cost %v, %v; want 3", c, err)
 	}
-	if tbl.Class("/v1/audio/generations") != "audio" || Endpoints.Class("/v1/audio/generations") != "other" {
+	if match(t, Endpoints, http.MethodPost, "/v1/audio/generations").Class != "other" {
 		t.Fatal("the row is not the table's own")
 	}
 }
