@@ -139,7 +139,6 @@ func (t Table) matchJob(e *Endpoint, u *url.URL) Route {
 	return Route{Endpoint: e}
 }
 
-
 // VideoJobID returns the job id of /v1/videos/{id} and /v1/videos/{id}/content.
 func VideoJobID(path string) (string, bool) {
 	rest, ok := strings.CutPrefix(path, "/v1/videos/")
