@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // A job that a worker fails before any byte of its answer reached the
@@ -46,7 +47,7 @@ var asleepMessage = []byte("Server is sleeping. Call resume_memory_occupation fi
 // proxy sends r to t's worker, and to others in turn while the answers
 // are ones the job may run again after, keeping each answer from the
 // client until it is known to be the one the client gets.
-func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler) error {
+func (h *Handler) proxy(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler) error {
 	for {
 		var judge func(int) verdict
 		if h.mayRunAgain(r, t) {
@@ -60,7 +61,7 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 			rec.hold(judge)
 			fallthrough
 		default:
-			err = h.send(rec, r, r.Context(), t, next)
+			err = h.send(rec, r, r.Context(), t, next, nil)
 		}
 		cause := h.rerunCause(r, rec, t, err)
 		if cause == noRerun {
@@ -69,16 +70,16 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *ticket, next caddyhtt
 			}
 			return h.answered(rec, t, err)
 		}
-		from := t.worker
-		if retryErr := h.pool.retry(r.Context(), t, cause.outcome(rec)); retryErr != nil {
+		from := t.ServedBy()
+		if retryErr := h.pool.Retry(r.Context(), t, cause.outcome(rec)); retryErr != nil {
 			return h.lastAnswer(rec, t, cause, err, retryErr)
 		}
 		h.metrics.reruns.WithLabelValues(cause.String()).Inc()
 		h.logger.Info("job runs again on another worker", zap.String("request_id", r.Header.Get(requestIDHeader)),
-			zap.String("from", workerURL(from)), zap.String("to", t.servedBy), zap.Stringer("cause", cause), zap.Int("attempt", t.attempts+1))
+			zap.String("from", from), zap.String("to", t.ServedBy()), zap.Stringer("cause", cause), zap.Int("attempt", t.Attempts+1))
 		rec.held = nil
 		r = withOwnVars(r)
-		r.Body = io.NopCloser(bytes.NewReader(t.body))
+		r.Body = io.NopCloser(bytes.NewReader(t.Body))
 	}
 }
 
@@ -94,9 +95,9 @@ func withOwnVars(r *http.Request) *http.Request {
 // lastAnswer answers a job that found no worker to run again on: with its
 // last answer, or error; when every worker is asleep, with the 503 that
 // says so.
-func (h *Handler) lastAnswer(rec *recorder, t *ticket, cause rerunCause, err, retryErr error) error {
+func (h *Handler) lastAnswer(rec *recorder, t *scheduler.Ticket, cause rerunCause, err, retryErr error) error {
 	switch {
-	case cause == fellAsleep && errors.Is(retryErr, errAsleep):
+	case cause == fellAsleep && errors.Is(retryErr, scheduler.ErrAsleep):
 		rec.held = nil
 		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
 		status, msg := queueError(h.pool, t, retryErr)
@@ -110,7 +111,7 @@ func (h *Handler) lastAnswer(rec *recorder, t *ticket, cause rerunCause, err, re
 
 // answered finishes a request whose last attempt ended with err: an error
 // before any answer gets a JSON error the client can act on.
-func (h *Handler) answered(rec *recorder, t *ticket, err error) error {
+func (h *Handler) answered(rec *recorder, t *scheduler.Ticket, err error) error {
 	if err != nil && rec.status == 0 {
 		return h.proxyError(rec, t, err)
 	}
@@ -120,19 +121,19 @@ func (h *Handler) answered(rec *recorder, t *ticket, err error) error {
 // mayRunAgain reports whether r may be sent to another worker after this
 // attempt: a job whose body the router holds, or a request without a body
 // that any worker may answer, with attempts left.
-func (h *Handler) mayRunAgain(r *http.Request, t *ticket) bool {
-	if t.attempts+1 >= t.cfg.maxAttempts {
+func (h *Handler) mayRunAgain(r *http.Request, t *scheduler.Ticket) bool {
+	if t.Attempts+1 >= t.Config().MaxAttempts {
 		return false
 	}
-	return t.job || t.pin == "" && (r.Method == http.MethodGet || r.Method == http.MethodHead)
+	return t.Job || t.Pin == "" && (r.Method == http.MethodGet || r.Method == http.MethodHead)
 }
 
 // judge says which of a worker's answers to r the client must not get
 // while r may still run elsewhere.
-func (h *Handler) judge(t *ticket) func(status int) verdict {
+func (h *Handler) judge(t *scheduler.Ticket) func(status int) verdict {
 	// A video job that a worker answered for may exist there: only one
 	// that got no answer runs again.
-	mayRerunAnswer := !t.job || t.route.Rerun == request.RerunUntilSent
+	mayRerunAnswer := !t.Job || t.Route.Rerun == request.RerunUntilSent
 	return func(status int) verdict {
 		switch {
 		case !mayRerunAnswer:
@@ -149,10 +150,10 @@ func (h *Handler) judge(t *ticket) func(status int) verdict {
 
 // rerunCause says whether t's attempt that ended with err and rec's held
 // answer is one to run again after, and why.
-func (h *Handler) rerunCause(r *http.Request, rec *recorder, t *ticket, err error) rerunCause {
+func (h *Handler) rerunCause(r *http.Request, rec *recorder, t *scheduler.Ticket, err error) rerunCause {
 	a := rec.held
 	switch {
-	case a == nil || r.Context().Err() != nil || t.attempts >= t.cfg.maxAttempts:
+	case a == nil || r.Context().Err() != nil || t.Attempts >= t.Config().MaxAttempts:
 		return noRerun
 	case a.state == drop:
 		return badGateway
@@ -176,14 +177,14 @@ func workerDropped(err error) bool {
 }
 
 // outcome is what the attempt says of its worker.
-func (c rerunCause) outcome(rec *recorder) outcome {
+func (c rerunCause) outcome(rec *recorder) scheduler.Outcome {
 	switch c {
 	case fellAsleep:
-		return asleep
+		return scheduler.Asleep
 	case badGateway:
-		return outcomeOf(context.Background(), nil, rec.held.status)
+		return scheduler.OutcomeOf(context.Background(), nil, rec.held.status)
 	}
-	return failed
+	return scheduler.Failed
 }
 
 // send sends r to t's worker through next and releases the worker: when
@@ -191,8 +192,9 @@ func (c rerunCause) outcome(rec *recorder) outcome {
 // be on their way, but the worker's slot is free), or when a video job it
 // started ends. An answer held back releases nothing: the job may run
 // again. The attempt runs in base, r's context or one a hedge may cancel;
-// r's own context is the client's.
-func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *ticket, next caddyhttp.Handler) error {
+// r's own context is the client's. race, when t's job may get a copy, says
+// what the attempt's end tells of its worker.
+func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *scheduler.Ticket, next caddyhttp.Handler, race *hedge) error {
 	ctx := withTicket(base, t)
 	if h.UpstreamTimeout > 0 {
 		var cancel context.CancelFunc
@@ -200,16 +202,16 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		defer cancel()
 	}
 	released := false
-	release := func(o outcome) {
+	release := func(o scheduler.Outcome) {
 		if released {
 			return
 		}
 		released = true
-		if t.race != nil {
-			o = t.race.outcome(t, o)
+		if race != nil {
+			o = race.outcome(t, o)
 		}
-		if d := h.pool.release(t, o); d > 0 {
-			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.servedBy), zap.Duration("for", d))
+		if d := h.pool.Release(t, o); d > 0 {
+			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.ServedBy()), zap.Duration("for", d))
 		}
 	}
 	defer func() {
@@ -220,29 +222,29 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		if v := recover(); v != nil {
 			switch {
 			case r.Context().Err() != nil:
-				release(abandoned)
+				release(scheduler.Abandoned)
 			case released:
-				h.pool.noteCutShort(t)
+				h.pool.NoteCutShort(t)
 			default:
-				release(failed)
+				release(scheduler.Failed)
 			}
 			panic(v)
 		}
 	}()
 	rec.ticket = t
 	switch {
-	case readsVideoJob(r, t.route):
+	case readsVideoJob(r, t.Route):
 		rec.peekLimit = maxVideoResponsePeek
-	case t.route.Stream:
+	case t.Route.Stream:
 		// The worker generates while it sends events: its slot is taken
 		// until the stream ends.
 	default:
-		rec.onHeader = func(status int) { release(outcomeOf(r.Context(), nil, status)) }
+		rec.onHeader = func(status int) { release(scheduler.OutcomeOf(r.Context(), nil, status)) }
 	}
 	h.learnImageJobs(rec, r, t)
-	t.sent = true
-	t.attempts++
-	t.lookups = 0
+	t.Sent = true
+	t.Attempts++
+	t.Lookups = 0
 	err := serve(next, rec, r.WithContext(ctx))
 	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil {
 		err = fmt.Errorf("%w: %w", errUpstreamTimeout, err)
@@ -251,7 +253,7 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		return err // pool.retry releases the worker
 	}
 	if !h.trackVideoJob(r, t, rec, err) {
-		release(outcomeOf(r.Context(), err, heldStatus(rec)))
+		release(scheduler.OutcomeOf(r.Context(), err, heldStatus(rec)))
 	}
 	return err
 }
@@ -285,12 +287,4 @@ func heldStatus(rec *recorder) int {
 		return rec.held.status
 	}
 	return rec.status
-}
-
-// workerURL names w in a log line.
-func workerURL(w *worker) string {
-	if w == nil {
-		return ""
-	}
-	return w.url
 }

@@ -254,7 +254,7 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"admin_allow 10.0.0.0/99", "admin_allow (admin.allow):"},
 		{"admin_token {env.DIFFUSION_ROUTER_UNSET_VAR}", "admin_token (admin.token):"},
 		{"upstream_timeout -5s", "upstream_timeout (upstream_timeout):"},
-		{"weights_mode eager", "weights_mode (weights.mode): unknown mode"},
+		{"weights_mode eager", "weights_mode (weights.Mode): unknown mode"},
 		{"rolling_batch -1", "rolling_batch (weights.rolling_batch):"},
 		{"drain_timeout -1m", "drain_timeout (weights.drain_timeout):"},
 		{"weights_path_prefix ckpt", "weights_path_prefix (weights.path_prefixes):"},
@@ -401,8 +401,8 @@ func TestMaxInflightDefaultsByPolicy(t *testing.T) {
 		{Handler{LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2}}, 2},
 	} {
 		lb := tc.h.LoadBalancing
-		if err := tc.h.provisionOptions(); err != nil || tc.h.dispatch.maxInflight != tc.want {
-			t.Errorf("%s/%d: max_inflight %d (%v); want %d", lb.Policy, lb.MaxInflight, tc.h.dispatch.maxInflight, err, tc.want)
+		if err := tc.h.provisionOptions(); err != nil || tc.h.dispatch.MaxInflight != tc.want {
+			t.Errorf("%s/%d: max_inflight %d (%v); want %d", lb.Policy, lb.MaxInflight, tc.h.dispatch.MaxInflight, err, tc.want)
 		}
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
@@ -154,15 +155,15 @@ type workerJSON struct {
 	PredictionError     float64  `json:"prediction_error"`
 }
 
-func newWorkerJSON(w workerInfo) workerJSON {
+func newWorkerJSON(w scheduler.WorkerInfo) workerJSON {
 	_, hostPort, _ := strings.Cut(w.URL, "://") // the URL's host[:port], as the Python router shows it
 	return workerJSON{
 		WorkerID:            url.QueryEscape(w.URL),
 		DisplayID:           hostPort,
 		URL:                 w.URL,
 		ActiveRequests:      w.Inflight,
-		IsDead:              w.State == dead,
-		IsSleeping:          w.Lifecycle == sleeping || w.State == sleeping,
+		IsDead:              w.State == scheduler.Dead,
+		IsSleeping:          w.Lifecycle == scheduler.Sleeping || w.State == scheduler.Sleeping,
 		WeightVersion:       w.Version,
 		ConsecutiveFailures: w.ConsecFails,
 		VideoSupport:        request.VideoSupport(w.TaskTypes),
@@ -192,36 +193,36 @@ func timeJSON(t time.Time) *string {
 }
 
 func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
-	workers := h.pool.snapshot()
-	var inState [len(stateNames)]int
+	workers := h.pool.Snapshot()
+	var inState [scheduler.StateCount]int
 	for _, wk := range workers {
 		inState[wk.State]++
 	}
 	status, code := "healthy", http.StatusOK
-	if inState[serving] == 0 {
+	if inState[scheduler.Serving] == 0 {
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
-	stats := h.pool.stats()
+	stats := h.pool.Stats()
 	_ = writeJSON(w, code, map[string]any{
 		"status":            status,
-		"healthy_workers":   inState[serving],
+		"healthy_workers":   inState[scheduler.Serving],
 		"total_workers":     len(workers),
-		"dead_workers":      inState[dead],
-		"sleeping_workers":  inState[sleeping],
-		"stale_workers":     inState[stale],
-		"unhealthy_workers": inState[unhealthy],
-		"ejected_workers":   inState[ejected],
-		"suspect_workers":   inState[suspect],
-		"queued_requests":   stats.queued,
-		"weight_version":    stats.version,
-		"updating_to":       stats.updatingTo,
+		"dead_workers":      inState[scheduler.Dead],
+		"sleeping_workers":  inState[scheduler.Sleeping],
+		"stale_workers":     inState[scheduler.Stale],
+		"unhealthy_workers": inState[scheduler.Unhealthy],
+		"ejected_workers":   inState[scheduler.Ejected],
+		"suspect_workers":   inState[scheduler.Suspect],
+		"queued_requests":   stats.Queued,
+		"weight_version":    stats.Version,
+		"updating_to":       stats.UpdatingTo,
 	})
 }
 
 // serveReady is /readyz, for a load balancer in front of several routers:
 // 200 when at least min_ready workers serve.
 func (h *Handler) serveReady(w http.ResponseWriter, _ *http.Request) {
-	ready := h.pool.servingCount()
+	ready := h.pool.ServingCount()
 	code := http.StatusOK
 	if ready < h.HealthChecks.MinReady {
 		code = http.StatusServiceUnavailable
@@ -235,7 +236,7 @@ func serveAlive(w http.ResponseWriter, _ *http.Request) {
 }
 
 func (h *Handler) serveWorkers(w http.ResponseWriter, _ *http.Request) {
-	workers := h.pool.snapshot()
+	workers := h.pool.Snapshot()
 	out := make([]workerJSON, len(workers))
 	for i, wk := range workers {
 		out[i] = newWorkerJSON(wk)
@@ -244,7 +245,7 @@ func (h *Handler) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 }
 
 func (h *Handler) serveListWorkers(w http.ResponseWriter, _ *http.Request) {
-	workers := h.pool.snapshot()
+	workers := h.pool.Snapshot()
 	urls := make([]string, len(workers))
 	for i, wk := range workers {
 		urls[i] = wk.URL
@@ -260,7 +261,7 @@ func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	info, created, err := h.pool.register(u, h.MaxWorkers)
+	info, created, err := h.pool.Register(u, h.MaxWorkers)
 	if err != nil {
 		_ = writeError(w, http.StatusTooManyRequests, fmt.Sprintf("%v (%d)", err, h.MaxWorkers))
 		return
@@ -268,8 +269,8 @@ func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 	if created {
 		h.logger.Info("worker registered", zap.String("worker", info.URL))
 		h.welcome(r.Context(), info.URL)
-		h.pool.fleet.startCatchUps(&h.weights)
-		info, _ = h.pool.worker(info.URL)
+		h.pool.Fleet().StartCatchUps(&h.weights)
+		info, _ = h.pool.Worker(info.URL)
 	}
 	_ = writeJSON(w, http.StatusOK, h.durable(r.Context(), map[string]any{"status": "success", "worker": newWorkerJSON(info)}))
 }
@@ -285,7 +286,7 @@ const storageWait = 5 * time.Second
 func (h *Handler) durable(ctx context.Context, answer map[string]any) map[string]any {
 	ctx, cancel := context.WithTimeout(ctx, storageWait)
 	defer cancel()
-	if err := h.pool.store.persist(ctx); err != nil {
+	if err := h.pool.Store().Persist(ctx); err != nil {
 		h.logger.Warn("a change to the fleet is not written to storage yet", zap.Error(err))
 		answer["persisted"] = false
 		answer["warning"] = "the change took effect but is not written to storage yet, so a restart now would lose it: " + err.Error()
@@ -299,7 +300,7 @@ func (h *Handler) durable(ctx context.Context, answer map[string]any) map[string
 // by ctx says nothing of the worker.
 func (h *Handler) welcome(ctx context.Context, workerURL string) {
 	if err := h.probe(ctx, workerURL); err != nil && ctx.Err() == nil {
-		h.pool.setDown(workerURL, err)
+		h.pool.SetDown(workerURL, err)
 	}
 }
 
@@ -371,13 +372,13 @@ func decodeJSONBody(r *http.Request) (map[string]json.RawMessage, error) {
 
 // workerFromPath finds the worker named by /workers/{id}, answering the
 // client itself when there is none.
-func (h *Handler) workerFromPath(w http.ResponseWriter, r *http.Request) (workerInfo, bool) {
+func (h *Handler) workerFromPath(w http.ResponseWriter, r *http.Request) (scheduler.WorkerInfo, bool) {
 	u, err := workerurl.Parse(r.PathValue("id"))
 	if err != nil {
 		_ = writeError(w, http.StatusBadRequest, err.Error())
-		return workerInfo{}, false
+		return scheduler.WorkerInfo{}, false
 	}
-	info, ok := h.pool.worker(u)
+	info, ok := h.pool.Worker(u)
 	if !ok {
 		_ = writeError(w, http.StatusNotFound, "Worker not found")
 	}
@@ -409,11 +410,11 @@ func (h *Handler) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
 	}
 	if refresh {
 		_ = h.probe(r.Context(), info.URL)
-		info, _ = h.pool.worker(info.URL)
+		info, _ = h.pool.Worker(info.URL)
 	}
 	answer := map[string]any{"status": "success"}
 	if isDead != nil {
-		info, _ = h.pool.setDead(info.URL, *isDead)
+		info, _ = h.pool.SetDead(info.URL, *isDead)
 		h.logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead))
 		answer = h.durable(r.Context(), answer)
 	}
@@ -461,7 +462,7 @@ func (h *Handler) serveRemoveWorker(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Handler) removeWorker(w http.ResponseWriter, r *http.Request, workerURL string) {
-	if !h.pool.remove(workerURL) {
+	if !h.pool.Remove(workerURL) {
 		_ = writeError(w, http.StatusNotFound, "Worker not found")
 		return
 	}

@@ -4,6 +4,8 @@ import (
 	_ "embed"
 	"net/http"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // dashboardPage is the status page: one self-contained HTML file, no CDN
@@ -22,25 +24,25 @@ func serveDashboard(w http.ResponseWriter, _ *http.Request) {
 // serveDashboardData is GET /dashboard/data: the pool now, polled by the
 // status page, which draws its charts from successive answers.
 func (h *Handler) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
-	workers := h.pool.snapshot()
+	workers := h.pool.Snapshot()
 	out := make([]workerJSON, len(workers))
 	servingWorkers := 0
 	for i, wk := range workers {
 		out[i] = newWorkerJSON(wk)
-		if wk.State == serving {
+		if wk.State == scheduler.Serving {
 			servingWorkers++
 		}
 	}
-	stats := h.pool.stats()
+	stats := h.pool.Stats()
 	_ = writeJSON(w, http.StatusOK, map[string]any{
-		"pool":            h.pool.name,
+		"pool":            h.pool.Name(),
 		"policy":          h.LoadBalancing.Policy,
 		"time":            time.Now().UnixMilli(),
-		"queued":          stats.queued,
-		"completed_jobs":  stats.completed,
+		"queued":          stats.Queued,
+		"completed_jobs":  stats.Completed,
 		"serving_workers": servingWorkers,
 		"total_workers":   len(workers),
-		"weight_version":  stats.version,
+		"weight_version":  stats.Version,
 		"workers":         out,
 	})
 }

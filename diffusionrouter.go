@@ -24,6 +24,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
@@ -96,10 +97,10 @@ type Handler struct {
 
 	ctx      context.Context // ends when the config is unloaded
 	pool     *pool
-	dispatch dispatchConfig
+	dispatch scheduler.Config
 	costs    request.Model
-	weights  weightsConfig
-	health   healthConfig
+	weights  scheduler.WeightsConfig
+	health   scheduler.HealthConfig
 	metrics  poolMetrics
 	allow    []netip.Prefix
 	token    string
@@ -142,27 +143,27 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.pool = p
-	p.useGuard(h.guard)
-	var storage stateStorage // nil: persist off
+	p.UseGuard(h.guard)
+	var storage scheduler.Storage // nil: persist off
 	if !h.PersistOff {
 		storage = ctx.Storage()
 	}
-	p.store.use(h, storage)
-	h.pool.declare(h.Workers)
+	p.Store().Use(h, storage)
+	h.pool.Declare(h.Workers)
 	if found != nil {
 		h.found = found
-		p.declareLookups(found.keys())
+		p.DeclareLookups(found.keys())
 	}
 	h.control = h.controlMux()
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
-	h.metrics = newPoolMetrics(p.name, h.LoadBalancing.Policy)
+	h.metrics = newPoolMetrics(p.Name(), h.LoadBalancing.Policy)
 	app, err := ctx.App("diffusion_health")
 	if err != nil {
 		return err
 	}
-	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.client, logger: h.logger})
+	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.Client(), logger: h.logger})
 	if found != nil {
 		app.(*HealthApp).discover(found)
 	}
@@ -175,10 +176,10 @@ func (h *Handler) Cleanup() error {
 	if h.pool == nil {
 		return nil
 	}
-	h.pool.store.drop(h) // before undeclaring: Caddy stopping is not recorded as the config's workers leaving
-	h.pool.undeclare(h.Workers)
+	h.pool.Store().Drop(h) // before undeclaring: Caddy stopping is not recorded as the config's workers leaving
+	h.pool.Undeclare(h.Workers)
 	if h.found != nil {
-		h.pool.undeclareLookups(h.found.keys())
+		h.pool.UndeclareLookups(h.found.keys())
 	}
 	releasePool(h.Pool)
 	return nil
@@ -187,7 +188,7 @@ func (h *Handler) Cleanup() error {
 // ServeHTTP answers control endpoints and sends everything else on to the
 // reverse_proxy that follows.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	h.pool.store.awaitReady(r.Context()) // as the process starts: the fleet read back from storage first
+	h.pool.Store().AwaitReady(r.Context()) // as the process starts: the fleet read back from storage first
 	rec := &recorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	route := request.Endpoints.Match(r.Method, r.URL)
 	dotted := hasDotSegment(r.URL.Path)
@@ -202,7 +203,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	case !control && !h.forwards.has(r.URL.Path):
 		err = writeError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
 	case !control:
-		h.pool.fleet.startCatchUps(&h.weights)
+		h.pool.Fleet().StartCatchUps(&h.weights)
 		err = h.forward(rec, r, route, next)
 	case r.ContentLength > maxControlBody:
 		rec.Header().Set("Connection", "close") // the body stays unread

@@ -13,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
@@ -103,7 +104,7 @@ func (d *discovery) run(ctx context.Context) {
 		for _, l := range d.lookups {
 			d.lookUp(ctx, l)
 		}
-		if !sleep(ctx, d.refresh) {
+		if !scheduler.Sleep(ctx, d.refresh) {
 			return
 		}
 	}
@@ -136,9 +137,9 @@ func (d *discovery) lookUp(ctx context.Context, l *dnsLookup) {
 		l.failing = false
 		d.h.logger.Info("DNS lookup of workers answers again", zap.String("lookup", l.key))
 	}
-	change := d.h.pool.setFound(l.key, urls, d.h.MaxWorkers)
+	change := d.h.pool.SetFound(l.key, urls, d.h.MaxWorkers)
 	d.report(l, change)
-	d.welcome(ctx, change.joined)
+	d.welcome(ctx, change.Joined)
 }
 
 // lookupRequest is what Caddy's upstream sources take to look a name up:
@@ -186,16 +187,16 @@ func (d *discovery) failed(l *dnsLookup, err error) {
 }
 
 // report logs how an answer changed the pool.
-func (d *discovery) report(l *dnsLookup, c foundChange) {
-	if len(c.joined) > 0 {
-		d.h.logger.Info("workers found through DNS joined the pool", zap.String("lookup", l.key), zap.Strings("workers", c.joined))
+func (d *discovery) report(l *dnsLookup, c scheduler.FoundChange) {
+	if len(c.Joined) > 0 {
+		d.h.logger.Info("workers found through DNS joined the pool", zap.String("lookup", l.key), zap.Strings("workers", c.Joined))
 	}
-	if len(c.left) > 0 {
-		d.h.logger.Info("workers no longer in DNS left the pool; their jobs in flight finish", zap.String("lookup", l.key), zap.Strings("workers", c.left))
+	if len(c.Left) > 0 {
+		d.h.logger.Info("workers no longer in DNS left the pool; their jobs in flight finish", zap.String("lookup", l.key), zap.Strings("workers", c.Left))
 	}
-	if c.noRoom > 0 {
+	if c.NoRoom > 0 {
 		d.h.logger.Warn("workers found through DNS left out: the pool has max_workers workers",
-			zap.String("lookup", l.key), zap.Int("left_out", c.noRoom), zap.Int("max_workers", d.h.MaxWorkers))
+			zap.String("lookup", l.key), zap.Int("left_out", c.NoRoom), zap.Int("max_workers", d.h.MaxWorkers))
 	}
 }
 
@@ -207,101 +208,8 @@ func (d *discovery) welcome(ctx context.Context, joined []string) {
 	}
 	var wg sync.WaitGroup
 	for _, u := range joined {
-		goSafely(&wg, d.h.logger, "first probe of "+u, func() { d.h.welcome(ctx, u) })
+		scheduler.GoSafely(&wg, d.h.logger, "first probe of "+u, func() { d.h.welcome(ctx, u) })
 	}
 	wg.Wait()
-	d.h.pool.fleet.startCatchUps(&d.h.weights)
-}
-
-// dnsAnswer is what one DNS lookup last said.
-type dnsAnswer struct {
-	users int      // loaded configs that name the lookup
-	urls  []string // the workers its last usable answer named
-}
-
-// foundChange is what a DNS answer did to the pool.
-type foundChange struct {
-	joined []string // workers new to the pool
-	left   []string // workers no longer named, which left
-	noRoom int      // workers named but left out: the pool is full
-}
-
-// declareLookups counts a config's DNS lookups in, as declare counts its
-// workers.
-func (p *pool) declareLookups(keys []string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, k := range keys {
-		if p.answers[k] == nil {
-			p.answers[k] = new(dnsAnswer)
-		}
-		p.answers[k].users++
-	}
-}
-
-// undeclareLookups withdraws a config's DNS lookups; the workers of a
-// lookup no loaded config names leave, unless something else keeps them.
-func (p *pool) undeclareLookups(keys []string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, k := range keys {
-		a := p.answers[k]
-		if a == nil {
-			continue
-		}
-		if a.users--; a.users > 0 {
-			continue
-		}
-		delete(p.answers, k)
-		p.forgetFoundLocked(a.urls)
-	}
-}
-
-// setFound records a lookup's new answer. Workers it names that the pool
-// lacks join (up to maxWorkers): also those an operator removed, as a
-// config's workers come back on a reload. Workers it no longer names
-// leave, unless something else keeps them.
-func (p *pool) setFound(key string, urls []string, maxWorkers int) foundChange {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var c foundChange
-	a := p.answers[key]
-	if a == nil {
-		return c // its last config was unloaded while it looked up
-	}
-	for _, u := range urls {
-		p.discovered[u]++
-	}
-	old := a.urls
-	a.urls = urls
-	c.left = p.forgetFoundLocked(old)
-	for _, u := range urls {
-		switch {
-		case p.findLocked(u) != nil:
-		case len(p.workers) >= maxWorkers:
-			c.noRoom++
-		default:
-			p.addLocked(u)
-			c.joined = append(c.joined, u)
-		}
-	}
-	p.dispatchLocked()
-	return c
-}
-
-// forgetFoundLocked drops one DNS answer's count of each of urls and
-// removes the workers nothing keeps any more. It returns those.
-func (p *pool) forgetFoundLocked(urls []string) []string {
-	var gone []string
-	for _, u := range urls {
-		if p.discovered[u]--; p.discovered[u] > 0 {
-			continue
-		}
-		delete(p.discovered, u)
-		if w := p.findLocked(u); w != nil && !p.heldLocked(w) {
-			p.removeLocked(w)
-			gone = append(gone, u)
-		}
-	}
-	return gone
+	d.h.pool.Fleet().StartCatchUps(&d.h.weights)
 }

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
@@ -22,8 +23,8 @@ const maxMetricsBody = 4 << 20
 // serveEngineMetrics is GET /engine_metrics.
 func (h *Handler) serveEngineMetrics(w http.ResponseWriter, r *http.Request) {
 	var urls []string
-	for _, wk := range h.pool.snapshot() {
-		if wk.State != dead {
+	for _, wk := range h.pool.Snapshot() {
+		if wk.State != scheduler.Dead {
 			urls = append(urls, wk.URL)
 		}
 	}
@@ -41,7 +42,7 @@ func (h *Handler) engineMetrics(ctx context.Context, urls []string) (int, string
 	texts := make([][]byte, len(urls))
 	var wg sync.WaitGroup
 	for i, u := range urls {
-		goSafely(&wg, h.logger, "metrics of "+u, func() { texts[i], _ = h.pool.get(ctx, u+"/metrics", maxMetricsBody) })
+		scheduler.GoSafely(&wg, h.logger, "metrics of "+u, func() { texts[i], _ = h.pool.get(ctx, u+"/metrics", maxMetricsBody) })
 	}
 	wg.Wait()
 	var out bytes.Buffer

@@ -10,8 +10,8 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/memstore"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
-	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter/memstore"
 )
 
 // fleetKey is where the default pool keeps its fleet record, as

@@ -2,7 +2,6 @@ package diffusionrouter
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -17,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // requestIDHeader carries a request's id: the client's, or one the router
@@ -49,14 +49,14 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 	dispatched := time.Now()
 	h.metrics.decisions.Inc()
 	if ce := h.logger.Check(zap.DebugLevel, "routed"); ce != nil {
-		ce.Write(zap.String("request_id", id), zap.String("worker", t.servedBy), zap.Float64("cost", t.cost),
+		ce.Write(zap.String("request_id", id), zap.String("worker", t.ServedBy()), zap.Float64("cost", t.Cost),
 			zap.String("strategy", h.LoadBalancing.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
 	}
 	err := h.proxy(rec, r, t, next)
-	if cause := cancelledBy(r.Context()); cause != nil && rec.status == 0 {
+	if cause := scheduler.CancelledBy(r.Context()); cause != nil && rec.status == 0 {
 		err = writeError(rec, http.StatusConflict, cause.Error())
 	}
-	if t.job {
+	if t.Job {
 		h.logJob(id, r, t, rec.status, dispatched.Sub(arrived), time.Since(dispatched))
 	}
 	return err
@@ -66,7 +66,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 // is to be sent, in its ticket's context. A non-zero status refuses r with
 // that status and message (409 for a job cancelled while it waited); a nil
 // ticket means the client left.
-func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*ticket, *http.Request, int, string) {
+func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*scheduler.Ticket, *http.Request, int, string) {
 	t, status, msg := h.ticketFor(r, route)
 	if status == 0 {
 		status, msg = h.readBody(rec, r, t)
@@ -74,11 +74,11 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*t
 	if status != 0 {
 		return nil, r, status, msg
 	}
-	if t.job {
-		r = r.WithContext(t.withCancel(r.Context()))
+	if t.Job {
+		r = r.WithContext(t.WithCancel(r.Context()))
 	}
-	if err := h.pool.acquire(r.Context(), t); err != nil {
-		if cause := cancelledBy(r.Context()); cause != nil {
+	if err := h.pool.Acquire(r.Context(), t); err != nil {
+		if cause := scheduler.CancelledBy(r.Context()); cause != nil {
 			return nil, r, http.StatusConflict, cause.Error()
 		}
 		if r.Context().Err() != nil {
@@ -96,7 +96,7 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*t
 // Caddy's own handlers log nothing per request at INFO, neither does the
 // router: a line per job would cost more than routing it. No prompt or
 // image data is logged.
-func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, waited, took time.Duration) {
+func (h *Handler) logJob(id string, r *http.Request, t *scheduler.Ticket, status int, waited, took time.Duration) {
 	h.metrics.observeJob(t, waited, took)
 	accessLogFields(r, t, waited)
 	ce := h.logger.Check(zap.DebugLevel, "job finished")
@@ -105,21 +105,21 @@ func (h *Handler) logJob(id string, r *http.Request, t *ticket, status int, wait
 	}
 	ce.Write(
 		zap.String("request_id", id),
-		zap.String("endpoint", t.route.Class),
-		zap.String("worker", t.servedBy),
-		zap.Float64("cost", t.cost),
+		zap.String("endpoint", t.Route.Class),
+		zap.String("worker", t.ServedBy()),
+		zap.Float64("cost", t.Cost),
 		zap.Duration("queue_wait", waited),
 		zap.Duration("latency", took),
 		zap.Int("status", status),
-		zap.String("weight_version", t.servedVersion),
-		zap.Int("attempts", t.attempts),
+		zap.String("weight_version", t.ServedVersion()),
+		zap.Int("attempts", t.Attempts),
 	)
 }
 
 // accessLogFields adds t's worker, cost, attempts and queue wait to the
 // access log entry of r, when the server writes access logs: each field
 // added costs an allocation or two that a server without them need not pay.
-func accessLogFields(r *http.Request, t *ticket, waited time.Duration) {
+func accessLogFields(r *http.Request, t *scheduler.Ticket, waited time.Duration) {
 	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); !ok || srv.Logs == nil {
 		return
 	}
@@ -127,54 +127,40 @@ func accessLogFields(r *http.Request, t *ticket, waited time.Duration) {
 	if !ok {
 		return
 	}
-	extra.Add(zap.String("worker", t.servedBy))
-	extra.Add(zap.Float64("cost", t.cost))
-	extra.Add(zap.Int("attempts", t.attempts))
+	extra.Add(zap.String("worker", t.ServedBy()))
+	extra.Add(zap.Float64("cost", t.Cost))
+	extra.Add(zap.Int("attempts", t.Attempts))
 	extra.Add(zap.Duration("queue_wait", waited))
 }
 
-// outcomeOf tells how the exchange with the worker ended, as evidence of
-// the worker's health: a 5xx is the worker's failure, as Envoy counts
-// them; a 4xx is the request's fault and says nothing of the worker.
-func outcomeOf(clientCtx context.Context, err error, status int) outcome {
-	switch {
-	case clientCtx.Err() != nil:
-		return abandoned
-	case err != nil, status >= 500:
-		return failed
-	case status >= 400:
-		return refused
-	}
-	return succeeded
-}
-
 // retryAfter suggests when a refused job might find a worker, in seconds.
-func retryAfter(t *ticket) int {
-	return max(1, int(t.cfg.timeout.Seconds()))
+func retryAfter(t *scheduler.Ticket) int {
+	return max(1, int(t.Config().Timeout.Seconds()))
 }
 
 // ticketFor works out which workers may serve r, which goes to route. A
 // non-zero status means r must be refused with that status and message.
-func (h *Handler) ticketFor(r *http.Request, route request.Route) (*ticket, int, string) {
-	t := &ticket{pool: h.pool, cfg: &h.dispatch, route: route, job: route.Job(r.Method), wantVersion: r.Header.Get(weightVersionHeader)}
+func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ticket, int, string) {
+	t := h.pool.NewTicket(&h.dispatch)
+	t.Route, t.Job, t.WantVersion = route, route.Job(r.Method), r.Header.Get(weightVersionHeader)
 	switch {
 	case route.Err != nil:
 		return nil, http.StatusBadRequest, route.Err.Error()
 	case route.Poll:
 		return h.pinToJob(t)
 	case route.Serves == request.VideoTask:
-		t.task = request.VideoTask
+		t.Task = request.VideoTask
 		h.probeUnknown(r.Context())
-		if !h.pool.canServe(request.VideoTask) {
+		if !h.pool.CanServe(request.VideoTask) {
 			return nil, http.StatusBadRequest, "No video-capable workers available in current worker pool."
 		}
 	case route.Serves == request.ImageTask:
-		t.task = request.ImageTask
+		t.Task = request.ImageTask
 		h.probeUnknown(r.Context())
-		if !h.pool.anyMakes(request.ImageTask) { // as the Python router does: let a worker answer
-			t.task = request.AnyTask
+		if !h.pool.AnyMakes(request.ImageTask) { // as the Python router does: let a worker answer
+			t.Task = request.AnyTask
 		}
-	case t.job:
+	case t.Job:
 		// Before any update, a worker's weight version is the model id its
 		// /v1/models reports: learn it before the worker's first job.
 		h.probeUnknown(r.Context())
@@ -184,23 +170,23 @@ func (h *Handler) ticketFor(r *http.Request, route request.Route) (*ticket, int,
 
 // pinToJob pins t to the worker that made the job its route names. A
 // non-zero status refuses the request with that status and message.
-func (h *Handler) pinToJob(t *ticket) (*ticket, int, string) {
-	owners, unknown := h.pool.videos, "Unknown video_id"
-	if t.route.Kind == request.ImagePoll {
-		owners, unknown = h.pool.images, "Unknown image_id"
+func (h *Handler) pinToJob(t *scheduler.Ticket) (*scheduler.Ticket, int, string) {
+	owners, unknown := h.pool.Videos(), "Unknown video_id"
+	if t.Route.Kind == request.ImagePoll {
+		owners, unknown = h.pool.Images(), "Unknown image_id"
 	}
-	worker, ok := owners.Worker(t.route.JobID)
+	worker, ok := owners.Worker(t.Route.JobID)
 	if !ok {
 		return nil, http.StatusNotFound, unknown
 	}
-	t.pin = worker
+	t.Pin = worker
 	return t, 0, ""
 }
 
 // readBody caps the request body at max_body. A generation's body is read
 // whole, once, to cost the job, so a bad one fails here with a message
 // naming the field instead of on a worker; other bodies stream through.
-func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (int, string) {
+func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *scheduler.Ticket) (int, string) {
 	if r.ContentLength > h.MaxBody {
 		// Without this, Go's server first reads up to 256 KiB of the body
 		// it is about to refuse, which a client that sent only the
@@ -212,7 +198,7 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (i
 		r.Body = http.NoBody
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, h.MaxBody)
-	if !t.job {
+	if !t.Job {
 		return 0, ""
 	}
 	body, err := readAll(r.Body, r.ContentLength)
@@ -223,12 +209,12 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *ticket) (i
 		}
 		return http.StatusBadRequest, "reading request body: " + err.Error()
 	}
-	t.body = body
+	t.Body = body
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.ContentLength = int64(len(body))
 	f, err := request.ReadFields(body, r.Header.Get("Content-Type"))
 	if err == nil {
-		t.cost, err = t.route.Cost(h.costs, f)
+		t.Cost, err = t.Route.Cost(h.costs, f)
 	}
 	if err != nil {
 		return http.StatusBadRequest, err.Error()
@@ -254,7 +240,7 @@ func tooLarge(limit int64) string {
 
 // proxyError answers a request whose proxying failed before any response
 // was written, with a JSON error a client can act on.
-func (h *Handler) proxyError(w http.ResponseWriter, t *ticket, err error) error {
+func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err error) error {
 	status := http.StatusBadGateway
 	if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.StatusCode != 0 {
 		status = he.StatusCode
@@ -269,9 +255,9 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *ticket, err error) error 
 		w.Header().Set("Connection", "close") // the rest of the body stays unread
 		status, msg = http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
 	case status == http.StatusServiceUnavailable:
-		_, msg = queueError(h.pool, t, errNoWorker)
-	case t.route.Poll:
-		msg = fmt.Sprintf("Worker request failed: job %s was made by %s, which did not answer: %v", t.route.JobID, t.pin, cause(err))
+		_, msg = queueError(h.pool, t, scheduler.ErrNoWorker)
+	case t.Route.Poll:
+		msg = fmt.Sprintf("Worker request failed: job %s was made by %s, which did not answer: %v", t.Route.JobID, t.Pin, cause(err))
 	default:
 		msg = "Worker request failed: " + cause(err).Error()
 	}

@@ -18,6 +18,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson/strictjsontest"
 )
 
@@ -42,7 +43,7 @@ func underFuzzPrefixes(p string) bool {
 }
 
 func FuzzWeightsRequest(f *testing.F) {
-	h := &Handler{weights: weightsConfig{mode: modeDrain, pathPrefixes: fuzzPrefixes}}
+	h := &Handler{weights: scheduler.WeightsConfig{Mode: scheduler.ModeDrain, PathPrefixes: fuzzPrefixes}}
 	f.Fuzz(func(t *testing.T, body []byte) {
 		req, status, msg := h.readWeightsRequest(httptest.NewRequest("POST", "/update_weights_from_disk", bytes.NewReader(body)))
 		var ref map[string]any
@@ -57,19 +58,19 @@ func FuzzWeightsRequest(f *testing.F) {
 			return
 		case !exact || strictjsontest.FoldCollision(t, body):
 			t.Fatal("accepted a body an exact-case reader reads otherwise")
-		case req.modelPath != mp || !bytes.Equal(req.body, body):
-			t.Fatalf("model_path read as %q; the workers read %q", req.modelPath, mp)
+		case req.ModelPath != mp || !bytes.Equal(req.Body, body):
+			t.Fatalf("model_path read as %q; the workers read %q", req.ModelPath, mp)
 		case strings.ContainsRune(mp, 0) || slices.Contains(strings.FieldsFunc(mp, isPathSeparator), ".."):
 			t.Fatalf("accepted model_path %q", mp)
 		case !underFuzzPrefixes(mp):
 			t.Fatalf("accepted model_path %q, outside %v", mp, fuzzPrefixes)
-		case len(req.version) > maxWeightVersion || strings.ContainsFunc(req.version, func(c rune) bool { return c < 0x20 || c > 0x7e }):
-			t.Fatalf("accepted weight version %q, which cannot go out as a header", req.version)
-		case req.mode != modeDrain && req.mode != modeRolling:
-			t.Fatalf("accepted mode %q", req.mode)
+		case len(req.Version) > maxWeightVersion || strings.ContainsFunc(req.Version, func(c rune) bool { return c < 0x20 || c > 0x7e }):
+			t.Fatalf("accepted weight version %q, which cannot go out as a header", req.Version)
+		case req.Mode != scheduler.ModeDrain && req.Mode != scheduler.ModeRolling:
+			t.Fatalf("accepted mode %q", req.Mode)
 		}
-		if v, ok := ref["weight_version"].(string); ok && req.version != v {
-			t.Fatalf("weight_version read as %q; the workers read %q", req.version, v)
+		if v, ok := ref["weight_version"].(string); ok && req.Version != v {
+			t.Fatalf("weight_version read as %q; the workers read %q", req.Version, v)
 		}
 	})
 }

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // A job still unanswered after hedge_after times its predicted time (and
@@ -31,11 +33,11 @@ type hedge struct {
 	timer *time.Timer
 
 	mu         sync.Mutex // taken before the pool's lock, never after (see pool)
-	primary    *ticket
-	copy       *ticket
+	primary    *scheduler.Ticket
+	copy       *scheduler.Ticket
 	cancelPrim context.CancelFunc // ends the primary attempt
 	cancelCopy context.CancelFunc
-	winner     *ticket
+	winner     *scheduler.Ticket
 	ended      bool          // the attempt is over: no copy may start
 	copyEnded  chan struct{} // closed when the copy's attempt is over
 	copyRec    *recorder
@@ -45,26 +47,24 @@ type hedge struct {
 // hedges reports whether t's attempt may get a copy: a job whose answer
 // comes when it is done, as the endpoint table says (not a stream, not a
 // video job answered at once).
-func (h *Handler) hedges(t *ticket) bool {
-	return t.cfg.hedgeAfter > 0 && t.job && t.route.Hedged
+func (h *Handler) hedges(t *scheduler.Ticket) bool {
+	return t.Config().HedgeAfter > 0 && t.Job && t.Route.Hedged
 }
 
 // sendHedged is send with a copy of the job launched on an idle worker if
 // the attempt overruns. judge is the attempt's own rule for answers (nil:
 // every answer is the client's).
-func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *ticket, next caddyhttp.Handler, judge func(int) verdict) error {
+func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler, judge func(int) verdict) error {
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
 	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), primary: t, cancelPrim: cancel}
-	t.race = hd
-	defer func() { t.race = nil }()
 	rec.hold(hd.gate(t, judge))
 	hd.mu.Lock()
 	hd.timer = time.AfterFunc(hd.delay(t), hd.fire)
 	hd.mu.Unlock()
 
-	err := h.send(rec, r, ctx, t, next)
+	err := h.send(rec, r, ctx, t, next, hd)
 
 	hd.mu.Lock()
 	hd.ended = true
@@ -82,7 +82,7 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *ticket, next cad
 	case hd.copy:
 		h.metrics.hedges.WithLabelValues("won").Inc()
 		rec.held, rec.status = nil, hd.copyRec.status
-		t.servedBy, t.servedVersion = hd.copy.servedBy, hd.copy.servedVersion
+		t.AnsweredBy(hd.copy)
 		return nil
 	case t:
 		h.metrics.hedges.WithLabelValues("cancelled").Inc()
@@ -94,17 +94,17 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *ticket, next cad
 // predicted time until the worker finishes it, times hedge_after, and at
 // least the probe timeout, as for the stall rule. A job of milliseconds
 // that runs slow on a busy machine is late, not hung.
-func (hd *hedge) delay(t *ticket) time.Duration {
-	d := time.Duration(float64(t.due) * t.cfg.hedgeAfter)
-	if hc := t.cfg.health; hc != nil {
-		d = max(d, hc.timeout)
+func (hd *hedge) delay(t *scheduler.Ticket) time.Duration {
+	d := time.Duration(float64(t.Due()) * t.Config().HedgeAfter)
+	if hc := t.Config().Health; hc != nil {
+		d = max(d, hc.Timeout)
 	}
 	return d
 }
 
 // gate wraps t's rule for answers in the race: an answer the client would
 // get goes to it only if no other copy's did.
-func (hd *hedge) gate(t *ticket, judge func(int) verdict) func(int) verdict {
+func (hd *hedge) gate(t *scheduler.Ticket, judge func(int) verdict) func(int) verdict {
 	return func(status int) verdict {
 		v := pass
 		if judge != nil {
@@ -119,7 +119,7 @@ func (hd *hedge) gate(t *ticket, judge func(int) verdict) func(int) verdict {
 
 // claim makes t's answer the client's unless the other copy's already
 // is, and cancels the other copy.
-func (hd *hedge) claim(t *ticket) bool {
+func (hd *hedge) claim(t *scheduler.Ticket) bool {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
 	if hd.winner != nil {
@@ -139,16 +139,16 @@ func (hd *hedge) claim(t *ticket) bool {
 // outcome is what t's attempt says of its worker: a copy that lost the
 // race says nothing (its worker may still be computing it); an attempt the
 // copy overtook overran its prediction many times over.
-func (hd *hedge) outcome(t *ticket, o outcome) outcome {
+func (hd *hedge) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Outcome {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
 	switch {
 	case hd.winner == nil || hd.winner == t:
 		return o
 	case t == hd.primary:
-		return overtaken
+		return scheduler.Overtaken
 	}
-	return abandoned
+	return scheduler.Abandoned
 }
 
 // fire launches the copy if the pool has an idle worker for it now, and
@@ -159,12 +159,11 @@ func (hd *hedge) fire() {
 	if hd.ended || hd.winner != nil {
 		return
 	}
-	c := hd.h.pool.hedgeCopy(hd.primary)
+	c := hd.h.pool.HedgeCopy(hd.primary)
 	if c == nil {
-		hd.timer.Reset(min(max(hd.primary.predicted/4, 10*time.Millisecond), time.Second))
+		hd.timer.Reset(min(max(hd.primary.Predicted()/4, 10*time.Millisecond), time.Second))
 		return
 	}
-	c.race = hd
 	ctx, cancel := context.WithCancel(context.WithValue(hd.r.Context(), caddyhttp.VarsCtxKey, hd.vars))
 	hd.copy, hd.cancelCopy = c, cancel
 	hd.copyEnded = make(chan struct{})
@@ -174,7 +173,7 @@ func (hd *hedge) fire() {
 
 // runCopy sends the copy c of the job to its worker. Its answer reaches
 // the client only if it wins the race.
-func (hd *hedge) runCopy(ctx context.Context, c *ticket) {
+func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
 	rec := &recorder{ResponseWriterWrapper: hd.rec.ResponseWriterWrapper}
 	defer func() {
 		v := recover() // an answer that broke off after it began
@@ -182,7 +181,7 @@ func (hd *hedge) runCopy(ctx context.Context, c *ticket) {
 		hd.copyRec, hd.copyPanic = rec, v
 		hd.cancelCopy()
 		hd.mu.Unlock()
-		hd.h.pool.endHedge()
+		hd.h.pool.EndHedge()
 		close(hd.copyEnded)
 	}()
 	// A copy's failure is no answer: the attempt goes on.
@@ -194,39 +193,6 @@ func (hd *hedge) runCopy(ctx context.Context, c *ticket) {
 		return pass
 	}))
 	r := *hd.r // reverse_proxy copies what it changes of a request
-	r.Body = io.NopCloser(bytes.NewReader(c.body))
-	hd.h.send(rec, &r, ctx, c, hd.next)
-}
-
-// hedgeCopy gives a copy of t to the fastest idle worker that may serve
-// it, or reports nil when t should not get one now: it has ended, jobs
-// wait, or copies already run on a tenth of the workers (at least two).
-func (p *pool) hedgeCopy(t *ticket) *ticket {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if t.worker == nil || len(p.queue) > 0 || p.hedging >= max(2, len(p.workers)/10) {
-		return nil
-	}
-	now := p.now().UnixNano()
-	var idle *worker
-	for _, w := range p.workers {
-		if w != t.worker && w.load.inflight == 0 && w.serving(now) && t.mayServe(w, "") &&
-			(idle == nil || p.speedOfLocked(w) > p.speedOfLocked(idle)) {
-			idle = w
-		}
-	}
-	if idle == nil {
-		return nil
-	}
-	c := &ticket{pool: p, cfg: t.cfg, route: t.route, task: t.task, job: true, cost: t.cost, wantVersion: t.wantVersion, seq: t.seq, body: t.body}
-	p.assignLocked(c, idle)
-	p.hedging++
-	return c
-}
-
-// endHedge notes that a copy's attempt is over.
-func (p *pool) endHedge() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.hedging--
+	r.Body = io.NopCloser(bytes.NewReader(c.Body))
+	hd.h.send(rec, &r, ctx, c, hd.next, hd)
 }

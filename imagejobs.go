@@ -6,6 +6,7 @@ import (
 	"net/http"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // sglang-diffusion keeps the images it made: GET /v1/images/{id}/content
@@ -25,19 +26,19 @@ const maxImageAnswerPeek = 1 << 10
 // whether the image job it deleted is gone (then forgotten). A client can
 // thus use an id as soon as it reads it, even while the rest of the answer,
 // or of the stream, is on its way.
-func (h *Handler) learnImageJobs(rec *recorder, r *http.Request, t *ticket) {
+func (h *Handler) learnImageJobs(rec *recorder, r *http.Request, t *scheduler.Ticket) {
 	var learn func(answer []byte) bool
 	switch {
-	case r.Method == http.MethodPost && t.route.Kind == request.ImageStream:
+	case r.Method == http.MethodPost && t.Route.Kind == request.ImageStream:
 		learn = func(answer []byte) bool { return h.rememberImage(firstEventData(answer), t) }
-	case r.Method == http.MethodPost && t.route.LearnsImageID:
+	case r.Method == http.MethodPost && t.Route.LearnsImageID:
 		learn = func(answer []byte) bool { return h.rememberImage(answer, t) }
-	case r.Method == http.MethodDelete && t.pin != "" && t.route.Kind == request.ImagePoll:
-		id := t.route.JobID
+	case r.Method == http.MethodDelete && t.Pin != "" && t.Route.Kind == request.ImagePoll:
+		id := t.Route.JobID
 		learn = func(answer []byte) bool {
 			status, ok := leadingString(answer, "status")
 			if status == "deleted" { // not "cancelling": a stream still running is still there
-				h.pool.images.Forget(id)
+				h.pool.Images().Forget(id)
 			}
 			return ok
 		}
@@ -52,10 +53,10 @@ func (h *Handler) learnImageJobs(rec *recorder, r *http.Request, t *ticket) {
 
 // rememberImage remembers the image job that answer, a JSON object, names
 // as t's worker's, and reports whether answer named one.
-func (h *Handler) rememberImage(answer []byte, t *ticket) bool {
+func (h *Handler) rememberImage(answer []byte, t *scheduler.Ticket) bool {
 	id, ok := leadingString(answer, "id")
 	if ok && request.ValidJobID(id) {
-		h.pool.images.Remember(id, t.servedBy)
+		h.pool.Images().Remember(id, t.ServedBy())
 	}
 	return ok
 }

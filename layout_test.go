@@ -17,7 +17,7 @@ func TestCoreIsFreeOfCaddy(t *testing.T) {
 	}
 	checked := 0
 	for _, pkg := range strings.Fields(string(pkgs)) {
-		if strings.Contains(pkg+"/", "/internal/testrouter/") { // with memstore, its Caddy storage
+		if strings.Contains(pkg+"/", "/internal/testrouter/") {
 			continue
 		}
 		deps, err := exec.Command("go", "list", "-deps", "-test", "-f", "{{.ImportPath}}", pkg).Output()

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
 )
 
@@ -34,8 +35,8 @@ func (h *Handler) serveLora(w http.ResponseWriter, r *http.Request) {
 
 // readLoraRequest checks a LoRA call's body as the workers read it and
 // works out the weight version it leads to.
-func (h *Handler) readLoraRequest(r *http.Request) (weightsRequest, int, string) {
-	req := weightsRequest{path: r.URL.Path, mode: modeDrain}
+func (h *Handler) readLoraRequest(r *http.Request) (scheduler.Update, int, string) {
+	req := scheduler.Update{Path: r.URL.Path, Mode: scheduler.ModeDrain}
 	body, members, status, msg := readControlObject(r)
 	if status != 0 {
 		return req, status, msg
@@ -43,8 +44,8 @@ func (h *Handler) readLoraRequest(r *http.Request) (weightsRequest, int, string)
 	if target, ok := stringField(strictjson.Member(members, "target"), "all"); !ok || !slices.Contains(loraTargets, target) {
 		return req, http.StatusBadRequest, "target must be one of " + strings.Join(loraTargets, ", ")
 	}
-	base, _, _ := strings.Cut(h.pool.stats().version, loraSuffix)
-	req.version = base
+	base, _, _ := strings.Cut(h.pool.Stats().Version, loraSuffix)
+	req.Version = base
 	switch r.URL.Path {
 	case "/v1/set_lora":
 		nicknames, ok := stringOrList(strictjson.Member(members, "lora_nickname"))
@@ -60,14 +61,14 @@ func (h *Handler) readLoraRequest(r *http.Request) (weightsRequest, int, string)
 				return req, status, msg
 			}
 		}
-		req.version = base + loraSuffix + strings.Join(nicknames, ",")
-		if status, msg := checkWeightVersion("lora_nickname", req.version); status != 0 {
+		req.Version = base + loraSuffix + strings.Join(nicknames, ",")
+		if status, msg := checkWeightVersion("lora_nickname", req.Version); status != 0 {
 			return req, status, msg
 		}
 	case "/v1/merge_lora_weights":
-		req.version = h.pool.stats().version // merging changes how, not what, is served
+		req.Version = h.pool.Stats().Version // merging changes how, not what, is served
 	}
-	req.body = body
+	req.Body = body
 	return req, 0, ""
 }
 
@@ -80,14 +81,14 @@ func (h *Handler) serveChecksum(w http.ResponseWriter, r *http.Request) {
 		_ = writeError(w, status, msg)
 		return
 	}
-	results, err := h.pool.fleet.checksums(r.Context(), body, &h.weights)
+	results, err := h.pool.Fleet().Checksums(r.Context(), body, &h.weights)
 	if err != nil {
 		_ = writeError(w, http.StatusServiceUnavailable, err.Error())
 		return
 	}
 	code, agree := http.StatusOK, true
 	for _, res := range results {
-		if !res.ok {
+		if !res.OK {
 			code, agree = http.StatusBadGateway, false
 		} else if !reflect.DeepEqual(res.Body, results[0].Body) {
 			agree = false

@@ -7,6 +7,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // Metrics, in Caddy's registry, so they appear on the admin /metrics
@@ -115,16 +117,16 @@ func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
 func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 	pools.Range(func(_, v any) bool {
 		p := v.(*pool)
-		for _, w := range p.snapshot() {
-			collectWorker(ch, p.name, w)
+		for _, w := range p.Snapshot() {
+			collectWorker(ch, p.Name(), w)
 		}
-		ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, float64(p.stats().queued), p.name)
-		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.servingCount()), p.name)
+		ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, float64(p.Stats().Queued), p.Name())
+		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.ServingCount()), p.Name())
 		return true
 	})
 }
 
-func collectWorker(ch chan<- prometheus.Metric, pool string, w workerInfo) {
+func collectWorker(ch chan<- prometheus.Metric, pool string, w scheduler.WorkerInfo) {
 	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, append([]string{pool, w.URL}, labels...)...)
 	}
@@ -134,7 +136,7 @@ func collectWorker(ch chan<- prometheus.Metric, pool string, w workerInfo) {
 	gauge(descInflight, float64(w.Inflight))
 	gauge(descWorkLeft, w.WorkLeft/w.Speed)
 	gauge(descSpeed, w.Speed)
-	for s := range workerState(len(stateNames)) {
+	for s := range scheduler.State(scheduler.StateCount) {
 		gauge(descState, boolFloat(s == w.State), s.String())
 	}
 	if w.Version != "" {
@@ -190,12 +192,12 @@ func newPoolMetrics(pool, strategy string) poolMetrics {
 }
 
 // observeJob records the metrics of a finished generation job.
-func (m poolMetrics) observeJob(t *ticket, waited, took time.Duration) {
+func (m poolMetrics) observeJob(t *scheduler.Ticket, waited, took time.Duration) {
 	m.queueWait.Observe(waited.Seconds())
 	m.jobDuration.Observe(took.Seconds())
-	m.attempts.Observe(float64(t.attempts))
-	if t.predicted > 0 && took > 0 {
-		m.predictionError.Observe(absDuration(t.predicted-took).Seconds() / took.Seconds())
+	m.attempts.Observe(float64(t.Attempts))
+	if t.Predicted() > 0 && took > 0 {
+		m.predictionError.Observe(absDuration(t.Predicted()-took).Seconds() / took.Seconds())
 	}
 }
 

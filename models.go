@@ -13,26 +13,8 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
-
-// can reports whether w may be given a request of kind k.
-func (w *worker) can(k request.Task) bool {
-	return w.caps.makes.Has(k)
-}
-
-// canServe reports whether a serving worker can take a request of kind k.
-func (p *pool) canServe(k request.Task) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	now := p.now().UnixNano()
-	for _, w := range p.workers {
-		if w.serving(now) && w.can(k) {
-			return true
-		}
-	}
-	return false
-}
 
 // Capability probes: a worker that does not answer delays at most one
 // request per reprobeInterval.
@@ -40,14 +22,6 @@ const (
 	probeTimeout    = 5 * time.Second
 	reprobeInterval = 30 * time.Second
 )
-
-// anyMakes reports whether some worker of the pool, serving or not, is
-// known or assumed to make requests of kind k.
-func (p *pool) anyMakes(k request.Task) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return slices.ContainsFunc(p.workers, func(w *worker) bool { return w.can(k) })
-}
 
 // models is a worker's answer to GET /v1/models. Entries are kept whole so
 // the router's union passes every field on.
@@ -100,7 +74,7 @@ func (p *pool) get(ctx context.Context, u string, limit int64) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	resp, err := p.client.Do(req)
+	resp, err := p.Client().Do(req)
 	if err != nil {
 		return nil, err
 	}
@@ -123,7 +97,7 @@ func (h *Handler) probe(ctx context.Context, workerURL string) error {
 		h.logger.Debug("capability probe failed", zap.String("worker", workerURL), zap.Error(err))
 		return err
 	}
-	h.pool.setCapabilities(workerURL, m.taskTypes(), m.modelID())
+	h.pool.SetCapabilities(workerURL, m.taskTypes(), m.modelID())
 	return nil
 }
 
@@ -133,13 +107,13 @@ func (h *Handler) probe(ctx context.Context, workerURL string) error {
 // it costs an atomic load, not the pool's lock: it runs on every image and
 // video request.
 func (h *Handler) probeUnknown(ctx context.Context) {
-	if h.pool.unknown.Load() == 0 {
+	if h.pool.AllProbed() {
 		return
 	}
-	urls := h.pool.unprobed(time.Now(), reprobeInterval)
+	urls := h.pool.Unprobed(time.Now(), reprobeInterval)
 	var wg sync.WaitGroup
 	for _, u := range urls {
-		goSafely(&wg, h.logger, "capability probe of "+u, func() { _ = h.probe(ctx, u) })
+		scheduler.GoSafely(&wg, h.logger, "capability probe of "+u, func() { _ = h.probe(ctx, u) })
 	}
 	wg.Wait()
 }
@@ -149,8 +123,8 @@ func (h *Handler) probeUnknown(ctx context.Context) {
 // union costs a call to every worker, so it is a shared answer.
 func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 	var urls []string
-	for _, wk := range h.pool.snapshot() {
-		if wk.State != dead && wk.State != sleeping {
+	for _, wk := range h.pool.Snapshot() {
+		if wk.State != scheduler.Dead && wk.State != scheduler.Sleeping {
 			urls = append(urls, wk.URL)
 		}
 	}
@@ -201,7 +175,7 @@ func (h *Handler) modelUnion(ctx context.Context, urls []string) (int, any) {
 	errs := make([]error, len(urls))
 	var wg sync.WaitGroup
 	for i, u := range urls {
-		goSafely(&wg, h.logger, "model list of "+u, func() { lists[i], errs[i] = h.fetchModels(ctx, u) })
+		scheduler.GoSafely(&wg, h.logger, "model list of "+u, func() { lists[i], errs[i] = h.fetchModels(ctx, u) })
 	}
 	wg.Wait()
 
@@ -213,7 +187,7 @@ func (h *Handler) modelUnion(ctx context.Context, urls []string) (int, any) {
 			details[urls[i]] = errs[i].Error()
 			continue
 		}
-		h.pool.setCapabilities(urls[i], m.taskTypes(), m.modelID())
+		h.pool.SetCapabilities(urls[i], m.taskTypes(), m.modelID())
 		for _, e := range m.Data {
 			if key := modelKey(e); !seen[key] {
 				seen[key] = true

@@ -259,7 +259,7 @@ func (h *Handler) provisionOptions() error {
 	}
 	lb := &h.LoadBalancing
 	lb.HedgeAfter = cmp.Or(lb.HedgeAfter, h.HealthChecks.Passive.StallFactor)
-	h.dispatch.hedgeAfter = max(lb.HedgeAfter, 0)
+	h.dispatch.HedgeAfter = max(lb.HedgeAfter, 0)
 	h.MaxWorkers = cmp.Or(h.MaxWorkers, defaultMaxWorkers)
 	if h.MaxWorkers < 0 {
 		return optionError("max_workers", "max_workers", "must be positive, got %d", h.MaxWorkers)
@@ -282,12 +282,12 @@ func (h *Handler) provisionDispatch() error {
 	if !ok {
 		return optionError("policy", "load_balancing.policy", "unknown policy %q (want one of %s)", lb.Policy, scheduler.StrategyNames())
 	}
-	d.strategy = newStrategy()
+	d.Strategy = newStrategy()
 	switch {
 	case lb.MaxInflight > 0:
-		d.maxInflight = lb.MaxInflight
+		d.MaxInflight = lb.MaxInflight
 	case lb.MaxInflight == 0 && lb.Policy == "least_work":
-		d.maxInflight = 1
+		d.MaxInflight = 1
 	case lb.MaxInflight < -1:
 		return optionError("max_inflight", "load_balancing.max_inflight", "must be positive or -1 (no limit), got %d", lb.MaxInflight)
 	}
@@ -295,18 +295,18 @@ func (h *Handler) provisionDispatch() error {
 		return err
 	}
 	q.Order = cmp.Or(q.Order, "fifo")
-	if d.order, ok = scheduler.QueueOrders[q.Order]; !ok {
+	if d.Order, ok = scheduler.QueueOrders[q.Order]; !ok {
 		return optionError("queue_order", "queue.order", "unknown order %q (want fifo, largest_first or smallest_first)", q.Order)
 	}
 	if q.Timeout < 0 {
 		return optionError("queue_timeout", "queue.timeout", "must not be negative, got %s", time.Duration(q.Timeout))
 	}
-	d.timeout = time.Duration(q.Timeout)
+	d.Timeout = time.Duration(q.Timeout)
 	q.MaxJobs = cmp.Or(q.MaxJobs, defaultMaxQueue)
 	if q.MaxJobs < 0 {
 		return optionError("max_queue", "queue.max_jobs", "must be positive, got %d", q.MaxJobs)
 	}
-	d.maxQueue = q.MaxJobs
+	d.MaxQueue = q.MaxJobs
 	return nil
 }
 
@@ -325,7 +325,7 @@ func (h *Handler) provisionAttempts() error {
 	if lb.HedgeAfter != 0 && lb.HedgeAfter != -1 && !atLeastOne(lb.HedgeAfter) {
 		return optionError("hedge_after", "load_balancing.hedge_after", "must be a number of at least 1, or off, got %g", lb.HedgeAfter)
 	}
-	h.dispatch.maxAttempts = lb.MaxAttempts
+	h.dispatch.MaxAttempts = lb.MaxAttempts
 	return nil
 }
 
@@ -355,9 +355,9 @@ func (h *Handler) provisionCosts() error {
 // provisionWeights reads the weight update options.
 func (h *Handler) provisionWeights() error {
 	o, c := &h.Weights, &h.weights
-	o.Mode = cmp.Or(o.Mode, modeDrain)
-	if o.Mode != modeDrain && o.Mode != modeRolling {
-		return optionError("weights_mode", "weights.mode", "unknown mode %q (want drain or rolling)", o.Mode)
+	o.Mode = cmp.Or(o.Mode, scheduler.ModeDrain)
+	if o.Mode != scheduler.ModeDrain && o.Mode != scheduler.ModeRolling {
+		return optionError("weights_mode", "weights.Mode", "unknown mode %q (want drain or rolling)", o.Mode)
 	}
 	o.RollingBatch = cmp.Or(o.RollingBatch, 1)
 	o.DrainTimeout = cmp.Or(o.DrainTimeout, caddy.Duration(defaultDrainTimeout))
@@ -368,16 +368,16 @@ func (h *Handler) provisionWeights() error {
 	case o.DrainTimeout < 0:
 		return optionError("drain_timeout", "weights.drain_timeout", "must be positive, got %s", time.Duration(o.DrainTimeout))
 	case o.Timeout < 0:
-		return optionError("weights_timeout", "weights.timeout", "must be positive, got %s", time.Duration(o.Timeout))
+		return optionError("weights_timeout", "weights.Timeout", "must be positive, got %s", time.Duration(o.Timeout))
 	}
 	for _, p := range o.PathPrefixes {
 		if !strings.HasPrefix(p, "/") && !strings.Contains(p, "://") {
 			return optionError("weights_path_prefix", "weights.path_prefixes", "%q is neither an absolute path nor a URL prefix", p)
 		}
 	}
-	*c = weightsConfig{
-		mode: o.Mode, rollingBatch: o.RollingBatch, pathPrefixes: o.PathPrefixes,
-		drainTimeout: time.Duration(o.DrainTimeout), timeout: time.Duration(o.Timeout),
+	*c = scheduler.WeightsConfig{
+		Mode: o.Mode, RollingBatch: o.RollingBatch, PathPrefixes: o.PathPrefixes,
+		DrainTimeout: time.Duration(o.DrainTimeout), Timeout: time.Duration(o.Timeout),
 	}
 	return nil
 }
@@ -400,20 +400,20 @@ func (h *Handler) provisionHealth() error {
 		return err
 	}
 	c := &h.health
-	*c = healthConfig{
-		uri: a.URI, interval: time.Duration(a.Interval), timeout: time.Duration(a.Timeout),
-		fails: a.Fails, passes: a.Passes, status: a.ExpectStatus,
-		stallFactor: p.StallFactor, maxFails: p.MaxFails, failWindow: time.Duration(p.FailWindow),
-		ejectTime: time.Duration(p.EjectTime), maxEjectTime: time.Duration(p.MaxEjectTime),
+	*c = scheduler.HealthConfig{
+		URI: a.URI, Interval: time.Duration(a.Interval), Timeout: time.Duration(a.Timeout),
+		Fails: a.Fails, Passes: a.Passes, Status: a.ExpectStatus,
+		StallFactor: p.StallFactor, MaxFails: p.MaxFails, FailWindow: time.Duration(p.FailWindow),
+		EjectTime: time.Duration(p.EjectTime), MaxEjectTime: time.Duration(p.MaxEjectTime),
 	}
 	if a.ExpectBody != "" {
 		re, err := regexp.Compile(a.ExpectBody)
 		if err != nil {
 			return optionError("health_body", "health_checks.active.expect_body", "%v", err)
 		}
-		c.body = re
+		c.Body = re
 	}
-	h.dispatch.health = c
+	h.dispatch.Health = c
 	return nil
 }
 

@@ -40,8 +40,9 @@ func (s *DiffusionSelection) Select(upstreams reverseproxy.UpstreamPool, r *http
 	if t == nil {
 		return s.pool.pickUntracked(upstreams)
 	}
+	dial := t.Dial()
 	for _, u := range upstreams {
-		if t.worker != nil && u.Dial == t.worker.dial && u.Available() {
+		if dial != "" && u.Dial == dial && u.Available() {
 			return u
 		}
 	}
@@ -51,12 +52,13 @@ func (s *DiffusionSelection) Select(upstreams reverseproxy.UpstreamPool, r *http
 // pickUntracked picks at random among the upstreams that are serving
 // workers of the pool.
 func (p *pool) pickUntracked(upstreams []*reverseproxy.Upstream) *reverseproxy.Upstream {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	serving := make(map[string]bool)
+	for _, d := range p.ServingDials() {
+		serving[workerurl.AddressKey(d)] = true
+	}
 	var ok []*reverseproxy.Upstream
-	now := p.now().UnixNano()
 	for _, u := range upstreams {
-		if w := p.byDial[workerurl.AddressKey(u.Dial)]; w != nil && w.serving(now) && u.Available() {
+		if serving[workerurl.AddressKey(u.Dial)] && u.Available() {
 			ok = append(ok, u)
 		}
 	}

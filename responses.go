@@ -7,18 +7,20 @@ import (
 	"net/http"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 type ticketKey struct{}
 
 // withTicket carries a ticket through reverse_proxy, whose request clone
 // keeps the context.
-func withTicket(ctx context.Context, t *ticket) context.Context {
+func withTicket(ctx context.Context, t *scheduler.Ticket) context.Context {
 	return context.WithValue(ctx, ticketKey{}, t)
 }
 
-func ticketFrom(ctx context.Context) *ticket {
-	t, _ := ctx.Value(ticketKey{}).(*ticket)
+func ticketFrom(ctx context.Context) *scheduler.Ticket {
+	t, _ := ctx.Value(ticketKey{}).(*scheduler.Ticket)
 	return t
 }
 
@@ -45,7 +47,7 @@ const weightVersionHeader = "X-Weight-Version"
 type recorder struct {
 	// A value, not a pointer: one allocation per request rather than two.
 	caddyhttp.ResponseWriterWrapper
-	ticket    *ticket
+	ticket    *scheduler.Ticket
 	onHeader  func(status int) // called once the final status is known
 	status    int              // the status the client got; 0 until then
 	peekLimit int
@@ -113,7 +115,7 @@ func (rec *recorder) WriteHeader(status int) {
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
 		if t := rec.ticket; t != nil {
-			if v := t.versionServed(); v != "" {
+			if v := t.VersionServed(); v != "" {
 				rec.Header().Set(weightVersionHeader, v)
 			} else {
 				rec.Header().Del(weightVersionHeader)
@@ -150,16 +152,6 @@ func (rec *recorder) passHeld() error {
 	rec.WriteHeader(a.status)
 	_, err := rec.Write(a.body)
 	return err
-}
-
-// versionServed is the weight version the router records for the worker
-// that served t; for a worker whose model id is not known yet (its
-// /v1/models did not answer), the pool's.
-func (t *ticket) versionServed() string {
-	if t.servedVersion != "" || t.pool == nil {
-		return t.servedVersion
-	}
-	return t.pool.stats().version
 }
 
 // Write keeps up to peekLimit bytes of the body; an answer set aside keeps

@@ -6,6 +6,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 func init() {
@@ -35,16 +37,16 @@ func (DiffusionUpstreams) CaddyModule() caddy.ModuleInfo {
 func (s *DiffusionUpstreams) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
 	t := ticketFrom(r.Context())
 	if t == nil {
-		return upstreamsOf(s.pool.servingDials()), nil
+		return upstreamsOf(s.pool.ServingDials()), nil
 	}
-	t.lookups++
-	if t.lookups > 1 {
-		t.attempts++
-		if err := t.pool.retry(r.Context(), t, failed); err != nil {
+	t.Lookups++
+	if t.Lookups > 1 {
+		t.Attempts++
+		if err := s.pool.Retry(r.Context(), t, scheduler.Failed); err != nil {
 			return nil, nil // reverse_proxy answers with the failed attempt's error
 		}
 	}
-	return upstreamsOf([]string{t.worker.dial}), nil
+	return upstreamsOf([]string{t.Dial()}), nil
 }
 
 func upstreamsOf(dials []string) []*reverseproxy.Upstream {

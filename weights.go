@@ -14,6 +14,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
 )
 
@@ -31,34 +32,6 @@ const (
 	defaultWeightsTimeout = 10 * time.Minute
 )
 
-// Update modes.
-const (
-	modeDrain   = "drain"
-	modeRolling = "rolling"
-)
-
-// weightsConfig is how one diffusion_router config updates weights.
-type weightsConfig struct {
-	mode         string
-	rollingBatch int
-	drainTimeout time.Duration
-	timeout      time.Duration // for one worker's update
-	pathPrefixes []string
-}
-
-// weightsRequest is what the router reads of an update_weights_from_disk
-// body; the body itself goes to the workers untouched.
-type weightsRequest struct {
-	path      string // the workers' endpoint: update_weights_from_disk or a LoRA call
-	modelPath string
-	version   string // the weight version the workers serve once it is done
-	mode      string
-	body      []byte
-}
-
-// diskUpdatePath is where workers load new weights from disk.
-const diskUpdatePath = "/update_weights_from_disk"
-
 // serveUpdateWeights is POST /update_weights_from_disk.
 func (h *Handler) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
 	req, status, msg := h.readWeightsRequest(r)
@@ -66,57 +39,57 @@ func (h *Handler) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
 		_ = writeError(w, status, msg)
 		return
 	}
-	req.path = diskUpdatePath
+	req.Path = scheduler.DiskUpdatePath
 	h.runUpdate(w, r, req, "update_weights")
 }
 
 // runUpdate runs a weight update (or LoRA call) over the fleet as a
 // barrier and answers with every worker's result; op names it in metrics.
-func (h *Handler) runUpdate(w http.ResponseWriter, r *http.Request, req weightsRequest, op string) {
+func (h *Handler) runUpdate(w http.ResponseWriter, r *http.Request, req scheduler.Update, op string) {
 	unlock, ok := h.lockFleet(w, r)
 	if !ok {
 		return
 	}
 	defer unlock()
 
-	log := h.logger.With(zap.String("operation", op), zap.String("weight_version", req.version), zap.String("mode", req.mode))
+	log := h.logger.With(zap.String("operation", op), zap.String("weight_version", req.Version), zap.String("mode", req.Mode))
 	log.Info("weight update started")
-	results, err := h.pool.fleet.update(r.Context(), req, &h.weights)
+	results, err := h.pool.Fleet().Update(r.Context(), req, &h.weights)
 	outcome := outcomeName(err, results)
-	weightUpdates.WithLabelValues(h.pool.name, op, outcome).Inc()
+	weightUpdates.WithLabelValues(h.pool.Name(), op, outcome).Inc()
 	switch {
-	case errors.Is(err, errNoWorker):
-		_ = writeError(w, http.StatusServiceUnavailable, errNoWorker.Error())
+	case errors.Is(err, scheduler.ErrNoWorker):
+		_ = writeError(w, http.StatusServiceUnavailable, scheduler.ErrNoWorker.Error())
 		return
-	case errors.Is(err, errDrainTimeout):
+	case errors.Is(err, scheduler.ErrDrainTimeout):
 		log.Warn("weight update drain timed out")
 		_ = writeJSON(w, http.StatusGatewayTimeout, map[string]any{
-			"success": false, "weight_version": req.version, "results": results,
-			"error": fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); workers not yet updated serve on as before", h.weights.drainTimeout),
+			"success": false, "weight_version": req.Version, "results": results,
+			"error": fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); workers not yet updated serve on as before", h.weights.DrainTimeout),
 		})
 		return
 	case err != nil: // the caller left; the workers already updated keep the new version
 		return
 	}
 	code := http.StatusOK
-	if slices.ContainsFunc(results, func(res result) bool { return !res.ok }) {
+	if slices.ContainsFunc(results, func(res scheduler.Result) bool { return !res.OK }) {
 		code = http.StatusBadGateway
 		log.Warn("weight update failed on some workers; they get no traffic until an update succeeds on them")
 	}
 	log.Info("weight update done", zap.Int("status", code))
-	_ = writeJSON(w, code, h.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": req.version, "results": results}))
+	_ = writeJSON(w, code, h.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": req.Version, "results": results}))
 }
 
 // outcomeName names how a fleet operation ended, for its metric.
-func outcomeName(err error, results []result) string {
+func outcomeName(err error, results []scheduler.Result) string {
 	switch {
-	case errors.Is(err, errNoWorker):
+	case errors.Is(err, scheduler.ErrNoWorker):
 		return "no_workers"
-	case errors.Is(err, errDrainTimeout):
+	case errors.Is(err, scheduler.ErrDrainTimeout):
 		return "drain_timeout"
 	case err != nil:
 		return "abandoned"
-	case slices.ContainsFunc(results, func(r result) bool { return !r.ok }):
+	case slices.ContainsFunc(results, func(r scheduler.Result) bool { return !r.OK }):
 		return "partial"
 	}
 	return "success"
@@ -126,33 +99,33 @@ func outcomeName(err error, results []result) string {
 // is a clean path under weights_path_prefix. A non-zero status refuses it.
 // The body goes to the workers as it is, so it is read by exact key, as
 // they read it, and refused if it names a key twice in any case.
-func (h *Handler) readWeightsRequest(r *http.Request) (weightsRequest, int, string) {
-	var req weightsRequest
+func (h *Handler) readWeightsRequest(r *http.Request) (scheduler.Update, int, string) {
+	var req scheduler.Update
 	body, members, status, msg := readControlObject(r)
 	if status != 0 {
 		return req, status, msg
 	}
 	var ok bool
-	if req.modelPath, ok = strictjson.Member(members, "model_path").(string); !ok || req.modelPath == "" {
+	if req.ModelPath, ok = strictjson.Member(members, "model_path").(string); !ok || req.ModelPath == "" {
 		return req, http.StatusBadRequest, "model_path is required and must be a string"
 	}
-	if status, msg := h.checkWeightsPath("model_path", req.modelPath); status != 0 {
+	if status, msg := h.checkWeightsPath("model_path", req.ModelPath); status != 0 {
 		return req, status, msg
 	}
-	if req.version, ok = stringField(strictjson.Member(members, "weight_version"), req.modelPath); !ok {
+	if req.Version, ok = stringField(strictjson.Member(members, "weight_version"), req.ModelPath); !ok {
 		return req, http.StatusBadRequest, "weight_version must be a string"
 	}
 	named := "weight_version"
 	if strictjson.Member(members, "weight_version") == nil {
 		named = "model_path (the weight version when weight_version is not given)"
 	}
-	if status, msg := checkWeightVersion(named, req.version); status != 0 {
+	if status, msg := checkWeightVersion(named, req.Version); status != 0 {
 		return req, status, msg
 	}
-	if req.mode, ok = stringField(strictjson.Member(members, "mode"), h.weights.mode); !ok || (req.mode != modeDrain && req.mode != modeRolling) {
+	if req.Mode, ok = stringField(strictjson.Member(members, "mode"), h.weights.Mode); !ok || (req.Mode != scheduler.ModeDrain && req.Mode != scheduler.ModeRolling) {
 		return req, http.StatusBadRequest, `mode must be "drain" or "rolling"`
 	}
-	req.body = body
+	req.Body = body
 	return req, 0, ""
 }
 
@@ -202,7 +175,7 @@ func (h *Handler) checkWeightsPath(field, p string) (int, string) {
 	if strings.ContainsRune(p, 0) || slices.Contains(strings.FieldsFunc(p, isPathSeparator), "..") {
 		return http.StatusBadRequest, field + " must not contain '..' segments or NUL bytes"
 	}
-	if prefixes := h.weights.pathPrefixes; len(prefixes) > 0 && !slices.ContainsFunc(prefixes, func(prefix string) bool { return underPrefix(p, prefix) }) {
+	if prefixes := h.weights.PathPrefixes; len(prefixes) > 0 && !slices.ContainsFunc(prefixes, func(prefix string) bool { return underPrefix(p, prefix) }) {
 		return http.StatusForbidden, fmt.Sprintf("%s is outside weights_path_prefix (%s)", field, strings.Join(prefixes, ", "))
 	}
 	return 0, ""
@@ -265,8 +238,8 @@ func stringField(v any, def string) (string, bool) {
 // sleep and wake never interleave; with ?wait=false a busy fleet answers
 // 409 at once.
 func (h *Handler) lockFleet(w http.ResponseWriter, r *http.Request) (func(), bool) {
-	unlock, err := h.pool.fleet.lock(r.Context(), r.URL.Query().Get("wait") != "false")
-	if errors.Is(err, errFleetBusy) {
+	unlock, err := h.pool.Fleet().Lock(r.Context(), r.URL.Query().Get("wait") != "false")
+	if errors.Is(err, scheduler.ErrFleetBusy) {
 		_ = writeError(w, http.StatusConflict, err.Error())
 	}
 	return unlock, err == nil
@@ -305,23 +278,23 @@ func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, op string)
 		return
 	}
 	defer unlock()
-	var results []result
+	var results []scheduler.Result
 	if op == "sleep" {
-		results, err = h.pool.fleet.sleep(r.Context(), r.URL.Path, body, &h.weights)
+		results, err = h.pool.Fleet().Sleep(r.Context(), r.URL.Path, body, &h.weights)
 	} else {
-		results, err = h.pool.fleet.wake(r.Context(), r.URL.Path, body, &h.weights)
+		results, err = h.pool.Fleet().Wake(r.Context(), r.URL.Path, body, &h.weights)
 	}
 	outcome := outcomeName(err, results)
-	if !errors.Is(err, errNothingToDo) {
-		weightUpdates.WithLabelValues(h.pool.name, op, outcome).Inc()
+	if !errors.Is(err, scheduler.ErrNothingToDo) {
+		weightUpdates.WithLabelValues(h.pool.Name(), op, outcome).Inc()
 	}
 	switch {
-	case errors.Is(err, errNoWorker):
+	case errors.Is(err, scheduler.ErrNoWorker):
 		_ = writeError(w, http.StatusServiceUnavailable, "No workers registered in the pool")
-	case errors.Is(err, errNothingToDo): // calling twice is harmless
-		_ = writeJSON(w, http.StatusOK, map[string]any{"success": true, "results": []result{}, "message": "No eligible workers available in the pool"})
-	case errors.Is(err, errDrainTimeout):
-		_ = writeError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", h.weights.drainTimeout))
+	case errors.Is(err, scheduler.ErrNothingToDo): // calling twice is harmless
+		_ = writeJSON(w, http.StatusOK, map[string]any{"success": true, "results": []scheduler.Result{}, "message": "No eligible workers available in the pool"})
+	case errors.Is(err, scheduler.ErrDrainTimeout):
+		_ = writeError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", h.weights.DrainTimeout))
 	case err != nil: // the caller left
 	default:
 		code := http.StatusOK

@@ -1,13 +1,15 @@
 package testrouter
 
 import (
+	"context"
+	"errors"
 	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/certmagic"
 
-	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter/memstore"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/memstore"
 )
 
 func init() {
@@ -35,7 +37,18 @@ func (memStorage) CaddyModule() caddy.ModuleInfo {
 }
 
 // CertMagicStorage returns the storage last given to UseStorage.
-func (memStorage) CertMagicStorage() (certmagic.Storage, error) { return memStorages.Load(), nil }
+func (memStorage) CertMagicStorage() (certmagic.Storage, error) {
+	return statless{memStorages.Load()}, nil
+}
+
+// statless is a memstore.Storage as certmagic needs it: with a Stat,
+// which nothing the router does calls.
+type statless struct{ *memstore.Storage }
+
+// Stat implements certmagic.Storage.
+func (statless) Stat(context.Context, string) (certmagic.KeyInfo, error) {
+	return certmagic.KeyInfo{}, errors.New("no stat")
+}
 
 // UnmarshalCaddyfile reads `storage testrouter`, which has no options.
 func (memStorage) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {

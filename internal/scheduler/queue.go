@@ -1,52 +1,50 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"cmp"
 	"context"
 	"errors"
-	"fmt"
 	"slices"
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
-	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
-// dispatchConfig is how one diffusion_router config hands jobs to workers.
-type dispatchConfig struct {
-	strategy    scheduler.Strategy
-	maxInflight int                  // jobs a worker holds at once; 0: no limit
-	order       scheduler.QueueOrder // which waiting job goes first
-	timeout     time.Duration        // longest wait in the queue; 0: the client's own
-	maxQueue    int                  // jobs that may wait at once
-	maxAttempts int                  // workers a job may be sent to
-	hedgeAfter  float64              // a job overrunning its prediction this much gets a copy; 0: never
-	health      *healthConfig        // how failed requests count against a worker
+// Config is how one diffusion_router config hands jobs to workers.
+type Config struct {
+	Strategy    Strategy
+	MaxInflight int           // jobs a worker holds at once; 0: no limit
+	Order       QueueOrder    // which waiting job goes first
+	Timeout     time.Duration // longest wait in the queue; 0: the client's own
+	MaxQueue    int           // jobs that may wait at once
+	MaxAttempts int           // workers a job may be sent to
+	HedgeAfter  float64       // a job overrunning its prediction this much gets a copy; 0: never
+	Health      *HealthConfig // how failed requests count against a worker
 }
 
-// outcome is how a ticket's claim on a worker ended.
-type outcome int
+// Outcome is how a ticket's claim on a worker ended.
+type Outcome int
 
 const (
-	succeeded outcome = iota // the worker answered
-	refused                  // the worker refused the request (4xx): the request's fault, not the worker's
-	failed                   // the worker could not be reached or failed
-	abandoned                // the client left; says nothing of the worker
-	asleep                   // the worker said it is asleep: put to sleep behind the router's back
-	overtaken                // a copy of the job on another worker answered first: it overran, hung
+	Succeeded Outcome = iota // the worker answered
+	Refused                  // the worker refused the request (4xx): the request's fault, not the worker's
+	Failed                   // the worker could not be reached or failed
+	Abandoned                // the client left; says nothing of the worker
+	Asleep                   // the worker said it is asleep: put to sleep behind the router's back
+	Overtaken                // a copy of the job on another worker answered first: it overran, hung
 )
 
 // Why a request gets no worker.
 var (
-	errNoWorker     = errors.New("No healthy workers available in the pool")
-	errQueueFull    = errors.New("queue full")
-	errQueueTimeout = errors.New("queue timeout")
-	errNoVersion    = errors.New("no worker is or will be on the weight version asked for")
-	errAsleep       = errors.New("every worker that could serve it is asleep")
+	ErrNoWorker     = errors.New("No healthy workers available in the pool")
+	ErrQueueFull    = errors.New("queue full")
+	ErrQueueTimeout = errors.New("queue timeout")
+	ErrNoVersion    = errors.New("no worker is or will be on the weight version asked for")
+	ErrAsleep       = errors.New("every worker that could serve it is asleep")
 )
 
-// ticket is one request's claim on the pool, carried in the request
+// Ticket is one request's claim on the pool, carried in the request
 // context from the handler, which acquires a worker for it, through
 // reverse_proxy, which proxies to that worker, and back to the handler,
 // which releases it.
@@ -58,16 +56,16 @@ var (
 // waiter's ready channel. After release, t.worker is nil and nothing but
 // the request reads the ticket again; a held video job's ticket passes to
 // the pool, which releases it when the job ends.
-type ticket struct {
-	pool  *pool
-	cfg   *dispatchConfig
-	route request.Route // the request's endpoint
-	pin   string        // URL of the only worker that may serve (the creator of a video or image job)
-	task  request.Task  // what the worker must be able to generate
-	job   bool          // a generation: takes a worker slot, may wait for one
-	cost  float64
+type Ticket struct {
+	pool  *Pool
+	cfg   *Config
+	Route request.Route // the request's endpoint
+	Pin   string        // URL of the only worker that may serve (the creator of a video or image job)
+	Task  request.Task  // what the worker must be able to generate
+	Job   bool          // a generation: takes a worker slot, may wait for one
+	Cost  float64
 
-	wantVersion   string // only a worker on this weight version may serve
+	WantVersion   string // only a worker on this weight version may serve
 	servedVersion string // the weight version of the worker chosen
 
 	worker    *worker // the worker holding the request now
@@ -76,14 +74,13 @@ type ticket struct {
 	predicted time.Duration
 	tried     []*worker               // workers a retry must avoid
 	held      bool                    // a video job answered at once and running on its worker
-	sent      bool                    // the request went to the worker
+	Sent      bool                    // the request went to the worker
 	ghost     bool                    // its client left; the worker still computes it
-	lookups   int                     // upstream lookups by reverse_proxy; more than one is a retry
-	attempts  int                     // times the request was sent to a worker
+	Lookups   int                     // upstream lookups by reverse_proxy; more than one is a retry
+	Attempts  int                     // times the request was sent to a worker
 	seq       uint64                  // arrival order among jobs: a job that runs again keeps its place
-	body      []byte                  // a job's body, sent again when it runs again
+	Body      []byte                  // a job's body, sent again when it runs again
 	due       time.Duration           // predicted time, when it was given its worker, until that worker finishes it
-	race      *hedge                  // the race of the job's copies, while it may have one
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
 }
 
@@ -93,9 +90,9 @@ type errCancelled struct{ cause error }
 func (e *errCancelled) Error() string { return e.cause.Error() }
 func (e *errCancelled) Unwrap() error { return e.cause }
 
-// withCancel makes t cancellable: its job waits for a worker and runs on
+// WithCancel makes t cancellable: its job waits for a worker and runs on
 // it in the context returned, a child of ctx.
-func (t *ticket) withCancel(ctx context.Context) context.Context {
+func (t *Ticket) WithCancel(ctx context.Context) context.Context {
 	ctx, t.cancel = context.WithCancelCause(ctx)
 	return ctx
 }
@@ -106,14 +103,14 @@ func (t *ticket) withCancel(ctx context.Context) context.Context {
 // generation, so its worker's slot stays counted until the job's
 // predicted end, as for a client that left: freeLocked decides that, in
 // one place, for every job released as abandoned.
-func (t *ticket) Cancel(cause error) {
+func (t *Ticket) Cancel(cause error) {
 	if t.cancel != nil {
 		t.cancel(&errCancelled{cause})
 	}
 }
 
-// cancelledBy returns the cause Cancel gave ctx's job, or nil.
-func cancelledBy(ctx context.Context) error {
+// CancelledBy returns the cause Cancel gave ctx's job, or nil.
+func CancelledBy(ctx context.Context) error {
 	if c, ok := errors.AsType[*errCancelled](context.Cause(ctx)); ok {
 		return c.cause
 	}
@@ -122,14 +119,14 @@ func cancelledBy(ctx context.Context) error {
 
 // waiter is a job waiting in the pool's queue.
 type waiter struct {
-	t     *ticket
+	t     *Ticket
 	ready chan struct{} // closed once t.worker is set
 }
 
-// acquire gives t a worker. A job that finds every fitting worker full
+// Acquire gives t a worker. A job that finds every fitting worker full
 // waits in the pool's queue until one frees up (late binding), the client
 // leaves, or the queue timeout passes.
-func (p *pool) acquire(ctx context.Context, t *ticket) error {
+func (p *Pool) Acquire(ctx context.Context, t *Ticket) error {
 	p.mu.Lock()
 	wt, err := p.admitLocked(t)
 	p.mu.Unlock()
@@ -141,12 +138,12 @@ func (p *pool) acquire(ctx context.Context, t *ticket) error {
 
 // admitLocked gives t a worker now, or a place in the queue, or the reason
 // it may not wait.
-func (p *pool) admitLocked(t *ticket) (*waiter, error) {
+func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 	if t.seq == 0 {
 		p.seq++
 		t.seq = p.seq
 	}
-	if !t.job || len(p.queue) == 0 || t.before(p.queue[0].t) { // a job never overtakes waiting ones
+	if !t.Job || len(p.queue) == 0 || t.before(p.queue[0].t) { // a job never overtakes waiting ones
 		if w, _ := p.chooseLocked(t); w != nil {
 			p.assignLocked(t, w)
 			return nil, nil
@@ -155,8 +152,8 @@ func (p *pool) admitLocked(t *ticket) (*waiter, error) {
 	if err := p.waitErrorLocked(t); err != nil {
 		return nil, err
 	}
-	if len(p.queue) >= t.cfg.maxQueue && t.attempts == 0 { // a job running again was admitted already
-		return nil, errQueueFull
+	if len(p.queue) >= t.cfg.MaxQueue && t.Attempts == 0 { // a job running again was admitted already
+		return nil, ErrQueueFull
 	}
 	wt := p.enqueueLocked(t)
 	p.dispatchLocked() // a prefetch slot may be free for the queue's head
@@ -164,10 +161,10 @@ func (p *pool) admitLocked(t *ticket) (*waiter, error) {
 }
 
 // wait waits for wt's ticket to be given a worker.
-func (p *pool) wait(ctx context.Context, t *ticket, wt *waiter) error {
+func (p *Pool) wait(ctx context.Context, t *Ticket, wt *waiter) error {
 	var expired <-chan time.Time
-	if t.cfg.timeout > 0 {
-		timer := time.NewTimer(t.cfg.timeout)
+	if t.cfg.Timeout > 0 {
+		timer := time.NewTimer(t.cfg.Timeout)
 		defer timer.Stop()
 		expired = timer.C
 	}
@@ -176,23 +173,23 @@ func (p *pool) wait(ctx context.Context, t *ticket, wt *waiter) error {
 	case <-wt.ready:
 		return nil
 	case <-ctx.Done():
-		err = cmp.Or(cancelledBy(ctx), ctx.Err())
+		err = cmp.Or(CancelledBy(ctx), ctx.Err())
 	case <-expired:
-		err = errQueueTimeout
+		err = ErrQueueTimeout
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if !p.dequeueLocked(wt) {
-		p.releaseLocked(t, abandoned) // a worker came as we gave up: hand it on
+		p.releaseLocked(t, Abandoned) // a worker came as we gave up: hand it on
 	}
 	return err
 }
 
-// retry moves t off a worker that failed it, with what the attempt said
+// Retry moves t off a worker that failed it, with what the attempt said
 // of that worker, onto another one, waiting for it in its old place in
 // the queue: the worker it leaves goes to the queue only once t is back
 // in it. It reports an error when t got no worker.
-func (p *pool) retry(ctx context.Context, t *ticket, o outcome) error {
+func (p *Pool) Retry(ctx context.Context, t *Ticket, o Outcome) error {
 	p.mu.Lock()
 	if w := t.worker; w != nil {
 		t.tried = append(t.tried, w)
@@ -214,7 +211,7 @@ func (p *pool) retry(ctx context.Context, t *ticket, o outcome) error {
 
 // untriedServingLocked reports whether a serving worker that t has not
 // been sent to may serve it.
-func (p *pool) untriedServingLocked(t *ticket) bool {
+func (p *Pool) untriedServingLocked(t *Ticket) bool {
 	now := p.now().UnixNano()
 	for _, w := range p.workers {
 		if w.serving(now) && t.mayServe(w, "") {
@@ -224,9 +221,9 @@ func (p *pool) untriedServingLocked(t *ticket) bool {
 	return false
 }
 
-// release ends t's claim on its worker. It reports how long the worker is
+// Release ends t's claim on its worker. It reports how long the worker is
 // ejected for if this failure ejected it.
-func (p *pool) release(t *ticket, o outcome) time.Duration {
+func (p *Pool) Release(t *Ticket, o Outcome) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.releaseLocked(t, o)
@@ -235,28 +232,28 @@ func (p *pool) release(t *ticket, o outcome) time.Duration {
 // chooseLocked picks the worker for t by its strategy among the workers that
 // may serve it and have a free slot. It also reports whether any serving
 // worker had a free slot at all, so a dispatch pass can stop early.
-func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
+func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 	now := p.now().UnixNano()
-	if t.pin != "" {
-		w := p.findLocked(t.pin)
+	if t.Pin != "" {
+		w := p.findLocked(t.Pin)
 		if w == nil || !t.mayServe(w, "") {
 			return nil, w != nil
 		}
-		if !t.job { // a poll or delete of a job the worker holds goes there, whatever its health
+		if !t.Job { // a poll or delete of a job the worker holds goes there, whatever its health
 			return w, true
 		}
-		fitting := fits(t.job, t.cfg.maxInflight, w, now)
+		fitting := fits(t.Job, t.cfg.MaxInflight, w, now)
 		if !fitting || !w.serving(now) {
 			return nil, fitting
 		}
 		return w, true
 	}
-	if p.fleet.paused && t.job {
+	if p.fleet.paused && t.Job {
 		return nil, false
 	}
 	cands, views := p.cands[:0], p.views[:0]
 	anyFree := false
-	job, limit := t.job, t.cfg.maxInflight
+	job, limit := t.Job, t.cfg.MaxInflight
 	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
 		if !fits(job, limit, w, now) || !w.serving(now) {
 			continue
@@ -271,12 +268,12 @@ func (p *pool) chooseLocked(t *ticket) (*worker, bool) {
 	if len(cands) == 0 {
 		return nil, anyFree
 	}
-	return cands[t.cfg.strategy.Pick(scheduler.Job{Cost: t.cost, Seq: t.seq}, views)], true
+	return cands[t.cfg.Strategy.Pick(Job{Cost: t.Cost, Seq: t.seq}, views)], true
 }
 
 // viewLocked is w as a strategy sees it at now (Unix nanoseconds).
-func (p *pool) viewLocked(w *worker, now int64) scheduler.Candidate {
-	return scheduler.Candidate{URL: w.url, Inflight: w.load.inflight, WorkLeft: p.workLeftLocked(w, now), Speed: p.speedOfLocked(w)}
+func (p *Pool) viewLocked(w *worker, now int64) Candidate {
+	return Candidate{URL: w.url, Inflight: w.load.inflight, WorkLeft: p.workLeftLocked(w, now), Speed: p.speedOfLocked(w)}
 }
 
 // prefetchWindow: a worker whose jobs are predicted to end within it gets
@@ -311,7 +308,7 @@ func fits(job bool, limit int, w *worker, now int64) bool {
 
 // updateEndsLocked predicts when w's jobs will be done, from when the
 // running one started: what fits checks for every full worker.
-func (p *pool) updateEndsLocked(w *worker) {
+func (p *Pool) updateEndsLocked(w *worker) {
 	w.load.endsAt = w.load.headSince + int64(p.timeForLocked(w, w.load.work))
 }
 
@@ -319,9 +316,9 @@ func (p *pool) updateEndsLocked(w *worker) {
 // health: w makes what t needs, is the worker t is pinned to (if any), was
 // not tried already, and serves the weight version t asks for (if any),
 // or will once an update to upcoming ends.
-func (t *ticket) mayServe(w *worker, upcoming string) bool {
-	return w.can(t.task) && (t.pin == "" || w.url == t.pin) && !slices.Contains(t.tried, w) &&
-		(t.wantVersion == "" || w.life.version == t.wantVersion || upcoming == t.wantVersion)
+func (t *Ticket) mayServe(w *worker, upcoming string) bool {
+	return w.can(t.Task) && (t.Pin == "" || w.url == t.Pin) && !slices.Contains(t.tried, w) &&
+		(t.WantVersion == "" || w.life.version == t.WantVersion || upcoming == t.WantVersion)
 }
 
 // waitErrorLocked says why t may not wait in the queue for a worker, or
@@ -329,29 +326,29 @@ func (t *ticket) mayServe(w *worker, upcoming string) bool {
 // take it later. A job is not held for workers that are all asleep: a
 // trainer that put the fleet to sleep is training, and a generation then
 // is a mistake to report, not to hold.
-func (p *pool) waitErrorLocked(t *ticket) error {
+func (p *Pool) waitErrorLocked(t *Ticket) error {
 	awake, sleeper := false, false
 	now := p.now().UnixNano()
 	for _, w := range p.workers {
 		if t.mayServe(w, p.fleet.target) {
-			s := w.life.state == sleeping || w.stateAt(now) == sleeping
+			s := w.life.state == Sleeping || w.stateAt(now) == Sleeping
 			awake, sleeper = awake || !s, sleeper || s
 		}
 	}
 	switch {
-	case awake && t.job:
+	case awake && t.Job:
 		return nil
 	case sleeper && !awake:
-		return errAsleep
-	case t.wantVersion != "":
-		return errNoVersion
+		return ErrAsleep
+	case t.WantVersion != "":
+		return ErrNoVersion
 	}
-	return errNoWorker
+	return ErrNoWorker
 }
 
-func (p *pool) assignLocked(t *ticket, w *worker) {
+func (p *Pool) assignLocked(t *Ticket, w *worker) {
 	t.worker, t.servedBy, t.servedVersion = w, w.url, w.life.version
-	if !t.job {
+	if !t.Job {
 		return
 	}
 	if w.load.inflight == 0 {
@@ -359,20 +356,20 @@ func (p *pool) assignLocked(t *ticket, w *worker) {
 	}
 	w.load.inflight++
 	w.load.jobs = append(w.load.jobs, t)
-	w.load.work += t.cost
-	t.predicted = p.timeForLocked(w, t.cost)
+	w.load.work += t.Cost
+	t.predicted = p.timeForLocked(w, t.Cost)
 	p.updateEndsLocked(w)
 	t.due = time.Duration(p.finishTimeLocked(w, 0, p.now().UnixNano()) * float64(time.Second))
 }
 
 // startLocked notes that t has reached the head of w's jobs: a worker runs
 // its jobs one at a time, in arrival order.
-func (p *pool) startLocked(w *worker, t *ticket, now int64) {
+func (p *Pool) startLocked(w *worker, t *Ticket, now int64) {
 	t.started = now
-	w.load.headCost, w.load.headSince = t.cost, now
+	w.load.headCost, w.load.headSince = t.Cost, now
 }
 
-func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
+func (p *Pool) releaseLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 	ejected = p.freeLocked(t, o)
 	p.dispatchLocked()
 	return ejected
@@ -380,12 +377,12 @@ func (p *pool) releaseLocked(t *ticket, o outcome) (ejected time.Duration) {
 
 // freeLocked is releaseLocked but for handing the slot it frees to a
 // waiting job.
-func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
+func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 	w := t.worker
 	if w == nil {
 		return 0
 	}
-	if o == abandoned && t.job && t.sent && !t.held && !t.ghost {
+	if o == Abandoned && t.Job && t.Sent && !t.held && !t.ghost {
 		p.keepGhostLocked(t)
 		return 0
 	}
@@ -395,29 +392,29 @@ func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
 	}
 	p.onRelease = p.onRelease[:0]
 	switch o {
-	case succeeded:
+	case Succeeded:
 		w.stats.served++
 		w.evidence.consecFails = 0
-	case refused:
+	case Refused:
 		w.stats.served++
-	case failed, overtaken:
+	case Failed, Overtaken:
 		w.stats.failures++
 		w.evidence.consecFails++
 	}
-	ejected = p.noteOutcomeLocked(w, o, t.cfg.health)
-	if !t.job {
+	ejected = p.noteOutcomeLocked(w, o, t.cfg.Health)
+	if !t.Job {
 		return ejected
 	}
 	now := p.now().UnixNano()
 	w.load.lastFinish = now
-	if o == succeeded {
+	if o == Succeeded {
 		// An answer released before the head's (two arriving together)
 		// never started on this clock: it has no run time to learn from.
 		if t.started != 0 {
-			w.load.speed.Observe(t.cost, time.Duration(now-t.started), t.predicted)
+			w.load.speed.Observe(t.Cost, time.Duration(now-t.started), t.predicted)
 		}
 		w.stats.jobsDone++
-		w.stats.costDone += t.cost
+		w.stats.costDone += t.Cost
 		p.completions++
 		// The median changes when a worker learns its first speed, and
 		// slowly otherwise.
@@ -427,8 +424,8 @@ func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
 	}
 	wasHead := len(w.load.jobs) > 0 && w.load.jobs[0] == t
 	w.load.inflight--
-	w.load.jobs = slices.DeleteFunc(w.load.jobs, func(x *ticket) bool { return x == t })
-	w.load.work -= t.cost
+	w.load.jobs = slices.DeleteFunc(w.load.jobs, func(x *Ticket) bool { return x == t })
+	w.load.work -= t.Cost
 	switch {
 	case len(w.load.jobs) == 0:
 		w.load.work = 0 // no float drift on an idle worker
@@ -436,7 +433,7 @@ func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
 		p.startLocked(w, w.load.jobs[0], now)
 	}
 	switch {
-	case o == overtaken:
+	case o == Overtaken:
 		w.health.suspect = true // until a probe finds nothing overrunning
 	case wasHead:
 		w.health.suspect = false // the stalled job, if it was one, has ended
@@ -451,7 +448,7 @@ func (p *pool) freeLocked(t *ticket, o outcome) (ejected time.Duration) {
 // keepGhostLocked keeps a job whose client left on its worker until the
 // worker would have finished it: the GPU goes on computing it, and the
 // next job is placed knowing that.
-func (p *pool) keepGhostLocked(t *ticket) {
+func (p *Pool) keepGhostLocked(t *Ticket) {
 	t.ghost = true
 	end := t.worker.load.endsAt
 	if t.started > 0 {
@@ -462,18 +459,18 @@ func (p *pool) keepGhostLocked(t *ticket) {
 }
 
 // endGhost lets go of a job whose client left, at its predicted end.
-func (p *pool) endGhost(t *ticket) {
+func (p *Pool) endGhost(t *Ticket) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if _, ok := p.ghosts[t]; ok {
 		delete(p.ghosts, t)
-		p.releaseLocked(t, abandoned)
+		p.releaseLocked(t, Abandoned)
 	}
 }
 
 // dispatchLocked hands free slots to waiting jobs, in queue order; a job
 // that no free worker may serve lets the ones behind it pass.
-func (p *pool) dispatchLocked() {
+func (p *Pool) dispatchLocked() {
 	kept := p.queue[:0]
 	for i, wt := range p.queue {
 		w, anyFree := p.chooseLocked(wt.t)
@@ -492,7 +489,7 @@ func (p *pool) dispatchLocked() {
 	p.queue = kept
 }
 
-func (p *pool) enqueueLocked(t *ticket) *waiter {
+func (p *Pool) enqueueLocked(t *Ticket) *waiter {
 	wt := &waiter{t: t, ready: make(chan struct{})}
 	i, _ := slices.BinarySearchFunc(p.queue, wt, func(a, b *waiter) int { return a.t.compare(b.t) })
 	p.queue = slices.Insert(p.queue, i, wt)
@@ -500,20 +497,20 @@ func (p *pool) enqueueLocked(t *ticket) *waiter {
 }
 
 // compare orders waiting jobs: by the queue order, then by arrival.
-func (t *ticket) compare(u *ticket) int {
+func (t *Ticket) compare(u *Ticket) int {
 	return cmp.Or(cmp.Compare(t.queueKey(), u.queueKey()), cmp.Compare(t.seq, u.seq))
 }
 
 // before reports whether t goes ahead of u in the queue.
-func (t *ticket) before(u *ticket) bool { return t.compare(u) < 0 }
+func (t *Ticket) before(u *Ticket) bool { return t.compare(u) < 0 }
 
-func (t *ticket) queueKey() float64 {
-	return t.cfg.order.Key(scheduler.Job{Cost: t.cost, Seq: t.seq})
+func (t *Ticket) queueKey() float64 {
+	return t.cfg.Order.Key(Job{Cost: t.Cost, Seq: t.seq})
 }
 
 // dequeueLocked takes a waiter out of the queue; false means it had already
 // been given a worker.
-func (p *pool) dequeueLocked(wt *waiter) bool {
+func (p *Pool) dequeueLocked(wt *waiter) bool {
 	i := slices.Index(p.queue, wt)
 	if i < 0 {
 		return false
@@ -524,7 +521,7 @@ func (p *pool) dequeueLocked(wt *waiter) bool {
 
 // speedOfLocked is w's learned speed, or the pool's median speed while w has
 // completed nothing.
-func (p *pool) speedOfLocked(w *worker) float64 {
+func (p *Pool) speedOfLocked(w *worker) float64 {
 	if w.load.speed.Value() > 0 {
 		return w.load.speed.Value()
 	}
@@ -533,7 +530,7 @@ func (p *pool) speedOfLocked(w *worker) float64 {
 
 // refreshDefaultSpeedLocked sets the speed assumed for new workers to the
 // median of the learned ones.
-func (p *pool) refreshDefaultSpeedLocked() {
+func (p *Pool) refreshDefaultSpeedLocked() {
 	speeds := p.speeds[:0]
 	for _, w := range p.workers {
 		if w.load.speed.Value() > 0 {
@@ -552,19 +549,19 @@ func (p *pool) refreshDefaultSpeedLocked() {
 const maxPrediction = 30 * 24 * time.Hour
 
 // timeForLocked is how long w is predicted to take over work of cost.
-func (p *pool) timeForLocked(w *worker, cost float64) time.Duration {
+func (p *Pool) timeForLocked(w *worker, cost float64) time.Duration {
 	return time.Duration(min(cost/p.speedOfLocked(w), maxPrediction.Seconds()) * float64(time.Second))
 }
 
 // finishTimeLocked is how long w would take, from now (Unix nanoseconds), to
 // finish the work it has and a job of cost, in seconds.
-func (p *pool) finishTimeLocked(w *worker, cost float64, now int64) float64 {
+func (p *Pool) finishTimeLocked(w *worker, cost float64, now int64) float64 {
 	return (p.workLeftLocked(w, now) + cost) / p.speedOfLocked(w)
 }
 
 // workLeftLocked is the predicted cost w still has to process at now (Unix
 // nanoseconds): its jobs' costs, less what the running one has done.
-func (p *pool) workLeftLocked(w *worker, now int64) float64 {
+func (p *Pool) workLeftLocked(w *worker, now int64) float64 {
 	if w.load.inflight == 0 {
 		return 0
 	}
@@ -572,19 +569,62 @@ func (p *pool) workLeftLocked(w *worker, now int64) float64 {
 	return w.load.work - min(w.load.headCost, max(0, done))
 }
 
-// queueError is the answer for a request that got no worker.
-func queueError(p *pool, t *ticket, err error) (int, string) {
-	switch {
-	case errors.Is(err, errQueueFull):
-		return 429, fmt.Sprintf("the queue of pool %q is full (%d jobs waiting, max_queue %d)", p.name, t.cfg.maxQueue, t.cfg.maxQueue)
-	case errors.Is(err, errQueueTimeout):
-		return 503, fmt.Sprintf("no worker of pool %q was free within queue_timeout (%s); the job waited in the pool's queue", p.name, t.cfg.timeout)
-	case errors.Is(err, errAsleep):
-		return 503, fmt.Sprintf("every worker of pool %q that could serve this request is asleep (release_memory_occupation); wake them with resume_memory_occupation", p.name)
-	case errors.Is(err, errNoVersion):
-		return 409, fmt.Sprintf("no worker of pool %q is or will be on weight version %q", p.name, t.wantVersion)
-	case t.pin != "":
-		return 503, fmt.Sprintf("Mapped worker %s is unavailable", t.pin)
+// NewTicket makes the claim on p of a request dispatched by cfg. The
+// request sets up the ticket's exported fields before it asks for a worker.
+func (p *Pool) NewTicket(cfg *Config) *Ticket { return &Ticket{pool: p, cfg: cfg} }
+
+// Config is how t's request is dispatched.
+func (t *Ticket) Config() *Config { return t.cfg }
+
+// ServedBy is the URL of the worker chosen for t last; it is kept after
+// release.
+func (t *Ticket) ServedBy() string { return t.servedBy }
+
+// ServedVersion is the weight version of the worker chosen for t last.
+func (t *Ticket) ServedVersion() string { return t.servedVersion }
+
+// Predicted is how long t's job was predicted to run on its worker.
+func (t *Ticket) Predicted() time.Duration { return t.predicted }
+
+// Due is how long, when t got its worker, that worker was predicted to
+// take to finish t's job: the jobs before it, then it.
+func (t *Ticket) Due() time.Duration { return t.due }
+
+// Dial is the address of the worker holding t, "" when none does.
+func (t *Ticket) Dial() string {
+	if t.worker == nil {
+		return ""
 	}
-	return 503, errNoWorker.Error()
+	return t.worker.dial
+}
+
+// AnsweredBy notes that t's client got the answer of c, a copy of t's job
+// that ran on another worker.
+func (t *Ticket) AnsweredBy(c *Ticket) {
+	t.servedBy, t.servedVersion = c.servedBy, c.servedVersion
+}
+
+// VersionServed is the weight version the router records for the worker
+// that served t; for a worker whose model id is not known yet (its
+// /v1/models did not answer), the pool's.
+func (t *Ticket) VersionServed() string {
+	if t.servedVersion != "" || t.pool == nil {
+		return t.servedVersion
+	}
+	return t.pool.Stats().Version
+}
+
+// OutcomeOf tells how the exchange with the worker ended, as evidence of
+// the worker's health: a 5xx is the worker's failure, as Envoy counts
+// them; a 4xx is the request's fault and says nothing of the worker.
+func OutcomeOf(clientCtx context.Context, err error, status int) Outcome {
+	switch {
+	case clientCtx.Err() != nil:
+		return Abandoned
+	case err != nil, status >= 500:
+		return Failed
+	case status >= 400:
+		return Refused
+	}
+	return Succeeded
 }

@@ -1,4 +1,4 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"runtime"
@@ -14,7 +14,7 @@ import (
 // at any time.
 
 // packagePrefix is this package's import path followed by a dot, as
-// function names in stack traces start ("example.com/m.(*pool).acquire");
+// function names in stack traces start ("example.com/m.(*Pool).Acquire");
 // the packages below it (examples/fakeworker) continue with a slash.
 var packagePrefix = func() string {
 	pc, _, _, _ := runtime.Caller(0)

@@ -1,4 +1,4 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"context"
@@ -36,20 +36,20 @@ const (
 	storeRetryMax = time.Minute
 )
 
-// stateStorage is what the pool needs of a certmagic.Storage, the type of
+// Storage is what the pool needs of a certmagic.Storage, the type of
 // caddy.Context.Storage. Load reports fs.ErrNotExist for a key never
 // stored.
-type stateStorage interface {
+type Storage interface {
 	Load(ctx context.Context, key string) ([]byte, error)
 	Store(ctx context.Context, key string, value []byte) error
 }
 
-// fleetRecord is a pool's state as kept in storage, in JSON.
-type fleetRecord struct {
+// Record is a pool's state as kept in storage, in JSON.
+type Record struct {
 	// Workers are the pool's workers in order of joining, those the config
 	// lists too: whether an operator held them back and which weights they
 	// serve outlive the process as well.
-	Workers []workerRecord `json:"workers"`
+	Workers []WorkerRecord `json:"workers"`
 
 	// WeightVersion is the version of the fleet's last successful weight
 	// update; empty before any.
@@ -58,20 +58,20 @@ type fleetRecord struct {
 	// Updates bring a worker to WeightVersion: the last update from disk
 	// and the LoRA calls since, in order, as the fleet replays them to a
 	// worker that missed them.
-	Updates []updateRecord `json:"updates,omitempty"`
+	Updates []UpdateRecord `json:"updates,omitempty"`
 }
 
-// workerRecord is one worker of a fleetRecord.
-type workerRecord struct {
+// WorkerRecord is one worker of a fleetRecord.
+type WorkerRecord struct {
 	URL           string `json:"url"`
 	Registered    bool   `json:"registered,omitempty"` // joined at run time, not from a config
 	IsDead        bool   `json:"is_dead,omitempty"`    // held back by an operator
 	WeightVersion string `json:"weight_version,omitempty"`
 }
 
-// updateRecord is one call of a fleetRecord's updates, sent to workers as
+// UpdateRecord is one call of a fleetRecord's updates, sent to workers as
 // it was sent to the fleet.
-type updateRecord struct {
+type UpdateRecord struct {
 	Path          string          `json:"path"`
 	WeightVersion string          `json:"weight_version"`
 	Body          json.RawMessage `json:"body"`
@@ -88,11 +88,11 @@ func fleetKey(pool string) string {
 	return "diffusion_router/" + name + "/fleet.json"
 }
 
-// fleetStore keeps a pool's record in storage. Changes only mark a write
+// FleetStore keeps a pool's record in storage. Changes only mark a write
 // as due, so no request ever waits on storage; one goroutine of the pool
 // writes the latest state, retrying in the background when storage fails.
-type fleetStore struct {
-	pool     *pool
+type FleetStore struct {
+	pool     *Pool
 	key      string
 	due      chan struct{} // holds a token while a write is due
 	ready    chan struct{} // closed once the record was read back, or restoreWait after the pool started
@@ -117,56 +117,56 @@ var errNotReadBack = errors.New("the fleet's record in storage is not read back 
 
 // storageUse is the storage one handler keeps its pool's record in.
 type storageUse struct {
-	owner   *Handler
-	storage stateStorage // nil: persist off
+	owner   any
+	storage Storage // nil: persist off
 }
 
-func newFleetStore(p *pool) *fleetStore {
-	return &fleetStore{
+func newFleetStore(p *Pool) *FleetStore {
+	return &FleetStore{
 		pool: p, key: fleetKey(p.name), retryMin: storeRetryMin,
 		due: make(chan struct{}, 1), ready: make(chan struct{}), writing: make(chan struct{}, 1),
 	}
 }
 
-// use keeps the record in storage (nil: nowhere) while owner's config is
+// Use keeps the record in storage (nil: nowhere) while owner's config is
 // loaded; the config loaded last decides.
-func (s *fleetStore) use(owner *Handler, storage stateStorage) {
+func (s *FleetStore) Use(owner any, storage Storage) {
 	s.mu.Lock()
 	s.uses = append(s.uses, storageUse{owner, storage})
 	s.mu.Unlock()
-	s.changed() // the storage may be another
+	s.Changed() // the storage may be another
 }
 
-// drop forgets owner's storage when its config is unloaded. A failed
+// Drop forgets owner's storage when its config is unloaded. A failed
 // reload drops the new config's and leaves the old one's in use; once the
 // last config is gone nothing is written, so that a shutdown, which
 // withdraws the config's workers, is not recorded as workers leaving.
-func (s *fleetStore) drop(owner *Handler) {
+func (s *FleetStore) Drop(owner any) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.uses = slices.DeleteFunc(s.uses, func(u storageUse) bool { return u.owner == owner })
 }
 
 // storageLocked is where the record goes now; nil: nowhere.
-func (s *fleetStore) storageLocked() stateStorage {
+func (s *FleetStore) storageLocked() Storage {
 	if len(s.uses) == 0 {
 		return nil
 	}
 	return s.uses[len(s.uses)-1].storage
 }
 
-// changed marks a write as due. It never blocks: writes coalesce, and the
+// Changed marks a write as due. It never blocks: writes coalesce, and the
 // next one writes the state as it is then.
-func (s *fleetStore) changed() {
+func (s *FleetStore) Changed() {
 	select {
 	case s.due <- struct{}{}:
 	default:
 	}
 }
 
-// startOnce reads the record back and starts writing it, the first time
+// StartOnce reads the record back and starts writing it, the first time
 // the pool starts; it waits up to restoreWait for the record.
-func (s *fleetStore) startOnce() {
+func (s *FleetStore) StartOnce() {
 	s.start.Do(func() {
 		s.pool.bg.Go("fleet record of pool "+s.pool.name, s.run)
 		t := time.NewTimer(restoreWait)
@@ -180,12 +180,12 @@ func (s *fleetStore) startOnce() {
 	})
 }
 
-func (s *fleetStore) markReady() { s.setReady.Do(func() { close(s.ready) }) }
+func (s *FleetStore) markReady() { s.setReady.Do(func() { close(s.ready) }) }
 
-// awaitReady holds a request that arrives while the pool, just started,
+// AwaitReady holds a request that arrives while the pool, just started,
 // reads its record back (at most restoreWait), so that nobody sees the
 // fleet without the workers it had.
-func (s *fleetStore) awaitReady(ctx context.Context) {
+func (s *FleetStore) AwaitReady(ctx context.Context) {
 	select {
 	case <-s.ready:
 	case <-ctx.Done():
@@ -194,7 +194,7 @@ func (s *fleetStore) awaitReady(ctx context.Context) {
 
 // run reads the record back, then writes it whenever it changes, until
 // the pool ends.
-func (s *fleetStore) run(ctx context.Context) {
+func (s *FleetStore) run(ctx context.Context) {
 	defer s.markReady()
 	if !s.retry(ctx, "read", s.restore) {
 		return
@@ -215,7 +215,7 @@ func (s *fleetStore) run(ctx context.Context) {
 
 // retry runs op until it succeeds, waiting longer after each failure; it
 // reports false if the pool ended first.
-func (s *fleetStore) retry(ctx context.Context, what string, op func(context.Context) error) bool {
+func (s *FleetStore) retry(ctx context.Context, what string, op func(context.Context) error) bool {
 	wait := time.Duration(0)
 	for {
 		err := op(ctx)
@@ -228,17 +228,17 @@ func (s *fleetStore) retry(ctx context.Context, what string, op func(context.Con
 		wait = min(max(2*wait, s.retryMin), storeRetryMax)
 		s.pool.logger.Error("could not "+what+" the fleet's record in storage; retrying",
 			zap.String("key", s.key), zap.Error(err), zap.Duration("retry_in", wait))
-		if !sleep(ctx, wait) {
+		if !Sleep(ctx, wait) {
 			return false
 		}
 	}
 }
 
-// persist writes the record now, for a control call that tells its
+// Persist writes the record now, for a control call that tells its
 // caller whether its change is durable, and returns why not: the write's
 // error, or errNotReadBack. Without storage there is nothing to write.
 // A change it could not write stays due: the background writer retries.
-func (s *fleetStore) persist(ctx context.Context) error {
+func (s *FleetStore) Persist(ctx context.Context) error {
 	s.mu.Lock()
 	storage := s.storageLocked()
 	s.mu.Unlock()
@@ -250,14 +250,14 @@ func (s *fleetStore) persist(ctx context.Context) error {
 	}
 	err := s.write(ctx)
 	if err != nil {
-		s.changed()
+		s.Changed()
 	}
 	return err
 }
 
 // write stores the pool's state as it is now, which includes every change
 // marked so far: a retry after a failure writes them all at once.
-func (s *fleetStore) write(ctx context.Context) error {
+func (s *FleetStore) write(ctx context.Context) error {
 	select {
 	case s.writing <- struct{}{}:
 		defer func() { <-s.writing }()
@@ -270,7 +270,7 @@ func (s *fleetStore) write(ctx context.Context) error {
 	}
 	s.mu.Lock()
 	storage := s.storageLocked()
-	var rec fleetRecord
+	var rec Record
 	if storage != nil {
 		rec = s.pool.record() // under s.mu: no config leaves between choosing the storage and reading the state
 	}
@@ -290,7 +290,7 @@ func (s *fleetStore) write(ctx context.Context) error {
 // restore reads the record back and applies it to the pool. No record is
 // a new pool; a record that does not decode is logged and overwritten at
 // the next change, since retrying cannot mend it.
-func (s *fleetStore) restore(ctx context.Context) error {
+func (s *FleetStore) restore(ctx context.Context) error {
 	s.mu.Lock()
 	storage := s.storageLocked()
 	s.mu.Unlock()
@@ -306,19 +306,19 @@ func (s *fleetStore) restore(ctx context.Context) error {
 	case err != nil:
 		return err
 	}
-	var rec fleetRecord
+	var rec Record
 	if err := json.Unmarshal(data, &rec); err != nil {
 		return s.keepAside(ctx, storage, data, err)
 	}
 	// Not while a weight update runs: one that came in before the record
 	// was read has moved the fleet past it.
-	unlock, err := s.pool.fleet.lock(ctx, true)
+	unlock, err := s.pool.fleet.Lock(ctx, true)
 	if err != nil {
 		return err
 	}
 	defer unlock()
 	restored, adopted := s.pool.restore(rec)
-	s.changed() // the state read back and what changed meanwhile, merged
+	s.Changed() // the state read back and what changed meanwhile, merged
 	s.pool.logger.Info("fleet read back from storage", zap.String("key", s.key),
 		zap.Int("workers_read_back", restored), zap.Bool("weights_read_back", adopted), zap.String("weight_version", rec.WeightVersion))
 	return nil
@@ -328,7 +328,7 @@ func (s *fleetStore) restore(ctx context.Context) error {
 // before the pool starts without it, since the next write replaces it:
 // an operator can still read what it held. A record that cannot be kept
 // aside is not replaced either: reading back is tried again.
-func (s *fleetStore) keepAside(ctx context.Context, storage stateStorage, data []byte, why error) error {
+func (s *FleetStore) keepAside(ctx context.Context, storage Storage, data []byte, why error) error {
 	aside := s.key + ".unreadable-" + s.pool.now().UTC().Format("20060102T150405Z")
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
@@ -341,15 +341,15 @@ func (s *fleetStore) keepAside(ctx context.Context, storage stateStorage, data [
 }
 
 // record is the pool's state to keep.
-func (p *pool) record() fleetRecord {
+func (p *Pool) record() Record {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	rec := fleetRecord{WeightVersion: p.fleet.version, Workers: make([]workerRecord, len(p.workers))}
+	rec := Record{WeightVersion: p.fleet.version, Workers: make([]WorkerRecord, len(p.workers))}
 	for i, w := range p.workers {
-		rec.Workers[i] = workerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version}
+		rec.Workers[i] = WorkerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version}
 	}
 	for _, u := range p.fleet.history {
-		rec.Updates = append(rec.Updates, updateRecord{Path: u.path, WeightVersion: u.version, Body: u.body})
+		rec.Updates = append(rec.Updates, UpdateRecord{Path: u.Path, WeightVersion: u.Version, Body: u.Body})
 	}
 	return rec
 }
@@ -361,7 +361,7 @@ func (p *pool) record() fleetRecord {
 // run since the pool was made: otherwise the fleet is past them, and the
 // workers read back catch up with it as any late joiner does. It returns
 // how many workers joined and whether the weights were taken.
-func (p *pool) restore(rec fleetRecord) (joined int, adopted bool) {
+func (p *Pool) restore(rec Record) (joined int, adopted bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	f := &p.fleet
@@ -390,7 +390,7 @@ func (p *pool) restore(rec fleetRecord) (joined int, adopted bool) {
 	if adopted && len(rec.Updates) > 0 {
 		f.version = rec.WeightVersion
 		for _, u := range rec.Updates {
-			f.history = append(f.history, weightsRequest{path: u.Path, version: u.WeightVersion, mode: modeDrain, body: u.Body})
+			f.history = append(f.history, Update{Path: u.Path, Version: u.WeightVersion, Mode: ModeDrain, Body: u.Body})
 		}
 	}
 	for _, w := range p.workers {
@@ -400,9 +400,9 @@ func (p *pool) restore(rec fleetRecord) (joined int, adopted bool) {
 	return joined, adopted
 }
 
-// unverified returns the workers read back from storage that no health
+// Unverified returns the workers read back from storage that no health
 // probe has judged yet.
-func (p *pool) unverified() []string {
+func (p *Pool) Unverified() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var out []string

@@ -1,4 +1,4 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"context"
@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
-	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // fakeClock is a settable clock for a pool.
@@ -18,7 +17,7 @@ func (c *fakeClock) now() time.Time          { return c.t }
 func (c *fakeClock) advance(d time.Duration) { c.t = c.t.Add(d) }
 
 // poolOf returns a pool with n workers a:1, b:1, ... on a fake clock.
-func poolOf(t *testing.T, n int) (*pool, *fakeClock) {
+func poolOf(t *testing.T, n int) (*Pool, *fakeClock) {
 	t.Helper()
 	p := newPool(t.Name())
 	clock := &fakeClock{time.Unix(1_000_000, 0)}
@@ -27,20 +26,20 @@ func poolOf(t *testing.T, n int) (*pool, *fakeClock) {
 	for i := range n {
 		urls = append(urls, fmt.Sprintf("http://%c:1", 'a'+i))
 	}
-	p.declare(urls)
+	p.Declare(urls)
 	return p, clock
 }
 
-func config(s scheduler.Strategy, maxInflight int) *dispatchConfig {
-	return &dispatchConfig{strategy: s, maxInflight: maxInflight, maxQueue: 1000, order: scheduler.FIFO{}}
+func config(s Strategy, maxInflight int) *Config {
+	return &Config{Strategy: s, MaxInflight: maxInflight, MaxQueue: 1000, Order: FIFO{}}
 }
 
 // choose acquires a worker for a new job and returns the ticket and the
 // worker's host letter.
-func choose(t *testing.T, p *pool, cfg *dispatchConfig, cost float64) (*ticket, string) {
+func choose(t *testing.T, p *Pool, cfg *Config, cost float64) (*Ticket, string) {
 	t.Helper()
-	tk := &ticket{pool: p, cfg: cfg, job: true, cost: cost}
-	if err := p.acquire(context.Background(), tk); err != nil {
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: cost}
+	if err := p.Acquire(context.Background(), tk); err != nil {
 		t.Fatalf("acquire: %v", err)
 	}
 	return tk, tk.worker.dial[:1]
@@ -48,8 +47,8 @@ func choose(t *testing.T, p *pool, cfg *dispatchConfig, cost float64) (*ticket, 
 
 func TestLeastRequestPicksLeastLoaded(t *testing.T) {
 	p, _ := poolOf(t, 3)
-	cfg := config(scheduler.LeastRequest{}, 0)
-	var held []*ticket
+	cfg := config(LeastRequest{}, 0)
+	var held []*Ticket
 	counts := map[string]int{}
 	for range 9 {
 		tk, w := choose(t, p, cfg, 1)
@@ -62,7 +61,7 @@ func TestLeastRequestPicksLeastLoaded(t *testing.T) {
 	freed := 0
 	for _, tk := range held {
 		if tk.servedBy == "http://b:1" && freed < 2 {
-			p.release(tk, succeeded)
+			p.Release(tk, Succeeded)
 			freed++
 		}
 	}
@@ -74,13 +73,13 @@ func TestLeastRequestPicksLeastLoaded(t *testing.T) {
 }
 
 func TestIdleWorkersShareTies(t *testing.T) {
-	for _, s := range []scheduler.Strategy{scheduler.LeastRequest{}, scheduler.LeastWork{}, scheduler.Random{}} {
+	for _, s := range []Strategy{LeastRequest{}, LeastWork{}, Random{}} {
 		p, _ := poolOf(t, 4)
 		seen := map[string]bool{}
 		for range 200 {
 			tk, w := choose(t, p, config(s, 0), 1)
 			seen[w] = true
-			p.release(tk, abandoned)
+			p.Release(tk, Abandoned)
 		}
 		if len(seen) != 4 {
 			t.Fatalf("%T on idle workers chose only %v", s, seen)
@@ -91,11 +90,11 @@ func TestIdleWorkersShareTies(t *testing.T) {
 func TestRoundRobinCycles(t *testing.T) {
 	p, _ := poolOf(t, 3)
 	var got string
-	cfg := config(new(scheduler.RoundRobin), 0)
+	cfg := config(new(RoundRobin), 0)
 	for range 6 {
 		tk, w := choose(t, p, cfg, 1)
 		got += w
-		p.release(tk, succeeded)
+		p.Release(tk, Succeeded)
 	}
 	if got[:3] != got[3:] || got[0] == got[1] || got[1] == got[2] || got[0] == got[2] {
 		t.Fatalf("round robin order %s does not cycle through 3 workers", got)
@@ -104,7 +103,7 @@ func TestRoundRobinCycles(t *testing.T) {
 
 func TestLeastWorkPrefersTheFastWorker(t *testing.T) {
 	p, clock := poolOf(t, 2)
-	cfg := config(scheduler.LeastWork{}, 0)
+	cfg := config(LeastWork{}, 0)
 	// a turns 1 unit of cost into a second, b 4.
 	teach(t, p, clock, cfg, map[string]float64{"a": 1, "b": 4})
 	if _, w := choose(t, p, cfg, 10); w != "b" {
@@ -119,7 +118,7 @@ func TestLeastWorkPrefersTheFastWorker(t *testing.T) {
 
 func TestLeastWorkCountsWorkNotRequests(t *testing.T) {
 	p, clock := poolOf(t, 2)
-	cfg := config(scheduler.LeastWork{}, 0)
+	cfg := config(LeastWork{}, 0)
 	big, w1 := choose(t, p, cfg, 100)
 	var other string
 	for range 5 {
@@ -131,7 +130,7 @@ func TestLeastWorkCountsWorkNotRequests(t *testing.T) {
 	}
 	// Once the big job is done, its worker is the one with the least work.
 	clock.advance(100 * time.Second)
-	p.release(big, succeeded)
+	p.Release(big, Succeeded)
 	if _, w := choose(t, p, cfg, 1); w != w1 {
 		t.Fatalf("job went to %s (5 jobs queued) instead of idle %s", other, w1)
 	}
@@ -139,70 +138,70 @@ func TestLeastWorkCountsWorkNotRequests(t *testing.T) {
 
 // teach has each worker complete jobs at the given speed (cost units per
 // second), so the pool learns it.
-func teach(t *testing.T, p *pool, clock *fakeClock, cfg *dispatchConfig, speeds map[string]float64) {
+func teach(t *testing.T, p *Pool, clock *fakeClock, cfg *Config, speeds map[string]float64) {
 	t.Helper()
 	for host, speed := range speeds {
 		for range 5 {
-			tk := &ticket{pool: p, cfg: cfg, job: true, cost: 10, pin: "http://" + host + ":1"}
-			if err := p.acquire(context.Background(), tk); err != nil {
+			tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 10, Pin: "http://" + host + ":1"}
+			if err := p.Acquire(context.Background(), tk); err != nil {
 				t.Fatal(err)
 			}
 			clock.advance(time.Duration(10 / speed * float64(time.Second)))
-			p.release(tk, succeeded)
+			p.Release(tk, Succeeded)
 		}
 	}
 }
 
 func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 	p, _ := poolOf(t, 3)
-	p.setDead("http://a:1", true)
-	p.setCapabilities("http://b:1", []string{"T2I"}, "")
-	p.setCapabilities("http://c:1", []string{"T2V"}, "")
-	cfg := config(scheduler.LeastRequest{}, 0)
+	p.SetDead("http://a:1", true)
+	p.SetCapabilities("http://b:1", []string{"T2I"}, "")
+	p.SetCapabilities("http://c:1", []string{"T2V"}, "")
+	cfg := config(LeastRequest{}, 0)
 	for task, want := range map[request.Task]string{request.VideoTask: "c", request.ImageTask: "b"} {
 		for range 5 {
-			tk := &ticket{pool: p, cfg: cfg, task: task, job: true}
-			if err := p.acquire(context.Background(), tk); err != nil || tk.worker.dial[:1] != want {
+			tk := &Ticket{pool: p, cfg: cfg, Task: task, Job: true}
+			if err := p.Acquire(context.Background(), tk); err != nil || tk.worker.dial[:1] != want {
 				t.Fatalf("task %d went to %v (%v); want %s", task, tk.worker, err, want)
 			}
-			p.release(tk, succeeded)
+			p.Release(tk, Succeeded)
 		}
 	}
-	poll := &ticket{pool: p, cfg: cfg, pin: "http://b:1"}
-	if err := p.acquire(context.Background(), poll); err != nil || poll.worker.dial != "b:1" {
+	poll := &Ticket{pool: p, cfg: cfg, Pin: "http://b:1"}
+	if err := p.Acquire(context.Background(), poll); err != nil || poll.worker.dial != "b:1" {
 		t.Fatalf("pinned request went to %v (%v)", poll.worker, err)
 	}
 	if p.byDial["b:1"].load.inflight != 0 {
 		t.Fatal("a video poll was counted as a job")
 	}
-	p.release(poll, succeeded)
+	p.Release(poll, Succeeded)
 	// A poll of a job a held-back worker runs still reaches it; a job pinned
 	// there does not.
-	deadPoll := &ticket{pool: p, cfg: cfg, pin: "http://a:1"}
-	if err := p.acquire(context.Background(), deadPoll); err != nil || deadPoll.worker.dial != "a:1" {
+	deadPoll := &Ticket{pool: p, cfg: cfg, Pin: "http://a:1"}
+	if err := p.Acquire(context.Background(), deadPoll); err != nil || deadPoll.worker.dial != "a:1" {
 		t.Fatalf("poll pinned to a held-back worker went to %v (%v); want that worker", deadPoll.worker, err)
 	}
-	p.release(deadPoll, succeeded)
-	deadJob := &ticket{pool: p, cfg: cfg, pin: "http://a:1", job: true}
+	p.Release(deadPoll, Succeeded)
+	deadJob := &Ticket{pool: p, cfg: cfg, Pin: "http://a:1", Job: true}
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	if err := p.acquire(ctx, deadJob); err == nil {
+	if err := p.Acquire(ctx, deadJob); err == nil {
 		t.Fatal("a job pinned to a held-back worker was given it")
 	}
 }
 
 func TestRetryAvoidsFailedWorker(t *testing.T) {
 	p, _ := poolOf(t, 2)
-	tk, first := choose(t, p, config(scheduler.LeastRequest{}, 0), 1)
-	if err := p.retry(context.Background(), tk, failed); err != nil || tk.worker.dial[:1] == first {
+	tk, first := choose(t, p, config(LeastRequest{}, 0), 1)
+	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker.dial[:1] == first {
 		t.Fatalf("retry went to %v (%v) after %s failed", tk.worker, err, first)
 	}
 	// Both have failed it once and both still serve: rather than wait for
 	// workers that are out, the job goes back to one of them.
-	if err := p.retry(context.Background(), tk, failed); err != nil || tk.worker == nil {
+	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil {
 		t.Fatalf("second retry: %v; a worker that failed once is better than none", err)
 	}
-	p.release(tk, succeeded)
+	p.Release(tk, Succeeded)
 	for _, w := range p.workers {
 		if w.load.inflight != 0 || w.stats.failures != 1 {
 			t.Fatalf("%s: inflight=%d failures=%d; want 0, 1", w.dial, w.load.inflight, w.stats.failures)
@@ -212,22 +211,22 @@ func TestRetryAvoidsFailedWorker(t *testing.T) {
 
 func TestRetryDoesNotWaitForWorkersThatAreOut(t *testing.T) {
 	p, _ := poolOf(t, 3)
-	tk, first := choose(t, p, config(scheduler.LeastRequest{}, 0), 1)
+	tk, first := choose(t, p, config(LeastRequest{}, 0), 1)
 	for _, w := range p.workers {
 		if w.dial[:1] != first {
 			w.health.down = true // marked dead by its probes
 		}
 	}
-	if err := p.retry(context.Background(), tk, failed); err != nil || tk.worker == nil || tk.worker.dial[:1] != first {
+	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] != first {
 		t.Fatalf("retry: worker %v, %v; want the one serving worker again at once", tk.worker, err)
 	}
 }
 
 // lastURL is a strategy known only to this test: the candidate whose URL
 // sorts last. That the pool runs it proves the seam.
-type lastURL struct{ seen [][]scheduler.Candidate }
+type lastURL struct{ seen [][]Candidate }
 
-func (s *lastURL) Pick(_ scheduler.Job, cands []scheduler.Candidate) int {
+func (s *lastURL) Pick(_ Job, cands []Candidate) int {
 	s.seen = append(s.seen, slices.Clone(cands))
 	best := 0
 	for i, c := range cands {

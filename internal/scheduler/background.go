@@ -1,4 +1,4 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"context"
@@ -24,7 +24,7 @@ func newBackground(logger *zap.Logger) background {
 
 // Go runs f in the background; what names it in the log should it panic.
 func (b background) Go(what string, f func(ctx context.Context)) {
-	goSafely(b.wg, b.logger, what, func() { f(b.ctx) })
+	GoSafely(b.wg, b.logger, what, func() { f(b.ctx) })
 }
 
 // stop ends the background's context and waits for its goroutines.
@@ -33,9 +33,9 @@ func (b background) stop() {
 	b.wg.Wait()
 }
 
-// goSafely runs f in a goroutine counted by wg, logging a panic instead of
+// GoSafely runs f in a goroutine counted by wg, logging a panic instead of
 // crashing the process.
-func goSafely(wg *sync.WaitGroup, logger *zap.Logger, what string, f func()) {
+func GoSafely(wg *sync.WaitGroup, logger *zap.Logger, what string, f func()) {
 	wg.Go(func() {
 		defer func() {
 			if v := recover(); v != nil {

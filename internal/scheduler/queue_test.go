@@ -1,4 +1,4 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"context"
@@ -10,18 +10,17 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
-	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // queued returns the number of jobs waiting in p's queue.
-func queued(p *pool) int {
+func queued(p *Pool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return len(p.queue)
 }
 
 // waitQueued waits until n jobs wait in p's queue.
-func waitQueued(t *testing.T, p *pool, n int) {
+func waitQueued(t *testing.T, p *Pool, n int) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for queued(p) != n {
@@ -34,23 +33,23 @@ func waitQueued(t *testing.T, p *pool, n int) {
 
 // enqueue starts acquiring a worker for a job of the given cost in the
 // background and waits until it is queued; the result arrives on the channel.
-func enqueue(t *testing.T, p *pool, cfg *dispatchConfig, cost float64, ctx context.Context) (*ticket, chan error) {
+func enqueue(t *testing.T, p *Pool, cfg *Config, cost float64, ctx context.Context) (*Ticket, chan error) {
 	t.Helper()
-	tk := &ticket{pool: p, cfg: cfg, job: true, cost: cost}
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: cost}
 	done := make(chan error, 1)
 	n := queued(p)
-	go func() { done <- p.acquire(ctx, tk) }()
+	go func() { done <- p.Acquire(ctx, tk) }()
 	waitQueued(t, p, n+1)
 	return tk, done
 }
 
 func TestJobsWaitForTheFirstWorkerToFreeUp(t *testing.T) {
 	p, _ := poolOf(t, 2)
-	cfg := config(scheduler.LeastWork{}, 1)
+	cfg := config(LeastWork{}, 1)
 	a, _ := choose(t, p, cfg, 100)
 	choose(t, p, cfg, 1)
 	late, done := enqueue(t, p, cfg, 5, context.Background())
-	p.release(a, succeeded)
+	p.Release(a, Succeeded)
 	if err := <-done; err != nil || late.worker != p.byDial[a.servedBy[7:]] {
 		t.Fatalf("waiting job got %v (%v); want the worker that freed up, %s", late.worker, err, a.servedBy)
 	}
@@ -58,15 +57,15 @@ func TestJobsWaitForTheFirstWorkerToFreeUp(t *testing.T) {
 
 func TestJobRunningAgainKeepsItsPlace(t *testing.T) {
 	p, _ := poolOf(t, 3)
-	cfg := config(scheduler.LeastWork{}, 1)
-	cfg.maxAttempts = 3
+	cfg := config(LeastWork{}, 1)
+	cfg.MaxAttempts = 3
 	first, _ := choose(t, p, cfg, 1)
 	second, _ := choose(t, p, cfg, 1)
 	choose(t, p, cfg, 1)
 	newer, newerDone := enqueue(t, p, cfg, 1, context.Background())
 	failedOn := first.worker
 	rerun := make(chan error, 1)
-	go func() { rerun <- p.retry(context.Background(), first, failed) }()
+	go func() { rerun <- p.Retry(context.Background(), first, Failed) }()
 	// The worker that failed it goes to the newer job; first waits, ahead
 	// of jobs that came after it.
 	if err := <-newerDone; err != nil || newer.worker != failedOn {
@@ -75,14 +74,14 @@ func TestJobRunningAgainKeepsItsPlace(t *testing.T) {
 	waitQueued(t, p, 1)
 	newest, newestDone := enqueue(t, p, cfg, 1, context.Background())
 	freed := second.worker
-	p.release(second, succeeded)
+	p.Release(second, Succeeded)
 	if err := <-rerun; err != nil || first.worker != freed {
 		t.Fatalf("the job running again got %v (%v); want the next worker to free up, %s", first.worker, err, freed.url)
 	}
 	if newest.worker != nil {
 		t.Fatal("a newer job took the worker ahead of the job running again")
 	}
-	p.release(first, succeeded)
+	p.Release(first, Succeeded)
 	if err := <-newestDone; err != nil {
 		t.Fatal(err)
 	}
@@ -95,10 +94,10 @@ func TestQueueOrder(t *testing.T) {
 		"smallest_first": {1, 3, 5, 9},
 	} {
 		p, _ := poolOf(t, 1)
-		cfg := config(scheduler.LeastWork{}, 1)
-		cfg.order = scheduler.QueueOrders[order]
+		cfg := config(LeastWork{}, 1)
+		cfg.Order = QueueOrders[order]
 		running, _ := choose(t, p, cfg, 1)
-		var waiting []*ticket
+		var waiting []*Ticket
 		var dones []chan error
 		for _, cost := range []float64{5, 1, 9, 3} {
 			tk, done := enqueue(t, p, cfg, cost, context.Background())
@@ -107,12 +106,12 @@ func TestQueueOrder(t *testing.T) {
 		}
 		var got []float64
 		for range waiting {
-			p.release(running, succeeded)
+			p.Release(running, Succeeded)
 			for i, tk := range waiting {
 				if tk.worker != nil && tk != running {
 					<-dones[i]
 					running = tk
-					got = append(got, tk.cost)
+					got = append(got, tk.Cost)
 				}
 			}
 		}
@@ -126,11 +125,11 @@ func TestQueueOrder(t *testing.T) {
 
 func TestQueueTimeout(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(scheduler.LeastWork{}, 1)
-	cfg.timeout = 20 * time.Millisecond
+	cfg := config(LeastWork{}, 1)
+	cfg.Timeout = 20 * time.Millisecond
 	choose(t, p, cfg, 1)
-	tk := &ticket{pool: p, cfg: cfg, job: true, cost: 1}
-	if err := p.acquire(context.Background(), tk); !errors.Is(err, errQueueTimeout) {
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	if err := p.Acquire(context.Background(), tk); !errors.Is(err, ErrQueueTimeout) {
 		t.Fatalf("acquire: %v; want the queue timeout", err)
 	}
 	if queued(p) != 0 || tk.worker != nil {
@@ -140,21 +139,21 @@ func TestQueueTimeout(t *testing.T) {
 
 func TestMaxQueue(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(scheduler.LeastWork{}, 1)
-	cfg.maxQueue = 2
+	cfg := config(LeastWork{}, 1)
+	cfg.MaxQueue = 2
 	choose(t, p, cfg, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	enqueue(t, p, cfg, 1, ctx)
 	enqueue(t, p, cfg, 1, ctx)
-	if err := p.acquire(ctx, &ticket{pool: p, cfg: cfg, job: true}); !errors.Is(err, errQueueFull) {
+	if err := p.Acquire(ctx, &Ticket{pool: p, cfg: cfg, Job: true}); !errors.Is(err, ErrQueueFull) {
 		t.Fatalf("third waiting job: %v; want queue full", err)
 	}
 }
 
 func TestCancelledJobLeavesTheQueueAtOnce(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(scheduler.LeastWork{}, 1)
+	cfg := config(LeastWork{}, 1)
 	running, _ := choose(t, p, cfg, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	_, done := enqueue(t, p, cfg, 1, ctx)
@@ -164,7 +163,7 @@ func TestCancelledJobLeavesTheQueueAtOnce(t *testing.T) {
 		t.Fatalf("cancelled job: %v", err)
 	}
 	waitQueued(t, p, 1)
-	p.release(running, succeeded)
+	p.Release(running, Succeeded)
 	if err := <-nextDone; err != nil || next.worker == nil {
 		t.Fatalf("the job behind the cancelled one: %v", err)
 	}
@@ -172,13 +171,13 @@ func TestCancelledJobLeavesTheQueueAtOnce(t *testing.T) {
 
 func TestNoWorkerThatCouldServeFailsAtOnce(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	p.setCapabilities("http://a:1", []string{"T2I"}, "")
-	cfg := config(scheduler.LeastWork{}, 1)
-	if err := p.acquire(context.Background(), &ticket{pool: p, cfg: cfg, job: true, task: request.VideoTask}); err != errNoWorker {
+	p.SetCapabilities("http://a:1", []string{"T2I"}, "")
+	cfg := config(LeastWork{}, 1)
+	if err := p.Acquire(context.Background(), &Ticket{pool: p, cfg: cfg, Job: true, Task: request.VideoTask}); err != ErrNoWorker {
 		t.Fatalf("video job on an image pool: %v", err)
 	}
 	empty := newPool("empty")
-	if err := empty.acquire(context.Background(), &ticket{pool: empty, cfg: cfg, job: true}); err != errNoWorker {
+	if err := empty.Acquire(context.Background(), &Ticket{pool: empty, cfg: cfg, Job: true}); err != ErrNoWorker {
 		t.Fatalf("job on an empty pool: %v", err)
 	}
 }
@@ -188,8 +187,8 @@ func TestNoWorkerThatCouldServeFailsAtOnce(t *testing.T) {
 // may be in flight or queued.
 func TestCountersReturnToZero(t *testing.T) {
 	p, _ := poolOf(t, 4)
-	cfg := config(scheduler.LeastWork{}, 1)
-	cfg.timeout = 50 * time.Millisecond
+	cfg := config(LeastWork{}, 1)
+	cfg.Timeout = 50 * time.Millisecond
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, 64)
 	for i := range 10_000 {
@@ -211,21 +210,21 @@ func TestCountersReturnToZero(t *testing.T) {
 }
 
 // runJob plays one request with a random fate.
-func runJob(p *pool, cfg *dispatchConfig, rng *rand.Rand) {
+func runJob(p *Pool, cfg *Config, rng *rand.Rand) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	if rng.IntN(10) == 0 {
 		time.AfterFunc(time.Duration(rng.IntN(200))*time.Microsecond, cancel)
 	}
-	tk := &ticket{pool: p, cfg: cfg, job: true, cost: float64(1 + rng.IntN(100))}
-	if p.acquire(ctx, tk) != nil {
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: float64(1 + rng.IntN(100))}
+	if p.Acquire(ctx, tk) != nil {
 		return
 	}
-	if rng.IntN(8) == 0 && p.retry(ctx, tk, failed) != nil {
+	if rng.IntN(8) == 0 && p.Retry(ctx, tk, Failed) != nil {
 		return
 	}
 	time.Sleep(time.Duration(rng.IntN(50)) * time.Microsecond)
-	p.release(tk, outcome(rng.IntN(3)))
+	p.Release(tk, Outcome(rng.IntN(3)))
 }
 
 func TestTenThousandWaitingJobsDrain(t *testing.T) {
@@ -237,20 +236,20 @@ func TestTenThousandWaitingJobsDrain(t *testing.T) {
 // drainQueue fills one worker's queue with n jobs, then completes them all.
 func drainQueue(tb testing.TB, n int) {
 	p := newPool("drain")
-	p.declare([]string{"http://a:1"})
-	cfg := &dispatchConfig{strategy: scheduler.LeastWork{}, maxInflight: 1, maxQueue: n, order: scheduler.FIFO{}}
-	got := make(chan *ticket, n)
+	p.Declare([]string{"http://a:1"})
+	cfg := &Config{Strategy: LeastWork{}, MaxInflight: 1, MaxQueue: n, Order: FIFO{}}
+	got := make(chan *Ticket, n)
 	// The first job is predicted to run for days, so that no waiting job is
 	// handed to the worker ahead of its end, however slow the queue fills.
-	first := &ticket{pool: p, cfg: cfg, job: true, cost: 1e6}
-	if err := p.acquire(context.Background(), first); err != nil {
+	first := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1e6}
+	if err := p.Acquire(context.Background(), first); err != nil {
 		tb.Fatal(err)
 	}
 	var wg sync.WaitGroup
 	for range n {
 		wg.Go(func() {
-			tk := &ticket{pool: p, cfg: cfg, job: true, cost: 1}
-			if err := p.acquire(context.Background(), tk); err != nil {
+			tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+			if err := p.Acquire(context.Background(), tk); err != nil {
 				tb.Error(err)
 				return
 			}
@@ -264,9 +263,9 @@ func drainQueue(tb testing.TB, n int) {
 		}
 		runtime.Gosched()
 	}
-	p.release(first, succeeded)
+	p.Release(first, Succeeded)
 	for range n {
-		p.release(<-got, succeeded)
+		p.Release(<-got, Succeeded)
 	}
 	wg.Wait()
 	if queued(p) != 0 || p.workers[0].load.inflight != 0 {
@@ -276,28 +275,28 @@ func drainQueue(tb testing.TB, n int) {
 
 func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
 	p, _ := poolOf(t, 2)
-	cfg := config(scheduler.LeastWork{}, 1)
+	cfg := config(LeastWork{}, 1)
 	left, _ := choose(t, p, cfg, 100)
-	left.sent = true
-	p.release(left, abandoned) // the client left; the worker computes on
+	left.Sent = true
+	p.Release(left, Abandoned) // the client left; the worker computes on
 	w := p.byDial[left.servedBy[len("http://"):]]
-	if info, _ := p.worker(left.servedBy); info.Inflight != 1 || info.WorkLeft <= 0 {
+	if info, _ := p.Worker(left.servedBy); info.Inflight != 1 || info.WorkLeft <= 0 {
 		t.Fatalf("after its client left, the job's worker has %d in flight and %v work left; want the job still counted", info.Inflight, info.WorkLeft)
 	}
 	next, _ := choose(t, p, cfg, 1)
 	if next.worker == w {
 		t.Fatal("the next job went to the worker still computing the abandoned one")
 	}
-	p.release(next, succeeded)
+	p.Release(next, Succeeded)
 	p.endGhost(left)
-	if info, _ := p.worker(left.servedBy); info.Inflight != 0 {
+	if info, _ := p.Worker(left.servedBy); info.Inflight != 0 {
 		t.Fatalf("at its predicted end the abandoned job still holds its worker: %d in flight", info.Inflight)
 	}
 	p.endGhost(left) // a second end changes nothing
 	// A job that never reached its worker leaves at once.
 	unsent, _ := choose(t, p, cfg, 100)
-	p.release(unsent, abandoned)
-	if info, _ := p.worker(unsent.servedBy); info.Inflight != 0 {
+	p.Release(unsent, Abandoned)
+	if info, _ := p.Worker(unsent.servedBy); info.Inflight != 0 {
 		t.Fatal("a job its client left before it was sent still holds its worker")
 	}
 }
@@ -308,15 +307,15 @@ func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
 // whole Unix epoch, a speed of about nothing).
 func TestAnswerOvertakingTheHeadTeachesNoSpeed(t *testing.T) {
 	p, clock := poolOf(t, 1)
-	cfg := config(scheduler.LeastWork{}, 0)
+	cfg := config(LeastWork{}, 0)
 	head, _ := choose(t, p, cfg, 1)
 	behind, _ := choose(t, p, cfg, 1)
 	clock.advance(time.Second)
-	p.release(behind, succeeded)
+	p.Release(behind, Succeeded)
 	if s := p.workers[0].load.speed; s.Samples() != 0 {
 		t.Fatalf("the overtaking answer taught a speed of %g units/s", s.Value())
 	}
-	p.release(head, succeeded)
+	p.Release(head, Succeeded)
 	if s := p.workers[0].load.speed; s.Samples() != 1 || s.Value() != 1 {
 		t.Fatalf("speed %g units/s from %d samples; want 1 from the head's 1 unit in 1 s", s.Value(), s.Samples())
 	}
@@ -352,12 +351,12 @@ func TestPrefetchOnlyForJobsAboutToEnd(t *testing.T) {
 // next job.
 func TestCancelledWaitingJobLeavesTheQueue(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(scheduler.LeastWork{}, 1)
+	cfg := config(LeastWork{}, 1)
 	running, _ := choose(t, p, cfg, 1)
-	tk := &ticket{pool: p, cfg: cfg, job: true, cost: 5}
-	ctx := tk.withCancel(context.Background())
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 5}
+	ctx := tk.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- p.acquire(ctx, tk) }()
+	go func() { done <- p.Acquire(ctx, tk) }()
 	waitQueued(t, p, 1)
 	next, nextDone := enqueue(t, p, cfg, 7, context.Background())
 	cause := errors.New("step 12 aborted")
@@ -368,7 +367,7 @@ func TestCancelledWaitingJobLeavesTheQueue(t *testing.T) {
 	if queued(p) != 1 || tk.worker != nil {
 		t.Fatalf("after the cancel: %d queued, worker %v; want only the other job waiting", queued(p), tk.worker)
 	}
-	p.release(running, succeeded)
+	p.Release(running, Succeeded)
 	if err := <-nextDone; err != nil || next.worker == nil {
 		t.Fatalf("the job behind got %v", err)
 	}
@@ -379,23 +378,23 @@ func TestCancelledWaitingJobLeavesTheQueue(t *testing.T) {
 // end, since the GPU finishes it anyway.
 func TestCancelledRunningJobKeepsItsSlotUntilItWouldEnd(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	cfg := config(scheduler.LeastWork{}, 1)
-	tk := &ticket{pool: p, cfg: cfg, job: true, cost: 100}
-	ctx := tk.withCancel(context.Background())
-	if err := p.acquire(ctx, tk); err != nil {
+	cfg := config(LeastWork{}, 1)
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 100}
+	ctx := tk.WithCancel(context.Background())
+	if err := p.Acquire(ctx, tk); err != nil {
 		t.Fatal(err)
 	}
-	tk.sent = true
+	tk.Sent = true
 	tk.Cancel(errors.New("abort_all"))
-	if ctx.Err() == nil || cancelledBy(ctx) == nil {
+	if ctx.Err() == nil || CancelledBy(ctx) == nil {
 		t.Fatal("the running job's context was not ended with its cause")
 	}
-	p.release(tk, abandoned)
-	if info, _ := p.worker(tk.servedBy); info.Inflight != 1 {
+	p.Release(tk, Abandoned)
+	if info, _ := p.Worker(tk.servedBy); info.Inflight != 1 {
 		t.Fatalf("after the cancel the worker has %d in flight; want the job still counted", info.Inflight)
 	}
 	p.endGhost(tk)
-	if info, _ := p.worker(tk.servedBy); info.Inflight != 0 {
+	if info, _ := p.Worker(tk.servedBy); info.Inflight != 0 {
 		t.Fatalf("at its predicted end the cancelled job still holds its worker: %d in flight", info.Inflight)
 	}
 }

@@ -1,4 +1,4 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"encoding/json"
@@ -8,41 +8,41 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
-	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter/memstore"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/memstore"
 )
 
 // applyUpdate records a weight update that succeeded on every worker of
 // p, as the fleet does at the end of one.
-func applyUpdate(p *pool, path, version, body string) {
-	req := weightsRequest{path: path, version: version, mode: modeDrain, body: []byte(body)}
+func applyUpdate(p *Pool, path, version, body string) {
+	req := Update{Path: path, Version: version, Mode: ModeDrain, Body: []byte(body)}
 	p.mu.Lock()
 	workers := slices.Clone(p.workers)
 	p.mu.Unlock()
-	results := make([]result, len(workers))
+	results := make([]Result, len(workers))
 	for i := range results {
-		results[i].ok = true
+		results[i].OK = true
 	}
 	p.fleet.finishUpdate(workers, results, version)
 	p.fleet.end(results, req)
 }
 
 // throughStorage is rec as a later process reads it back.
-func throughStorage(t *testing.T, rec fleetRecord) fleetRecord {
+func throughStorage(t *testing.T, rec Record) Record {
 	t.Helper()
 	data, err := json.Marshal(rec)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var back fleetRecord
+	var back Record
 	if err := json.Unmarshal(data, &back); err != nil {
 		t.Fatal(err)
 	}
 	return back
 }
 
-func infoOf(t *testing.T, p *pool, u string) workerInfo {
+func infoOf(t *testing.T, p *Pool, u string) WorkerInfo {
 	t.Helper()
-	info, ok := p.worker(u)
+	info, ok := p.Worker(u)
 	if !ok {
 		t.Fatalf("worker %s is not in the pool", u)
 	}
@@ -53,14 +53,14 @@ func TestFleetReadBackAfterRestart(t *testing.T) {
 	before, _ := poolOf(t, 2) // a and b from the config
 	registerRaw(before, "http://r:1")
 	registerRaw(before, "http://s:1")
-	applyUpdate(before, diskUpdatePath, "step-7", `{"model_path":"/ckpt/7"}`)
+	applyUpdate(before, DiskUpdatePath, "step-7", `{"model_path":"/ckpt/7"}`)
 	applyUpdate(before, "/v1/set_lora", "step-7+lora:x", `{"lora_nickname":"x","lora_path":"/lora/x"}`)
-	before.setDead("http://s:1", true)
-	before.setDead("http://a:1", true)
+	before.SetDead("http://s:1", true)
+	before.SetDead("http://a:1", true)
 
 	// The process starts again, with a config that lists a but no longer b.
 	after := newPool(t.Name())
-	after.declare([]string{"http://a:1"})
+	after.Declare([]string{"http://a:1"})
 	joined, adopted := after.restore(throughStorage(t, before.record()))
 
 	if joined != 2 || !adopted {
@@ -69,10 +69,10 @@ func TestFleetReadBackAfterRestart(t *testing.T) {
 	if got, want := workerURLs(after), []string{"http://a:1", "http://r:1", "http://s:1"}; !slices.Equal(got, want) {
 		t.Fatalf("workers read back: %v; want %v (b left the config)", got, want)
 	}
-	if v := after.stats().version; v != "step-7+lora:x" {
+	if v := after.Stats().Version; v != "step-7+lora:x" {
 		t.Fatalf("weight version read back: %q", v)
 	}
-	for u, want := range map[string]workerState{"http://a:1": dead, "http://r:1": unhealthy, "http://s:1": dead} {
+	for u, want := range map[string]State{"http://a:1": Dead, "http://r:1": Unhealthy, "http://s:1": Dead} {
 		info := infoOf(t, after, u)
 		if info.State != want || info.Version != "step-7+lora:x" {
 			t.Errorf("%s read back %s on %q; want %s on step-7+lora:x", u, info.State, info.Version, want)
@@ -85,17 +85,17 @@ func TestFleetReadBackAfterRestart(t *testing.T) {
 	// same calls, in the same order.
 	var replayed []string
 	for _, req := range after.fleet.history {
-		replayed = append(replayed, req.path+" "+string(req.body))
+		replayed = append(replayed, req.Path+" "+string(req.Body))
 	}
 	if want := []string{`/update_weights_from_disk {"model_path":"/ckpt/7"}`, `/v1/set_lora {"lora_nickname":"x","lora_path":"/lora/x"}`}; !slices.Equal(replayed, want) {
 		t.Fatalf("updates read back: %q; want %q", replayed, want)
 	}
 
 	// The worker read back gets jobs once a probe passes, one being enough.
-	if got := after.recordProbe("http://r:1", nil, testHealth); got != becameHealthy {
+	if got := after.RecordProbe("http://r:1", nil, testHealth); got != BecameHealthy {
 		t.Fatalf("first passed probe of a worker read back: %v; want becameHealthy", got)
 	}
-	if info := infoOf(t, after, "http://r:1"); info.State != serving {
+	if info := infoOf(t, after, "http://r:1"); info.State != Serving {
 		t.Fatalf("worker read back is %s after its probe passed", info.State)
 	}
 }
@@ -105,17 +105,17 @@ func TestWorkerReadBackFailingItsProbeIsUnhealthy(t *testing.T) {
 	registerRaw(before, "http://r:1")
 	after := newPool(t.Name())
 	after.restore(throughStorage(t, before.record()))
-	if urls := after.unverified(); !slices.Equal(urls, []string{"http://r:1"}) {
+	if urls := after.Unverified(); !slices.Equal(urls, []string{"http://r:1"}) {
 		t.Fatalf("unverified = %v", urls)
 	}
-	after.recordProbe("http://r:1", errProbe, testHealth)
-	if after.recordProbe("http://r:1", nil, testHealth) != unchanged || infoOf(t, after, "http://r:1").State != unhealthy {
+	after.RecordProbe("http://r:1", errProbe, testHealth)
+	if after.RecordProbe("http://r:1", nil, testHealth) != Unchanged || infoOf(t, after, "http://r:1").State != Unhealthy {
 		t.Fatal("a worker read back that failed its first probe serves after one pass; want health_passes (2)")
 	}
-	if after.recordProbe("http://r:1", nil, testHealth) != becameHealthy {
+	if after.RecordProbe("http://r:1", nil, testHealth) != BecameHealthy {
 		t.Fatal("the worker read back did not come back after health_passes passes")
 	}
-	if urls := after.unverified(); len(urls) != 0 {
+	if urls := after.Unverified(); len(urls) != 0 {
 		t.Fatalf("unverified = %v after probes", urls)
 	}
 }
@@ -125,17 +125,17 @@ func TestWorkerReadBackFailingItsProbeIsUnhealthy(t *testing.T) {
 func TestRecordOlderThanAnUpdateLeavesTheWeights(t *testing.T) {
 	before := newPool(t.Name())
 	registerRaw(before, "http://r:1")
-	applyUpdate(before, diskUpdatePath, "step-7", `{"model_path":"/ckpt/7"}`)
+	applyUpdate(before, DiskUpdatePath, "step-7", `{"model_path":"/ckpt/7"}`)
 
 	after, _ := poolOf(t, 1)
-	applyUpdate(after, diskUpdatePath, "step-8", `{"model_path":"/ckpt/8"}`)
+	applyUpdate(after, DiskUpdatePath, "step-8", `{"model_path":"/ckpt/8"}`)
 	if _, adopted := after.restore(throughStorage(t, before.record())); adopted {
 		t.Fatal("the record's weights replaced those of a later update")
 	}
-	if v := after.stats().version; v != "step-8" {
+	if v := after.Stats().Version; v != "step-8" {
 		t.Fatalf("weight version %q; want step-8", v)
 	}
-	if info := infoOf(t, after, "http://r:1"); info.Lifecycle != updating || info.Version == "step-8" {
+	if info := infoOf(t, after, "http://r:1"); info.Lifecycle != Updating || info.Version == "step-8" {
 		t.Fatalf("worker read back is %s on %q; want updating (to catch up with step-8)", info.Lifecycle, info.Version)
 	}
 }
@@ -165,11 +165,11 @@ func TestFleetRecordReadBeforeAnyWrite(t *testing.T) {
 	store.FailLoads(2)
 
 	p := newPool(t.Name())
-	t.Cleanup(func() { _ = p.Destruct() })
+	t.Cleanup(func() { _ = p.Close() })
 	p.store.retryMin = time.Millisecond
-	p.store.use(nil, store)
+	p.Store().Use(nil, store)
 	registerRaw(p, "http://n:1") // registered before the record was read
-	p.store.startOnce()
+	p.Store().StartOnce()
 	if got, want := workerURLs(p), []string{"http://n:1", "http://r:1"}; !slices.Equal(got, want) {
 		t.Fatalf("workers once started: %v; want %v", got, want)
 	}

@@ -1,7 +1,9 @@
-// Package memstore is a certmagic.Storage in memory whose reads and writes
-// of the router's records can be made to fail or to wait, for tests of the
-// fleet record. It imports nothing of the router, so the root package's own
-// unit tests can use it as well as tests through internal/testrouter.
+// Package memstore is a storage in memory whose reads and writes of the
+// router's records can be made to fail or to wait, for tests of the fleet
+// record. It has every method of a certmagic.Storage but Stat, which
+// would make it import Caddy: internal/testrouter adds that one, so that
+// routers started in tests can keep their records in it, while the
+// scheduler's own tests use it as it is.
 package memstore
 
 import (
@@ -11,8 +13,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-
-	"github.com/caddyserver/certmagic"
 )
 
 // ErrDown is what a read or write made to fail returns.
@@ -134,11 +134,6 @@ func (s *Storage) Exists(_ context.Context, key string) bool {
 // List implements certmagic.Storage; nothing the router does lists.
 func (s *Storage) List(context.Context, string, bool) ([]string, error) {
 	return nil, errors.New("not listed")
-}
-
-// Stat implements certmagic.Storage; nothing the router does needs it.
-func (s *Storage) Stat(context.Context, string) (certmagic.KeyInfo, error) {
-	return certmagic.KeyInfo{}, errors.New("no stat")
 }
 
 // Lock implements certmagic.Storage; one process uses it.

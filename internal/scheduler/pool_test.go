@@ -1,17 +1,18 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"math"
 	"slices"
 	"testing"
 
-	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"go.uber.org/zap"
+
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
-func workerURLs(p *pool) []string {
+func workerURLs(p *Pool) []string {
 	var urls []string
-	for _, w := range p.snapshot() {
+	for _, w := range p.Snapshot() {
 		urls = append(urls, w.URL)
 	}
 	return urls
@@ -40,20 +41,20 @@ func TestDeclarationsSurviveReload(t *testing.T) {
 	p := newPool("t")
 	oldCfg := []string{"http://a:1", "http://b:1"}
 	newCfg := []string{"http://b:1", "http://c:1"}
-	p.declare(oldCfg)
+	p.Declare(oldCfg)
 	registerRaw(p, "http://d:1") // joined at run time
 	registerRaw(p, "http://a:1") // listed and also registered: outlives the config
 
 	// A reload provisions the new config before cleaning up the old one.
-	p.declare(newCfg)
-	p.undeclare(oldCfg)
+	p.Declare(newCfg)
+	p.Undeclare(oldCfg)
 	if got, want := workerURLs(p), []string{"http://a:1", "http://b:1", "http://d:1", "http://c:1"}; !slices.Equal(got, want) {
 		t.Fatalf("after reload workers = %v; want %v", got, want)
 	}
 
 	// A reload that fails to provision undoes its own declarations.
-	p.declare([]string{"http://e:1"})
-	p.undeclare([]string{"http://e:1"})
+	p.Declare([]string{"http://e:1"})
+	p.Undeclare([]string{"http://e:1"})
 	if slices.Contains(workerURLs(p), "http://e:1") {
 		t.Fatal("a failed config's worker stayed in the pool")
 	}
@@ -61,51 +62,27 @@ func TestDeclarationsSurviveReload(t *testing.T) {
 
 func TestRemoveKeepsInflightAccounting(t *testing.T) {
 	p, _ := poolOf(t, 1)
-	tk, _ := choose(t, p, config(scheduler.LeastRequest{}, 0), 1)
+	tk, _ := choose(t, p, config(LeastRequest{}, 0), 1)
 	w := p.byDial["a:1"]
-	if !p.remove("http://a:1") {
+	if !p.Remove("http://a:1") {
 		t.Fatal("remove failed")
 	}
-	p.release(tk, succeeded)
+	p.Release(tk, Succeeded)
 	if w.load.inflight != 0 || w.stats.served != 1 {
 		t.Fatalf("removed worker inflight=%d served=%d; want 0 and 1", w.load.inflight, w.stats.served)
 	}
-	if p.remove("http://a:1") {
+	if p.Remove("http://a:1") {
 		t.Fatal("second remove reported success")
 	}
 }
 
-func TestPoolSharedAcrossLoadsAndReleased(t *testing.T) {
-	a, err := loadPool("shared-test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := loadPool("shared-test")
-	if a != b {
-		t.Fatal("two loads of one pool name gave different pools")
-	}
-	registerRaw(a, "http://a:1")
-	releasePool("shared-test")
-	c, _ := loadPool("shared-test")
-	if c != a || len(c.snapshot()) != 1 {
-		t.Fatal("pool did not survive while still referenced")
-	}
-	releasePool("shared-test")
-	releasePool("shared-test")
-	d, _ := loadPool("shared-test")
-	defer releasePool("shared-test")
-	if d == a || len(d.snapshot()) != 0 {
-		t.Fatal("a pool no config uses was not released")
-	}
-}
-
 // registerRaw registers a worker as POST /workers does: URL parsed first.
-func registerRaw(p *pool, raw string) (workerInfo, bool, error) {
+func registerRaw(p *Pool, raw string) (WorkerInfo, bool, error) {
 	u, err := workerurl.Parse(raw)
 	if err != nil {
-		return workerInfo{}, false, err
+		return WorkerInfo{}, false, err
 	}
-	return p.register(u, defaultMaxWorkers)
+	return p.Register(u, 4096)
 }
 
 // The count of unprobed workers lets image requests skip the pool's lock
@@ -117,26 +94,26 @@ func TestUnknownWorkersCounted(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	p.setCapabilities("http://10.0.0.1:30000", []string{"T2I"}, "m")
-	p.setCapabilities("http://10.0.0.1:30000", []string{"T2I"}, "m") // a second probe of a known worker
-	p.setCapabilities("http://10.0.0.2:30000", []string{}, "m")      // answered, with no models
+	p.SetCapabilities("http://10.0.0.1:30000", []string{"T2I"}, "m")
+	p.SetCapabilities("http://10.0.0.1:30000", []string{"T2I"}, "m") // a second probe of a known worker
+	p.SetCapabilities("http://10.0.0.2:30000", []string{}, "m")      // answered, with no models
 	if n := p.unknown.Load(); n != 1 {
 		t.Fatalf("unknown = %d after two of three workers answered; want 1", n)
 	}
-	p.remove("http://10.0.0.1:30000")
-	p.remove("http://10.0.0.3:30000")
+	p.Remove("http://10.0.0.1:30000")
+	p.Remove("http://10.0.0.3:30000")
 	if n := p.unknown.Load(); n != 0 {
 		t.Fatalf("unknown = %d after the unprobed worker left; want 0", n)
 	}
-	if urls := p.unprobed(p.now(), 0); len(urls) != 0 {
+	if urls := p.Unprobed(p.now(), 0); len(urls) != 0 {
 		t.Fatalf("unprobed = %v with unknown = 0", urls)
 	}
 }
 func TestNewWorkerStartsFromPoolMedianSpeed(t *testing.T) {
 	p, clock := poolOf(t, 3)
-	teach(t, p, clock, config(scheduler.LeastWork{}, 0), map[string]float64{"a": 1, "b": 3, "c": 5})
+	teach(t, p, clock, config(LeastWork{}, 0), map[string]float64{"a": 1, "b": 3, "c": 5})
 	registerRaw(p, "http://d:1")
-	d, _ := p.worker("http://d:1")
+	d, _ := p.Worker("http://d:1")
 	if d.SpeedLearned || math.Abs(d.Speed-3) > 1e-6 {
 		t.Fatalf("new worker's speed %v (learned %v); want the median 3", d.Speed, d.SpeedLearned)
 	}
@@ -152,10 +129,13 @@ func TestOneAddressIsOneWorker(t *testing.T) {
 			t.Fatalf("register %s: %+v, new %v, %v; want the first worker", raw, info, created, err)
 		}
 	}
-	if n := len(p.snapshot()); n != 1 {
+	if n := len(p.Snapshot()); n != 1 {
 		t.Fatalf("%d workers for one address", n)
 	}
-	if !p.remove("http://localhost:30000") || len(p.snapshot()) != 0 {
+	if !p.Remove("http://localhost:30000") || len(p.Snapshot()) != 0 {
 		t.Fatal("the worker was not removed by another spelling of its address")
 	}
 }
+
+// newPool makes a pool that logs nowhere.
+func newPool(name string) *Pool { return New(name, zap.NewNop()) }

@@ -1,4 +1,4 @@
-package diffusionrouter
+package scheduler
 
 import (
 	"errors"
@@ -8,117 +8,51 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
-	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
-// pools holds every named pool across config reloads: a new config is
-// provisioned before the old one is cleaned up, so a pool that both use
-// keeps its workers (static and registered at run time) and their counters.
-var pools = caddy.NewUsagePool()
-
-// loadPool returns the pool with the given name, creating it on first use.
-// Every loadPool must be paired with a releasePool when the module is
-// cleaned up.
-func loadPool(name string) (*pool, error) {
-	v, _, err := pools.LoadOrNew(name, func() (caddy.Destructor, error) {
-		return newPool(name), nil
-	})
-	if err != nil {
-		return nil, err
-	}
-	return v.(*pool), nil
-}
-
-// releasePool drops one reference to the named pool; the last one frees it.
-func releasePool(name string) {
-	_, _ = pools.Delete(name)
-}
-
-// poolRef is a module's link to its named pool, for the reverse_proxy
-// modules that take the pool name as their only argument.
-type poolRef struct {
-	// Pool names the worker pool; it must match the diffusion_router
-	// handler's. Default: "default".
-	Pool string `json:"pool,omitempty"`
-
-	pool *pool
-}
-
-// Provision attaches the module to its pool.
-func (r *poolRef) Provision(caddy.Context) error {
-	if r.Pool == "" {
-		r.Pool = defaultPoolName
-	}
-	p, err := loadPool(r.Pool)
-	r.pool = p
-	return err
-}
-
-// Cleanup lets go of the pool.
-func (r *poolRef) Cleanup() error {
-	releasePool(r.Pool)
-	return nil
-}
-
-// unmarshalPoolArg reads `<what> [<pool>]`, which takes no block.
-func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
-	d.Next() // module name
-	if d.NextArg() {
-		r.Pool = d.Val()
-	}
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	if d.NextBlock(0) {
-		return d.Errf("%s takes no block; set options in diffusion_router", what)
-	}
-	return nil
-}
-
-// pool is a named set of sglang-diffusion workers and their state. It is
-// shared by the handler, the selection policy and the upstream source that
-// name it, and outlives config reloads.
+// Pool is a named set of sglang-diffusion workers and their state: the
+// workers, the queue of jobs waiting for one, the health verdicts and the
+// fleet's weights. The router's modules that name a pool share one, and
+// it outlives config reloads.
 //
-// One mutex, mu, guards the registry, the scheduler, the fleet's state and
+// One mutex, mu, guards the registry, the queue, the fleet's state and
 // every worker: a routing decision reads load, health and lifecycle at
 // once and needs one consistent view of them, and a decision is a scan of
-// microseconds even for a large fleet. A method whose name ends in Locked
-// must be called with mu held; every other method takes it itself.
+// microseconds even for a large fleet. Nothing outside this package can
+// take it; a method whose name ends in Locked must be called with mu
+// held, and every other method takes it itself.
 //
 // The lock order, outermost first; a goroutine holding one lock takes only
 // locks after it:
 //
-//  1. a hedge's mu (hedge.go: fire holds it while it asks for a copy's worker)
+//  1. a hedge's own lock, outside this package: the router's hedge holds
+//     it while it asks HedgeCopy for a copy's worker
 //  2. the fleet store's writing token, then its mu (fleetstore.go: a
 //     record is read under both)
 //  3. mu
-//  4. videos' and images' own locks (scheduler.JobOwners)
-type pool struct {
+//  4. videos' and images' own locks (JobOwners)
+type Pool struct {
 	name   string
 	now    func() time.Time // the clock; tests set their own
 	logger *zap.Logger
 	client *http.Client // for the router's own calls to workers
 	guard  atomic.Pointer[workerurl.Guard]
 	bg     background  // the pool's own goroutines and timers
-	store  *fleetStore // the pool's record in Caddy's storage
+	store  *FleetStore // the pool's record in storage
 
 	mu sync.Mutex
 	registry
 	dispatchState
-	fleet  fleet                   // weight updates, sleep and wake
+	fleet  Fleet                   // weight updates, sleep and wake
 	held   map[string]*heldVideo   // video jobs running on their workers, by id
-	ghosts map[*ticket]*time.Timer // jobs whose clients left, until their predicted end
+	ghosts map[*Ticket]*time.Timer // jobs whose clients left, until their predicted end
 
-	videos  *scheduler.JobOwners // which worker made each video job
-	images  *scheduler.JobOwners // which worker made each image job
-	models  sharedAnswer         // the union of the workers' model lists
-	metrics sharedAnswer         // the workers' engine metrics
+	videos *JobOwners // which worker made each video job
+	images *JobOwners // which worker made each image job
 }
 
 // registry is which workers the pool has and why. A worker stays while
@@ -136,51 +70,52 @@ type registry struct {
 
 // dispatchState is the state of routing decisions and of the queue.
 type dispatchState struct {
-	queue        []*waiter             // jobs waiting for a worker, in dispatch order
-	seq          uint64                // arrival counter of the queue
-	hedging      int                   // copies of jobs running
-	cands        []*worker             // scratch space of routing decisions
-	views        []scheduler.Candidate // the candidates as the strategy sees them
-	speeds       []float64             // scratch space of the median speed
-	defaultSpeed float64               // median learned speed, assumed for new workers
-	completions  uint64                // jobs completed
-	onRelease    []chan struct{}       // closed when a worker is released: drains wait on them
-	ejectionEnds int64                 // when the redispatch timer fires, Unix nanoseconds; 0: not set
-	redispatch   *time.Timer           // hands out jobs when an ejection ends
+	queue        []*waiter       // jobs waiting for a worker, in dispatch order
+	seq          uint64          // arrival counter of the queue
+	hedging      int             // copies of jobs running
+	cands        []*worker       // scratch space of routing decisions
+	views        []Candidate     // the candidates as the strategy sees them
+	speeds       []float64       // scratch space of the median speed
+	defaultSpeed float64         // median learned speed, assumed for new workers
+	completions  uint64          // jobs completed
+	onRelease    []chan struct{} // closed when a worker is released: drains wait on them
+	ejectionEnds int64           // when the redispatch timer fires, Unix nanoseconds; 0: not set
+	redispatch   *time.Timer     // hands out jobs when an ejection ends
 }
 
-func newPool(name string) *pool {
-	p := &pool{
+// New makes the pool named name, which logs to logger.
+func New(name string, logger *zap.Logger) *Pool {
+	p := &Pool{
 		name:   name,
 		now:    time.Now,
-		logger: caddy.Log().Named("diffusion_router").With(zap.String("pool", name)),
+		logger: logger,
 		registry: registry{
 			byDial: make(map[string]*worker), declared: make(map[string]int), discovered: make(map[string]int),
 			answers: make(map[string]*dnsAnswer), departing: make(map[string]*worker),
 		},
 		held:   make(map[string]*heldVideo),
-		ghosts: make(map[*ticket]*time.Timer),
-		videos: scheduler.NewJobOwners(scheduler.DefaultOwnerLimit, scheduler.DefaultOwnerTTL),
-		images: scheduler.NewJobOwners(scheduler.DefaultOwnerLimit, scheduler.DefaultOwnerTTL),
+		ghosts: make(map[*Ticket]*time.Timer),
+		videos: NewJobOwners(DefaultOwnerLimit, DefaultOwnerTTL),
+		images: NewJobOwners(DefaultOwnerLimit, DefaultOwnerTTL),
 	}
 	p.defaultSpeed = 1
 	p.client = workerurl.GuardedClient(func() *workerurl.Guard { return p.guard.Load() })
-	p.fleet = fleet{pool: p, ops: make(chan struct{}, 1)}
+	p.fleet = Fleet{pool: p, ops: make(chan struct{}, 1)}
 	p.bg = newBackground(p.logger)
 	p.store = newFleetStore(p)
 	return p
 }
 
-// useGuard makes the pool's own calls to workers check their addresses
+// UseGuard makes the pool's own calls to workers check their addresses
 // with g: the guard of the config loaded last.
-func (p *pool) useGuard(g *workerurl.Guard) {
+func (p *Pool) UseGuard(g *workerurl.Guard) {
 	p.guard.Store(g)
 }
 
-// Destruct implements caddy.Destructor: when the last config using the
-// pool is unloaded, it stops what the pool runs on its own (catch-ups,
-// timers of held video jobs and of ejections) and waits for it to end.
-func (p *pool) Destruct() error {
+// Close stops what the pool runs on its own (catch-ups, timers of held
+// video jobs and of ejections) and waits for it to end: the pool is done
+// with, as when the last config using it is unloaded.
+func (p *Pool) Close() error {
 	p.mu.Lock()
 	p.bg.cancel() // before the timers stop, so that none is set again
 	for id, hv := range p.held {
@@ -225,8 +160,8 @@ type workerLoad struct {
 	headCost   float64 // cost of the oldest of them: the one running
 	headSince  int64   // when it started running, Unix nanoseconds
 	endsAt     int64   // when its jobs are predicted to be done, Unix nanoseconds
-	speed      scheduler.SpeedEstimate
-	jobs       []*ticket // jobs in flight, in dispatch order
+	speed      SpeedEstimate
+	jobs       []*Ticket // jobs in flight, in dispatch order
 	lastFinish int64     // when a job last ended, Unix nanoseconds
 }
 
@@ -253,12 +188,12 @@ type healthEvidence struct {
 
 // workerLife is where a worker is in the fleet's operations.
 type workerLife struct {
-	dead    bool        // held back by an operator (PUT /workers/{id})
-	removed bool        // left the pool while jobs of it still ran
-	state   workerState // serving, draining, updating, stale or sleeping
-	behind  bool        // joined after an update; must load its weights first
-	missed  bool        // stale because its last update got no answer: caught up once a probe passes
-	version string      // weight version the worker serves; "" until known
+	dead    bool   // held back by an operator (PUT /workers/{id})
+	removed bool   // left the pool while jobs of it still ran
+	state   State  // serving, draining, updating, stale or sleeping
+	behind  bool   // joined after an update; must load its weights first
+	missed  bool   // stale because its last update got no answer: caught up once a probe passes
+	version string // weight version the worker serves; "" until known
 }
 
 // workerStats are counts for reports; no decision reads them.
@@ -277,59 +212,63 @@ type capabilities struct {
 	probedAt  time.Time     // last capability probe attempt
 }
 
-// workerState is where a worker is. The fleet's operations move it
+// State is where a worker is. The fleet's operations move it
 // through the first five; the others say what keeps a worker whose
 // lifecycle state is serving from getting jobs now. Only serving workers
 // get new jobs.
-type workerState uint8
+type State uint8
 
 const (
-	serving   workerState = iota
-	draining              // finishing its jobs before a weight update
-	updating              // loading new weights
-	stale                 // failed its last weight update: out until one succeeds
-	sleeping              // has released its GPU memory
-	dead                  // held back by an operator
-	unhealthy             // failed its health probes
-	ejected               // out for a while after failed requests
-	suspect               // a job of it overran its prediction
+	Serving   State = iota
+	Draining        // finishing its jobs before a weight update
+	Updating        // loading new weights
+	Stale           // failed its last weight update: out until one succeeds
+	Sleeping        // has released its GPU memory
+	Dead            // held back by an operator
+	Unhealthy       // failed its health probes
+	Ejected         // out for a while after failed requests
+	Suspect         // a job of it overran its prediction
 )
 
 var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping", "dead", "unhealthy", "ejected", "suspect"}
 
-func (s workerState) String() string { return stateNames[s] }
+// StateCount is how many states a worker can be in: a State is below it.
+const StateCount = len(stateNames)
+
+// String names s as /workers and the metrics do.
+func (s State) String() string { return stateNames[s] }
 
 // stateAt is where w is at now (Unix nanoseconds).
-func (w *worker) stateAt(now int64) workerState {
+func (w *worker) stateAt(now int64) State {
 	switch {
 	case w.life.dead:
-		return dead
-	case w.life.state != serving:
+		return Dead
+	case w.life.state != Serving:
 		return w.life.state
 	case w.health.down:
-		return unhealthy
+		return Unhealthy
 	case now < w.health.ejectedUntil:
-		return ejected
+		return Ejected
 	case now < w.health.asleepUntil:
-		return sleeping
+		return Sleeping
 	case w.health.suspect:
-		return suspect
+		return Suspect
 	}
-	return serving
+	return Serving
 }
 
 // serving reports whether w may be given new jobs at now.
 func (w *worker) serving(now int64) bool {
-	return w.stateAt(now) == serving
+	return w.stateAt(now) == Serving
 }
 
-// workerInfo is a copy of a worker's state, safe to read without the lock.
-type workerInfo struct {
+// WorkerInfo is a copy of a worker's state, safe to read without the lock.
+type WorkerInfo struct {
 	URL         string
 	Dial        string
-	Source      string      // what keeps it in the pool: registered, config or dns
-	State       workerState // where the worker is now
-	Lifecycle   workerState // where the fleet's operations put it
+	Source      string // what keeps it in the pool: registered, config or dns
+	State       State  // where the worker is now
+	Lifecycle   State  // where the fleet's operations put it
 	Version     string
 	Inflight    int
 	Served      uint64
@@ -350,9 +289,9 @@ type workerInfo struct {
 	PredictionError float64 // moving average of |predicted - actual| / actual job time
 }
 
-func (p *pool) infoLocked(w *worker) workerInfo {
+func (p *Pool) infoLocked(w *worker) WorkerInfo {
 	now := p.now().UnixNano()
-	info := workerInfo{
+	info := WorkerInfo{
 		URL: w.url, Dial: w.dial, Source: p.sourceLocked(w),
 		State: w.stateAt(now), Lifecycle: w.life.state, Version: w.life.version,
 		Inflight: w.load.inflight, Served: w.stats.served,
@@ -372,10 +311,10 @@ func (p *pool) infoLocked(w *worker) workerInfo {
 	return info
 }
 
-// declare adds the workers a config lists. Declarations are counted so
+// Declare adds the workers a config lists. Declarations are counted so
 // that a reload (new config declares, then old config undeclares) keeps the
 // workers both list, and a failed reload undoes its own declarations.
-func (p *pool) declare(urls []string) {
+func (p *Pool) Declare(urls []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, u := range urls {
@@ -385,12 +324,12 @@ func (p *pool) declare(urls []string) {
 		}
 	}
 	p.dispatchLocked()
-	p.store.changed()
+	p.Store().Changed()
 }
 
-// undeclare withdraws a config's workers; a worker no loaded config lists
+// Undeclare withdraws a config's workers; a worker no loaded config lists
 // and nobody registered at run time leaves the pool.
-func (p *pool) undeclare(urls []string) {
+func (p *Pool) Undeclare(urls []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, u := range urls {
@@ -403,18 +342,18 @@ func (p *pool) undeclare(urls []string) {
 			p.removeLocked(w)
 		}
 	}
-	p.store.changed()
+	p.Store().Changed()
 }
 
 // heldLocked reports whether anything keeps w in the pool.
-func (p *pool) heldLocked(w *worker) bool {
+func (p *Pool) heldLocked(w *worker) bool {
 	return w.registered || p.declared[w.url] > 0 || p.discovered[w.url] > 0
 }
 
 // sourceLocked names what keeps w in the pool, the longest-lived first: a
 // registration outlives every config, and a config's list outlives the
 // DNS answers.
-func (p *pool) sourceLocked(w *worker) string {
+func (p *Pool) sourceLocked(w *worker) string {
 	switch {
 	case w.registered:
 		return "registered"
@@ -427,29 +366,29 @@ func (p *pool) sourceLocked(w *worker) string {
 // errTooManyWorkers refuses a registration beyond max_workers.
 var errTooManyWorkers = errors.New("the pool has max_workers workers already")
 
-// register adds a worker, given by its canonical URL, at run time. It reports whether the worker is new;
+// Register adds a worker, given by its canonical URL, at run time. It reports whether the worker is new;
 // registering a known worker is a no-op apart from making it outlive the
 // configs that list it.
-func (p *pool) register(u string, maxWorkers int) (workerInfo, bool, error) {
+func (p *Pool) Register(u string, maxWorkers int) (WorkerInfo, bool, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.findLocked(u)
 	created := w == nil
 	if created {
 		if len(p.workers) >= maxWorkers {
-			return workerInfo{}, false, errTooManyWorkers
+			return WorkerInfo{}, false, errTooManyWorkers
 		}
 		w = p.addLocked(u)
 	}
 	w.registered = true
 	p.dispatchLocked()
-	p.store.changed()
+	p.Store().Changed()
 	return p.infoLocked(w), created, nil
 }
 
-// remove takes a worker out of the pool. Requests already on it finish;
+// Remove takes a worker out of the pool. Requests already on it finish;
 // they hold the worker and release it when they end.
-func (p *pool) remove(url string) bool {
+func (p *Pool) Remove(url string) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.findLocked(url)
@@ -457,11 +396,11 @@ func (p *pool) remove(url string) bool {
 		return false
 	}
 	p.removeLocked(w)
-	p.store.changed()
+	p.Store().Changed()
 	return true
 }
 
-func (p *pool) addLocked(u string) *worker {
+func (p *Pool) addLocked(u string) *worker {
 	dial := workerurl.DialAddress(u)
 	key := workerurl.AddressKey(dial)
 	w := p.departing[key]
@@ -480,7 +419,7 @@ func (p *pool) addLocked(u string) *worker {
 	return w
 }
 
-func (p *pool) removeLocked(w *worker) {
+func (p *Pool) removeLocked(w *worker) {
 	p.fleet.leaveLocked(w)
 	if w.caps.taskTypes == nil {
 		p.unknown.Add(-1)
@@ -500,45 +439,45 @@ func (p *pool) removeLocked(w *worker) {
 	}
 }
 
-// setDead marks a worker dead (no new jobs) or alive again.
-func (p *pool) setDead(url string, dead bool) (workerInfo, bool) {
+// SetDead marks a worker dead (no new jobs) or alive again.
+func (p *Pool) SetDead(url string, dead bool) (WorkerInfo, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.findLocked(url)
 	if w == nil {
-		return workerInfo{}, false
+		return WorkerInfo{}, false
 	}
 	w.life.dead = dead
 	p.fleet.holdIfBehindLocked(w) // back after an update it was held out of
 	p.dispatchLocked()
-	p.store.changed()
+	p.Store().Changed()
 	return p.infoLocked(w), true
 }
 
-// worker returns a copy of one worker's state.
-func (p *pool) worker(url string) (workerInfo, bool) {
+// Worker returns a copy of one worker's state.
+func (p *Pool) Worker(url string) (WorkerInfo, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.findLocked(url)
 	if w == nil {
-		return workerInfo{}, false
+		return WorkerInfo{}, false
 	}
 	return p.infoLocked(w), true
 }
 
-// snapshot returns a copy of every worker's state, in joining order.
-func (p *pool) snapshot() []workerInfo {
+// Snapshot returns a copy of every worker's state, in joining order.
+func (p *Pool) Snapshot() []WorkerInfo {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	out := make([]workerInfo, len(p.workers))
+	out := make([]WorkerInfo, len(p.workers))
 	for i, w := range p.workers {
 		out[i] = p.infoLocked(w)
 	}
 	return out
 }
 
-// servingCount is how many workers may take new jobs now.
-func (p *pool) servingCount() int {
+// ServingCount is how many workers may take new jobs now.
+func (p *Pool) ServingCount() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	n, now := 0, p.now().UnixNano()
@@ -550,9 +489,9 @@ func (p *pool) servingCount() int {
 	return n
 }
 
-// servingDials returns the dial addresses of the workers that may take new
+// ServingDials returns the dial addresses of the workers that may take new
 // jobs now, for reverse_proxy's dynamic upstreams.
-func (p *pool) servingDials() []string {
+func (p *Pool) ServingDials() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	dials := make([]string, 0, len(p.workers))
@@ -565,63 +504,30 @@ func (p *pool) servingDials() []string {
 	return dials
 }
 
-// setCapabilities records what a worker's /v1/models says it can do. Until
-// an update names its weights, a worker's weight version is its model id,
-// the model_path it was started with.
-func (p *pool) setCapabilities(url string, taskTypes []string, modelID string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if w := p.findLocked(url); w != nil {
-		if w.life.version == "" {
-			w.life.version = modelID
-		}
-		if w.caps.taskTypes == nil {
-			p.unknown.Add(-1)
-		}
-		w.caps.taskTypes = append([]string{}, taskTypes...)
-		w.caps.makes = request.TasksOf(taskTypes)
-		p.dispatchLocked()
-	}
-}
-
-// unprobed returns the workers whose capabilities are unknown and were not
-// probed within the last interval, and marks them as being probed now.
-func (p *pool) unprobed(now time.Time, interval time.Duration) []string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var urls []string
-	for _, w := range p.workers {
-		if w.caps.taskTypes == nil && now.Sub(w.caps.probedAt) >= interval {
-			w.caps.probedAt = now
-			urls = append(urls, w.url)
-		}
-	}
-	return urls
-}
-
 // findLocked looks a worker up by URL; URLs that dial the same address name the
 // same worker (http://h and http://h:80).
-func (p *pool) findLocked(url string) *worker {
+func (p *Pool) findLocked(url string) *worker {
 	return p.byDial[workerurl.AddressKey(workerurl.DialAddress(url))]
 }
 
-// poolStats are the pool-wide figures.
-type poolStats struct {
-	queued     int
-	completed  uint64 // jobs completed since the pool was made
-	version    string
-	updatingTo string // the version an update in progress moves to
+// Stats are the pool-wide figures.
+type Stats struct {
+	Queued     int
+	Completed  uint64 // jobs completed since the pool was made
+	Version    string
+	UpdatingTo string // the version an update in progress moves to
 }
 
-func (p *pool) stats() poolStats {
+// Stats returns the pool-wide figures.
+func (p *Pool) Stats() Stats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return poolStats{queued: len(p.queue), completed: p.completions, version: p.versionLocked(), updatingTo: p.fleet.target}
+	return Stats{Queued: len(p.queue), Completed: p.completions, Version: p.versionLocked(), UpdatingTo: p.fleet.target}
 }
 
 // versionLocked is the pool's weight version: that of the last update, or
 // before any, the one most workers report.
-func (p *pool) versionLocked() string {
+func (p *Pool) versionLocked() string {
 	if p.fleet.version != "" {
 		return p.fleet.version
 	}
@@ -638,3 +544,21 @@ func (p *pool) versionLocked() string {
 	}
 	return best
 }
+
+// Store is the pool's record in storage.
+func (p *Pool) Store() *FleetStore { return p.store }
+
+// Videos is which worker made each video job.
+func (p *Pool) Videos() *JobOwners { return p.videos }
+
+// Images is which worker made each image job.
+func (p *Pool) Images() *JobOwners { return p.images }
+
+// Name is the pool's name.
+func (p *Pool) Name() string { return p.name }
+
+// Client is the HTTP client of the router's own calls to workers.
+func (p *Pool) Client() *http.Client { return p.client }
+
+// Fleet runs the pool's fleet operations: weight updates, sleep and wake.
+func (p *Pool) Fleet() *Fleet { return &p.fleet }

@@ -1,0 +1,275 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"net"
+	"regexp"
+	"time"
+)
+
+// HealthConfig is how one diffusion_router config judges its workers.
+type HealthConfig struct {
+	URI      string
+	Interval time.Duration
+	Timeout  time.Duration
+	Fails    int            // consecutive failed probes that mark a worker unhealthy
+	Passes   int            // consecutive passed probes that bring it back
+	Status   int            // expected probe status; 0: any 2xx
+	Body     *regexp.Regexp // expected in the probe's body; nil: anything
+
+	StallFactor  float64       // a job overrunning its prediction this much makes its worker suspect
+	MaxFails     int           // failures within failWindow that eject a worker
+	FailWindow   time.Duration //
+	EjectTime    time.Duration // first ejection; doubles on each repeat
+	MaxEjectTime time.Duration
+}
+
+// HealthChange is what a probe result did to a worker.
+type HealthChange int
+
+// URLs returns the pool's worker URLs.
+func (p *Pool) URLs() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]string, len(p.workers))
+	for i, w := range p.workers {
+		out[i] = w.url
+	}
+	return out
+}
+
+// RecordProbe counts a probe result; err nil means it passed.
+func (p *Pool) RecordProbe(url string, err error, cfg *HealthConfig) HealthChange {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.findLocked(url)
+	if w == nil {
+		return Unchanged
+	}
+	now := p.now().UnixNano()
+	w.evidence.lastProbe, w.evidence.lastError = now, ""
+	if err == nil {
+		change := p.probePassedLocked(w, now, cfg)
+		p.dispatchLocked()
+		return change
+	}
+	w.evidence.lastError = err.Error()
+	if isTimeout(err) && p.busyLocked(w, now, cfg) {
+		return Unchanged // slow because it is working, not because it is dead
+	}
+	w.health.unverified = false // down already; back after health_passes passes, as any unhealthy worker
+	w.evidence.probePasses = 0
+	w.evidence.probeFails++
+	if !w.health.down && w.evidence.probeFails >= cfg.Fails {
+		w.health.down = true
+		// A worker down long enough to fail its probes has most likely
+		// lost what it ran; its video jobs give back their slots, so
+		// that it comes back with room for new ones.
+		p.endVideosOfLocked(w)
+		return BecameUnhealthy
+	}
+	return Unchanged
+}
+
+// probePassedLocked counts a passed probe of w.
+func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) HealthChange {
+	w.evidence.probeFails = 0
+	w.evidence.probePasses++
+	p.fleet.recoveredLocked(w)
+	if w.health.suspect && !p.overrunningLocked(w, now, cfg) {
+		w.health.suspect = false
+	}
+	change := Unchanged
+	if now < w.health.ejectedUntil { // as Envoy does: a passed active check ends an ejection
+		w.health.ejectedUntil = 0
+		change = EjectionEnded
+	}
+	if w.health.down && (w.evidence.probePasses >= cfg.Passes || w.health.unverified) {
+		w.health.down = false // one pass admits a worker read back, as one answer admits a worker registered
+		change = BecameHealthy
+	}
+	w.health.unverified = false
+	return change
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.Is(err, context.DeadlineExceeded) || (errors.As(err, &ne) && ne.Timeout())
+}
+
+// busyLocked reports whether a slow probe answer is explained by work: a job
+// still within twice its predicted time, or one finished within the last
+// interval.
+func (p *Pool) busyLocked(w *worker, now int64, cfg *HealthConfig) bool {
+	if w.load.inflight > 0 && float64(now-w.load.headSince) < 2*p.predictedHeadLocked(w) {
+		return true
+	}
+	return w.load.lastFinish > 0 && now-w.load.lastFinish < int64(cfg.Interval)
+}
+
+// predictedHeadLocked is how long the running job of w is predicted to take, in
+// nanoseconds.
+func (p *Pool) predictedHeadLocked(w *worker) float64 {
+	return w.load.headCost / p.speedOfLocked(w) * float64(time.Second)
+}
+
+// overrunningLocked reports whether w's running job has overrun its prediction
+// by the stall factor (and at least the probe timeout). A held video job
+// never does: nobody waits on its connection, and its worker answers its
+// polls.
+func (p *Pool) overrunningLocked(w *worker, now int64, cfg *HealthConfig) bool {
+	if w.load.inflight == 0 || w.load.jobs[0].held {
+		return false
+	}
+	limit := max(cfg.StallFactor*p.predictedHeadLocked(w), float64(cfg.Timeout))
+	return float64(now-w.load.headSince) > limit
+}
+
+// CheckStalls marks suspect the workers whose running job has overrun its
+// prediction, and returns the ones newly marked.
+func (p *Pool) CheckStalls(cfg *HealthConfig) []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := p.now().UnixNano()
+	var marked []string
+	for _, w := range p.workers {
+		if !w.health.suspect && p.overrunningLocked(w, now, cfg) {
+			w.health.suspect = true
+			marked = append(marked, w.url)
+		}
+	}
+	return marked
+}
+
+// noteOutcomeLocked counts the passive evidence of one proxied request:
+// max_fails failures within fail_window eject the worker for eject_time,
+// doubling on each repeat up to max_eject_time; a success resets that. It
+// reports how long the worker is now ejected for, if it is.
+func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.Duration {
+	now := p.now().UnixNano()
+	switch o {
+	case Succeeded:
+		w.evidence.ejections, w.evidence.naps = 0, 0
+		return 0
+	case Abandoned, Refused:
+		return 0
+	case Asleep:
+		p.noteAsleepLocked(w, now)
+		return 0
+	}
+	if cfg == nil || cfg.MaxFails == 0 {
+		return 0
+	}
+	since := now - int64(cfg.FailWindow)
+	kept := w.evidence.recentFails[:0]
+	for _, at := range w.evidence.recentFails {
+		if at > since {
+			kept = append(kept, at)
+		}
+	}
+	w.evidence.recentFails = append(kept, now)
+	if len(w.evidence.recentFails) < cfg.MaxFails {
+		return 0
+	}
+	d := min(cfg.EjectTime<<min(w.evidence.ejections, 20), cfg.MaxEjectTime)
+	w.health.ejectedUntil, w.evidence.recentFails = now+int64(d), w.evidence.recentFails[:0]
+	w.evidence.ejections++
+	w.stats.ejected++
+	p.redispatchAtLocked(w.health.ejectedUntil) // jobs may be waiting for it
+	return d
+}
+
+// Bounds of how long a worker that said it is asleep is left alone.
+const (
+	asleepRecheck    = time.Second
+	maxAsleepRecheck = 30 * time.Second
+)
+
+// noteAsleepLocked keeps a worker that said it is asleep out of routing
+// for a while, twice as long each time it says so again. It was put to
+// sleep behind the router's back (a trainer calls the engines directly),
+// its health probe still passes, and only its answers tell when it wakes;
+// a job that finds it still asleep runs again elsewhere.
+func (p *Pool) noteAsleepLocked(w *worker, now int64) {
+	d := min(asleepRecheck<<min(w.evidence.naps, 10), maxAsleepRecheck)
+	w.evidence.naps++
+	w.health.asleepUntil = now + int64(d)
+	p.redispatchAtLocked(w.health.asleepUntil) // jobs may be waiting for it
+}
+
+// SetDown marks a worker unhealthy after err, until its health probes
+// pass again.
+func (p *Pool) SetDown(url string, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w := p.findLocked(url); w != nil {
+		w.health.down, w.evidence.lastError = true, err.Error()
+	}
+}
+
+// NoteCutShort counts a failure against the worker that served t, whose
+// answer began and then broke off.
+func (p *Pool) NoteCutShort(t *Ticket) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.findLocked(t.servedBy)
+	if w == nil {
+		return
+	}
+	w.stats.failures++
+	w.evidence.consecFails++
+	p.noteOutcomeLocked(w, Failed, t.cfg.Health)
+}
+
+// redispatchAtLocked makes sure free slots are handed to waiting jobs at
+// when (Unix nanoseconds), when an ejection ends. One timer serves the
+// pool: it is set for the earliest ejection end and, when it fires, for
+// the next one.
+func (p *Pool) redispatchAtLocked(when int64) {
+	if p.bg.ctx.Err() != nil || p.ejectionEnds != 0 && p.ejectionEnds <= when {
+		return
+	}
+	p.ejectionEnds = when
+	d := time.Duration(when - p.now().UnixNano())
+	if p.redispatch == nil {
+		p.redispatch = time.AfterFunc(d, p.endEjection)
+		return
+	}
+	p.redispatch.Reset(d)
+}
+
+// ejectionEnded hands out jobs to workers whose ejection is over and sets
+// the timer for the next ejection to end.
+func (p *Pool) endEjection() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.ejectionEnds = 0
+	now := p.now().UnixNano()
+	for _, w := range p.workers {
+		if w.health.ejectedUntil > now {
+			p.redispatchAtLocked(w.health.ejectedUntil)
+		}
+	}
+	p.dispatchLocked()
+}
+
+// Sleep waits for d, reporting false if ctx ended first.
+func Sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// What a probe result did to a worker.
+const (
+	Unchanged HealthChange = iota
+	BecameUnhealthy
+	BecameHealthy
+	EjectionEnded
+)

@@ -1,0 +1,34 @@
+package scheduler
+
+// HedgeCopy gives a copy of t to the fastest idle worker that may serve
+// it, or reports nil when t should not get one now: it has ended, jobs
+// wait, or copies already run on a tenth of the workers (at least two).
+func (p *Pool) HedgeCopy(t *Ticket) *Ticket {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if t.worker == nil || len(p.queue) > 0 || p.hedging >= max(2, len(p.workers)/10) {
+		return nil
+	}
+	now := p.now().UnixNano()
+	var idle *worker
+	for _, w := range p.workers {
+		if w != t.worker && w.load.inflight == 0 && w.serving(now) && t.mayServe(w, "") &&
+			(idle == nil || p.speedOfLocked(w) > p.speedOfLocked(idle)) {
+			idle = w
+		}
+	}
+	if idle == nil {
+		return nil
+	}
+	c := &Ticket{pool: p, cfg: t.cfg, Route: t.Route, Task: t.Task, Job: true, Cost: t.Cost, WantVersion: t.WantVersion, seq: t.seq, Body: t.Body}
+	p.assignLocked(c, idle)
+	p.hedging++
+	return c
+}
+
+// EndHedge notes that a copy's attempt is over.
+func (p *Pool) EndHedge() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.hedging--
+}
