@@ -15,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -101,7 +102,7 @@ func (h *Handler) lastAnswer(rec *recorder, t *scheduler.Ticket, cause rerunCaus
 		rec.held = nil
 		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
 		status, msg := queueError(h.pool, t, retryErr)
-		return writeError(rec, status, msg)
+		return control.WriteError(rec, status, msg)
 	case rec.held.status != 0:
 		return rec.passHeld()
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
@@ -104,7 +105,8 @@ type Handler struct {
 	metrics  poolMetrics
 	allow    []netip.Prefix
 	token    string
-	control  *http.ServeMux
+	api      *control.API
+	control  *http.ServeMux // the api's routes
 	guard    *workerurl.Guard
 	found    *discovery // nil without DNS names
 	forwards pathSet
@@ -154,7 +156,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.found = found
 		p.DeclareLookups(found.keys())
 	}
-	h.control = h.controlMux()
+	h.api = &control.API{
+		Pool: p.Pool, Weights: &h.weights, Logger: h.logger, Allow: h.allow, Token: h.token,
+		ClientIP: clientIP, Guard: h.guard, MaxWorkers: h.MaxWorkers, MinReady: h.HealthChecks.MinReady,
+		Policy: h.LoadBalancing.Policy, Dashboard: !h.DashboardOff,
+		Models: &p.models, EngineMetrics: &p.metrics, Operations: weightUpdates,
+	}
+	h.control = h.api.Mux()
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
@@ -192,22 +200,22 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	rec := &recorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	route := request.Endpoints.Match(r.Method, r.URL)
 	dotted := hasDotSegment(r.URL.Path)
-	control := !dotted && h.isControl(r, route)
+	answered := !dotted && h.isControl(r, route)
 	class, err := route.Class, error(nil)
-	if control {
+	if answered {
 		class = "control"
 	}
 	switch {
 	case dotted:
-		err = writeError(rec, http.StatusBadRequest, "the path must not have . or .. segments")
-	case !control && !h.forwards.has(r.URL.Path):
-		err = writeError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
-	case !control:
+		err = control.WriteError(rec, http.StatusBadRequest, "the path must not have . or .. segments")
+	case !answered && !h.forwards.has(r.URL.Path):
+		err = control.WriteError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
+	case !answered:
 		h.pool.Fleet().StartCatchUps(&h.weights)
 		err = h.forward(rec, r, route, next)
-	case r.ContentLength > maxControlBody:
+	case r.ContentLength > control.MaxBody:
 		rec.Header().Set("Connection", "close") // the body stays unread
-		err = writeError(rec, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body is larger than the %d bytes a control call may send", maxControlBody))
+		err = control.WriteError(rec, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body is larger than the %d bytes a control call may send", control.MaxBody))
 	default:
 		h.control.ServeHTTP(rec, r) // sets the path values Handler does not
 	}

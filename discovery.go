@@ -208,7 +208,7 @@ func (d *discovery) welcome(ctx context.Context, joined []string) {
 	}
 	var wg sync.WaitGroup
 	for _, u := range joined {
-		scheduler.GoSafely(&wg, d.h.logger, "first probe of "+u, func() { d.h.welcome(ctx, u) })
+		scheduler.GoSafely(&wg, d.h.logger, "first probe of "+u, func() { d.h.api.Welcome(ctx, u) })
 	}
 	wg.Wait()
 	d.h.pool.Fleet().StartCatchUps(&d.h.weights)

@@ -15,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -41,7 +42,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 	rec.Header().Set(requestIDHeader, id)
 	t, r, status, msg := h.admit(rec, r, route)
 	if status != 0 {
-		return writeError(rec, status, msg)
+		return control.WriteError(rec, status, msg)
 	}
 	if t == nil {
 		return nil // the client left while waiting
@@ -54,7 +55,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 	}
 	err := h.proxy(rec, r, t, next)
 	if cause := scheduler.CancelledBy(r.Context()); cause != nil && rec.status == 0 {
-		err = writeError(rec, http.StatusConflict, cause.Error())
+		err = control.WriteError(rec, http.StatusConflict, cause.Error())
 	}
 	if t.Job {
 		h.logJob(id, r, t, rec.status, dispatched.Sub(arrived), time.Since(dispatched))
@@ -150,20 +151,20 @@ func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ti
 		return h.pinToJob(t)
 	case route.Serves == request.VideoTask:
 		t.Task = request.VideoTask
-		h.probeUnknown(r.Context())
+		h.api.ProbeUnknown(r.Context())
 		if !h.pool.CanServe(request.VideoTask) {
 			return nil, http.StatusBadRequest, "No video-capable workers available in current worker pool."
 		}
 	case route.Serves == request.ImageTask:
 		t.Task = request.ImageTask
-		h.probeUnknown(r.Context())
+		h.api.ProbeUnknown(r.Context())
 		if !h.pool.AnyMakes(request.ImageTask) { // as the Python router does: let a worker answer
 			t.Task = request.AnyTask
 		}
 	case t.Job:
 		// Before any update, a worker's weight version is the model id its
 		// /v1/models reports: learn it before the worker's first job.
-		h.probeUnknown(r.Context())
+		h.api.ProbeUnknown(r.Context())
 	}
 	return t, 0, ""
 }
@@ -262,7 +263,7 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err err
 		msg = "Worker request failed: " + cause(err).Error()
 	}
 	h.logger.Warn("proxying to worker failed", zap.Int("status", status), zap.Error(err))
-	return writeError(w, status, msg)
+	return control.WriteError(w, status, msg)
 }
 
 // cause is what went wrong in err, without the trace of the handler that

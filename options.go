@@ -565,3 +565,9 @@ func parsePrefixes(list []string) ([]netip.Prefix, error) {
 	}
 	return out, nil
 }
+
+// Defaults of the weight update options.
+const (
+	defaultDrainTimeout   = 10 * time.Minute
+	defaultWeightsTimeout = 10 * time.Minute
+)

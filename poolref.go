@@ -5,6 +5,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
@@ -76,8 +77,8 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 // answers the handler makes from a call to every worker.
 type pool struct {
 	*scheduler.Pool
-	models  sharedAnswer // the union of the workers' model lists
-	metrics sharedAnswer // the workers' engine metrics
+	models  control.SharedAnswer // the union of the workers' model lists
+	metrics control.SharedAnswer // the workers' engine metrics
 }
 
 func newPool(name string) *pool {

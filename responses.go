@@ -2,7 +2,6 @@ package diffusionrouter
 
 import (
 	"context"
-	"encoding/json"
 	"io"
 	"net/http"
 
@@ -22,19 +21,6 @@ func withTicket(ctx context.Context, t *scheduler.Ticket) context.Context {
 func ticketFrom(ctx context.Context) *scheduler.Ticket {
 	t, _ := ctx.Value(ticketKey{}).(*scheduler.Ticket)
 	return t
-}
-
-// writeJSON answers with v as JSON.
-func writeJSON(w http.ResponseWriter, status int, v any) error {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	return json.NewEncoder(w).Encode(v)
-}
-
-// writeError answers with the error shape of the Python router:
-// {"error": "..."}.
-func writeError(w http.ResponseWriter, status int, msg string) error {
-	return writeJSON(w, status, map[string]string{"error": msg})
 }
 
 // weightVersionHeader names the weight version that served a generation,

@@ -1,4 +1,4 @@
-package diffusionrouter
+package control
 
 import (
 	"context"
@@ -53,9 +53,9 @@ func (m models) modelID() string {
 const maxModelsBody = 1 << 20
 
 // fetchModels asks one worker for its model list.
-func (h *Handler) fetchModels(ctx context.Context, workerURL string) (models, error) {
+func (a *API) fetchModels(ctx context.Context, workerURL string) (models, error) {
 	var m models
-	body, err := h.pool.get(ctx, workerURL+"/v1/models", maxModelsBody)
+	body, err := a.get(ctx, workerURL+"/v1/models", maxModelsBody)
 	if err != nil {
 		return m, err
 	}
@@ -67,14 +67,14 @@ func (h *Handler) fetchModels(ctx context.Context, workerURL string) (models, er
 
 // get reads a worker's answer to a GET of u, which must be 200 and at
 // most limit bytes, within probeTimeout.
-func (p *pool) get(ctx context.Context, u string, limit int64) ([]byte, error) {
+func (a *API) get(ctx context.Context, u string, limit int64) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	if err != nil {
 		return nil, err
 	}
-	resp, err := p.Client().Do(req)
+	resp, err := a.Pool.Client().Do(req)
 	if err != nil {
 		return nil, err
 	}
@@ -91,29 +91,29 @@ func (p *pool) get(ctx context.Context, u string, limit int64) ([]byte, error) {
 
 // probe learns what one worker can generate from its /v1/models. A worker
 // that does not answer stays unknown and is asked again later.
-func (h *Handler) probe(ctx context.Context, workerURL string) error {
-	m, err := h.fetchModels(ctx, workerURL)
+func (a *API) probe(ctx context.Context, workerURL string) error {
+	m, err := a.fetchModels(ctx, workerURL)
 	if err != nil {
-		h.logger.Debug("capability probe failed", zap.String("worker", workerURL), zap.Error(err))
+		a.Logger.Debug("capability probe failed", zap.String("worker", workerURL), zap.Error(err))
 		return err
 	}
-	h.pool.SetCapabilities(workerURL, m.taskTypes(), m.modelID())
+	a.Pool.SetCapabilities(workerURL, m.taskTypes(), m.modelID())
 	return nil
 }
 
-// probeUnknown probes, in parallel, the workers whose capabilities are not
+// ProbeUnknown probes, in parallel, the workers whose capabilities are not
 // known yet: the workers a config lists are probed on first need rather
 // than at provisioning, which must not dial out. Once every worker is known
 // it costs an atomic load, not the pool's lock: it runs on every image and
 // video request.
-func (h *Handler) probeUnknown(ctx context.Context) {
-	if h.pool.AllProbed() {
+func (a *API) ProbeUnknown(ctx context.Context) {
+	if a.Pool.AllProbed() {
 		return
 	}
-	urls := h.pool.Unprobed(time.Now(), reprobeInterval)
+	urls := a.Pool.Unprobed(time.Now(), reprobeInterval)
 	var wg sync.WaitGroup
 	for _, u := range urls {
-		scheduler.GoSafely(&wg, h.logger, "capability probe of "+u, func() { _ = h.probe(ctx, u) })
+		scheduler.GoSafely(&wg, a.Logger, "capability probe of "+u, func() { _ = a.probe(ctx, u) })
 	}
 	wg.Wait()
 }
@@ -121,15 +121,15 @@ func (h *Handler) probeUnknown(ctx context.Context) {
 // serveModels answers GET /v1/models with the union of the serving
 // workers' lists, deduplicated by model id. Anyone may ask, and each
 // union costs a call to every worker, so it is a shared answer.
-func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
+func (a *API) serveModels(w http.ResponseWriter, r *http.Request) {
 	var urls []string
-	for _, wk := range h.pool.Snapshot() {
+	for _, wk := range a.Pool.Snapshot() {
 		if wk.State != scheduler.Dead && wk.State != scheduler.Sleeping {
 			urls = append(urls, wk.URL)
 		}
 	}
-	status, contentType, body := h.pool.models.get(strings.Join(urls, " "), func() (int, string, []byte) {
-		status, answer := h.modelUnion(context.WithoutCancel(r.Context()), urls)
+	status, contentType, body := a.Models.get(strings.Join(urls, " "), func() (int, string, []byte) {
+		status, answer := a.modelUnion(context.WithoutCancel(r.Context()), urls)
 		body, _ := json.Marshal(answer)
 		return status, "application/json", body
 	})
@@ -141,10 +141,10 @@ func (h *Handler) serveModels(w http.ResponseWriter, r *http.Request) {
 // sharedLifetime is how long an answer made from every worker's is kept.
 const sharedLifetime = 2 * time.Second
 
-// sharedAnswer is an answer that costs a call to every worker: anyone may
+// SharedAnswer is an answer that costs a call to every worker: anyone may
 // ask for it, so it is kept for sharedLifetime and callers that come while
 // one is made wait for it rather than make their own.
-type sharedAnswer struct {
+type SharedAnswer struct {
 	mu          sync.Mutex // held while an answer is made
 	key         string     // what it was made from
 	made        time.Time
@@ -155,7 +155,7 @@ type sharedAnswer struct {
 
 // get returns the answer for key, making it anew when there is none for
 // key younger than sharedLifetime.
-func (s *sharedAnswer) get(key string, make func() (status int, contentType string, body []byte)) (int, string, []byte) {
+func (s *SharedAnswer) get(key string, make func() (status int, contentType string, body []byte)) (int, string, []byte) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if key != s.key || time.Since(s.made) >= sharedLifetime {
@@ -167,7 +167,7 @@ func (s *sharedAnswer) get(key string, make func() (status int, contentType stri
 
 // modelUnion asks the workers (those not held back or asleep) for their
 // model lists and merges them.
-func (h *Handler) modelUnion(ctx context.Context, urls []string) (int, any) {
+func (a *API) modelUnion(ctx context.Context, urls []string) (int, any) {
 	if len(urls) == 0 {
 		return http.StatusServiceUnavailable, map[string]string{"error": "No healthy workers available in the pool"}
 	}
@@ -175,7 +175,7 @@ func (h *Handler) modelUnion(ctx context.Context, urls []string) (int, any) {
 	errs := make([]error, len(urls))
 	var wg sync.WaitGroup
 	for i, u := range urls {
-		scheduler.GoSafely(&wg, h.logger, "model list of "+u, func() { lists[i], errs[i] = h.fetchModels(ctx, u) })
+		scheduler.GoSafely(&wg, a.Logger, "model list of "+u, func() { lists[i], errs[i] = a.fetchModels(ctx, u) })
 	}
 	wg.Wait()
 
@@ -187,7 +187,7 @@ func (h *Handler) modelUnion(ctx context.Context, urls []string) (int, any) {
 			details[urls[i]] = errs[i].Error()
 			continue
 		}
-		h.pool.SetCapabilities(urls[i], m.taskTypes(), m.modelID())
+		a.Pool.SetCapabilities(urls[i], m.taskTypes(), m.modelID())
 		for _, e := range m.Data {
 			if key := modelKey(e); !seen[key] {
 				seen[key] = true

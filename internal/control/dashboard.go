@@ -1,4 +1,4 @@
-package diffusionrouter
+package control
 
 import (
 	_ "embed"
@@ -23,8 +23,8 @@ func serveDashboard(w http.ResponseWriter, _ *http.Request) {
 
 // serveDashboardData is GET /dashboard/data: the pool now, polled by the
 // status page, which draws its charts from successive answers.
-func (h *Handler) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
-	workers := h.pool.Snapshot()
+func (a *API) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
+	workers := a.Pool.Snapshot()
 	out := make([]workerJSON, len(workers))
 	servingWorkers := 0
 	for i, wk := range workers {
@@ -33,10 +33,10 @@ func (h *Handler) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 			servingWorkers++
 		}
 	}
-	stats := h.pool.Stats()
-	_ = writeJSON(w, http.StatusOK, map[string]any{
-		"pool":            h.pool.Name(),
-		"policy":          h.LoadBalancing.Policy,
+	stats := a.Pool.Stats()
+	_ = WriteJSON(w, http.StatusOK, map[string]any{
+		"pool":            a.Pool.Name(),
+		"policy":          a.Policy,
 		"time":            time.Now().UnixMilli(),
 		"queued":          stats.Queued,
 		"completed_jobs":  stats.Completed,

@@ -1,4 +1,4 @@
-package diffusionrouter
+package control
 
 import (
 	"net/http"
@@ -24,18 +24,18 @@ const loraSuffix = "+lora:"
 
 // serveLora is POST /v1/set_lora, /v1/merge_lora_weights and
 // /v1/unmerge_lora_weights, sent to every worker.
-func (h *Handler) serveLora(w http.ResponseWriter, r *http.Request) {
-	req, status, msg := h.readLoraRequest(r)
+func (a *API) serveLora(w http.ResponseWriter, r *http.Request) {
+	req, status, msg := a.readLoraRequest(r)
 	if status != 0 {
-		_ = writeError(w, status, msg)
+		_ = WriteError(w, status, msg)
 		return
 	}
-	h.runUpdate(w, r, req, strings.TrimPrefix(r.URL.Path, "/v1/"))
+	a.runUpdate(w, r, req, strings.TrimPrefix(r.URL.Path, "/v1/"))
 }
 
 // readLoraRequest checks a LoRA call's body as the workers read it and
 // works out the weight version it leads to.
-func (h *Handler) readLoraRequest(r *http.Request) (scheduler.Update, int, string) {
+func (a *API) readLoraRequest(r *http.Request) (scheduler.Update, int, string) {
 	req := scheduler.Update{Path: r.URL.Path, Mode: scheduler.ModeDrain}
 	body, members, status, msg := readControlObject(r)
 	if status != 0 {
@@ -44,7 +44,7 @@ func (h *Handler) readLoraRequest(r *http.Request) (scheduler.Update, int, strin
 	if target, ok := stringField(strictjson.Member(members, "target"), "all"); !ok || !slices.Contains(loraTargets, target) {
 		return req, http.StatusBadRequest, "target must be one of " + strings.Join(loraTargets, ", ")
 	}
-	base, _, _ := strings.Cut(h.pool.Stats().Version, loraSuffix)
+	base, _, _ := strings.Cut(a.Pool.Stats().Version, loraSuffix)
 	req.Version = base
 	switch r.URL.Path {
 	case "/v1/set_lora":
@@ -57,7 +57,7 @@ func (h *Handler) readLoraRequest(r *http.Request) (scheduler.Update, int, strin
 			return req, http.StatusBadRequest, "lora_path must be a string or a list of strings"
 		}
 		for _, p := range paths {
-			if status, msg := h.checkWeightsPath("lora_path", p); status != 0 {
+			if status, msg := a.checkWeightsPath("lora_path", p); status != 0 {
 				return req, status, msg
 			}
 		}
@@ -66,7 +66,7 @@ func (h *Handler) readLoraRequest(r *http.Request) (scheduler.Update, int, strin
 			return req, status, msg
 		}
 	case "/v1/merge_lora_weights":
-		req.Version = h.pool.Stats().Version // merging changes how, not what, is served
+		req.Version = a.Pool.Stats().Version // merging changes how, not what, is served
 	}
 	req.Body = body
 	return req, 0, ""
@@ -75,15 +75,15 @@ func (h *Handler) readLoraRequest(r *http.Request) (scheduler.Update, int, strin
 // serveChecksum is /get_weights_checksum: every worker's checksum of its
 // weights, and whether they all agree, which is how an RL user checks
 // that every engine holds the same weights.
-func (h *Handler) serveChecksum(w http.ResponseWriter, r *http.Request) {
+func (a *API) serveChecksum(w http.ResponseWriter, r *http.Request) {
 	body, _, status, msg := readControlObject(r)
 	if status != 0 {
-		_ = writeError(w, status, msg)
+		_ = WriteError(w, status, msg)
 		return
 	}
-	results, err := h.pool.Fleet().Checksums(r.Context(), body, &h.weights)
+	results, err := a.Pool.Fleet().Checksums(r.Context(), body, a.Weights)
 	if err != nil {
-		_ = writeError(w, http.StatusServiceUnavailable, err.Error())
+		_ = WriteError(w, http.StatusServiceUnavailable, err.Error())
 		return
 	}
 	code, agree := http.StatusOK, true
@@ -94,7 +94,7 @@ func (h *Handler) serveChecksum(w http.ResponseWriter, r *http.Request) {
 			agree = false
 		}
 	}
-	_ = writeJSON(w, code, map[string]any{"success": code == http.StatusOK, "consistent": agree, "results": results})
+	_ = WriteJSON(w, code, map[string]any{"success": code == http.StatusOK, "consistent": agree, "results": results})
 }
 
 // stringOrList reads a field given as a string or a list of non-empty

@@ -1,4 +1,4 @@
-package diffusionrouter
+package control
 
 import (
 	"bytes"
@@ -15,7 +15,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
@@ -24,40 +23,40 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
-// controlMux routes the endpoints the router answers itself, with the
+// mux routes the endpoints the router answers itself, with the
 // shapes of the Python sglang-diffusion router and of miles' router API.
 // Every other path goes to a worker.
-func (h *Handler) controlMux() *http.ServeMux {
+func (a *API) mux() *http.ServeMux {
 	mux := http.NewServeMux()
 	type route struct {
 		pattern string
 		handler http.HandlerFunc
 	}
 	routes := []route{
-		{"GET /health", h.serveHealth},
-		{"GET /readyz", h.serveReady},
+		{"GET /health", a.serveHealth},
+		{"GET /readyz", a.serveReady},
 		{"GET /healthz", serveAlive},
-		{"GET /workers", h.serveWorkers},
-		{"POST /workers", h.admin(h.serveAddWorker)},
-		{"GET /workers/{id...}", h.serveWorker},
-		{"PUT /workers/{id...}", h.admin(h.serveUpdateWorker)},
-		{"DELETE /workers/{id...}", h.admin(h.serveDeleteWorker)},
-		{"POST /add_worker", h.admin(h.serveAddWorker)},
-		{"POST /remove_worker", h.admin(h.serveRemoveWorker)},
-		{"GET /list_workers", h.serveListWorkers},
-		{"GET /v1/models", h.serveModels},
-		{"GET /engine_metrics", h.serveEngineMetrics},
+		{"GET /workers", a.serveWorkers},
+		{"POST /workers", a.admin(a.serveAddWorker)},
+		{"GET /workers/{id...}", a.serveWorker},
+		{"PUT /workers/{id...}", a.admin(a.serveUpdateWorker)},
+		{"DELETE /workers/{id...}", a.admin(a.serveDeleteWorker)},
+		{"POST /add_worker", a.admin(a.serveAddWorker)},
+		{"POST /remove_worker", a.admin(a.serveRemoveWorker)},
+		{"GET /list_workers", a.serveListWorkers},
+		{"GET /v1/models", a.serveModels},
+		{"GET /engine_metrics", a.serveEngineMetrics},
 		{"POST /update_weights_from_tensor", serveTensorUpdate},
-		{"POST /v1/set_lora", h.admin(h.serveLora)},
-		{"POST /v1/merge_lora_weights", h.admin(h.serveLora)},
-		{"POST /v1/unmerge_lora_weights", h.admin(h.serveLora)},
-		{"POST /get_weights_checksum", h.admin(h.serveChecksum)},
-		{"POST /update_weights_from_disk", h.admin(h.serveUpdateWeights)},
-		{"POST /release_memory_occupation", h.admin(h.serveSleep)},
-		{"POST /resume_memory_occupation", h.admin(h.serveWake)},
+		{"POST /v1/set_lora", a.admin(a.serveLora)},
+		{"POST /v1/merge_lora_weights", a.admin(a.serveLora)},
+		{"POST /v1/unmerge_lora_weights", a.admin(a.serveLora)},
+		{"POST /get_weights_checksum", a.admin(a.serveChecksum)},
+		{"POST /update_weights_from_disk", a.admin(a.serveUpdateWeights)},
+		{"POST /release_memory_occupation", a.admin(a.serveSleep)},
+		{"POST /resume_memory_occupation", a.admin(a.serveWake)},
 	}
-	if !h.DashboardOff {
-		routes = append(routes, route{"GET /dashboard", serveDashboard}, route{"GET /dashboard/data", h.serveDashboardData})
+	if a.Dashboard {
+		routes = append(routes, route{"GET /dashboard", serveDashboard}, route{"GET /dashboard/data", a.serveDashboardData})
 	}
 	paths := map[string]bool{}
 	for _, rt := range routes {
@@ -77,20 +76,20 @@ func (h *Handler) controlMux() *http.ServeMux {
 // holds tensor handles that are valid on one engine's node only, so no
 // router can send one payload to several engines.
 func serveTensorUpdate(w http.ResponseWriter, _ *http.Request) {
-	_ = writeError(w, http.StatusBadRequest, "update_weights_from_tensor carries tensor handles valid on one engine's node only: send it to each engine directly, not through the router")
+	_ = WriteError(w, http.StatusBadRequest, "update_weights_from_tensor carries tensor handles valid on one engine's node only: send it to each engine directly, not through the router")
 }
 
 func serveMethodNotAllowed(w http.ResponseWriter, r *http.Request) {
-	_ = writeError(w, http.StatusMethodNotAllowed, fmt.Sprintf("method %s is not allowed on %s", r.Method, r.URL.Path))
+	_ = WriteError(w, http.StatusMethodNotAllowed, fmt.Sprintf("method %s is not allowed on %s", r.Method, r.URL.Path))
 }
 
 // admin wraps an endpoint that changes the fleet: only clients in
 // admin_allow, or with the admin token, may call it.
-func (h *Handler) admin(next http.HandlerFunc) http.HandlerFunc {
+func (a *API) admin(next http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		if !h.trusted(r) {
-			h.logger.Warn("refused control call", zap.String("path", r.URL.Path), zap.String("client", clientIP(r)))
-			_ = writeError(w, http.StatusForbidden, "control endpoints need a client address in admin_allow or a valid admin token")
+		if !a.trusted(r) {
+			a.Logger.Warn("refused control call", zap.String("path", r.URL.Path), zap.String("client", a.ClientIP(r)))
+			_ = WriteError(w, http.StatusForbidden, "control endpoints need a client address in admin_allow or a valid admin token")
 			return
 		}
 		next(w, r)
@@ -98,34 +97,24 @@ func (h *Handler) admin(next http.HandlerFunc) http.HandlerFunc {
 }
 
 // trusted reports whether r may change the fleet.
-func (h *Handler) trusted(r *http.Request) bool {
-	if h.token != "" {
+func (a *API) trusted(r *http.Request) bool {
+	if a.Token != "" {
 		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		if ok && subtle.ConstantTimeCompare([]byte(got), []byte(h.token)) == 1 {
+		if ok && subtle.ConstantTimeCompare([]byte(got), []byte(a.Token)) == 1 {
 			return true
 		}
 	}
-	addr, err := netip.ParseAddr(clientIP(r))
+	addr, err := netip.ParseAddr(a.ClientIP(r))
 	if err != nil {
 		return false
 	}
 	addr = addr.Unmap()
-	for _, p := range h.allow {
+	for _, p := range a.Allow {
 		if p.Contains(addr) {
 			return true
 		}
 	}
 	return false
-}
-
-// clientIP is the client address as Caddy determined it, which honours the
-// server's trusted_proxies setting.
-func clientIP(r *http.Request) string {
-	if ip, ok := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ok && ip != "" {
-		return ip
-	}
-	host, _, _ := strings.Cut(r.RemoteAddr, ":")
-	return host
 }
 
 // workerJSON is a worker as the Python router shows it, plus the state this
@@ -192,8 +181,8 @@ func timeJSON(t time.Time) *string {
 	return &s
 }
 
-func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
-	workers := h.pool.Snapshot()
+func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
+	workers := a.Pool.Snapshot()
 	var inState [scheduler.StateCount]int
 	for _, wk := range workers {
 		inState[wk.State]++
@@ -202,8 +191,8 @@ func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
 	if inState[scheduler.Serving] == 0 {
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
-	stats := h.pool.Stats()
-	_ = writeJSON(w, code, map[string]any{
+	stats := a.Pool.Stats()
+	_ = WriteJSON(w, code, map[string]any{
 		"status":            status,
 		"healthy_workers":   inState[scheduler.Serving],
 		"total_workers":     len(workers),
@@ -221,58 +210,58 @@ func (h *Handler) serveHealth(w http.ResponseWriter, _ *http.Request) {
 
 // serveReady is /readyz, for a load balancer in front of several routers:
 // 200 when at least min_ready workers serve.
-func (h *Handler) serveReady(w http.ResponseWriter, _ *http.Request) {
-	ready := h.pool.ServingCount()
+func (a *API) serveReady(w http.ResponseWriter, _ *http.Request) {
+	ready := a.Pool.ServingCount()
 	code := http.StatusOK
-	if ready < h.HealthChecks.MinReady {
+	if ready < a.MinReady {
 		code = http.StatusServiceUnavailable
 	}
-	_ = writeJSON(w, code, map[string]any{"ready": code == http.StatusOK, "serving_workers": ready, "min_ready": h.HealthChecks.MinReady})
+	_ = WriteJSON(w, code, map[string]any{"ready": code == http.StatusOK, "serving_workers": ready, "min_ready": a.MinReady})
 }
 
 // serveAlive is /healthz: the router process is alive.
 func serveAlive(w http.ResponseWriter, _ *http.Request) {
-	_ = writeJSON(w, http.StatusOK, map[string]string{"status": "alive"})
+	_ = WriteJSON(w, http.StatusOK, map[string]string{"status": "alive"})
 }
 
-func (h *Handler) serveWorkers(w http.ResponseWriter, _ *http.Request) {
-	workers := h.pool.Snapshot()
+func (a *API) serveWorkers(w http.ResponseWriter, _ *http.Request) {
+	workers := a.Pool.Snapshot()
 	out := make([]workerJSON, len(workers))
 	for i, wk := range workers {
 		out[i] = newWorkerJSON(wk)
 	}
-	_ = writeJSON(w, http.StatusOK, map[string]any{"workers": out})
+	_ = WriteJSON(w, http.StatusOK, map[string]any{"workers": out})
 }
 
-func (h *Handler) serveListWorkers(w http.ResponseWriter, _ *http.Request) {
-	workers := h.pool.Snapshot()
+func (a *API) serveListWorkers(w http.ResponseWriter, _ *http.Request) {
+	workers := a.Pool.Snapshot()
 	urls := make([]string, len(workers))
 	for i, wk := range workers {
 		urls[i] = wk.URL
 	}
-	_ = writeJSON(w, http.StatusOK, map[string]any{"urls": urls})
+	_ = WriteJSON(w, http.StatusOK, map[string]any{"urls": urls})
 }
 
 // serveAddWorker registers a worker named by ?url=, ?worker_url= or a JSON
 // body {"url"} / {"worker_url"}, and learns what it can generate.
-func (h *Handler) serveAddWorker(w http.ResponseWriter, r *http.Request) {
-	u, err := h.workerURLFrom(r)
+func (a *API) serveAddWorker(w http.ResponseWriter, r *http.Request) {
+	u, err := a.workerURLFrom(r)
 	if err != nil {
-		_ = writeError(w, http.StatusBadRequest, err.Error())
+		_ = WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	info, created, err := h.pool.Register(u, h.MaxWorkers)
+	info, created, err := a.Pool.Register(u, a.MaxWorkers)
 	if err != nil {
-		_ = writeError(w, http.StatusTooManyRequests, fmt.Sprintf("%v (%d)", err, h.MaxWorkers))
+		_ = WriteError(w, http.StatusTooManyRequests, fmt.Sprintf("%v (%d)", err, a.MaxWorkers))
 		return
 	}
 	if created {
-		h.logger.Info("worker registered", zap.String("worker", info.URL))
-		h.welcome(r.Context(), info.URL)
-		h.pool.Fleet().StartCatchUps(&h.weights)
-		info, _ = h.pool.Worker(info.URL)
+		a.Logger.Info("worker registered", zap.String("worker", info.URL))
+		a.Welcome(r.Context(), info.URL)
+		a.Pool.Fleet().StartCatchUps(a.Weights)
+		info, _ = a.Pool.Worker(info.URL)
 	}
-	_ = writeJSON(w, http.StatusOK, h.durable(r.Context(), map[string]any{"status": "success", "worker": newWorkerJSON(info)}))
+	_ = WriteJSON(w, http.StatusOK, a.durable(r.Context(), map[string]any{"status": "success", "worker": newWorkerJSON(info)}))
 }
 
 // storageWait bounds how long a control call waits for its change to be
@@ -283,36 +272,36 @@ const storageWait = 5 * time.Second
 // tells the caller in answer when that failed: "persisted": false and a
 // warning. The change took effect all the same, and is written as soon as
 // storage works again; only a restart before then would lose it.
-func (h *Handler) durable(ctx context.Context, answer map[string]any) map[string]any {
+func (a *API) durable(ctx context.Context, answer map[string]any) map[string]any {
 	ctx, cancel := context.WithTimeout(ctx, storageWait)
 	defer cancel()
-	if err := h.pool.Store().Persist(ctx); err != nil {
-		h.logger.Warn("a change to the fleet is not written to storage yet", zap.Error(err))
+	if err := a.Pool.Store().Persist(ctx); err != nil {
+		a.Logger.Warn("a change to the fleet is not written to storage yet", zap.Error(err))
 		answer["persisted"] = false
 		answer["warning"] = "the change took effect but is not written to storage yet, so a restart now would lose it: " + err.Error()
 	}
 	return answer
 }
 
-// welcome learns what a worker that just joined can generate. One that
+// Welcome learns what a worker that just joined can generate. One that
 // does not answer stays, but out until its health probes pass: a worker
 // nobody can reach must not draw jobs only to fail them. A probe cut short
 // by ctx says nothing of the worker.
-func (h *Handler) welcome(ctx context.Context, workerURL string) {
-	if err := h.probe(ctx, workerURL); err != nil && ctx.Err() == nil {
-		h.pool.SetDown(workerURL, err)
+func (a *API) Welcome(ctx context.Context, workerURL string) {
+	if err := a.probe(ctx, workerURL); err != nil && ctx.Err() == nil {
+		a.Pool.SetDown(workerURL, err)
 	}
 }
 
 // workerURLFrom reads a worker URL from the query or the JSON body, and
 // returns it in canonical form if it may be a worker.
-func (h *Handler) workerURLFrom(r *http.Request) (string, error) {
+func (a *API) workerURLFrom(r *http.Request) (string, error) {
 	raw, err := rawWorkerURL(r)
 	if err != nil {
 		return "", err
 	}
 	u, err := workerurl.Parse(raw)
-	if err == nil && h.guard.RefusesURL(u) {
+	if err == nil && a.Guard.RefusesURL(u) {
 		err = workerurl.ErrAdmin
 	}
 	return u, err
@@ -349,14 +338,15 @@ func rawWorkerURL(r *http.Request) (string, error) {
 	return "", errors.New("worker_url is required (use query ?url=... or JSON body)")
 }
 
-// maxControlBody bounds the JSON bodies of control calls.
-const maxControlBody = 1 << 20
+// MaxBody bounds the JSON bodies of control calls; the router refuses a
+// longer one before it reads it.
+const MaxBody = 1 << 20
 
 // decodeJSONBody reads an optional JSON object body (nil when empty), by
 // exact key: a body that names a key twice, in any case, is refused, and
 // no struct tag's case-insensitive matching is ever involved.
 func decodeJSONBody(r *http.Request) (map[string]json.RawMessage, error) {
-	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
+	body, err := io.ReadAll(io.LimitReader(r.Body, MaxBody))
 	if err != nil {
 		return nil, fmt.Errorf("reading body: %v", err)
 	}
@@ -372,54 +362,54 @@ func decodeJSONBody(r *http.Request) (map[string]json.RawMessage, error) {
 
 // workerFromPath finds the worker named by /workers/{id}, answering the
 // client itself when there is none.
-func (h *Handler) workerFromPath(w http.ResponseWriter, r *http.Request) (scheduler.WorkerInfo, bool) {
+func (a *API) workerFromPath(w http.ResponseWriter, r *http.Request) (scheduler.WorkerInfo, bool) {
 	u, err := workerurl.Parse(r.PathValue("id"))
 	if err != nil {
-		_ = writeError(w, http.StatusBadRequest, err.Error())
+		_ = WriteError(w, http.StatusBadRequest, err.Error())
 		return scheduler.WorkerInfo{}, false
 	}
-	info, ok := h.pool.Worker(u)
+	info, ok := a.Pool.Worker(u)
 	if !ok {
-		_ = writeError(w, http.StatusNotFound, "Worker not found")
+		_ = WriteError(w, http.StatusNotFound, "Worker not found")
 	}
 	return info, ok
 }
 
-func (h *Handler) serveWorker(w http.ResponseWriter, r *http.Request) {
-	if info, ok := h.workerFromPath(w, r); ok {
-		_ = writeJSON(w, http.StatusOK, map[string]any{"worker": newWorkerJSON(info)})
+func (a *API) serveWorker(w http.ResponseWriter, r *http.Request) {
+	if info, ok := a.workerFromPath(w, r); ok {
+		_ = WriteJSON(w, http.StatusOK, map[string]any{"worker": newWorkerJSON(info)})
 	}
 }
 
 // serveUpdateWorker takes {"is_dead": bool} to hold a worker back or let it
 // serve again, and {"refresh_video_support": true} to probe it anew.
-func (h *Handler) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
-	info, ok := h.workerFromPath(w, r)
+func (a *API) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
+	info, ok := a.workerFromPath(w, r)
 	if !ok {
 		return
 	}
 	update, err := decodeJSONBody(r)
 	if err != nil {
-		_ = writeError(w, http.StatusBadRequest, err.Error())
+		_ = WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	isDead, refresh, err := parseWorkerUpdate(update)
 	if err != nil {
-		_ = writeError(w, http.StatusBadRequest, err.Error())
+		_ = WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	if refresh {
-		_ = h.probe(r.Context(), info.URL)
-		info, _ = h.pool.Worker(info.URL)
+		_ = a.probe(r.Context(), info.URL)
+		info, _ = a.Pool.Worker(info.URL)
 	}
 	answer := map[string]any{"status": "success"}
 	if isDead != nil {
-		info, _ = h.pool.SetDead(info.URL, *isDead)
-		h.logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead))
-		answer = h.durable(r.Context(), answer)
+		info, _ = a.Pool.SetDead(info.URL, *isDead)
+		a.Logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead))
+		answer = a.durable(r.Context(), answer)
 	}
 	answer["worker"] = newWorkerJSON(info)
-	_ = writeJSON(w, http.StatusOK, answer)
+	_ = WriteJSON(w, http.StatusOK, answer)
 }
 
 // parseWorkerUpdate checks a PUT /workers/{id} body field by field, as the
@@ -445,27 +435,27 @@ func parseWorkerUpdate(update map[string]json.RawMessage) (isDead *bool, refresh
 	return isDead, refresh, nil
 }
 
-func (h *Handler) serveDeleteWorker(w http.ResponseWriter, r *http.Request) {
-	if info, ok := h.workerFromPath(w, r); ok {
-		h.removeWorker(w, r, info.URL)
+func (a *API) serveDeleteWorker(w http.ResponseWriter, r *http.Request) {
+	if info, ok := a.workerFromPath(w, r); ok {
+		a.removeWorker(w, r, info.URL)
 	}
 }
 
 // serveRemoveWorker is miles' POST /remove_worker?url=.
-func (h *Handler) serveRemoveWorker(w http.ResponseWriter, r *http.Request) {
-	u, err := h.workerURLFrom(r)
+func (a *API) serveRemoveWorker(w http.ResponseWriter, r *http.Request) {
+	u, err := a.workerURLFrom(r)
 	if err != nil {
-		_ = writeError(w, http.StatusBadRequest, err.Error())
+		_ = WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	h.removeWorker(w, r, u)
+	a.removeWorker(w, r, u)
 }
 
-func (h *Handler) removeWorker(w http.ResponseWriter, r *http.Request, workerURL string) {
-	if !h.pool.Remove(workerURL) {
-		_ = writeError(w, http.StatusNotFound, "Worker not found")
+func (a *API) removeWorker(w http.ResponseWriter, r *http.Request, workerURL string) {
+	if !a.Pool.Remove(workerURL) {
+		_ = WriteError(w, http.StatusNotFound, "Worker not found")
 		return
 	}
-	h.logger.Info("worker removed", zap.String("worker", workerURL))
-	_ = writeJSON(w, http.StatusOK, h.durable(r.Context(), map[string]any{"status": "success", "worker_id": url.QueryEscape(workerURL)}))
+	a.Logger.Info("worker removed", zap.String("worker", workerURL))
+	_ = WriteJSON(w, http.StatusOK, a.durable(r.Context(), map[string]any{"status": "success", "worker_id": url.QueryEscape(workerURL)}))
 }

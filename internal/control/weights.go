@@ -1,4 +1,4 @@
-package diffusionrouter
+package control
 
 import (
 	"bytes"
@@ -10,7 +10,6 @@ import (
 	"path"
 	"slices"
 	"strings"
-	"time"
 
 	"go.uber.org/zap"
 
@@ -26,46 +25,40 @@ import (
 // every generation is served by a worker on the new version. `rolling` mode
 // updates a few workers at a time while the others serve.
 
-// Defaults of the weight update options.
-const (
-	defaultDrainTimeout   = 10 * time.Minute
-	defaultWeightsTimeout = 10 * time.Minute
-)
-
 // serveUpdateWeights is POST /update_weights_from_disk.
-func (h *Handler) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
-	req, status, msg := h.readWeightsRequest(r)
+func (a *API) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
+	req, status, msg := a.readWeightsRequest(r)
 	if status != 0 {
-		_ = writeError(w, status, msg)
+		_ = WriteError(w, status, msg)
 		return
 	}
 	req.Path = scheduler.DiskUpdatePath
-	h.runUpdate(w, r, req, "update_weights")
+	a.runUpdate(w, r, req, "update_weights")
 }
 
 // runUpdate runs a weight update (or LoRA call) over the fleet as a
 // barrier and answers with every worker's result; op names it in metrics.
-func (h *Handler) runUpdate(w http.ResponseWriter, r *http.Request, req scheduler.Update, op string) {
-	unlock, ok := h.lockFleet(w, r)
+func (a *API) runUpdate(w http.ResponseWriter, r *http.Request, req scheduler.Update, op string) {
+	unlock, ok := a.lockFleet(w, r)
 	if !ok {
 		return
 	}
 	defer unlock()
 
-	log := h.logger.With(zap.String("operation", op), zap.String("weight_version", req.Version), zap.String("mode", req.Mode))
+	log := a.Logger.With(zap.String("operation", op), zap.String("weight_version", req.Version), zap.String("mode", req.Mode))
 	log.Info("weight update started")
-	results, err := h.pool.Fleet().Update(r.Context(), req, &h.weights)
+	results, err := a.Pool.Fleet().Update(r.Context(), req, a.Weights)
 	outcome := outcomeName(err, results)
-	weightUpdates.WithLabelValues(h.pool.Name(), op, outcome).Inc()
+	a.Operations.WithLabelValues(a.Pool.Name(), op, outcome).Inc()
 	switch {
 	case errors.Is(err, scheduler.ErrNoWorker):
-		_ = writeError(w, http.StatusServiceUnavailable, scheduler.ErrNoWorker.Error())
+		_ = WriteError(w, http.StatusServiceUnavailable, scheduler.ErrNoWorker.Error())
 		return
 	case errors.Is(err, scheduler.ErrDrainTimeout):
 		log.Warn("weight update drain timed out")
-		_ = writeJSON(w, http.StatusGatewayTimeout, map[string]any{
+		_ = WriteJSON(w, http.StatusGatewayTimeout, map[string]any{
 			"success": false, "weight_version": req.Version, "results": results,
-			"error": fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); workers not yet updated serve on as before", h.weights.DrainTimeout),
+			"error": fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); workers not yet updated serve on as before", a.Weights.DrainTimeout),
 		})
 		return
 	case err != nil: // the caller left; the workers already updated keep the new version
@@ -77,7 +70,7 @@ func (h *Handler) runUpdate(w http.ResponseWriter, r *http.Request, req schedule
 		log.Warn("weight update failed on some workers; they get no traffic until an update succeeds on them")
 	}
 	log.Info("weight update done", zap.Int("status", code))
-	_ = writeJSON(w, code, h.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": req.Version, "results": results}))
+	_ = WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": req.Version, "results": results}))
 }
 
 // outcomeName names how a fleet operation ended, for its metric.
@@ -99,7 +92,7 @@ func outcomeName(err error, results []scheduler.Result) string {
 // is a clean path under weights_path_prefix. A non-zero status refuses it.
 // The body goes to the workers as it is, so it is read by exact key, as
 // they read it, and refused if it names a key twice in any case.
-func (h *Handler) readWeightsRequest(r *http.Request) (scheduler.Update, int, string) {
+func (a *API) readWeightsRequest(r *http.Request) (scheduler.Update, int, string) {
 	var req scheduler.Update
 	body, members, status, msg := readControlObject(r)
 	if status != 0 {
@@ -109,7 +102,7 @@ func (h *Handler) readWeightsRequest(r *http.Request) (scheduler.Update, int, st
 	if req.ModelPath, ok = strictjson.Member(members, "model_path").(string); !ok || req.ModelPath == "" {
 		return req, http.StatusBadRequest, "model_path is required and must be a string"
 	}
-	if status, msg := h.checkWeightsPath("model_path", req.ModelPath); status != 0 {
+	if status, msg := a.checkWeightsPath("model_path", req.ModelPath); status != 0 {
 		return req, status, msg
 	}
 	if req.Version, ok = stringField(strictjson.Member(members, "weight_version"), req.ModelPath); !ok {
@@ -122,7 +115,7 @@ func (h *Handler) readWeightsRequest(r *http.Request) (scheduler.Update, int, st
 	if status, msg := checkWeightVersion(named, req.Version); status != 0 {
 		return req, status, msg
 	}
-	if req.Mode, ok = stringField(strictjson.Member(members, "mode"), h.weights.Mode); !ok || (req.Mode != scheduler.ModeDrain && req.Mode != scheduler.ModeRolling) {
+	if req.Mode, ok = stringField(strictjson.Member(members, "mode"), a.Weights.Mode); !ok || (req.Mode != scheduler.ModeDrain && req.Mode != scheduler.ModeRolling) {
 		return req, http.StatusBadRequest, `mode must be "drain" or "rolling"`
 	}
 	req.Body = body
@@ -153,7 +146,7 @@ func checkWeightVersion(named, version string) (int, string) {
 // readControlObject reads a control call's body: one JSON object, read as
 // the workers read it (see strictjson.Object). A non-zero status refuses it.
 func readControlObject(r *http.Request) ([]byte, map[string]json.RawMessage, int, string) {
-	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
+	body, err := io.ReadAll(io.LimitReader(r.Body, MaxBody))
 	if err != nil {
 		return nil, nil, http.StatusBadRequest, "reading body: " + err.Error()
 	}
@@ -171,11 +164,11 @@ func readControlObject(r *http.Request) ([]byte, map[string]json.RawMessage, int
 
 // checkWeightsPath checks a path a worker will load weights from: clean,
 // and under weights_path_prefix when that is set.
-func (h *Handler) checkWeightsPath(field, p string) (int, string) {
+func (a *API) checkWeightsPath(field, p string) (int, string) {
 	if strings.ContainsRune(p, 0) || slices.Contains(strings.FieldsFunc(p, isPathSeparator), "..") {
 		return http.StatusBadRequest, field + " must not contain '..' segments or NUL bytes"
 	}
-	if prefixes := h.weights.PathPrefixes; len(prefixes) > 0 && !slices.ContainsFunc(prefixes, func(prefix string) bool { return underPrefix(p, prefix) }) {
+	if prefixes := a.Weights.PathPrefixes; len(prefixes) > 0 && !slices.ContainsFunc(prefixes, func(prefix string) bool { return underPrefix(p, prefix) }) {
 		return http.StatusForbidden, fmt.Sprintf("%s is outside weights_path_prefix (%s)", field, strings.Join(prefixes, ", "))
 	}
 	return 0, ""
@@ -237,10 +230,10 @@ func stringField(v any, def string) (string, bool) {
 // lockFleet takes the fleet for one operation, so that weight updates,
 // sleep and wake never interleave; with ?wait=false a busy fleet answers
 // 409 at once.
-func (h *Handler) lockFleet(w http.ResponseWriter, r *http.Request) (func(), bool) {
-	unlock, err := h.pool.Fleet().Lock(r.Context(), r.URL.Query().Get("wait") != "false")
+func (a *API) lockFleet(w http.ResponseWriter, r *http.Request) (func(), bool) {
+	unlock, err := a.Pool.Fleet().Lock(r.Context(), r.URL.Query().Get("wait") != "false")
 	if errors.Is(err, scheduler.ErrFleetBusy) {
-		_ = writeError(w, http.StatusConflict, err.Error())
+		_ = WriteError(w, http.StatusConflict, err.Error())
 	}
 	return unlock, err == nil
 }
@@ -248,60 +241,60 @@ func (h *Handler) lockFleet(w http.ResponseWriter, r *http.Request) (func(), boo
 // serveSleep is POST /release_memory_occupation: drain, then put every
 // serving worker to sleep. Sleeping workers get no jobs; jobs wait in the
 // queue for them to wake.
-func (h *Handler) serveSleep(w http.ResponseWriter, r *http.Request) {
-	h.sleepOrWake(w, r, "sleep")
+func (a *API) serveSleep(w http.ResponseWriter, r *http.Request) {
+	a.sleepOrWake(w, r, "sleep")
 }
 
 // serveWake is POST /resume_memory_occupation: wake the sleeping workers.
-func (h *Handler) serveWake(w http.ResponseWriter, r *http.Request) {
-	h.sleepOrWake(w, r, "wake")
+func (a *API) serveWake(w http.ResponseWriter, r *http.Request) {
+	a.sleepOrWake(w, r, "wake")
 }
 
 // sleepOrWake runs a sleep or a wake over the fleet and answers with
 // every worker's result.
-func (h *Handler) sleepOrWake(w http.ResponseWriter, r *http.Request, op string) {
-	body, err := io.ReadAll(io.LimitReader(r.Body, maxControlBody))
+func (a *API) sleepOrWake(w http.ResponseWriter, r *http.Request, op string) {
+	body, err := io.ReadAll(io.LimitReader(r.Body, MaxBody))
 	if err != nil {
-		_ = writeError(w, http.StatusBadRequest, "Invalid JSON body")
+		_ = WriteError(w, http.StatusBadRequest, "Invalid JSON body")
 		return
 	}
 	// The workers read this body, the router does not; like every control
 	// body it is refused all the same if it names a key twice, in any case.
 	if len(bytes.TrimSpace(body)) > 0 {
 		if _, err := strictjson.Scan(body); err != nil {
-			_ = writeError(w, http.StatusBadRequest, err.Error())
+			_ = WriteError(w, http.StatusBadRequest, err.Error())
 			return
 		}
 	}
-	unlock, ok := h.lockFleet(w, r)
+	unlock, ok := a.lockFleet(w, r)
 	if !ok {
 		return
 	}
 	defer unlock()
 	var results []scheduler.Result
 	if op == "sleep" {
-		results, err = h.pool.Fleet().Sleep(r.Context(), r.URL.Path, body, &h.weights)
+		results, err = a.Pool.Fleet().Sleep(r.Context(), r.URL.Path, body, a.Weights)
 	} else {
-		results, err = h.pool.Fleet().Wake(r.Context(), r.URL.Path, body, &h.weights)
+		results, err = a.Pool.Fleet().Wake(r.Context(), r.URL.Path, body, a.Weights)
 	}
 	outcome := outcomeName(err, results)
 	if !errors.Is(err, scheduler.ErrNothingToDo) {
-		weightUpdates.WithLabelValues(h.pool.Name(), op, outcome).Inc()
+		a.Operations.WithLabelValues(a.Pool.Name(), op, outcome).Inc()
 	}
 	switch {
 	case errors.Is(err, scheduler.ErrNoWorker):
-		_ = writeError(w, http.StatusServiceUnavailable, "No workers registered in the pool")
+		_ = WriteError(w, http.StatusServiceUnavailable, "No workers registered in the pool")
 	case errors.Is(err, scheduler.ErrNothingToDo): // calling twice is harmless
-		_ = writeJSON(w, http.StatusOK, map[string]any{"success": true, "results": []scheduler.Result{}, "message": "No eligible workers available in the pool"})
+		_ = WriteJSON(w, http.StatusOK, map[string]any{"success": true, "results": []scheduler.Result{}, "message": "No eligible workers available in the pool"})
 	case errors.Is(err, scheduler.ErrDrainTimeout):
-		_ = writeError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", h.weights.DrainTimeout))
+		_ = WriteError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", a.Weights.DrainTimeout))
 	case err != nil: // the caller left
 	default:
 		code := http.StatusOK
 		if outcome != "success" {
 			code = http.StatusBadGateway
 		}
-		h.logger.Info("workers "+op, zap.Int("workers", len(results)), zap.Int("status", code))
-		_ = writeJSON(w, code, map[string]any{"success": code == http.StatusOK, "results": results})
+		a.Logger.Info("workers "+op, zap.Int("workers", len(results)), zap.Int("status", code))
+		_ = WriteJSON(w, code, map[string]any{"success": code == http.StatusOK, "results": results})
 	}
 }

@@ -1,4 +1,4 @@
-package diffusionrouter
+package control
 
 import (
 	"bytes"

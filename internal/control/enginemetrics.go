@@ -1,4 +1,4 @@
-package diffusionrouter
+package control
 
 import (
 	"bufio"
@@ -21,15 +21,15 @@ import (
 const maxMetricsBody = 4 << 20
 
 // serveEngineMetrics is GET /engine_metrics.
-func (h *Handler) serveEngineMetrics(w http.ResponseWriter, r *http.Request) {
+func (a *API) serveEngineMetrics(w http.ResponseWriter, r *http.Request) {
 	var urls []string
-	for _, wk := range h.pool.Snapshot() {
+	for _, wk := range a.Pool.Snapshot() {
 		if wk.State != scheduler.Dead {
 			urls = append(urls, wk.URL)
 		}
 	}
-	status, contentType, body := h.pool.metrics.get(strings.Join(urls, " "), func() (int, string, []byte) {
-		return h.engineMetrics(context.WithoutCancel(r.Context()), urls)
+	status, contentType, body := a.EngineMetrics.get(strings.Join(urls, " "), func() (int, string, []byte) {
+		return a.engineMetrics(context.WithoutCancel(r.Context()), urls)
 	})
 	w.Header().Set("Content-Type", contentType)
 	w.WriteHeader(status)
@@ -38,11 +38,11 @@ func (h *Handler) serveEngineMetrics(w http.ResponseWriter, r *http.Request) {
 
 // engineMetrics gathers the workers' metrics; a worker that does not
 // answer is left out, and if none answers the answer is 503.
-func (h *Handler) engineMetrics(ctx context.Context, urls []string) (int, string, []byte) {
+func (a *API) engineMetrics(ctx context.Context, urls []string) (int, string, []byte) {
 	texts := make([][]byte, len(urls))
 	var wg sync.WaitGroup
 	for i, u := range urls {
-		scheduler.GoSafely(&wg, h.logger, "metrics of "+u, func() { texts[i], _ = h.pool.get(ctx, u+"/metrics", maxMetricsBody) })
+		scheduler.GoSafely(&wg, a.Logger, "metrics of "+u, func() { texts[i], _ = a.get(ctx, u+"/metrics", maxMetricsBody) })
 	}
 	wg.Wait()
 	var out bytes.Buffer

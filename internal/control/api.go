@@ -1,0 +1,64 @@
+// Package control is the router's control API: the endpoints it answers
+// itself, in the shapes of the Python sglang-diffusion router and of
+// miles' router API (workers, health, models, engine metrics, weight
+// updates, LoRA, sleep and wake, the status page), as plain
+// http.Handlers over a scheduler.Pool.
+package control
+
+import (
+	"net/http"
+	"net/netip"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
+)
+
+// API answers the control endpoints of one router config.
+type API struct {
+	// Pool is the pool the endpoints show and change.
+	Pool *scheduler.Pool
+
+	// Weights is how weight updates, LoRA calls, sleep and wake run.
+	Weights *scheduler.WeightsConfig
+
+	// Logger logs the fleet's changes.
+	Logger *zap.Logger
+
+	// Allow and Token admit the clients that may change the fleet: a
+	// client address in one of Allow's prefixes, or the bearer token.
+	Allow []netip.Prefix
+	Token string
+
+	// ClientIP is a request's client address, as the server determined it
+	// (behind trusted proxies, the one they name).
+	ClientIP func(*http.Request) string
+
+	// Guard refuses the worker URLs that may never be registered.
+	Guard *workerurl.Guard
+
+	// MaxWorkers bounds the workers a registration may bring the pool to.
+	MaxWorkers int
+
+	// MinReady is how many serving workers /readyz wants.
+	MinReady int
+
+	// Policy names the strategy, for the status page.
+	Policy string
+
+	// Dashboard serves the status page at /dashboard.
+	Dashboard bool
+
+	// Models and EngineMetrics keep the answers made from a call to every
+	// worker; configs that share a pool share them.
+	Models, EngineMetrics *SharedAnswer
+
+	// Operations counts fleet operations by pool, operation and outcome.
+	Operations *prometheus.CounterVec
+}
+
+// Mux routes the control endpoints. Any other method on one of their
+// paths is refused with 405; every other path is not the control API's.
+func (a *API) Mux() *http.ServeMux { return a.mux() }
