@@ -180,9 +180,12 @@ func videoFields(f Fields) (Fields, error) {
 		}
 		return f, nil
 	}
-	extra, err := f.object("extra_body")
-	if err != nil {
-		return nil, err
+	var extra Fields
+	if f["extra_body"] != "" { // create_video's "if extra_body:"
+		var err error
+		if extra, err = f.object("extra_body"); err != nil {
+			return nil, err
+		}
 	}
 	f = maps.Clone(f)
 	for name, v := range extra {

@@ -136,6 +136,7 @@ func TestCostOfFormsIsTheWorkersReading(t *testing.T) {
 		{"/v1/videos", []string{"width", "512", "num_frames", "1", "num_inference_steps", "2"}, 2},
 		{"/v1/videos", []string{"num_inference_steps", "2", "extra_body", `{"num_frames":3,"n":5,"num_inference_steps":9}`}, 6},
 		{"/v1/videos", []string{"num_inference_steps", "1", "fps", "2", "seconds", "0"}, 8},
+		{"/v1/videos", []string{"num_inference_steps", "1", "num_frames", "1", "extra_body", ""}, 1},
 	} {
 		body, ctype := testkit.MultipartForm([]byte("png"), append([]string{"prompt", "x"}, tc.fields...)...)
 		f, err := formFields([]byte(body), ctype)
@@ -192,6 +193,7 @@ func TestCostRefusesWhatWorkersRefuse(t *testing.T) {
 		{"/v1/videos", `{"num_frames":0}`, "num_frames"},
 		{"/v1/videos", `{"extra_body":{"num_frames":0}}`, "num_frames"},
 		{"/v1/videos", `{"extra_body":"{\"num_frames\":"}`, "extra_body"},
+		{"/v1/videos", `{"extra_body":""}`, "extra_body"}, // json.loads("") fails; a form's empty one is none
 	} {
 		_, err := costOf(tc.path, tc.body)
 		if err == nil || !strings.HasPrefix(err.Error(), tc.field) {
