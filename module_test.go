@@ -513,7 +513,7 @@ func TestBadCostFieldsAreRefusedBeforeAnyWorker(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w"}, fakeworker.Config{Name: "v", TaskType: "T2V"})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	for path, body := range map[string]string{
-		"/v1/images/generations": `{"prompt":"x","size":"abc"}`,
+		"/v1/images/generations": `{"prompt":"x","size":"0x512"}`, // one that does not parse the worker ignores
 		"/v1/diffusion/generate": `{"prompt":"x","num_inference_steps":-4}`,
 		"/rollout/generate":      `{"prompt":"x","width":"wide"}`,
 		"/v1/videos":             `{"prompt":"x","num_frames":0}`,
@@ -526,7 +526,7 @@ func TestBadCostFieldsAreRefusedBeforeAnyWorker(t *testing.T) {
 		}
 	}
 	body, ctype := multipartEdit(t)
-	rp := r.Post("/v1/images/edits", strings.Replace(body, "256x256", "256 by 256", 1), "Content-Type", ctype)
+	rp := r.Post("/v1/images/edits", strings.Replace(body, "256x256", "256x0", 1), "Content-Type", ctype)
 	testrouter.ExpectStatus(t, "multipart with a bad size", rp, 400)
 	if ws[0].Stats().Jobs+ws[1].Stats().Jobs != 0 {
 		t.Fatal("a refused request reached a worker")

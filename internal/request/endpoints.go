@@ -73,10 +73,10 @@ type Endpoint struct {
 // own. Exact rows come before the prefix rows that hold them.
 var Endpoints = Table{
 	{Path: "/v1/images/generations", Kind: Image, Class: "images", Cost: imageCost, Serves: ImageTask, Hedged: true, LearnsImageID: true},
-	{Path: "/v1/images/edits", Kind: Image, Class: "image_edits", Cost: imageCost, Serves: ImageTask, Hedged: true, LearnsImageID: true},
+	{Path: "/v1/images/edits", Kind: Image, Class: "image_edits", Cost: imageEditCost, Serves: ImageTask, Hedged: true, LearnsImageID: true},
 	{Path: "/v1/images/generations/stream", Kind: ImageStream, Class: "image_stream", Cost: imageCost, Serves: ImageTask, Stream: true},
 	{Path: "/v1/videos", Kind: Video, Class: "videos", Cost: videoCost, Serves: VideoTask, PollParam: "video_id", Rerun: RerunUnanswered},
-	{Path: "/v1/diffusion/generate", Kind: Rollout, Class: "diffusion", Cost: imageCost, Serves: AnyTask, Hedged: true},
+	{Path: "/v1/diffusion/generate", Kind: Rollout, Class: "diffusion", Cost: diffusionCost, Serves: AnyTask, Hedged: true},
 	{Path: "/rollout/generate", Kind: Rollout, Class: "rollout", Cost: rolloutCost, Serves: AnyTask, Hedged: true},
 	{Path: "/v1/videos/", Prefix: true, Kind: VideoPoll, Class: "video_job", Pinned: true},
 	{Path: "/v1/images/", Prefix: true, Kind: ImagePoll, Class: "image_job", Pinned: true},

@@ -73,7 +73,7 @@ func TestOnlyVideosRunAgainOnlyUnanswered(t *testing.T) {
 // costs, queues, re-runs and labels it like the others.
 func TestANewEndpointIsOneRow(t *testing.T) {
 	audio := func(m Model, f Fields) (float64, error) {
-		seconds, err := f.positiveNumber("seconds", 10)
+		seconds, err := f.positiveInt("seconds", 10)
 		return seconds / 10, err
 	}
 	tbl := append(Table{{Path: "/v1/audio/generations", Kind: Rollout, Class: "audio", Cost: audio, Serves: AnyTask, Hedged: true}}, Endpoints...)

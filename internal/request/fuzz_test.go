@@ -11,7 +11,6 @@ package request
 import (
 	"bytes"
 	"encoding/json"
-	"math"
 	"mime"
 	"mime/multipart"
 	"net/url"
@@ -25,17 +24,20 @@ import (
 
 func FuzzCost(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte, contentType string, video bool) {
-		endpoint := "/v1/images/generations"
-		if video {
-			endpoint = "/v1/videos"
-		}
 		fs, err := ReadFields(body, contentType)
 		strictjsontest.CheckKeyError(t, err)
 		if err != nil {
 			return
 		}
-		if c, err := cost(endpoint, fs); err == nil && !(c > 0 && c <= math.MaxFloat64) {
-			t.Fatalf("cost %v accepted", c)
+		// video is kept for the seeds' sake: every generation endpoint's
+		// rule costs every body.
+		for _, e := range Endpoints {
+			if e.Cost == nil {
+				continue
+			}
+			if c, err := e.Cost(testCosts, fs); err == nil && !(c > 0 && c <= maxJobCost) {
+				t.Fatalf("%s: cost %v accepted", e.Path, c)
+			}
 		}
 		switch mt, _, _ := mime.ParseMediaType(contentType); {
 		case strings.HasPrefix(mt, "multipart/"):
@@ -51,47 +53,70 @@ func FuzzCost(f *testing.F) {
 }
 
 // checkJSONFields checks that the cost model read what an exact-case JSON
-// reader reads: the top-level field, else extra_body's.
+// reader reads: the top level's cost fields, and the override objects'
+// (a null in them kept as cleared), each apart.
 func checkJSONFields(t *testing.T, body []byte, fs Fields) {
 	if strictjsontest.FoldCollision(t, body) {
 		t.Fatal("accepted a body with two keys equal under case folding")
 	}
-	var top, extra map[string]any
+	var top map[string]any
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
 	if dec.Decode(&top) != nil {
 		t.Fatalf("fields %v read from a body that is not an object", fs)
 	}
-	if raw, err := json.Marshal(top["extra_body"]); err == nil {
-		dec := json.NewDecoder(bytes.NewReader(raw))
-		dec.UseNumber()
-		_ = dec.Decode(&extra)
-	}
-	for _, name := range costFieldNames {
-		want := top[name]
-		if want == nil {
-			want = extra[name]
+	checkCostFields(t, "", top, fs, false)
+	for _, name := range overrideNames {
+		switch want := top[name].(type) {
+		case map[string]any:
+			got, ok := fs[name].(Fields)
+			if !ok {
+				t.Fatalf("override %s read as %#v; an exact-case reader reads an object", name, fs[name])
+			}
+			checkCostFields(t, name+".", want, got, true)
+		default:
+			if got, ok := fs[name]; !reflect.DeepEqual(got, want) || ok != (want != nil) {
+				t.Fatalf("override %s read as %#v; an exact-case reader reads %#v", name, got, want)
+			}
 		}
-		if got, ok := fs[name]; !reflect.DeepEqual(got, want) || ok != (want != nil) {
-			t.Fatalf("field %s read as %#v; an exact-case reader reads %#v", name, got, want)
+	}
+}
+
+// checkCostFields checks got's cost fields against an exact-case reading.
+func checkCostFields(t *testing.T, where string, want map[string]any, got Fields, keepNulls bool) {
+	for _, name := range costFieldNames {
+		w, given := want[name]
+		if w == nil && given && keepNulls {
+			w = cleared{}
+		}
+		if g, ok := got[name]; !reflect.DeepEqual(g, w) || ok != (w != nil) {
+			t.Fatalf("field %s%s read as %#v; an exact-case reader reads %#v", where, name, g, w)
 		}
 	}
 }
 
 // checkFormFields checks that the cost model read the plain fields
-// mime/multipart's own form reader reads, each cost field once.
+// mime/multipart's own form reader reads, each cost field and override
+// once, an override whole.
 func checkFormFields(t *testing.T, body []byte, contentType string, fs Fields) {
 	_, params, _ := mime.ParseMediaType(contentType)
 	form, err := multipart.NewReader(bytes.NewReader(body), params["boundary"]).ReadForm(1 << 20)
 	if err != nil {
 		return // a limit of ReadForm's own
 	}
-	for _, name := range costFieldNames {
+	for _, name := range slices.Concat(costFieldNames[:], overrideNames[:]) {
 		values := form.Value[name]
 		if len(values) > 1 {
 			t.Fatalf("form field %s given %d times was read", name, len(values))
 		}
-		if len(values) == 1 && fs[name] != values[0][:min(len(values[0]), maxFieldBytes)] {
+		want := ""
+		if len(values) == 1 {
+			want = values[0]
+		}
+		if !slices.Contains(overrideNames[:], name) {
+			want = want[:min(len(want), maxFieldBytes)]
+		}
+		if len(values) == 1 && fs[name] != want {
 			t.Fatalf("form field %s read as %q; ReadForm reads %q", name, fs[name], values[0])
 		}
 		if _, ok := fs[name]; ok && len(values) == 0 {

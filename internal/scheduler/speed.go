@@ -10,6 +10,18 @@ import (
 // stalled job or two moves the median hardly at all.
 const SpeedWindow = 31
 
+// SpeedStep bounds what one job says of its worker's speed: a job that ran
+// longer than predicted counts as at most SpeedStep times slower than its
+// prediction, and once a worker has a speed, one job moves it by at most a
+// factor of SpeedStep either way. A job far over its prediction is more
+// often one the router misjudged (a field it did not read), a stall or a
+// cold start than a slower GPU; taken at its word as a worker's first job,
+// it would set that worker's speed, and through the pool's median the
+// speed assumed for every new worker. A worker that really slows down is
+// still followed: each job moves its speed by up to SpeedStep, and the
+// median follows once most of the window is slow.
+const SpeedStep = 4
+
 // A learned speed stays within these bounds, in cost units per second: far
 // beyond any GPU (a 1024x1024 image step takes a GPU tens of milliseconds
 // at the least) and far below one that works at all.
@@ -21,7 +33,7 @@ const (
 // SpeedEstimate learns how fast a worker turns cost into time, in cost
 // units per second, from the jobs it completes.
 type SpeedEstimate struct {
-	value   float64 // median of the samples; 0 until the first
+	value   float64 // median of the samples, moved at most SpeedStep a job; 0 until the first
 	relErr  float64 // moving average of |predicted - actual| / actual
 	errSeen bool
 	n       int // samples taken, up to SpeedWindow
@@ -30,29 +42,46 @@ type SpeedEstimate struct {
 }
 
 // Observe learns from a job of cost that ran for elapsed, having been
-// predicted to take predicted.
+// predicted to take predicted (0: no prediction).
 func (s *SpeedEstimate) Observe(cost float64, elapsed, predicted time.Duration) {
 	if cost <= 0 || elapsed <= 0 {
 		return
 	}
+	s.noteError(elapsed, predicted)
+	sample := cost / elapsed.Seconds()
 	if predicted > 0 {
-		e := math.Abs(float64(predicted-elapsed)) / float64(elapsed)
-		if s.errSeen {
-			s.relErr += (e - s.relErr) / 8
-		} else {
-			s.relErr, s.errSeen = e, true
-		}
+		// Only the slow side is bounded by the prediction: a prediction may
+		// rest on nothing but the pool's first guess, 1 unit a second, and
+		// GPUs run tens, which a worker's first job should teach at once.
+		sample = max(sample, cost/predicted.Seconds()/SpeedStep)
 	}
 	if s.samples == nil {
 		s.samples = new([SpeedWindow]float64)
 	}
-	s.samples[s.next] = min(max(cost/elapsed.Seconds(), minSpeed), maxSpeed)
+	s.samples[s.next] = min(max(sample, minSpeed), maxSpeed)
 	s.next = (s.next + 1) % SpeedWindow
 	s.n = min(s.n+1, SpeedWindow)
 	var sorted [SpeedWindow]float64
 	copy(sorted[:], s.samples[:s.n])
 	slices.Sort(sorted[:s.n])
-	s.value = sorted[s.n/2]
+	median := sorted[s.n/2]
+	if s.value > 0 {
+		median = min(max(median, s.value/SpeedStep), s.value*SpeedStep)
+	}
+	s.value = median
+}
+
+// noteError folds a job's prediction error into the moving average.
+func (s *SpeedEstimate) noteError(elapsed, predicted time.Duration) {
+	if predicted <= 0 {
+		return
+	}
+	e := math.Abs(float64(predicted-elapsed)) / float64(elapsed)
+	if s.errSeen {
+		s.relErr += (e - s.relErr) / 8
+	} else {
+		s.relErr, s.errSeen = e, true
+	}
 }
 
 // Value is the learned speed, in cost units per second; 0 until a job
