@@ -27,8 +27,8 @@ func BenchmarkServeHTTP(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { _ = h.Cleanup() })
-	h.pool.Store().StartOnce() // as the health app's start does
-	h.logger = zap.NewNop()    // as at the level WARN that examples/bench/wrk runs at
+	h.pool.store.StartOnce() // as the health app's start does
+	h.logger = zap.NewNop()  // as at the level WARN that examples/bench/wrk runs at
 	for _, u := range urls {
 		h.pool.SetCapabilities(u, []string{"T2I"}, "fake/diffusion-model")
 	}

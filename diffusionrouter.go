@@ -24,6 +24,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
@@ -100,7 +101,7 @@ type Handler struct {
 	pool     *pool
 	dispatch scheduler.Config
 	costs    request.Model
-	weights  scheduler.WeightsConfig
+	weights  fleet.Config
 	health   scheduler.HealthConfig
 	metrics  poolMetrics
 	allow    []netip.Prefix
@@ -146,18 +147,18 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.pool = p
 	p.UseGuard(h.guard)
-	var storage scheduler.Storage // nil: persist off
+	var storage fleet.Storage // nil: persist off
 	if !h.PersistOff {
 		storage = ctx.Storage()
 	}
-	p.Store().Use(h, storage)
+	p.store.Use(h, storage)
 	h.pool.Declare(h.Workers)
 	if found != nil {
 		h.found = found
 		p.DeclareLookups(found.keys())
 	}
 	h.api = &control.API{
-		Pool: p.Pool, Weights: &h.weights, Logger: h.logger, Allow: h.allow, Token: h.token,
+		Pool: p.Pool, Fleet: p.fleet, Weights: &h.weights, Store: p.store, Logger: h.logger, Allow: h.allow, Token: h.token,
 		ClientIP: clientIP, Guard: h.guard, MaxWorkers: h.MaxWorkers, MinReady: h.HealthChecks.MinReady,
 		Policy: h.LoadBalancing.Policy, Dashboard: !h.DashboardOff,
 		Models: &p.models, EngineMetrics: &p.metrics, Operations: weightUpdates,
@@ -184,7 +185,7 @@ func (h *Handler) Cleanup() error {
 	if h.pool == nil {
 		return nil
 	}
-	h.pool.Store().Drop(h) // before undeclaring: Caddy stopping is not recorded as the config's workers leaving
+	h.pool.store.Drop(h) // before undeclaring: Caddy stopping is not recorded as the config's workers leaving
 	h.pool.Undeclare(h.Workers)
 	if h.found != nil {
 		h.pool.UndeclareLookups(h.found.keys())
@@ -196,7 +197,7 @@ func (h *Handler) Cleanup() error {
 // ServeHTTP answers control endpoints and sends everything else on to the
 // reverse_proxy that follows.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	h.pool.Store().AwaitReady(r.Context()) // as the process starts: the fleet read back from storage first
+	h.pool.store.AwaitReady(r.Context()) // as the process starts: the fleet read back from storage first
 	rec := &recorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	route := request.Endpoints.Match(r.Method, r.URL)
 	dotted := hasDotSegment(r.URL.Path)
@@ -211,7 +212,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	case !answered && !h.forwards.has(r.URL.Path):
 		err = control.WriteError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
 	case !answered:
-		h.pool.Fleet().StartCatchUps(&h.weights)
+		h.pool.fleet.StartCatchUps(&h.weights)
 		err = h.forward(rec, r, route, next)
 	case r.ContentLength > control.MaxBody:
 		rec.Header().Set("Connection", "close") // the body stays unread

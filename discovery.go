@@ -211,5 +211,5 @@ func (d *discovery) welcome(ctx context.Context, joined []string) {
 		scheduler.GoSafely(&wg, d.h.logger, "first probe of "+u, func() { d.h.api.Welcome(ctx, u) })
 	}
 	wg.Wait()
-	d.h.pool.Fleet().StartCatchUps(&d.h.weights)
+	d.h.pool.fleet.StartCatchUps(&d.h.weights)
 }

@@ -93,7 +93,7 @@ func (a *HealthApp) Start() error {
 	ctx, cancel := context.WithCancel(context.Background())
 	a.cancel = cancel
 	for _, pr := range a.probers {
-		pr.pool.Store().StartOnce()
+		pr.pool.store.StartOnce()
 		scheduler.GoSafely(&a.finished, pr.logger, "health checks of pool "+pr.pool.Name(), func() { pr.run(ctx) })
 	}
 	for _, d := range a.discoveries {

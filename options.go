@@ -13,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
@@ -375,7 +376,7 @@ func (h *Handler) provisionWeights() error {
 			return optionError("weights_path_prefix", "weights.path_prefixes", "%q is neither an absolute path nor a URL prefix", p)
 		}
 	}
-	*c = scheduler.WeightsConfig{
+	*c = fleet.Config{
 		Mode: o.Mode, RollingBatch: o.RollingBatch, PathPrefixes: o.PathPrefixes,
 		DrainTimeout: time.Duration(o.DrainTimeout), Timeout: time.Duration(o.Timeout),
 	}

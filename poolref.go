@@ -6,6 +6,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
@@ -77,13 +78,17 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 // answers the handler makes from a call to every worker.
 type pool struct {
 	*scheduler.Pool
+	fleet   *fleet.Fleet         // its operations over every worker
+	store   *fleet.Store         // its record in Caddy's storage
 	models  control.SharedAnswer // the union of the workers' model lists
 	metrics control.SharedAnswer // the workers' engine metrics
 }
 
 func newPool(name string) *pool {
 	logger := caddy.Log().Named("diffusion_router").With(zap.String("pool", name))
-	return &pool{Pool: scheduler.New(name, logger)}
+	p := scheduler.New(name, logger)
+	f := fleet.New(p, logger)
+	return &pool{Pool: p, fleet: f, store: fleet.NewStore(p, f, logger)}
 }
 
 // Destruct implements caddy.Destructor: the last config using the pool

@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
@@ -21,8 +22,11 @@ type API struct {
 	// Pool is the pool the endpoints show and change.
 	Pool *scheduler.Pool
 
-	// Weights is how weight updates, LoRA calls, sleep and wake run.
-	Weights *scheduler.WeightsConfig
+	// Fleet runs the pool's weight updates, LoRA calls, sleep and wake,
+	// as Weights says, and Store keeps the pool's record.
+	Fleet   *fleet.Fleet
+	Weights *fleet.Config
+	Store   *fleet.Store
 
 	// Logger logs the fleet's changes.
 	Logger *zap.Logger

@@ -258,7 +258,7 @@ func (a *API) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 	if created {
 		a.Logger.Info("worker registered", zap.String("worker", info.URL))
 		a.Welcome(r.Context(), info.URL)
-		a.Pool.Fleet().StartCatchUps(a.Weights)
+		a.Fleet.StartCatchUps(a.Weights)
 		info, _ = a.Pool.Worker(info.URL)
 	}
 	_ = WriteJSON(w, http.StatusOK, a.durable(r.Context(), map[string]any{"status": "success", "worker": newWorkerJSON(info)}))
@@ -275,7 +275,7 @@ const storageWait = 5 * time.Second
 func (a *API) durable(ctx context.Context, answer map[string]any) map[string]any {
 	ctx, cancel := context.WithTimeout(ctx, storageWait)
 	defer cancel()
-	if err := a.Pool.Store().Persist(ctx); err != nil {
+	if err := a.Store.Persist(ctx); err != nil {
 		a.Logger.Warn("a change to the fleet is not written to storage yet", zap.Error(err))
 		answer["persisted"] = false
 		answer["warning"] = "the change took effect but is not written to storage yet, so a restart now would lose it: " + err.Error()

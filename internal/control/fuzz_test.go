@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson/strictjsontest"
 )
@@ -38,7 +39,7 @@ func underFuzzPrefixes(p string) bool {
 }
 
 func FuzzWeightsRequest(f *testing.F) {
-	a := &API{Weights: &scheduler.WeightsConfig{Mode: scheduler.ModeDrain, PathPrefixes: fuzzPrefixes}}
+	a := &API{Weights: &fleet.Config{Mode: scheduler.ModeDrain, PathPrefixes: fuzzPrefixes}}
 	f.Fuzz(func(t *testing.T, body []byte) {
 		req, status, msg := a.readWeightsRequest(httptest.NewRequest("POST", "/update_weights_from_disk", bytes.NewReader(body)))
 		var ref map[string]any

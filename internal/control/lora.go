@@ -81,7 +81,7 @@ func (a *API) serveChecksum(w http.ResponseWriter, r *http.Request) {
 		_ = WriteError(w, status, msg)
 		return
 	}
-	results, err := a.Pool.Fleet().Checksums(r.Context(), body, a.Weights)
+	results, err := a.Fleet.Checksums(r.Context(), body, a.Weights)
 	if err != nil {
 		_ = WriteError(w, http.StatusServiceUnavailable, err.Error())
 		return

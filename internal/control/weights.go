@@ -13,6 +13,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
 )
@@ -47,14 +48,14 @@ func (a *API) runUpdate(w http.ResponseWriter, r *http.Request, req scheduler.Up
 
 	log := a.Logger.With(zap.String("operation", op), zap.String("weight_version", req.Version), zap.String("mode", req.Mode))
 	log.Info("weight update started")
-	results, err := a.Pool.Fleet().Update(r.Context(), req, a.Weights)
+	results, err := a.Fleet.Update(r.Context(), req, a.Weights)
 	outcome := outcomeName(err, results)
 	a.Operations.WithLabelValues(a.Pool.Name(), op, outcome).Inc()
 	switch {
 	case errors.Is(err, scheduler.ErrNoWorker):
 		_ = WriteError(w, http.StatusServiceUnavailable, scheduler.ErrNoWorker.Error())
 		return
-	case errors.Is(err, scheduler.ErrDrainTimeout):
+	case errors.Is(err, fleet.ErrDrainTimeout):
 		log.Warn("weight update drain timed out")
 		_ = WriteJSON(w, http.StatusGatewayTimeout, map[string]any{
 			"success": false, "weight_version": req.Version, "results": results,
@@ -65,7 +66,7 @@ func (a *API) runUpdate(w http.ResponseWriter, r *http.Request, req scheduler.Up
 		return
 	}
 	code := http.StatusOK
-	if slices.ContainsFunc(results, func(res scheduler.Result) bool { return !res.OK }) {
+	if slices.ContainsFunc(results, func(res fleet.Result) bool { return !res.OK }) {
 		code = http.StatusBadGateway
 		log.Warn("weight update failed on some workers; they get no traffic until an update succeeds on them")
 	}
@@ -74,15 +75,15 @@ func (a *API) runUpdate(w http.ResponseWriter, r *http.Request, req scheduler.Up
 }
 
 // outcomeName names how a fleet operation ended, for its metric.
-func outcomeName(err error, results []scheduler.Result) string {
+func outcomeName(err error, results []fleet.Result) string {
 	switch {
 	case errors.Is(err, scheduler.ErrNoWorker):
 		return "no_workers"
-	case errors.Is(err, scheduler.ErrDrainTimeout):
+	case errors.Is(err, fleet.ErrDrainTimeout):
 		return "drain_timeout"
 	case err != nil:
 		return "abandoned"
-	case slices.ContainsFunc(results, func(r scheduler.Result) bool { return !r.OK }):
+	case slices.ContainsFunc(results, func(r fleet.Result) bool { return !r.OK }):
 		return "partial"
 	}
 	return "success"
@@ -231,8 +232,8 @@ func stringField(v any, def string) (string, bool) {
 // sleep and wake never interleave; with ?wait=false a busy fleet answers
 // 409 at once.
 func (a *API) lockFleet(w http.ResponseWriter, r *http.Request) (func(), bool) {
-	unlock, err := a.Pool.Fleet().Lock(r.Context(), r.URL.Query().Get("wait") != "false")
-	if errors.Is(err, scheduler.ErrFleetBusy) {
+	unlock, err := a.Fleet.Lock(r.Context(), r.URL.Query().Get("wait") != "false")
+	if errors.Is(err, fleet.ErrFleetBusy) {
 		_ = WriteError(w, http.StatusConflict, err.Error())
 	}
 	return unlock, err == nil
@@ -271,11 +272,11 @@ func (a *API) sleepOrWake(w http.ResponseWriter, r *http.Request, op string) {
 		return
 	}
 	defer unlock()
-	var results []scheduler.Result
+	var results []fleet.Result
 	if op == "sleep" {
-		results, err = a.Pool.Fleet().Sleep(r.Context(), r.URL.Path, body, a.Weights)
+		results, err = a.Fleet.Sleep(r.Context(), r.URL.Path, body, a.Weights)
 	} else {
-		results, err = a.Pool.Fleet().Wake(r.Context(), r.URL.Path, body, a.Weights)
+		results, err = a.Fleet.Wake(r.Context(), r.URL.Path, body, a.Weights)
 	}
 	outcome := outcomeName(err, results)
 	if !errors.Is(err, scheduler.ErrNothingToDo) {
@@ -285,8 +286,8 @@ func (a *API) sleepOrWake(w http.ResponseWriter, r *http.Request, op string) {
 	case errors.Is(err, scheduler.ErrNoWorker):
 		_ = WriteError(w, http.StatusServiceUnavailable, "No workers registered in the pool")
 	case errors.Is(err, scheduler.ErrNothingToDo): // calling twice is harmless
-		_ = WriteJSON(w, http.StatusOK, map[string]any{"success": true, "results": []scheduler.Result{}, "message": "No eligible workers available in the pool"})
-	case errors.Is(err, scheduler.ErrDrainTimeout):
+		_ = WriteJSON(w, http.StatusOK, map[string]any{"success": true, "results": []fleet.Result{}, "message": "No eligible workers available in the pool"})
+	case errors.Is(err, fleet.ErrDrainTimeout):
 		_ = WriteError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", a.Weights.DrainTimeout))
 	case err != nil: // the caller left
 	default:

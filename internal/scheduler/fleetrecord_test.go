@@ -3,27 +3,16 @@ package scheduler
 import (
 	"encoding/json"
 	"slices"
-	"strings"
 	"testing"
-	"time"
-
-	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
-	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/memstore"
 )
 
 // applyUpdate records a weight update that succeeded on every worker of
 // p, as the fleet does at the end of one.
 func applyUpdate(p *Pool, path, version, body string) {
-	req := Update{Path: path, Version: version, Mode: ModeDrain, Body: []byte(body)}
-	p.mu.Lock()
-	workers := slices.Clone(p.workers)
-	p.mu.Unlock()
-	results := make([]Result, len(workers))
-	for i := range results {
-		results[i].OK = true
+	for _, u := range p.URLs() {
+		p.FinishUpdate(u, version, true, true)
 	}
-	p.fleet.finishUpdate(workers, results, version)
-	p.fleet.end(results, req)
+	p.EndUpdate(Update{Path: path, Version: version, Mode: ModeDrain, Body: []byte(body)}, true)
 }
 
 // throughStorage is rec as a later process reads it back.
@@ -61,7 +50,7 @@ func TestFleetReadBackAfterRestart(t *testing.T) {
 	// The process starts again, with a config that lists a but no longer b.
 	after := newPool(t.Name())
 	after.Declare([]string{"http://a:1"})
-	joined, adopted := after.restore(throughStorage(t, before.record()))
+	joined, adopted := after.Restore(throughStorage(t, before.Record()))
 
 	if joined != 2 || !adopted {
 		t.Fatalf("restore: %d joined, weights taken %v; want 2 and true", joined, adopted)
@@ -104,7 +93,7 @@ func TestWorkerReadBackFailingItsProbeIsUnhealthy(t *testing.T) {
 	before := newPool(t.Name())
 	registerRaw(before, "http://r:1")
 	after := newPool(t.Name())
-	after.restore(throughStorage(t, before.record()))
+	after.Restore(throughStorage(t, before.Record()))
 	if urls := after.Unverified(); !slices.Equal(urls, []string{"http://r:1"}) {
 		t.Fatalf("unverified = %v", urls)
 	}
@@ -129,7 +118,7 @@ func TestRecordOlderThanAnUpdateLeavesTheWeights(t *testing.T) {
 
 	after, _ := poolOf(t, 1)
 	applyUpdate(after, DiskUpdatePath, "step-8", `{"model_path":"/ckpt/8"}`)
-	if _, adopted := after.restore(throughStorage(t, before.record())); adopted {
+	if _, adopted := after.Restore(throughStorage(t, before.Record())); adopted {
 		t.Fatal("the record's weights replaced those of a later update")
 	}
 	if v := after.Stats().Version; v != "step-8" {
@@ -137,48 +126,5 @@ func TestRecordOlderThanAnUpdateLeavesTheWeights(t *testing.T) {
 	}
 	if info := infoOf(t, after, "http://r:1"); info.Lifecycle != Updating || info.Version == "step-8" {
 		t.Fatalf("worker read back is %s on %q; want updating (to catch up with step-8)", info.Lifecycle, info.Version)
-	}
-}
-
-func TestFleetKeyStaysInItsFolder(t *testing.T) {
-	for pool, want := range map[string]string{
-		"default":  "diffusion_router/default/fleet.json",
-		"..":       "diffusion_router/%2E./fleet.json",
-		"a/../../": "diffusion_router/a%2F..%2F..%2F/fleet.json",
-		`a\b`:      "diffusion_router/a%5Cb/fleet.json",
-	} {
-		if got := fleetKey(pool); got != want {
-			t.Errorf("fleetKey(%q) = %q; want %q", pool, got, want)
-		}
-	}
-}
-
-// Nothing is written before the record is read back: a write would
-// overwrite the fleet the process is about to learn. A read that fails is
-// retried.
-func TestFleetRecordReadBeforeAnyWrite(t *testing.T) {
-	store := memstore.New()
-	before := newPool(t.Name())
-	registerRaw(before, "http://r:1")
-	data, _ := json.Marshal(before.record())
-	store.Put(fleetKey(t.Name()), data)
-	store.FailLoads(2)
-
-	p := newPool(t.Name())
-	t.Cleanup(func() { _ = p.Close() })
-	p.store.retryMin = time.Millisecond
-	p.Store().Use(nil, store)
-	registerRaw(p, "http://n:1") // registered before the record was read
-	p.Store().StartOnce()
-	if got, want := workerURLs(p), []string{"http://n:1", "http://r:1"}; !slices.Equal(got, want) {
-		t.Fatalf("workers once started: %v; want %v", got, want)
-	}
-	if !testkit.WaitUntil(30*time.Second, func() bool { return len(store.Stored()) > 0 }) {
-		t.Fatal("the merged fleet was never written")
-	}
-	for _, v := range store.Stored() {
-		if !strings.Contains(string(v), "http://r:1") || !strings.Contains(string(v), "http://n:1") {
-			t.Fatalf("a write lost part of the fleet: %s", v)
-		}
 	}
 }

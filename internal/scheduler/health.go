@@ -76,7 +76,7 @@ func (p *Pool) RecordProbe(url string, err error, cfg *HealthConfig) HealthChang
 func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) HealthChange {
 	w.evidence.probeFails = 0
 	w.evidence.probePasses++
-	p.fleet.recoveredLocked(w)
+	p.recoveredLocked(w)
 	if w.health.suspect && !p.overrunningLocked(w, now, cfg) {
 		w.health.suspect = false
 	}

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"context"
 	"errors"
 	"net/http"
 	"slices"
@@ -31,8 +32,9 @@ import (
 //
 //  1. a hedge's own lock, outside this package: the router's hedge holds
 //     it while it asks HedgeCopy for a copy's worker
-//  2. the fleet store's writing token, then its mu (fleetstore.go: a
-//     record is read under both)
+//  2. the fleet's operation token, then the fleet store's writing token,
+//     then its mu (internal/fleet: a record is read back under the first
+//     and written under the other two)
 //  3. mu
 //  4. videos' and images' own locks (JobOwners)
 type Pool struct {
@@ -41,13 +43,13 @@ type Pool struct {
 	logger *zap.Logger
 	client *http.Client // for the router's own calls to workers
 	guard  atomic.Pointer[workerurl.Guard]
-	bg     background  // the pool's own goroutines and timers
-	store  *FleetStore // the pool's record in storage
+	bg     background    // the pool's own goroutines and timers
+	due    chan struct{} // holds a token while the pool's record in storage is due to be written
 
 	mu sync.Mutex
 	registry
 	dispatchState
-	fleet  Fleet                   // weight updates, sleep and wake
+	fleet  fleetState              // weights, updates and sleep
 	held   map[string]*heldVideo   // video jobs running on their workers, by id
 	ghosts map[*Ticket]*time.Timer // jobs whose clients left, until their predicted end
 
@@ -100,9 +102,8 @@ func New(name string, logger *zap.Logger) *Pool {
 	}
 	p.defaultSpeed = 1
 	p.client = workerurl.GuardedClient(func() *workerurl.Guard { return p.guard.Load() })
-	p.fleet = Fleet{pool: p, ops: make(chan struct{}, 1)}
 	p.bg = newBackground(p.logger)
-	p.store = newFleetStore(p)
+	p.due = make(chan struct{}, 1)
 	return p
 }
 
@@ -324,7 +325,7 @@ func (p *Pool) Declare(urls []string) {
 		}
 	}
 	p.dispatchLocked()
-	p.Store().Changed()
+	p.Changed()
 }
 
 // Undeclare withdraws a config's workers; a worker no loaded config lists
@@ -342,7 +343,7 @@ func (p *Pool) Undeclare(urls []string) {
 			p.removeLocked(w)
 		}
 	}
-	p.Store().Changed()
+	p.Changed()
 }
 
 // heldLocked reports whether anything keeps w in the pool.
@@ -382,7 +383,7 @@ func (p *Pool) Register(u string, maxWorkers int) (WorkerInfo, bool, error) {
 	}
 	w.registered = true
 	p.dispatchLocked()
-	p.Store().Changed()
+	p.Changed()
 	return p.infoLocked(w), created, nil
 }
 
@@ -396,7 +397,7 @@ func (p *Pool) Remove(url string) bool {
 		return false
 	}
 	p.removeLocked(w)
-	p.Store().Changed()
+	p.Changed()
 	return true
 }
 
@@ -410,7 +411,7 @@ func (p *Pool) addLocked(u string) *worker {
 	} else {
 		w = &worker{url: u, dial: dial, caps: capabilities{makes: request.Unprobed}}
 	}
-	p.fleet.holdIfBehindLocked(w)
+	p.holdIfBehindLocked(w)
 	if w.caps.taskTypes == nil {
 		p.unknown.Add(1)
 	}
@@ -420,7 +421,7 @@ func (p *Pool) addLocked(u string) *worker {
 }
 
 func (p *Pool) removeLocked(w *worker) {
-	p.fleet.leaveLocked(w)
+	p.leaveLocked(w)
 	if w.caps.taskTypes == nil {
 		p.unknown.Add(-1)
 	}
@@ -448,9 +449,9 @@ func (p *Pool) SetDead(url string, dead bool) (WorkerInfo, bool) {
 		return WorkerInfo{}, false
 	}
 	w.life.dead = dead
-	p.fleet.holdIfBehindLocked(w) // back after an update it was held out of
+	p.holdIfBehindLocked(w) // back after an update it was held out of
 	p.dispatchLocked()
-	p.Store().Changed()
+	p.Changed()
 	return p.infoLocked(w), true
 }
 
@@ -545,9 +546,6 @@ func (p *Pool) versionLocked() string {
 	return best
 }
 
-// Store is the pool's record in storage.
-func (p *Pool) Store() *FleetStore { return p.store }
-
 // Videos is which worker made each video job.
 func (p *Pool) Videos() *JobOwners { return p.videos }
 
@@ -560,5 +558,23 @@ func (p *Pool) Name() string { return p.name }
 // Client is the HTTP client of the router's own calls to workers.
 func (p *Pool) Client() *http.Client { return p.client }
 
-// Fleet runs the pool's fleet operations: weight updates, sleep and wake.
-func (p *Pool) Fleet() *Fleet { return &p.fleet }
+// Changed marks the pool's record in storage as due to be written. It
+// never blocks: writes coalesce, and the next one writes the state as it
+// is then.
+func (p *Pool) Changed() {
+	select {
+	case p.due <- struct{}{}:
+	default:
+	}
+}
+
+// Changes holds a token while a write of the pool's record is due.
+func (p *Pool) Changes() <-chan struct{} { return p.due }
+
+// Go runs f in the pool's background: with the pool's context, waited for
+// when the pool closes, a panic logged rather than fatal. what names it in
+// the log.
+func (p *Pool) Go(what string, f func(ctx context.Context)) { p.bg.Go(what, f) }
+
+// Logger is where the pool logs.
+func (p *Pool) Logger() *zap.Logger { return p.logger }

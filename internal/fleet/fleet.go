@@ -1,0 +1,275 @@
+// Package fleet runs the operations that change every worker of a pool at
+// once: weight updates, LoRA calls, sleep and wake, bringing workers that
+// missed an update to the pool's weights, and the pool's record in
+// storage. It calls the workers; the scheduler keeps the states the
+// operations move them through, under the pool's lock, which this package
+// never holds.
+package fleet
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"slices"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+)
+
+// Fleet runs a pool's fleet operations, one at a time.
+type Fleet struct {
+	pool   *scheduler.Pool
+	logger *zap.Logger
+	ops    chan struct{} // held by the operation that runs; taken before the store's locks and the pool's
+}
+
+// New returns the fleet of pool, which logs to logger.
+func New(pool *scheduler.Pool, logger *zap.Logger) *Fleet {
+	return &Fleet{pool: pool, logger: logger, ops: make(chan struct{}, 1)}
+}
+
+// Config is how one diffusion_router config runs fleet operations.
+type Config struct {
+	Mode         string // scheduler.ModeDrain or scheduler.ModeRolling
+	RollingBatch int
+	DrainTimeout time.Duration
+	Timeout      time.Duration // for one worker's call
+	PathPrefixes []string      // where workers may load weights from; none: anywhere
+}
+
+// Why a fleet operation did not run.
+var (
+	ErrFleetBusy    = errors.New("another weight update, sleep or wake is in progress")
+	ErrDrainTimeout = errors.New("drain timeout")
+)
+
+// Lock waits for the fleet to be free and takes it; without wait it fails
+// at once with ErrFleetBusy when another operation runs.
+func (f *Fleet) Lock(ctx context.Context, wait bool) (unlock func(), err error) {
+	unlock = func() { <-f.ops }
+	if !wait {
+		select {
+		case f.ops <- struct{}{}:
+			return unlock, nil
+		default:
+			return nil, ErrFleetBusy
+		}
+	}
+	select {
+	case f.ops <- struct{}{}:
+		return unlock, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// Update loads the weights req names on every serving or stale worker: in
+// drain mode all at once after the jobs in flight finish, in rolling mode
+// cfg.RollingBatch at a time while the others serve. The caller holds the
+// fleet's lock.
+func (f *Fleet) Update(ctx context.Context, req scheduler.Update, cfg *Config) ([]Result, error) {
+	p := f.pool
+	targets := p.BeginUpdate(req.Version, req.Mode == scheduler.ModeDrain)
+	if len(targets) == 0 {
+		p.EndUpdate(req, false)
+		return nil, scheduler.ErrNoWorker
+	}
+	batch := len(targets)
+	if req.Mode == scheduler.ModeRolling {
+		batch = cfg.RollingBatch
+	}
+	var results []Result
+	for group := range slices.Chunk(targets, batch) {
+		if req.Mode == scheduler.ModeRolling {
+			p.SetStates(group, scheduler.Draining)
+		}
+		if err := p.WaitIdle(ctx, group, cfg.DrainTimeout); err != nil {
+			p.SetStates(group, scheduler.Serving)
+			p.EndUpdate(req, false)
+			return results, drainError(ctx, err)
+		}
+		p.SetStates(group, scheduler.Updating)
+		// Jobs may flow again: only workers that have loaded the new
+		// weights serve, each as soon as it has, so one worker slow to
+		// answer its call holds up only itself.
+		p.Resume()
+		res := f.broadcastEach(ctx, group, req.Path, req.Body, cfg.Timeout, func(r Result) {
+			p.FinishUpdate(r.WorkerURL, req.Version, r.OK, r.answered)
+		})
+		results = append(results, res...)
+	}
+	p.EndUpdate(req, slices.ContainsFunc(results, func(r Result) bool { return r.OK }))
+	return results, nil
+}
+
+// drainError tells a drain that ran out of time from a caller that left.
+func drainError(ctx context.Context, err error) error {
+	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+		return ErrDrainTimeout
+	}
+	return err
+}
+
+// Sleep drains the serving workers and sends each path with body, which
+// releases its GPU memory; those that answer well are sleeping. The caller
+// holds the fleet's lock.
+func (f *Fleet) Sleep(ctx context.Context, path string, body []byte, cfg *Config) ([]Result, error) {
+	p := f.pool
+	targets, err := p.InState(scheduler.Serving)
+	if err != nil {
+		return nil, err
+	}
+	p.Pause()
+	defer p.Resume()
+	if err := p.WaitIdle(ctx, targets, cfg.DrainTimeout); err != nil {
+		return nil, drainError(ctx, err)
+	}
+	results := f.broadcast(ctx, targets, path, body, cfg.Timeout)
+	p.Moved(succeededOn(results), scheduler.Sleeping)
+	return results, nil
+}
+
+// Wake sends path with body to the sleeping workers; those that answer
+// well serve again. The caller holds the fleet's lock.
+func (f *Fleet) Wake(ctx context.Context, path string, body []byte, cfg *Config) ([]Result, error) {
+	targets, err := f.pool.InState(scheduler.Sleeping)
+	if err != nil {
+		return nil, err
+	}
+	results := f.broadcast(ctx, targets, path, body, cfg.Timeout)
+	f.pool.Moved(succeededOn(results), scheduler.Serving)
+	return results, nil
+}
+
+// succeededOn names the workers whose call succeeded.
+func succeededOn(results []Result) []string {
+	var urls []string
+	for _, r := range results {
+		if r.OK {
+			urls = append(urls, r.WorkerURL)
+		}
+	}
+	return urls
+}
+
+// StartCatchUps starts bringing the workers that joined after an update to
+// the pool's version, in the pool's background. It runs on requests
+// rather than at provisioning, which must not dial out.
+func (f *Fleet) StartCatchUps(cfg *Config) {
+	if !f.pool.AnyBehind() {
+		return
+	}
+	for _, u := range f.pool.TakeBehind() {
+		f.pool.Go("catch-up of "+u, func(ctx context.Context) { f.catchUp(ctx, u, cfg) })
+	}
+}
+
+// catchUp brings a worker that missed updates to the pool's version
+// before it gets a job, replaying the last update and the LoRA calls
+// since; it is stale if one fails.
+func (f *Fleet) catchUp(ctx context.Context, workerURL string, cfg *Config) {
+	p := f.pool
+	unlock, err := f.Lock(ctx, true) // not while another operation runs
+	if err != nil {
+		p.SetStates([]string{workerURL}, scheduler.Stale) // the pool is closing; never leave it updating
+		return
+	}
+	defer unlock()
+	history, version := p.History()
+	res := Result{OK: true}
+	for _, req := range history {
+		if res = f.post(ctx, workerURL, req.Path, req.Body, cfg.Timeout); !res.OK {
+			break
+		}
+	}
+	p.FinishUpdate(workerURL, version, res.OK, res.answered)
+	if !res.OK {
+		f.logger.Warn("worker that missed an update could not be brought to the current weights; it is stale",
+			zap.String("worker", workerURL), zap.String("weight_version", version), zap.Int("status", res.StatusCode))
+	}
+}
+
+// Checksums asks every worker that is neither held back nor asleep for
+// the checksum of its weights; not while another operation changes them.
+func (f *Fleet) Checksums(ctx context.Context, body []byte, cfg *Config) ([]Result, error) {
+	unlock, err := f.Lock(ctx, true)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	targets := f.pool.Awake()
+	if len(targets) == 0 {
+		return nil, scheduler.ErrNoWorker
+	}
+	return f.broadcast(ctx, targets, "/get_weights_checksum", body, cfg.Timeout), nil
+}
+
+// Result is one worker's answer to a fleet operation, as the Python router
+// reports it.
+type Result struct {
+	WorkerURL  string `json:"worker_url"`
+	StatusCode int    `json:"status_code"`
+	Body       any    `json:"body"`
+	OK         bool   `json:"-"` // the worker did what was asked
+	answered   bool   // the worker answered at all
+}
+
+// broadcast POSTs body to path on every worker in parallel.
+func (f *Fleet) broadcast(ctx context.Context, urls []string, path string, body []byte, timeout time.Duration) []Result {
+	return f.broadcastEach(ctx, urls, path, body, timeout, nil)
+}
+
+// broadcastEach is broadcast, calling done (when not nil) with each
+// worker's result as soon as it has it.
+func (f *Fleet) broadcastEach(ctx context.Context, urls []string, path string, body []byte, timeout time.Duration, done func(Result)) []Result {
+	results := make([]Result, len(urls))
+	var wg sync.WaitGroup
+	for i, u := range urls {
+		scheduler.GoSafely(&wg, f.logger, path+" on "+u, func() {
+			results[i] = f.post(ctx, u, path, body, timeout)
+			if done != nil {
+				done(results[i])
+			}
+		})
+	}
+	wg.Wait()
+	return results
+}
+
+// maxAnswer bounds a worker's answer to a fleet operation: a JSON object
+// of a few fields.
+const maxAnswer = 1 << 20
+
+// post sends one call to a worker and reads its JSON answer. A 2xx answer
+// that says "success": false is a failure.
+func (f *Fleet) post(ctx context.Context, workerURL, path string, body []byte, timeout time.Duration) Result {
+	res := Result{WorkerURL: workerURL, StatusCode: http.StatusBadGateway}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, workerURL+path, bytes.NewReader(body))
+	if err != nil {
+		res.Body = map[string]string{"error": err.Error()}
+		return res
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := f.pool.Client().Do(req)
+	if err != nil {
+		res.Body = map[string]string{"error": err.Error()}
+		return res
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
+	res.StatusCode, res.answered = resp.StatusCode, true
+	if json.Unmarshal(raw, &res.Body) != nil {
+		res.Body = map[string]string{"raw": string(raw)}
+	}
+	said, _ := res.Body.(map[string]any)
+	res.OK = resp.StatusCode/100 == 2 && said["success"] != false
+	return res
+}

@@ -1,0 +1,116 @@
+package scheduler
+
+import (
+	"encoding/json"
+
+	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
+)
+
+// Record is a pool's state as kept in storage, in JSON.
+type Record struct {
+	// Workers are the pool's workers in order of joining, those the config
+	// lists too: whether an operator held them back and which weights they
+	// serve outlive the process as well.
+	Workers []WorkerRecord `json:"workers"`
+
+	// WeightVersion is the version of the fleet's last successful weight
+	// update; empty before any.
+	WeightVersion string `json:"weight_version,omitempty"`
+
+	// Updates bring a worker to WeightVersion: the last update from disk
+	// and the LoRA calls since, in order, as the fleet replays them to a
+	// worker that missed them.
+	Updates []UpdateRecord `json:"updates,omitempty"`
+}
+
+// WorkerRecord is one worker of a Record.
+type WorkerRecord struct {
+	URL           string `json:"url"`
+	Registered    bool   `json:"registered,omitempty"` // joined at run time, not from a config
+	IsDead        bool   `json:"is_dead,omitempty"`    // held back by an operator
+	WeightVersion string `json:"weight_version,omitempty"`
+}
+
+// UpdateRecord is one call of a Record's updates, sent to workers as
+// it was sent to the fleet.
+type UpdateRecord struct {
+	Path          string          `json:"path"`
+	WeightVersion string          `json:"weight_version"`
+	Body          json.RawMessage `json:"body"`
+}
+
+// Record is the pool's state to keep in storage.
+func (p *Pool) Record() Record {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	rec := Record{WeightVersion: p.fleet.version, Workers: make([]WorkerRecord, len(p.workers))}
+	for i, w := range p.workers {
+		rec.Workers[i] = WorkerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version}
+	}
+	for _, u := range p.fleet.history {
+		rec.Updates = append(rec.Updates, UpdateRecord{Path: u.Path, WeightVersion: u.Version, Body: u.Body})
+	}
+	return rec
+}
+
+// Restore applies a record read back to the pool. Registered workers the
+// pool lacks join, out until a health probe passes; workers held back
+// stay held back. The record's weights (the fleet's version, the updates
+// that lead there, each worker's version) are taken only if no update has
+// run since the pool was made: otherwise the fleet is past them, and the
+// workers read back catch up with it as any late joiner does. It returns
+// how many workers joined and whether the weights were taken.
+func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	f := &p.fleet
+	adopted = f.version == "" && len(f.history) == 0
+	for _, r := range rec.Workers {
+		u, err := workerurl.Parse(r.URL)
+		if err != nil {
+			p.logger.Warn("worker read back from storage is not a worker URL; left out", zap.String("worker", r.URL), zap.Error(err))
+			continue
+		}
+		w := p.findLocked(u)
+		switch {
+		case w == nil && !r.Registered:
+			continue // the config listed it, and no longer does
+		case w == nil:
+			w = p.addLocked(u)
+			w.health.down, w.health.unverified = true, true
+			joined++
+		}
+		w.registered = w.registered || r.Registered
+		w.life.dead = w.life.dead || r.IsDead
+		if adopted && r.WeightVersion != "" {
+			w.life.version = r.WeightVersion
+		}
+	}
+	if adopted && len(rec.Updates) > 0 {
+		f.version = rec.WeightVersion
+		for _, u := range rec.Updates {
+			f.history = append(f.history, Update{Path: u.Path, Version: u.WeightVersion, Mode: ModeDrain, Body: u.Body})
+		}
+	}
+	for _, w := range p.workers {
+		p.holdIfBehindLocked(w)
+	}
+	p.dispatchLocked()
+	return joined, adopted
+}
+
+// Unverified returns the workers read back from storage that no health
+// probe has judged yet.
+func (p *Pool) Unverified() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []string
+	for _, w := range p.workers {
+		if w.health.unverified {
+			out = append(out, w.url)
+		}
+	}
+	return out
+}

@@ -1,0 +1,263 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync/atomic"
+	"time"
+)
+
+// The fleet's weights, as routing needs them: which version each worker
+// serves, whether an update or a sleep holds jobs back, and how a worker
+// that missed updates catches up. The operations that change them, which
+// call the workers, are internal/fleet's; they move the workers through
+// the states here, under the pool's lock.
+
+// fleetState is the fleet's side of the pool, guarded by the pool's mutex
+// but for behind.
+type fleetState struct {
+	paused  bool     // a drain is on: no job is handed out
+	version string   // weight version of the last successful update
+	history []Update // the last update and the LoRA calls since: what brings a worker to version
+	target  string   // version an update in progress moves to
+
+	behind atomic.Int32 // workers that joined after an update and wait to catch up; read without mu
+}
+
+// Update is a call that changes the workers' weights, as the fleet sent
+// it and replays it to a worker that missed it.
+type Update struct {
+	Path      string // the workers' endpoint: update_weights_from_disk or a LoRA call
+	ModelPath string
+	Version   string // the weight version the workers serve once it is done
+	Mode      string
+	Body      []byte
+}
+
+// DiskUpdatePath is where workers load new weights from disk; an update
+// there starts the history a late worker replays anew.
+const DiskUpdatePath = "/update_weights_from_disk"
+
+// Update modes.
+const (
+	ModeDrain   = "drain"
+	ModeRolling = "rolling"
+)
+
+// ErrNothingToDo is why a sleep or a wake has no worker to change.
+var ErrNothingToDo = errors.New("no worker is in the state the operation changes")
+
+// Pause stops handing out jobs; they wait in the queue.
+func (p *Pool) Pause() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.fleet.paused = true
+}
+
+// Resume hands out jobs again.
+func (p *Pool) Resume() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.fleet.paused = false
+	p.dispatchLocked()
+}
+
+// BeginUpdate picks the workers an update to version goes to (those
+// serving and those stale from an earlier failed update) and, with
+// pause, stops handing out jobs.
+func (p *Pool) BeginUpdate(version string, pause bool) []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var targets []string
+	for _, w := range p.workers {
+		if !w.life.dead && (w.life.state == Serving || w.life.state == Stale) {
+			targets = append(targets, w.url)
+		}
+	}
+	p.fleet.target, p.fleet.paused = version, pause
+	return targets
+}
+
+// FinishUpdate records one worker's update to version: it serves version
+// if ok, and is stale otherwise; one that did not answer at all is
+// caught up once a probe finds it again.
+func (p *Pool) FinishUpdate(url, version string, ok, answered bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w := p.findLocked(url); w != nil {
+		if ok {
+			w.life.version, w.life.state, w.life.missed = version, Serving, false
+		} else {
+			w.life.state, w.life.missed = Stale, !answered
+		}
+	}
+	p.dispatchLocked()
+	p.Changed()
+}
+
+// EndUpdate resumes handing out jobs. After an update that succeeded
+// anywhere it remembers the new version and how to reach it from the
+// weights the workers started with, to bring workers that missed it there.
+func (p *Pool) EndUpdate(u Update, succeeded bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	f := &p.fleet
+	if succeeded {
+		f.version = u.Version
+		if u.Path == DiskUpdatePath {
+			f.history = f.history[:0]
+		}
+		f.history = append(f.history, u)
+		p.Changed()
+	}
+	f.target, f.paused = "", false
+	p.dispatchLocked()
+}
+
+// SetStates moves the workers named to state s.
+func (p *Pool) SetStates(urls []string, s State) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, u := range urls {
+		if w := p.findLocked(u); w != nil {
+			w.life.state = s
+		}
+	}
+	p.dispatchLocked()
+}
+
+// Moved moves the workers named to state s after a sleep or a wake; a
+// worker woken with the weights it slept on catches up first.
+func (p *Pool) Moved(urls []string, s State) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, u := range urls {
+		if w := p.findLocked(u); w != nil {
+			w.life.state = s
+			p.holdIfBehindLocked(w)
+		}
+	}
+	p.dispatchLocked()
+}
+
+// InState returns the workers (not held back) in state s: ErrNoWorker
+// when the pool has none at all, ErrNothingToDo when none is in s.
+func (p *Pool) InState(s State) ([]string, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.workers) == 0 {
+		return nil, ErrNoWorker
+	}
+	var out []string
+	for _, w := range p.workers {
+		if !w.life.dead && w.life.state == s {
+			out = append(out, w.url)
+		}
+	}
+	if len(out) == 0 {
+		return nil, ErrNothingToDo
+	}
+	return out, nil
+}
+
+// Awake returns the workers that are neither held back nor asleep.
+func (p *Pool) Awake() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []string
+	for _, w := range p.workers {
+		if !w.life.dead && w.life.state != Sleeping {
+			out = append(out, w.url)
+		}
+	}
+	return out
+}
+
+// WaitIdle waits until none of the workers named has a job in flight, for
+// at most timeout.
+func (p *Pool) WaitIdle(ctx context.Context, urls []string, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for {
+		p.mu.Lock()
+		if !slices.ContainsFunc(urls, p.hasJobsLocked) {
+			p.mu.Unlock()
+			return nil
+		}
+		released := make(chan struct{})
+		p.onRelease = append(p.onRelease, released)
+		p.mu.Unlock()
+		select {
+		case <-released:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// hasJobsLocked reports whether the worker at url has a job in flight.
+func (p *Pool) hasJobsLocked(url string) bool {
+	w := p.findLocked(url)
+	return w != nil && w.load.inflight > 0
+}
+
+// recoveredLocked brings back a worker that was stale only because it did
+// not answer its update (it was down, or restarted on its old weights):
+// once a probe finds it again, it catches up as a late joiner does, before
+// its first job.
+func (p *Pool) recoveredLocked(w *worker) {
+	if w.life.state != Stale || !w.life.missed || p.fleet.target != "" { // not while an operation runs: it decides the state
+		return
+	}
+	w.life.state, w.life.missed = Serving, false
+	p.holdIfBehindLocked(w)
+}
+
+// holdIfBehindLocked holds a worker that missed an update (it joined
+// later, slept through it, or was held back by an operator) out of
+// serving until it has caught up with the pool's version.
+func (p *Pool) holdIfBehindLocked(w *worker) {
+	f := &p.fleet
+	if len(f.history) == 0 || w.life.version == f.version || w.life.behind || w.life.dead || w.life.state != Serving {
+		return
+	}
+	w.life.state, w.life.behind = Updating, true
+	f.behind.Add(1)
+}
+
+// leaveLocked forgets a worker that leaves before it caught up.
+func (p *Pool) leaveLocked(w *worker) {
+	if w.life.behind {
+		w.life.behind = false
+		p.fleet.behind.Add(-1)
+	}
+}
+
+// AnyBehind reports whether workers wait to catch up with the pool's
+// weights. It takes no lock: it is asked on every job.
+func (p *Pool) AnyBehind() bool { return p.fleet.behind.Load() > 0 }
+
+// TakeBehind returns the workers waiting to catch up, which the caller
+// now brings to the pool's weights.
+func (p *Pool) TakeBehind() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []string
+	for _, w := range p.workers {
+		if w.life.behind {
+			w.life.behind = false
+			out = append(out, w.url)
+		}
+	}
+	p.fleet.behind.Add(-int32(len(out)))
+	return out
+}
+
+// History returns the pool's weight version and the calls that bring a
+// worker from the weights it started with to it.
+func (p *Pool) History() ([]Update, string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.fleet.history), p.fleet.version
+}
