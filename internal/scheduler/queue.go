@@ -80,7 +80,7 @@ type Ticket struct {
 	Attempts  int                     // times the request was sent to a worker
 	seq       uint64                  // arrival order among jobs: a job that runs again keeps its place
 	Body      []byte                  // a job's body, sent again when it runs again
-	due       time.Duration           // predicted time, when it was given its worker, until that worker finishes it
+	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
 }
 
@@ -359,7 +359,7 @@ func (p *Pool) assignLocked(t *Ticket, w *worker) {
 	w.load.work += t.Cost
 	t.predicted = p.timeForLocked(w, t.Cost)
 	p.updateEndsLocked(w)
-	t.due = time.Duration(p.finishTimeLocked(w, 0, p.now().UnixNano()) * float64(time.Second))
+	t.dueWork = p.workLeftLocked(w, p.now().UnixNano())
 }
 
 // startLocked notes that t has reached the head of w's jobs: a worker runs
@@ -553,12 +553,6 @@ func (p *Pool) timeForLocked(w *worker, cost float64) time.Duration {
 	return time.Duration(min(cost/p.speedOfLocked(w), maxPrediction.Seconds()) * float64(time.Second))
 }
 
-// finishTimeLocked is how long w would take, from now (Unix nanoseconds), to
-// finish the work it has and a job of cost, in seconds.
-func (p *Pool) finishTimeLocked(w *worker, cost float64, now int64) float64 {
-	return (p.workLeftLocked(w, now) + cost) / p.speedOfLocked(w)
-}
-
 // workLeftLocked is the predicted cost w still has to process at now (Unix
 // nanoseconds): its jobs' costs, less what the running one has done.
 func (p *Pool) workLeftLocked(w *worker, now int64) float64 {
@@ -586,9 +580,22 @@ func (t *Ticket) ServedVersion() string { return t.servedVersion }
 // Predicted is how long t's job was predicted to run on its worker.
 func (t *Ticket) Predicted() time.Duration { return t.predicted }
 
-// Due is how long, when t got its worker, that worker was predicted to
-// take to finish t's job: the jobs before it, then it.
-func (t *Ticket) Due() time.Duration { return t.due }
+// Due is how long the worker holding t is predicted to take, from when
+// it got t, to finish t's job (the jobs before it, then it), at the speed
+// the pool predicts for that worker now. A worker that has completed
+// nothing is predicted at the pool's median speed, which the first jobs
+// completed anywhere set: a job given to it before then, predicted at
+// the speed assumed before anything was learned, is predicted anew. 0
+// once no worker holds t.
+func (t *Ticket) Due() time.Duration {
+	p := t.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if t.worker == nil {
+		return 0
+	}
+	return p.timeForLocked(t.worker, t.dueWork)
+}
 
 // Dial is the address of the worker holding t, "" when none does.
 func (t *Ticket) Dial() string {
