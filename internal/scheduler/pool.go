@@ -77,6 +77,7 @@ type dispatchState struct {
 	views        []Candidate     // the candidates as the strategy sees them
 	speeds       []float64       // scratch space of the median speed
 	defaultSpeed float64         // median learned speed, assumed for new workers
+	initialSpeed float64         // the speed assumed while no worker has learned one
 	completions  uint64          // jobs completed
 	onRelease    []chan struct{} // closed when a worker is released: drains wait on them
 	ejectionEnds int64           // when the redispatch timer fires, Unix nanoseconds; 0: not set
@@ -98,7 +99,7 @@ func New(name string, logger *zap.Logger) *Pool {
 		videos: NewJobOwners(DefaultOwnerLimit, DefaultOwnerTTL),
 		images: NewJobOwners(DefaultOwnerLimit, DefaultOwnerTTL),
 	}
-	p.defaultSpeed = 1
+	p.defaultSpeed, p.initialSpeed = DefaultInitialSpeed, DefaultInitialSpeed
 	p.client = workerurl.GuardedClient(func() *workerurl.Guard { return p.guard.Load() })
 	p.fleet = Fleet{pool: p, ops: make(chan struct{}, 1)}
 	p.bg = newBackground(p.logger)
