@@ -48,12 +48,13 @@ type LoadBalancing struct {
 	RetryOn []int `json:"retry_on,omitempty"`
 
 	// HedgeAfter: a job still unanswered after this many times its
-	// predicted time (and at least health_checks.active.timeout, as for
-	// the stall rule), while another worker that may serve it is idle and
-	// no job waits, gets a second copy on that worker; the first answer
-	// goes to the client and the other copy is cancelled. Default: the
-	// stall factor (health_checks.passive.stall_factor); -1 turns hedging
-	// off.
+	// predicted time (the prediction of now, which the first jobs
+	// completed revise for one sent before, see InitialSpeed; and at
+	// least health_checks.active.timeout, as for the stall rule), while
+	// another worker that may serve it is idle and no job waits, gets a
+	// second copy on that worker; the first answer goes to the client and
+	// the other copy is cancelled. Default: the stall factor
+	// (health_checks.passive.stall_factor); -1 turns hedging off.
 	HedgeAfter float64 `json:"hedge_after,omitempty"`
 
 	// InitialSpeed is the speed, in cost units per second, every worker
