@@ -178,6 +178,26 @@ func TestAWorkerHungFromTheStartCostsABatchOneHedge(t *testing.T) {
 	}
 }
 
+// The other side of the bound: a healthy first job on a worker slower than
+// the others, but within hedge_after of them, runs to its end uncopied,
+// though it runs longer than health_timeout.
+func TestASlowFirstJobWithinItsBoundGetsNoCopy(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "fast", UnitMs: 10}, fakeworker.Config{Name: "slow", UnitMs: 10, Speed: 0.4})
+	r := testrouter.Start(t, metricsSite("diffusion_router slow_first {\n workers "+testrouter.URLs(ws)+"\n health_timeout 400ms\n}"))
+	launched := map[string]string{"pool": "slow_first", "outcome": "launched"}
+	before := value(t, r, "caddy_diffusion_hedges_total", launched)
+	// 200 ms on the fast worker, 500 ms on the slow one: a copy would be
+	// due after 5 x 200 ms.
+	_, by := served(t, r, 2, heavyImage, 20*time.Second)
+	slices.Sort(by)
+	if by[0] != "fast" || by[1] != "slow" {
+		t.Fatalf("two jobs on two idle workers were answered by %q; want one each", by)
+	}
+	if n := value(t, r, "caddy_diffusion_hedges_total", launched) - before; n != 0 {
+		t.Fatalf("%g copies of a first job running 2.5x the others' time", n)
+	}
+}
+
 func TestInitialSpeedIsAssumedUntilOneIsLearned(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a", UnitMs: 10})
 	r := testrouter.Start(t, "diffusion_router initial_speed {\n workers "+ws[0].URL()+"\n initial_speed 4\n}")
