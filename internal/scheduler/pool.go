@@ -30,7 +30,7 @@ import (
 // locks after it:
 //
 //  1. a hedge's own lock, outside this package: the router's hedge holds
-//     it while it asks HedgeCopy for a copy's worker
+//     it while it asks a ticket's Due and HedgeCopy for a copy's worker
 //  2. the fleet store's writing token, then its mu (fleetstore.go: a
 //     record is read under both)
 //  3. mu
