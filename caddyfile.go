@@ -169,6 +169,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    max_attempts     <n>
 //	    retry_on         <status...>
 //	    hedge_after      <factor>|off
+//	    initial_speed    <units per second>
 //	    queue_order      fifo|largest_first|smallest_first
 //	    queue_timeout    <duration>
 //	    max_queue        <n>
@@ -333,6 +334,7 @@ var handlerOptions = map[string]option{
 	"retry_on":         {list: true, read: readRetryOn},
 	"max_attempts":     one(func(h *Handler) *int { return &h.LoadBalancing.MaxAttempts }, parseWhole),
 	"hedge_after":      one(func(h *Handler) *float64 { return &h.LoadBalancing.HedgeAfter }, parseHedgeAfter),
+	"initial_speed":    one(func(h *Handler) *float64 { return &h.LoadBalancing.InitialSpeed }, parseNumber),
 }
 
 // one is an option of one value, read by parse into the field. parse

@@ -87,6 +87,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		retry_on 500 503
 		max_attempts 2
 		hedge_after 3
+		initial_speed 4.5
 		reverse_proxy {
 			transport http {
 				dial_timeout 3s
@@ -111,7 +112,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 			Refresh:   caddy.Duration(30 * time.Second),
 			Resolvers: []string{"10.96.0.10:53", "10.96.0.11"},
 		},
-		LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2, MaxAttempts: 2, RetryOn: []int{500, 503}, HedgeAfter: 3},
+		LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2, MaxAttempts: 2, RetryOn: []int{500, 503}, HedgeAfter: 3, InitialSpeed: 4.5},
 		Queue:         Queue{Order: "largest_first", Timeout: caddy.Duration(90 * time.Second), MaxJobs: 500},
 		Cost:          CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
 		HealthChecks: HealthChecks{
@@ -274,6 +275,7 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"max_attempts -1", "max_attempts (load_balancing.max_attempts):"},
 		{"retry_on 200", "retry_on (load_balancing.retry_on): 200 is not an error status code"},
 		{"hedge_after 0.5", "hedge_after (load_balancing.hedge_after):"},
+		{"initial_speed -1", "initial_speed (load_balancing.initial_speed): must be a positive number"},
 		{"workers_dns http://workers.rollout.svc 30000", "workers_dns (discovery.a): \"http://workers.rollout.svc\": is not a DNS name"},
 		{"workers_dns 10.0.0.1 30000", "workers_dns (discovery.a): \"10.0.0.1\": is an address, not a name to look up"},
 		{"workers_dns workers.rollout.svc 70000", "workers_dns (discovery.a): port 70000 of workers.rollout.svc is not a number from 1 to 65535"},
@@ -344,7 +346,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 	got, _ := json.Marshal(h)
 	for _, want := range []string{
 		`"pool":"default"`,
-		`"load_balancing":{"policy":"least_work","max_attempts":3,"hedge_after":5}`,
+		`"load_balancing":{"policy":"least_work","max_attempts":3,"hedge_after":5,"initial_speed":1}`,
 		`"queue":{"order":"fifo","max_jobs":10000}`,
 		`"cost":{"default_steps":20,"default_size":"1024x1024","default_frames":96,"cfg_factor":2}`,
 		`"active":{"uri":"/health","interval":10000000000,"timeout":5000000000,"fails":3,"passes":2}`,

@@ -147,6 +147,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.pool = p
 	p.UseGuard(h.guard)
+	p.SetInitialSpeed(h.LoadBalancing.InitialSpeed)
 	var storage fleet.Storage // nil: persist off
 	if !h.PersistOff {
 		storage = ctx.Storage()

@@ -19,7 +19,9 @@ import (
 // a worker that may serve it is idle and no job waits, gets a second copy
 // on that worker. The first answer the client may get wins; the other copy
 // is cancelled. A hung worker whose /health still answers then costs a
-// step one job's time, not the client's timeout.
+// step one job's time, not the client's timeout, from the router's start:
+// its first job, predicted at the speed assumed before anything was
+// learned, is predicted anew once other workers complete theirs.
 
 // hedge is one job's race between its attempt and, once launched, a copy.
 // Its mutex orders the claims of the two answers, so exactly one reaches
@@ -31,6 +33,7 @@ type hedge struct {
 	next  caddyhttp.Handler
 	vars  map[string]any // a copy of the request's variables, for the copy's reverse_proxy
 	timer *time.Timer
+	start time.Time // when the attempt began
 
 	mu         sync.Mutex // taken before the pool's lock, never after (see pool)
 	primary    *scheduler.Ticket
@@ -58,10 +61,10 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), primary: t, cancelPrim: cancel}
+	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), start: time.Now(), primary: t, cancelPrim: cancel}
 	rec.hold(hd.gate(t, judge))
 	hd.mu.Lock()
-	hd.timer = time.AfterFunc(hd.delay(t), hd.fire)
+	hd.timer = time.AfterFunc(hd.wait(), hd.fire)
 	hd.mu.Unlock()
 
 	err := h.send(rec, r, ctx, t, next, hd)
@@ -90,16 +93,19 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	return err
 }
 
-// delay is how long t's attempt runs before a copy is considered: its
-// predicted time until the worker finishes it, times hedge_after, and at
-// least the probe timeout, as for the stall rule. A job of milliseconds
-// that runs slow on a busy machine is late, not hung.
-func (hd *hedge) delay(t *scheduler.Ticket) time.Duration {
-	d := time.Duration(float64(t.Due()) * t.Config().HedgeAfter)
-	if hc := t.Config().Health; hc != nil {
-		d = max(d, hc.Timeout)
-	}
-	return d
+// wait is how long the primary attempt still runs before a copy is
+// considered: until it has run hedge_after times its predicted time until
+// its worker finishes it, and at least the probe timeout, as for the stall
+// rule (a job of milliseconds that runs slow on a busy machine is late,
+// not hung). The prediction is the pool's of now and may shrink meanwhile:
+// the first jobs completed anywhere set the speed of a worker that has
+// completed none. So the attempt looks again at least every probe
+// timeout, the earliest a copy can ever be due.
+func (hd *hedge) wait() time.Duration {
+	t := hd.primary
+	floor := t.Config().Health.Timeout
+	due := max(time.Duration(float64(t.Due())*t.Config().HedgeAfter), floor)
+	return min(due-time.Since(hd.start), floor)
 }
 
 // gate wraps t's rule for answers in the race: an answer the client would
@@ -151,12 +157,16 @@ func (hd *hedge) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Out
 	return scheduler.Abandoned
 }
 
-// fire launches the copy if the pool has an idle worker for it now, and
-// otherwise looks again after a while.
+// fire launches the copy once the attempt is overdue, if the pool has an
+// idle worker for it then, and otherwise looks again after a while.
 func (hd *hedge) fire() {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
 	if hd.ended || hd.winner != nil {
+		return
+	}
+	if wait := hd.wait(); wait > 0 {
+		hd.timer.Reset(wait)
 		return
 	}
 	c := hd.h.pool.HedgeCopy(hd.primary)

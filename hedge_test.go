@@ -2,7 +2,10 @@ package diffusionrouter_test
 
 import (
 	"context"
+	"fmt"
+	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -95,5 +98,114 @@ func TestHedgingCanBeTurnedOff(t *testing.T) {
 	}
 	if n := value(t, r, "caddy_diffusion_hedges_total", map[string]string{"outcome": "launched"}) - launched; n != 0 || ws[1].Stats().Jobs != 0 {
 		t.Fatalf("%g copies launched, %d jobs on the idle worker, with hedge_after off", n, ws[1].Stats().Jobs)
+	}
+}
+
+// served sends n jobs at once and reports how long the last took and, for
+// each, the worker that answered it (X-Fake-Worker), or what went wrong. A
+// job unanswered after limit counts as lost.
+func served(t *testing.T, r *testrouter.Router, n int, body string, limit time.Duration) (time.Duration, []string) {
+	t.Helper()
+	start := time.Now()
+	by := make([]string, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), limit)
+			defer cancel()
+			req, _ := http.NewRequestWithContext(ctx, "POST", r.Base+"/v1/images/generations", strings.NewReader(body))
+			resp, err := testrouter.Client.Do(req)
+			if err != nil {
+				by[i] = err.Error()
+				return
+			}
+			defer resp.Body.Close()
+			if _, err := io.Copy(io.Discard, resp.Body); err != nil || resp.StatusCode != 200 {
+				by[i] = fmt.Sprintf("status %d, %v", resp.StatusCode, err)
+				return
+			}
+			by[i] = resp.Header.Get("X-Fake-Worker")
+		})
+	}
+	wg.Wait()
+	return time.Since(start), by
+}
+
+func TestAWorkerHungFromTheStartCostsABatchOneHedge(t *testing.T) {
+	good := testrouter.StartWorkers(t, fakeworker.Config{Name: "a", UnitMs: 10}, fakeworker.Config{Name: "b", UnitMs: 10},
+		fakeworker.Config{Name: "c", UnitMs: 10})
+	hung := testrouter.StartWorkers(t, fakeworker.Config{Name: "hung", UnitMs: 10})[0]
+	hung.Hang() // accepts jobs, never answers them; /health still answers
+	site := func(pool string, ws []*fakeworker.Worker) string {
+		return metricsSite("diffusion_router " + pool + " {\n workers " + testrouter.URLs(ws) + "\n health_timeout 1s\n}")
+	}
+	// Far beyond the batch's second or so, far short of the 100 s that
+	// hedge_after times the 20 s predicted at 1 unit/s would wait.
+	const limit = 20 * time.Second
+	const jobs = 12 // of 200 ms: four rounds on three workers
+
+	r := testrouter.Start(t, site("without_hung", good))
+	without, by := served(t, r, jobs, heavyImage, limit)
+	for _, w := range by {
+		if w != "a" && w != "b" && w != "c" {
+			t.Fatalf("without the hung worker a job got %q", w)
+		}
+	}
+
+	// Fresh pools: nothing is learned when the batch starts.
+	r = testrouter.Start(t, site("with_hung", slices.Concat(good, []*fakeworker.Worker{hung})))
+	won := map[string]string{"pool": "with_hung", "outcome": "won"}
+	wonBefore := value(t, r, "caddy_diffusion_hedges_total", won)
+	with, by := served(t, r, jobs, heavyImage, limit)
+	for _, w := range by {
+		if w != "a" && w != "b" && w != "c" {
+			t.Fatalf("with a worker hung from the start, a job got %q; want every job answered by a, b or c: %q", w, by)
+		}
+	}
+	if n := value(t, r, "caddy_diffusion_hedges_total", won) - wonBefore; n < 1 {
+		t.Fatalf("hedges won: %g; the job the hung worker took ends by its copy", n)
+	}
+	// The documented bound: the hung worker holds its job until it has
+	// run hedge_after (5) times its time at the speed the pool learned
+	// from the others (what it now predicts for the hung worker), and at
+	// least health_timeout; then the copy runs once.
+	speed := r.Workers()[hung.URL()]["speed"].(float64)
+	job := time.Duration(20 / speed * float64(time.Second))
+	bound := without*11/10 + max(5*job, time.Second) + job
+	t.Logf("batch of %d: %v on the 3 good workers, %v with one hung from the start (job predicted at %v; bound %v)", jobs, without, with, job, bound)
+	if with > bound {
+		t.Fatalf("with a worker hung from the start the batch took %v, beyond %v", with, bound)
+	}
+}
+
+// The other side of the bound: a healthy first job on a worker slower than
+// the others, but within hedge_after of them, runs to its end uncopied,
+// though it runs longer than health_timeout.
+func TestASlowFirstJobWithinItsBoundGetsNoCopy(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "fast", UnitMs: 10}, fakeworker.Config{Name: "slow", UnitMs: 10, Speed: 0.4})
+	r := testrouter.Start(t, metricsSite("diffusion_router slow_first {\n workers "+testrouter.URLs(ws)+"\n health_timeout 400ms\n}"))
+	launched := map[string]string{"pool": "slow_first", "outcome": "launched"}
+	before := value(t, r, "caddy_diffusion_hedges_total", launched)
+	// 200 ms on the fast worker, 500 ms on the slow one: a copy would be
+	// due after 5 x 200 ms.
+	_, by := served(t, r, 2, heavyImage, 20*time.Second)
+	slices.Sort(by)
+	if by[0] != "fast" || by[1] != "slow" {
+		t.Fatalf("two jobs on two idle workers were answered by %q; want one each", by)
+	}
+	if n := value(t, r, "caddy_diffusion_hedges_total", launched) - before; n != 0 {
+		t.Fatalf("%g copies of a first job running 2.5x the others' time", n)
+	}
+}
+
+func TestInitialSpeedIsAssumedUntilOneIsLearned(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a", UnitMs: 10})
+	r := testrouter.Start(t, "diffusion_router initial_speed {\n workers "+ws[0].URL()+"\n initial_speed 4\n}")
+	if got := r.Workers()[ws[0].URL()]["speed"]; got != 4.0 {
+		t.Fatalf("speed before any job: %v; want initial_speed 4", got)
+	}
+	testrouter.ExpectStatus(t, "a job", r.Post("/v1/images/generations", heavyImage), 200)
+	if got := r.Workers()[ws[0].URL()]["speed"]; got == 4.0 {
+		t.Fatal("speed after a job of 200 ms is still the initial 4 units/s")
 	}
 }

@@ -31,7 +31,7 @@ import (
 // locks after it:
 //
 //  1. a hedge's own lock, outside this package: the router's hedge holds
-//     it while it asks HedgeCopy for a copy's worker
+//     it while it asks a ticket's Due and HedgeCopy for a copy's worker
 //  2. the fleet's operation token, then the fleet store's writing token,
 //     then its mu (internal/fleet: a record is read back under the first
 //     and written under the other two)
@@ -79,6 +79,7 @@ type dispatchState struct {
 	views        []Candidate     // the candidates as the strategy sees them
 	speeds       []float64       // scratch space of the median speed
 	defaultSpeed float64         // median learned speed, assumed for new workers
+	initialSpeed float64         // the speed assumed while no worker has learned one
 	completions  uint64          // jobs completed
 	onRelease    []chan struct{} // closed when a worker is released: drains wait on them
 	ejectionEnds int64           // when the redispatch timer fires, Unix nanoseconds; 0: not set
@@ -100,7 +101,7 @@ func New(name string, logger *zap.Logger) *Pool {
 		videos: NewJobOwners(DefaultOwnerLimit, DefaultOwnerTTL),
 		images: NewJobOwners(DefaultOwnerLimit, DefaultOwnerTTL),
 	}
-	p.defaultSpeed = 1
+	p.defaultSpeed, p.initialSpeed = DefaultInitialSpeed, DefaultInitialSpeed
 	p.client = workerurl.GuardedClient(func() *workerurl.Guard { return p.guard.Load() })
 	p.bg = newBackground(p.logger)
 	p.due = make(chan struct{}, 1)

@@ -4,6 +4,7 @@ import (
 	"math"
 	"slices"
 	"testing"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -117,6 +118,26 @@ func TestNewWorkerStartsFromPoolMedianSpeed(t *testing.T) {
 	if d.SpeedLearned || math.Abs(d.Speed-3) > 1e-6 {
 		t.Fatalf("new worker's speed %v (learned %v); want the median 3", d.Speed, d.SpeedLearned)
 	}
+}
+
+// The speed assumed before anything is learned is the config's, and gives
+// way to the learned ones.
+func TestInitialSpeedHoldsUntilASpeedIsLearned(t *testing.T) {
+	p, clock := poolOf(t, 2)
+	p.SetInitialSpeed(4)
+	cfg := config(LeastWork{}, 1)
+	first, _ := choose(t, p, cfg, 20)
+	second, _ := choose(t, p, cfg, 20)
+	if got := second.Due(); got != 5*time.Second {
+		t.Fatalf("due at an initial speed of 4 units/s: %v; want 5 s", got)
+	}
+	clock.advance(2 * time.Second)
+	p.Release(first, Succeeded) // 10 units/s
+	p.SetInitialSpeed(4)        // a reload: what was learned stays
+	if got := second.Due(); got != 2*time.Second {
+		t.Fatalf("due once a worker learned 10 units/s: %v; want 2 s", got)
+	}
+	p.Release(second, Succeeded)
 }
 
 // Spellings of one address are one worker: one GPU must not draw the

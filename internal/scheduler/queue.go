@@ -80,7 +80,7 @@ type Ticket struct {
 	Attempts  int                     // times the request was sent to a worker
 	seq       uint64                  // arrival order among jobs: a job that runs again keeps its place
 	Body      []byte                  // a job's body, sent again when it runs again
-	due       time.Duration           // predicted time, when it was given its worker, until that worker finishes it
+	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
 }
 
@@ -359,7 +359,7 @@ func (p *Pool) assignLocked(t *Ticket, w *worker) {
 	w.load.work += t.Cost
 	t.predicted = p.timeForLocked(w, t.Cost)
 	p.updateEndsLocked(w)
-	t.due = time.Duration(p.finishTimeLocked(w, 0, p.now().UnixNano()) * float64(time.Second))
+	t.dueWork = p.workLeftLocked(w, p.now().UnixNano())
 }
 
 // startLocked notes that t has reached the head of w's jobs: a worker runs
@@ -528,8 +528,24 @@ func (p *Pool) speedOfLocked(w *worker) float64 {
 	return p.defaultSpeed
 }
 
+// DefaultInitialSpeed is the speed, in cost units per second, assumed for
+// every worker until one has completed a job: a 20-step 1024x1024 image in
+// 20 s, slower than an H100 runs FLUX (6.7 s an image), so that the first
+// jobs are not declared late on a guess.
+const DefaultInitialSpeed = 1
+
+// SetInitialSpeed sets the speed, in cost units per second, assumed for
+// every worker while none of the pool's workers has completed a job; the
+// config loaded last sets it.
+func (p *Pool) SetInitialSpeed(speed float64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.initialSpeed = speed
+	p.refreshDefaultSpeedLocked()
+}
+
 // refreshDefaultSpeedLocked sets the speed assumed for new workers to the
-// median of the learned ones.
+// median of the learned ones, or the initial speed while there are none.
 func (p *Pool) refreshDefaultSpeedLocked() {
 	speeds := p.speeds[:0]
 	for _, w := range p.workers {
@@ -538,10 +554,12 @@ func (p *Pool) refreshDefaultSpeedLocked() {
 		}
 	}
 	p.speeds = speeds
-	if len(speeds) > 0 {
-		slices.Sort(speeds)
-		p.defaultSpeed = speeds[len(speeds)/2]
+	if len(speeds) == 0 {
+		p.defaultSpeed = p.initialSpeed
+		return
 	}
+	slices.Sort(speeds)
+	p.defaultSpeed = speeds[len(speeds)/2]
 }
 
 // maxPrediction bounds a predicted time, so that no prediction overflows
@@ -551,12 +569,6 @@ const maxPrediction = 30 * 24 * time.Hour
 // timeForLocked is how long w is predicted to take over work of cost.
 func (p *Pool) timeForLocked(w *worker, cost float64) time.Duration {
 	return time.Duration(min(cost/p.speedOfLocked(w), maxPrediction.Seconds()) * float64(time.Second))
-}
-
-// finishTimeLocked is how long w would take, from now (Unix nanoseconds), to
-// finish the work it has and a job of cost, in seconds.
-func (p *Pool) finishTimeLocked(w *worker, cost float64, now int64) float64 {
-	return (p.workLeftLocked(w, now) + cost) / p.speedOfLocked(w)
 }
 
 // workLeftLocked is the predicted cost w still has to process at now (Unix
@@ -586,9 +598,22 @@ func (t *Ticket) ServedVersion() string { return t.servedVersion }
 // Predicted is how long t's job was predicted to run on its worker.
 func (t *Ticket) Predicted() time.Duration { return t.predicted }
 
-// Due is how long, when t got its worker, that worker was predicted to
-// take to finish t's job: the jobs before it, then it.
-func (t *Ticket) Due() time.Duration { return t.due }
+// Due is how long the worker holding t is predicted to take, from when
+// it got t, to finish t's job (the jobs before it, then it), at the speed
+// the pool predicts for that worker now. A worker that has completed
+// nothing is predicted at the pool's median speed, which the first jobs
+// completed anywhere set: a job given to it before then, predicted at
+// the speed assumed before anything was learned, is predicted anew. 0
+// once no worker holds t.
+func (t *Ticket) Due() time.Duration {
+	p := t.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if t.worker == nil {
+		return 0
+	}
+	return p.timeForLocked(t.worker, t.dueWork)
+}
 
 // Dial is the address of the worker holding t, "" when none does.
 func (t *Ticket) Dial() string {
