@@ -324,6 +324,15 @@ func (w *Worker) Stats() Stats {
 	return s
 }
 
+// Asleep reports whether the worker's memory occupation is released. The
+// HTTP API does not report it but in the answer to a sleep or a wake;
+// tests use it to see what a worker is.
+func (w *Worker) Asleep() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.asleep
+}
+
 // Weights names the transformer's weights: ModelPath at first, then the
 // model_path of the last successful update from disk, or "tensor:" and a
 // digest of the tensors of the last update from tensors. The HTTP API does

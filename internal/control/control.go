@@ -54,6 +54,7 @@ func (a *API) mux() *http.ServeMux {
 		{"POST /update_weights_from_disk", a.admin(a.serveUpdateWeights)},
 		{"POST /release_memory_occupation", a.admin(a.serveSleep)},
 		{"POST /resume_memory_occupation", a.admin(a.serveWake)},
+		{"GET /fleet_operation", a.serveOperation},
 	}
 	if a.Dashboard {
 		routes = append(routes, route{"GET /dashboard", serveDashboard}, route{"GET /dashboard/data", a.serveDashboardData})

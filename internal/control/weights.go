@@ -2,6 +2,7 @@ package control
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -40,39 +41,72 @@ func (a *API) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
 // runUpdate runs a weight update (or LoRA call) over the fleet as a
 // barrier and answers with every worker's result; op names it in metrics.
 func (a *API) runUpdate(w http.ResponseWriter, r *http.Request, req scheduler.Update, op string) {
-	unlock, ok := a.lockFleet(w, r)
+	log := a.Logger.With(zap.String("operation", op), zap.String("weight_version", req.Version), zap.String("mode", req.Mode))
+	rep, ok := a.runOperation(w, r, op, req.Version, func(ctx context.Context) ([]fleet.Result, error) {
+		log.Info("weight update started")
+		results, err := a.Fleet.Update(ctx, req, a.Weights)
+		a.count(op, err, results)
+		switch {
+		case errors.Is(err, fleet.ErrDrainTimeout):
+			log.Warn("weight update drain timed out")
+		case slices.ContainsFunc(results, failed):
+			log.Warn("weight update failed on some workers; they get no traffic until an update succeeds on them")
+		case err == nil:
+			log.Info("weight update done")
+		}
+		return results, err
+	})
 	if !ok {
 		return
 	}
-	defer unlock()
-
-	log := a.Logger.With(zap.String("operation", op), zap.String("weight_version", req.Version), zap.String("mode", req.Mode))
-	log.Info("weight update started")
-	results, err := a.Fleet.Update(r.Context(), req, a.Weights)
-	outcome := outcomeName(err, results)
-	a.Operations.WithLabelValues(a.Pool.Name(), op, outcome).Inc()
-	switch {
+	switch results, err := rep.Results, rep.Err; {
 	case errors.Is(err, scheduler.ErrNoWorker):
 		_ = WriteError(w, http.StatusServiceUnavailable, scheduler.ErrNoWorker.Error())
-		return
 	case errors.Is(err, fleet.ErrDrainTimeout):
-		log.Warn("weight update drain timed out")
 		_ = WriteJSON(w, http.StatusGatewayTimeout, map[string]any{
 			"success": false, "weight_version": req.Version, "results": results,
 			"error": fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); workers not yet updated serve on as before", a.Weights.DrainTimeout),
 		})
-		return
-	case err != nil: // the caller left; the workers already updated keep the new version
-		return
+	case err != nil:
+		_ = WriteError(w, http.StatusServiceUnavailable, "the weight update did not run to its end: "+err.Error())
+	default:
+		code := http.StatusOK
+		if slices.ContainsFunc(results, failed) {
+			code = http.StatusBadGateway
+		}
+		_ = WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": req.Version, "results": results}))
 	}
-	code := http.StatusOK
-	if slices.ContainsFunc(results, func(res fleet.Result) bool { return !res.OK }) {
-		code = http.StatusBadGateway
-		log.Warn("weight update failed on some workers; they get no traffic until an update succeeds on them")
-	}
-	log.Info("weight update done", zap.Int("status", code))
-	_ = WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": req.Version, "results": results}))
 }
+
+// runOperation runs an operation over the fleet to its end, whether or
+// not the caller stays for it, and returns its report while the caller is
+// there. With ?wait=false a busy fleet answers 409 at once; otherwise the
+// operation waits for the one before it.
+func (a *API) runOperation(w http.ResponseWriter, r *http.Request, op, version string, run func(context.Context) ([]fleet.Result, error)) (fleet.Report, bool) {
+	done, err := a.Fleet.Start(r.Context(), r.URL.Query().Get("wait") != "false", op, version, run)
+	if errors.Is(err, fleet.ErrFleetBusy) {
+		_ = WriteError(w, http.StatusConflict, err.Error())
+	}
+	if err != nil {
+		return fleet.Report{}, false
+	}
+	select {
+	case rep := <-done:
+		return rep, true
+	case <-r.Context().Done(): // the operation goes on; GET /fleet_operation tells how it ends
+		return fleet.Report{}, false
+	}
+}
+
+// count counts a fleet operation that ended with err and results.
+func (a *API) count(op string, err error, results []fleet.Result) {
+	if !errors.Is(err, scheduler.ErrNothingToDo) {
+		a.Operations.WithLabelValues(a.Pool.Name(), op, outcomeName(err, results)).Inc()
+	}
+}
+
+// failed reports whether a worker's call failed.
+func failed(r fleet.Result) bool { return !r.OK }
 
 // outcomeName names how a fleet operation ended, for its metric.
 func outcomeName(err error, results []fleet.Result) string {
@@ -83,7 +117,7 @@ func outcomeName(err error, results []fleet.Result) string {
 		return "drain_timeout"
 	case err != nil:
 		return "abandoned"
-	case slices.ContainsFunc(results, func(r fleet.Result) bool { return !r.OK }):
+	case slices.ContainsFunc(results, failed):
 		return "partial"
 	}
 	return "success"
@@ -228,15 +262,16 @@ func stringField(v any, def string) (string, bool) {
 	return s, ok && s != ""
 }
 
-// lockFleet takes the fleet for one operation, so that weight updates,
-// sleep and wake never interleave; with ?wait=false a busy fleet answers
-// 409 at once.
-func (a *API) lockFleet(w http.ResponseWriter, r *http.Request) (func(), bool) {
-	unlock, err := a.Fleet.Lock(r.Context(), r.URL.Query().Get("wait") != "false")
-	if errors.Is(err, fleet.ErrFleetBusy) {
-		_ = WriteError(w, http.StatusConflict, err.Error())
+// serveOperation is GET /fleet_operation: the fleet operation running,
+// or run last, and how it ended; how a caller that did not wait for its
+// operation learns the outcome.
+func (a *API) serveOperation(w http.ResponseWriter, _ *http.Request) {
+	rep, ok := a.Fleet.Last()
+	if !ok {
+		_ = WriteError(w, http.StatusNotFound, "no fleet operation has run since the router started")
+		return
 	}
-	return unlock, err == nil
+	_ = WriteJSON(w, http.StatusOK, rep)
 }
 
 // serveSleep is POST /release_memory_occupation: drain, then put every
@@ -267,35 +302,40 @@ func (a *API) sleepOrWake(w http.ResponseWriter, r *http.Request, op string) {
 			return
 		}
 	}
-	unlock, ok := a.lockFleet(w, r)
+	rep, ok := a.runOperation(w, r, op, "", func(ctx context.Context) ([]fleet.Result, error) {
+		results, err := a.sleepOrWakeFleet(ctx, op, r.URL.Path, body)
+		a.count(op, err, results)
+		if err == nil {
+			a.Logger.Info("workers "+op, zap.Int("workers", len(results)), zap.Bool("success", !slices.ContainsFunc(results, failed)))
+		}
+		return results, err
+	})
 	if !ok {
 		return
 	}
-	defer unlock()
-	var results []fleet.Result
-	if op == "sleep" {
-		results, err = a.Fleet.Sleep(r.Context(), r.URL.Path, body, a.Weights)
-	} else {
-		results, err = a.Fleet.Wake(r.Context(), r.URL.Path, body, a.Weights)
-	}
-	outcome := outcomeName(err, results)
-	if !errors.Is(err, scheduler.ErrNothingToDo) {
-		a.Operations.WithLabelValues(a.Pool.Name(), op, outcome).Inc()
-	}
-	switch {
+	switch results, err := rep.Results, rep.Err; {
 	case errors.Is(err, scheduler.ErrNoWorker):
 		_ = WriteError(w, http.StatusServiceUnavailable, "No workers registered in the pool")
 	case errors.Is(err, scheduler.ErrNothingToDo): // calling twice is harmless
 		_ = WriteJSON(w, http.StatusOK, map[string]any{"success": true, "results": []fleet.Result{}, "message": "No eligible workers available in the pool"})
 	case errors.Is(err, fleet.ErrDrainTimeout):
 		_ = WriteError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", a.Weights.DrainTimeout))
-	case err != nil: // the caller left
+	case err != nil:
+		_ = WriteError(w, http.StatusServiceUnavailable, "the "+op+" did not run to its end: "+err.Error())
 	default:
 		code := http.StatusOK
-		if outcome != "success" {
+		if slices.ContainsFunc(results, failed) {
 			code = http.StatusBadGateway
 		}
-		a.Logger.Info("workers "+op, zap.Int("workers", len(results)), zap.Int("status", code))
 		_ = WriteJSON(w, code, map[string]any{"success": code == http.StatusOK, "results": results})
 	}
+}
+
+// sleepOrWakeFleet puts the fleet to sleep or wakes it, as op says, by
+// sending each worker path with body.
+func (a *API) sleepOrWakeFleet(ctx context.Context, op, path string, body []byte) ([]fleet.Result, error) {
+	if op == "sleep" {
+		return a.Fleet.Sleep(ctx, path, body, a.Weights)
+	}
+	return a.Fleet.Wake(ctx, path, body, a.Weights)
 }

@@ -26,12 +26,15 @@ import (
 type Fleet struct {
 	pool   *scheduler.Pool
 	logger *zap.Logger
-	ops    chan struct{} // held by the operation that runs; taken before the store's locks and the pool's
+	turn   chan struct{} // held by the operation that runs; taken before the store's locks and the pool's
+
+	mu   sync.Mutex // guards last
+	last *Report    // the operation running or run last
 }
 
 // New returns the fleet of pool, which logs to logger.
 func New(pool *scheduler.Pool, logger *zap.Logger) *Fleet {
-	return &Fleet{pool: pool, logger: logger, ops: make(chan struct{}, 1)}
+	return &Fleet{pool: pool, logger: logger, turn: make(chan struct{}, 1)}
 }
 
 // Config is how one diffusion_router config runs fleet operations.
@@ -52,17 +55,17 @@ var (
 // Lock waits for the fleet to be free and takes it; without wait it fails
 // at once with ErrFleetBusy when another operation runs.
 func (f *Fleet) Lock(ctx context.Context, wait bool) (unlock func(), err error) {
-	unlock = func() { <-f.ops }
+	unlock = func() { <-f.turn }
 	if !wait {
 		select {
-		case f.ops <- struct{}{}:
+		case f.turn <- struct{}{}:
 			return unlock, nil
 		default:
 			return nil, ErrFleetBusy
 		}
 	}
 	select {
-	case f.ops <- struct{}{}:
+	case f.turn <- struct{}{}:
 		return unlock, nil
 	case <-ctx.Done():
 		return nil, ctx.Err()
@@ -135,10 +138,14 @@ func (f *Fleet) Sleep(ctx context.Context, path string, body []byte, cfg *Config
 	return results, nil
 }
 
-// Wake sends path with body to the sleeping workers; those that answer
-// well serve again. The caller holds the fleet's lock.
+// Wake sends path with body to every worker not held back, not only to
+// those the router believes asleep: a worker put to sleep behind its
+// back, or registered again while asleep, looks serving, and a wake of a
+// worker that is awake changes nothing (sglang-diffusion answers "already
+// awake"). Those that answer well serve. The caller holds the fleet's
+// lock.
 func (f *Fleet) Wake(ctx context.Context, path string, body []byte, cfg *Config) ([]Result, error) {
-	targets, err := f.pool.InState(scheduler.Sleeping)
+	targets, err := f.pool.NotHeldBack()
 	if err != nil {
 		return nil, err
 	}

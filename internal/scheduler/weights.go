@@ -135,6 +135,9 @@ func (p *Pool) Moved(urls []string, s State) {
 	for _, u := range urls {
 		if w := p.findLocked(u); w != nil {
 			w.life.state = s
+			if s == Serving { // awake now, whatever it said before
+				w.evidence.naps, w.health.asleepUntil = 0, 0
+			}
 			p.holdIfBehindLocked(w)
 		}
 	}
@@ -157,6 +160,23 @@ func (p *Pool) InState(s State) ([]string, error) {
 	}
 	if len(out) == 0 {
 		return nil, ErrNothingToDo
+	}
+	return out, nil
+}
+
+// NotHeldBack returns the workers an operator has not held back:
+// ErrNoWorker when there are none.
+func (p *Pool) NotHeldBack() ([]string, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []string
+	for _, w := range p.workers {
+		if !w.life.dead {
+			out = append(out, w.url)
+		}
+	}
+	if len(out) == 0 {
+		return nil, ErrNoWorker
 	}
 	return out, nil
 }
