@@ -430,6 +430,7 @@ func (h *Handler) provisionHealth() error {
 		c.Body = re
 	}
 	h.dispatch.Health = c
+	h.weights.Health = c
 	return nil
 }
 

@@ -44,6 +44,10 @@ type Config struct {
 	DrainTimeout time.Duration
 	Timeout      time.Duration // for one worker's call
 	PathPrefixes []string      // where workers may load weights from; none: anywhere
+
+	// Health says when a job hangs: a drain leaves out the worker of a
+	// job it takes for stalled rather than wait for it. nil: never.
+	Health *scheduler.HealthConfig
 }
 
 // Why a fleet operation did not run.
@@ -92,11 +96,15 @@ func (f *Fleet) Update(ctx context.Context, req scheduler.Update, cfg *Config) (
 		if req.Mode == scheduler.ModeRolling {
 			p.SetStates(group, scheduler.Draining)
 		}
-		if err := p.WaitIdle(ctx, group, cfg.DrainTimeout); err != nil {
+		hung, err := p.WaitIdle(ctx, group, cfg.DrainTimeout, cfg.Health)
+		if err != nil {
 			p.SetStates(group, scheduler.Serving)
 			p.EndUpdate(req, false)
 			return results, drainError(ctx, err)
 		}
+		p.LeaveOut(hung)
+		results = append(results, leftOut(hung)...)
+		group = without(group, hung)
 		p.SetStates(group, scheduler.Updating)
 		// Jobs may flow again: only workers that have loaded the new
 		// weights serve, each as soon as it has, so one worker slow to
@@ -130,12 +138,30 @@ func (f *Fleet) Sleep(ctx context.Context, path string, body []byte, cfg *Config
 	}
 	p.Pause()
 	defer p.Resume()
-	if err := p.WaitIdle(ctx, targets, cfg.DrainTimeout); err != nil {
+	hung, err := p.WaitIdle(ctx, targets, cfg.DrainTimeout, cfg.Health)
+	if err != nil {
 		return nil, drainError(ctx, err)
 	}
-	results := f.broadcast(ctx, targets, path, body, cfg.Timeout)
+	results := f.broadcast(ctx, without(targets, hung), path, body, cfg.Timeout)
 	p.Moved(succeededOn(results), scheduler.Sleeping)
-	return results, nil
+	return append(results, leftOut(hung)...), nil
+}
+
+// leftOut is the result of each of the workers an operation left out
+// because a job of theirs hung.
+func leftOut(hung []string) []Result {
+	out := make([]Result, len(hung))
+	for i, u := range hung {
+		out[i] = Result{WorkerURL: u, StatusCode: http.StatusGatewayTimeout, Body: map[string]string{
+			"error": "left out: a job on this worker overran its predicted time many times over (hung); it is brought to the fleet's weights once that job ends",
+		}}
+	}
+	return out
+}
+
+// without returns urls but those in leave, in a new slice.
+func without(urls, leave []string) []string {
+	return slices.DeleteFunc(slices.Clone(urls), func(u string) bool { return slices.Contains(leave, u) })
 }
 
 // Wake sends path with body to every worker not held back, not only to

@@ -122,8 +122,14 @@ func (p *Pool) overrunningLocked(w *worker, now int64, cfg *HealthConfig) bool {
 	if w.load.inflight == 0 || w.load.jobs[0].held {
 		return false
 	}
-	limit := max(cfg.StallFactor*p.predictedHeadLocked(w), float64(cfg.Timeout))
-	return float64(now-w.load.headSince) > limit
+	return float64(now-w.load.headSince) > p.stallLimitLocked(w, cfg)
+}
+
+// stallLimitLocked is how long w's running job may run before it is taken
+// for stalled, in nanoseconds: the stall factor times its prediction, and
+// at least the probe timeout.
+func (p *Pool) stallLimitLocked(w *worker, cfg *HealthConfig) float64 {
+	return max(cfg.StallFactor*p.predictedHeadLocked(w), float64(cfg.Timeout))
 }
 
 // CheckStalls marks suspect the workers whose running job has overrun its

@@ -194,32 +194,76 @@ func (p *Pool) Awake() []string {
 	return out
 }
 
-// WaitIdle waits until none of the workers named has a job in flight, for
-// at most timeout.
-func (p *Pool) WaitIdle(ctx context.Context, urls []string, timeout time.Duration) error {
+// WaitIdle waits, for at most timeout, until each of the workers named
+// either has no job in flight or runs one that health takes for stalled
+// (it overran its prediction by the stall factor, and at least the probe
+// timeout: hung on a worker whose /health still answers). A drain must not
+// wait on one sick worker. It returns the workers left with a hung job,
+// which the caller leaves out.
+func (p *Pool) WaitIdle(ctx context.Context, urls []string, timeout time.Duration, health *HealthConfig) (hung []string, err error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for {
 		p.mu.Lock()
-		if !slices.ContainsFunc(urls, p.hasJobsLocked) {
+		hung, busy, next := p.drainedLocked(urls, health)
+		if !busy {
 			p.mu.Unlock()
-			return nil
+			return hung, nil
 		}
 		released := make(chan struct{})
 		p.onRelease = append(p.onRelease, released)
 		p.mu.Unlock()
+		var overdue <-chan time.Time
+		if next > 0 {
+			timer := time.NewTimer(time.Duration(next - p.now().UnixNano()))
+			defer timer.Stop()
+			overdue = timer.C
+		}
 		select {
 		case <-released:
+		case <-overdue:
 		case <-ctx.Done():
-			return ctx.Err()
+			return nil, ctx.Err()
 		}
 	}
 }
 
-// hasJobsLocked reports whether the worker at url has a job in flight.
-func (p *Pool) hasJobsLocked(url string) bool {
-	w := p.findLocked(url)
-	return w != nil && w.load.inflight > 0
+// drainedLocked returns the workers named whose running job is hung, and
+// whether others still run jobs that are not, with the earliest time
+// (Unix nanoseconds) one of those would be taken for hung; 0 when none
+// can be.
+func (p *Pool) drainedLocked(urls []string, health *HealthConfig) (hung []string, busy bool, next int64) {
+	now := p.now().UnixNano()
+	for _, u := range urls {
+		w := p.findLocked(u)
+		switch {
+		case w == nil || w.load.inflight == 0:
+		case health == nil || w.load.jobs[0].held: // a held video job ends when its polls say so; it never hangs
+			busy = true
+		case p.overrunningLocked(w, now, health):
+			hung = append(hung, u)
+		default:
+			busy = true
+			if at := w.load.headSince + int64(p.stallLimitLocked(w, health)) + 1; next == 0 || at < next {
+				next = at
+			}
+		}
+	}
+	return hung, busy, next
+}
+
+// LeaveOut keeps the workers named out of an update while a job of theirs
+// hangs: they are stale, and are brought to the pool's weights once that
+// job has ended and a probe finds them again.
+func (p *Pool) LeaveOut(urls []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, u := range urls {
+		if w := p.findLocked(u); w != nil {
+			w.life.state, w.life.missed = Stale, true
+		}
+	}
+	p.dispatchLocked()
 }
 
 // recoveredLocked brings back a worker that was stale only because it did
@@ -227,7 +271,7 @@ func (p *Pool) hasJobsLocked(url string) bool {
 // once a probe finds it again, it catches up as a late joiner does, before
 // its first job.
 func (p *Pool) recoveredLocked(w *worker) {
-	if w.life.state != Stale || !w.life.missed || p.fleet.target != "" { // not while an operation runs: it decides the state
+	if w.life.state != Stale || !w.life.missed || p.fleet.target != "" || w.load.inflight > 0 { // not while an operation runs, nor before a hung job ends
 		return
 	}
 	w.life.state, w.life.missed = Serving, false
