@@ -152,7 +152,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if !h.PersistOff {
 		storage = ctx.Storage()
 	}
-	p.store.Use(h, storage)
+	p.store.Use(h, storage, fleet.Rules{MaxWorkers: h.MaxWorkers, Guard: h.guard, Weights: &h.weights})
 	h.pool.Declare(h.Workers)
 	if found != nil {
 		h.found = found

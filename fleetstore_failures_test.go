@@ -5,6 +5,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -76,5 +77,36 @@ func TestUnreadableRecordIsKeptAside(t *testing.T) {
 	data, _ := os.ReadFile(filepath.Join(folder, "fleet.json"))
 	if err := json.Unmarshal(data, &rec); err != nil || len(rec.Workers) != 2 {
 		t.Fatalf("the new record: %s (%v)", data, err)
+	}
+}
+
+// A record read back passes the checks of the API: what does not is left
+// out, entry by entry, the rest kept, and the record as read kept aside.
+func TestRecordReadBackIsChecked(t *testing.T) {
+	dir := t.TempDir()
+	folder := filepath.Join(dir, "diffusion_router", "default")
+	if err := os.MkdirAll(folder, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	var workers []string
+	for i := range 300 {
+		workers = append(workers, `{"url":"http://10.0.`+strconv.Itoa(i/256)+`.`+strconv.Itoa(i%256)+`:30000","registered":true}`)
+	}
+	record := `{"workers":[{"url":"http://10.9.0.1:30000","registered":"yes"},` + strings.Join(workers, ",") + `],` +
+		`"weight_version":"v1","updates":[{"path":"@127.0.0.1:41099/pwned","weight_version":"v1","body":{"model_path":"/ckpt/1"}}]}`
+	if err := os.WriteFile(filepath.Join(folder, "fleet.json"), []byte(record), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := testrouter.StartWith(t, "storage file_system "+dir, "diffusion_router {\n max_workers 10\n health_interval 1h\n}")
+	listed := r.Get("/list_workers").JSON(t)["urls"].([]any)
+	if len(listed) != 10 || listed[0] != "http://10.0.0.0:30000" {
+		t.Fatalf("workers read back under max_workers 10: %v", listed)
+	}
+	if v := r.Get("/health").JSON(t)["weight_version"]; v == "v1" {
+		t.Fatal("weights read back from a record whose update names a path the router never sends")
+	}
+	aside, _ := filepath.Glob(filepath.Join(folder, "fleet.json.unreadable-*"))
+	if len(aside) != 1 {
+		t.Fatalf("records kept aside: %v; want one", aside)
 	}
 }

@@ -8,9 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"path"
 	"slices"
-	"strings"
 
 	"go.uber.org/zap"
 
@@ -157,27 +155,6 @@ func (a *API) readWeightsRequest(r *http.Request) (scheduler.Update, int, string
 	return req, 0, ""
 }
 
-// maxWeightVersion bounds a weight version: the router sends it as a
-// header on every answer and keeps it in storage, and clients' header
-// readers have limits of their own (Python's http.client fails a line of
-// 64 KiB).
-const maxWeightVersion = 512
-
-// checkWeightVersion refuses a weight version, given by the field named,
-// that could not go out as a header value: too long, or with bytes that
-// are not printable ASCII.
-func checkWeightVersion(named, version string) (int, string) {
-	if len(version) > maxWeightVersion {
-		return http.StatusBadRequest, fmt.Sprintf("%s: the weight version is %d bytes long; at most %d", named, len(version), maxWeightVersion)
-	}
-	for _, c := range []byte(version) {
-		if c < 0x20 || c > 0x7e {
-			return http.StatusBadRequest, fmt.Sprintf("%s: the weight version must be printable ASCII, as it is sent in a header", named)
-		}
-	}
-	return 0, ""
-}
-
 // readControlObject reads a control call's body: one JSON object, read as
 // the workers read it (see strictjson.Object). A non-zero status refuses it.
 func readControlObject(r *http.Request) ([]byte, map[string]json.RawMessage, int, string) {
@@ -197,60 +174,28 @@ func readControlObject(r *http.Request) ([]byte, map[string]json.RawMessage, int
 	return body, members, 0, ""
 }
 
-// checkWeightsPath checks a path a worker will load weights from: clean,
-// and under weights_path_prefix when that is set.
+// checkWeightsPath checks a path a worker will load weights from, given
+// in field: 400 when it is not clean, 403 when it lies outside
+// weights_path_prefix.
 func (a *API) checkWeightsPath(field, p string) (int, string) {
-	if strings.ContainsRune(p, 0) || slices.Contains(strings.FieldsFunc(p, isPathSeparator), "..") {
-		return http.StatusBadRequest, field + " must not contain '..' segments or NUL bytes"
-	}
-	if prefixes := a.Weights.PathPrefixes; len(prefixes) > 0 && !slices.ContainsFunc(prefixes, func(prefix string) bool { return underPrefix(p, prefix) }) {
-		return http.StatusForbidden, fmt.Sprintf("%s is outside weights_path_prefix (%s)", field, strings.Join(prefixes, ", "))
+	err := a.Weights.CheckPath(p)
+	switch {
+	case errors.Is(err, fleet.ErrOutsidePrefix):
+		return http.StatusForbidden, field + " " + err.Error()
+	case err != nil:
+		return http.StatusBadRequest, field + " " + err.Error()
 	}
 	return 0, ""
 }
 
-// underPrefix reports whether p lies under prefix by whole path segments:
-// /ckpt admits /ckpt and /ckpt/x but not /ckpt-evil/x, and s3://bucket/
-// admits s3://bucket/x but not s3://bucket-evil/x. A URL matches only a
-// URL prefix of the same scheme (compared exactly), a path only an
-// absolute path prefix. Segments are split at '/' alone, as on the
-// workers' POSIX file systems, where /ckpt\x is not under /ckpt. p holds
-// no '..' segment (checked before), so cleaning it cannot climb out.
-func underPrefix(p, prefix string) bool {
-	pScheme, pRest, pURL := cutScheme(p)
-	xScheme, xRest, xURL := cutScheme(prefix)
-	switch {
-	case pURL != xURL, pScheme != xScheme:
-		return false
-	case !pURL && !strings.HasPrefix(p, "/"):
-		return false // a relative path is relative to wherever the worker runs
+// checkWeightVersion refuses with 400 a weight version, given by the field
+// named, that could not go out as a header value.
+func checkWeightVersion(named, version string) (int, string) {
+	if err := fleet.CheckVersion(version); err != nil {
+		return http.StatusBadRequest, named + ": " + err.Error()
 	}
-	a, b := path.Clean("/"+pRest), path.Clean("/"+xRest)
-	return a == b || b == "/" || strings.HasPrefix(a, b+"/")
+	return 0, ""
 }
-
-// cutScheme splits scheme://rest; a string without a valid scheme is a
-// path, returned whole as rest.
-func cutScheme(s string) (scheme, rest string, isURL bool) {
-	scheme, rest, ok := strings.Cut(s, "://")
-	if !ok || !validScheme(scheme) {
-		return "", s, false
-	}
-	return scheme, rest, true
-}
-
-// validScheme is RFC 3986's: a letter, then letters, digits, '+', '-', '.'.
-func validScheme(s string) bool {
-	for i, r := range s {
-		letter := 'a' <= r && r <= 'z' || 'A' <= r && r <= 'Z'
-		if !letter && (i == 0 || !('0' <= r && r <= '9' || r == '+' || r == '-' || r == '.')) {
-			return false
-		}
-	}
-	return s != ""
-}
-
-func isPathSeparator(r rune) bool { return r == '/' || r == '\\' }
 
 // stringField reads an optional string field: def when absent, false when
 // it is not a string.

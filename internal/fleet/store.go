@@ -30,9 +30,9 @@ import (
 
 // Timing of the fleet's record.
 const (
-	storeTimeout  = 30 * time.Second // one read or write of the record
-	restoreWait   = 5 * time.Second  // longest a pool's first start waits for its record
-	storeRetryMin = time.Second      // first wait after a failed read or write; doubles
+	storeTimeout  = 3 * time.Second // one read or write of the record: start, reload and SIGTERM wait no longer
+	restoreWait   = 5 * time.Second // longest a pool's first start waits for its record
+	storeRetryMin = time.Second     // first wait after a failed read or write; doubles
 	storeRetryMax = time.Minute
 )
 
@@ -87,6 +87,7 @@ var errNotReadBack = errors.New("the fleet's record in storage is not read back 
 type storageUse struct {
 	owner   any
 	storage Storage // nil: persist off
+	rules   Rules   // what a record read back must pass
 }
 
 // NewStore returns the keeper of pool's record, whose reading back waits
@@ -99,10 +100,11 @@ func NewStore(pool *scheduler.Pool, fleet *Fleet, logger *zap.Logger) *Store {
 }
 
 // Use keeps the record in storage (nil: nowhere) while owner's config is
-// loaded; the config loaded last decides.
-func (s *Store) Use(owner any, storage Storage) {
+// loaded, a record read back checked by rules; the config loaded last
+// decides.
+func (s *Store) Use(owner any, storage Storage, rules Rules) {
 	s.mu.Lock()
-	s.uses = append(s.uses, storageUse{owner, storage})
+	s.uses = append(s.uses, storageUse{owner, storage, rules})
 	s.mu.Unlock()
 	s.Changed() // the storage may be another
 }
@@ -119,10 +121,15 @@ func (s *Store) Drop(owner any) {
 
 // storageLocked is where the record goes now; nil: nowhere.
 func (s *Store) storageLocked() Storage {
+	return s.useLocked().storage
+}
+
+// useLocked is the use of the config loaded last; none without a config.
+func (s *Store) useLocked() storageUse {
 	if len(s.uses) == 0 {
-		return nil
+		return storageUse{}
 	}
-	return s.uses[len(s.uses)-1].storage
+	return s.uses[len(s.uses)-1]
 }
 
 // Changed marks a write as due. It never blocks: writes coalesce, and the
@@ -247,33 +254,67 @@ func (s *Store) write(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	return within(ctx, func(ctx context.Context) error { return storage.Store(ctx, s.key, data) })
+}
+
+// within runs a storage call for at most storeTimeout, and returns when
+// that has passed even if the call has not: a storage that ignores its
+// context (a file system blocked on a FIFO, a hung network volume) must
+// not hold up a start, a reload or a shutdown. Such a call ends on its
+// own, or with the process. A call that ctx ends early is waited for,
+// so that no write outlives the pool that made it.
+func within(ctx context.Context, call func(ctx context.Context) error) error {
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
-	return storage.Store(ctx, s.key, data)
+	done := make(chan error, 1)
+	go func() { done <- call(ctx) }()
+	limit := time.NewTimer(storeTimeout)
+	defer limit.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-limit.C:
+		return fmt.Errorf("storage did not answer within %s", storeTimeout)
+	}
 }
 
 // restore reads the record back and applies it to the pool. No record is
-// a new pool; a record that does not decode is logged and overwritten at
-// the next change, since retrying cannot mend it.
+// a new pool. What does not pass the checks of the config loaded last is
+// left out, entry by entry, and logged; whenever anything is left out, a
+// copy of the record as read is kept aside first, since the next write
+// replaces it. A record that cannot be kept aside is not replaced either:
+// reading back is tried again.
 func (s *Store) restore(ctx context.Context) error {
 	s.mu.Lock()
-	storage := s.storageLocked()
+	use := s.useLocked()
 	s.mu.Unlock()
-	if storage == nil {
+	if use.storage == nil {
 		return nil
 	}
-	loadCtx, cancel := context.WithTimeout(ctx, storeTimeout)
-	data, err := storage.Load(loadCtx, s.key)
-	cancel()
+	var data []byte
+	err := within(ctx, func(ctx context.Context) (err error) {
+		data, err = use.storage.Load(ctx, s.key)
+		return err
+	})
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		return nil
 	case err != nil:
 		return err
+	case len(data) > maxRecord:
+		return s.keepAside(ctx, use.storage, data, fmt.Errorf("the record is %d bytes; a pool's record is at most %d", len(data), maxRecord))
 	}
-	var rec scheduler.Record
-	if err := json.Unmarshal(data, &rec); err != nil {
-		return s.keepAside(ctx, storage, data, err)
+	rec, left, err := readRecord(data, use.rules)
+	if err != nil {
+		return s.keepAside(ctx, use.storage, data, err)
+	}
+	if len(left) > 0 {
+		if err := s.keepAside(ctx, use.storage, data, fmt.Errorf("%d entries do not pass the checks", len(left))); err != nil {
+			return err
+		}
+		for _, d := range left {
+			s.logger.Warn("entry of the fleet's record read back left out", zap.String("key", s.key), zap.String("entry", d.entry), zap.Error(d.why))
+		}
 	}
 	// Not while a weight update runs: one that came in before the record
 	// was read has moved the fleet past it.
@@ -289,18 +330,15 @@ func (s *Store) restore(ctx context.Context) error {
 	return nil
 }
 
-// keepAside stores a record that does not decode under a name of its own
-// before the pool starts without it, since the next write replaces it:
-// an operator can still read what it held. A record that cannot be kept
-// aside is not replaced either: reading back is tried again.
+// keepAside stores the record as read under a name of its own before the
+// pool starts without it, or without part of it, as why says: an operator
+// can still read what it held.
 func (s *Store) keepAside(ctx context.Context, storage Storage, data []byte, why error) error {
 	aside := s.key + ".unreadable-" + time.Now().UTC().Format("20060102T150405Z")
-	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
-	defer cancel()
-	if err := storage.Store(ctx, aside, data); err != nil {
-		return fmt.Errorf("the record does not decode (%v) and could not be kept aside as %s: %w", why, aside, err)
+	if err := within(ctx, func(ctx context.Context) error { return storage.Store(ctx, aside, data) }); err != nil {
+		return fmt.Errorf("the record read back is not all valid (%v) and could not be kept aside as %s: %w", why, aside, err)
 	}
-	s.logger.Error("the fleet's record in storage is not valid; it is kept aside and the pool starts without it",
+	s.logger.Error("the fleet's record in storage is not all valid; it is kept aside as read, and the pool starts without what is not",
 		zap.String("key", s.key), zap.String("kept_as", aside), zap.Error(why))
 	return nil
 }

@@ -42,7 +42,7 @@ func TestFleetRecordReadBeforeAnyWrite(t *testing.T) {
 	t.Cleanup(func() { _ = p.Close() })
 	s := NewStore(p, New(p, zap.NewNop()), zap.NewNop())
 	s.retryMin = time.Millisecond
-	s.Use(nil, store)
+	s.Use(nil, store, Rules{})
 	p.Register("http://n:1", 10) // registered before the record was read
 	s.StartOnce()
 	if got, want := p.URLs(), []string{"http://n:1", "http://r:1"}; !slices.Equal(got, want) {

@@ -28,6 +28,7 @@ type Storage struct {
 	values    map[string][]byte
 	stored    [][]byte      // every router record Store was given, in order
 	loadFails int           // Load calls still to fail
+	loadGate  chan struct{} // when set, Load waits for it to close, whatever its context says
 	storeGate chan struct{} // when set, the next Store of a record waits for it to close and fails
 	storing   chan struct{} // closed when a Store waits at the gate
 }
@@ -57,6 +58,16 @@ func (s *Storage) FailLoads(n int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.loadFails = n
+}
+
+// HangLoads makes Load wait, ignoring its context as a file system
+// blocked on a FIFO does, until release is called.
+func (s *Storage) HangLoads() (release func()) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	gate := make(chan struct{})
+	s.loadGate = gate
+	return sync.OnceFunc(func() { close(gate) })
 }
 
 // GateNextStore makes the next Store of a router record wait until release
@@ -103,6 +114,11 @@ func (s *Storage) Store(_ context.Context, key string, value []byte) error {
 // Load implements certmagic.Storage.
 func (s *Storage) Load(_ context.Context, key string) ([]byte, error) {
 	s.mu.Lock()
+	if gate := s.loadGate; gate != nil {
+		s.mu.Unlock()
+		<-gate
+		s.mu.Lock()
+	}
 	defer s.mu.Unlock()
 	if s.loadFails > 0 {
 		s.loadFails--
@@ -131,9 +147,18 @@ func (s *Storage) Exists(_ context.Context, key string) bool {
 	return ok
 }
 
-// List implements certmagic.Storage; nothing the router does lists.
-func (s *Storage) List(context.Context, string, bool) ([]string, error) {
-	return nil, errors.New("not listed")
+// List implements certmagic.Storage: the keys under prefix, at any depth.
+func (s *Storage) List(_ context.Context, prefix string, _ bool) ([]string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var keys []string
+	for k := range s.values {
+		if strings.HasPrefix(k, prefix) {
+			keys = append(keys, k)
+		}
+	}
+	slices.Sort(keys)
+	return keys, nil
 }
 
 // Lock implements certmagic.Storage; one process uses it.

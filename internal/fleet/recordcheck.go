@@ -1,0 +1,158 @@
+package fleet
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
+)
+
+// What is read back from storage passes the checks of what comes through
+// the control API: storage may have been written by an older router, by
+// hand, or by someone with access to the volume. Each bad entry is left
+// out by itself and the rest kept.
+
+// Rules are the checks of the config loaded last.
+type Rules struct {
+	MaxWorkers int              // workers the pool may have; 0: no bound
+	Guard      *workerurl.Guard // addresses that are never workers
+	Weights    *Config          // where weights may be loaded from; nil: anywhere
+}
+
+// maxRecord bounds the record read back: a pool of 4,096 workers and a
+// long history of LoRA calls takes well under a megabyte.
+const maxRecord = 8 << 20
+
+// dropped is an entry of a record left out, and why.
+type dropped struct {
+	entry string // e.g. workers[3]
+	why   error
+}
+
+// storedRecord is a record as read, each entry apart, so that one bad
+// entry costs only itself.
+type storedRecord struct {
+	Workers       []json.RawMessage `json:"workers"`
+	WeightVersion string            `json:"weight_version"`
+	Updates       []json.RawMessage `json:"updates"`
+}
+
+// readRecord reads data as a record under rules. An error means nothing
+// of it can be read; otherwise it returns what passed and what was left
+// out.
+func readRecord(data []byte, rules Rules) (scheduler.Record, []dropped, error) {
+	var stored storedRecord
+	if err := json.Unmarshal(data, &stored); err != nil {
+		return scheduler.Record{}, nil, err
+	}
+	var rec scheduler.Record
+	var out []dropped
+	for i, raw := range stored.Workers {
+		w, err := readWorker(raw, rules)
+		switch {
+		case err != nil:
+			out = append(out, dropped{fmt.Sprintf("workers[%d]", i), err})
+		case rules.MaxWorkers > 0 && len(rec.Workers) >= rules.MaxWorkers:
+			out = append(out, dropped{fmt.Sprintf("workers[%d]", i), fmt.Errorf("beyond max_workers (%d)", rules.MaxWorkers)})
+		default:
+			rec.Workers = append(rec.Workers, w)
+		}
+	}
+	updates, err := readUpdates(stored, rules)
+	if err != nil { // a history with a gap would bring workers to the wrong weights
+		return rec, append(out, dropped{"weight_version and updates", err}), nil
+	}
+	rec.WeightVersion, rec.Updates = stored.WeightVersion, updates
+	return rec, out, nil
+}
+
+// readWorker reads one worker entry.
+func readWorker(raw json.RawMessage, rules Rules) (scheduler.WorkerRecord, error) {
+	var w scheduler.WorkerRecord
+	if err := json.Unmarshal(raw, &w); err != nil {
+		return w, err
+	}
+	u, err := workerurl.Parse(w.URL)
+	switch {
+	case err != nil:
+		return w, err
+	case rules.Guard != nil && rules.Guard.RefusesURL(u):
+		return w, workerurl.ErrAdmin
+	}
+	if err := CheckVersion(w.WeightVersion); err != nil {
+		return w, err
+	}
+	w.URL = u
+	return w, nil
+}
+
+// replayed are the calls an update history may hold: those the router
+// itself sends to the whole fleet.
+var replayed = []string{scheduler.DiskUpdatePath, "/v1/set_lora", "/v1/merge_lora_weights", "/v1/unmerge_lora_weights"}
+
+// readUpdates reads the weights of a record: its version and the calls
+// that lead there, all of them or none.
+func readUpdates(stored storedRecord, rules Rules) ([]scheduler.UpdateRecord, error) {
+	if err := CheckVersion(stored.WeightVersion); err != nil {
+		return nil, err
+	}
+	out := make([]scheduler.UpdateRecord, len(stored.Updates))
+	for i, raw := range stored.Updates {
+		if err := json.Unmarshal(raw, &out[i]); err != nil {
+			return nil, fmt.Errorf("updates[%d]: %w", i, err)
+		}
+		if err := checkUpdate(out[i], rules); err != nil {
+			return nil, fmt.Errorf("updates[%d]: %w", i, err)
+		}
+	}
+	return out, nil
+}
+
+// checkUpdate checks one call of a history as the API checks it.
+func checkUpdate(u scheduler.UpdateRecord, rules Rules) error {
+	if !slices.Contains(replayed, u.Path) {
+		return fmt.Errorf("path %q is not a call the router sends", u.Path)
+	}
+	if err := CheckVersion(u.WeightVersion); err != nil {
+		return err
+	}
+	members, err := strictjson.Object(u.Body)
+	if err != nil {
+		return fmt.Errorf("body: %w", err)
+	}
+	for _, field := range []string{"model_path", "lora_path"} {
+		for _, p := range pathsOf(strictjson.Member(members, field)) {
+			if rules.Weights == nil {
+				continue
+			}
+			if err := rules.Weights.CheckPath(p); err != nil {
+				return fmt.Errorf("%s %w", field, err)
+			}
+		}
+	}
+	if u.Path == scheduler.DiskUpdatePath && len(pathsOf(strictjson.Member(members, "model_path"))) != 1 {
+		return errors.New("an update from disk names no model_path")
+	}
+	return nil
+}
+
+// pathsOf reads a path field given as a string or a list of strings.
+func pathsOf(v any) []string {
+	switch v := v.(type) {
+	case string:
+		return []string{v}
+	case []any:
+		var out []string
+		for _, x := range v {
+			if s, ok := x.(string); ok {
+				out = append(out, s)
+			}
+		}
+		return out
+	}
+	return nil
+}
