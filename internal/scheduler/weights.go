@@ -195,11 +195,12 @@ func (p *Pool) Awake() []string {
 }
 
 // WaitIdle waits, for at most timeout, until each of the workers named
-// either has no job in flight or runs one that health takes for stalled
-// (it overran its prediction by the stall factor, and at least the probe
-// timeout: hung on a worker whose /health still answers). A drain must not
-// wait on one sick worker. It returns the workers left with a hung job,
-// which the caller leaves out.
+// either has no job in flight or is taken for hung: it runs a job that
+// health takes for stalled (it overran its prediction by the stall factor,
+// and at least the probe timeout, on a worker whose /health still
+// answers), or is suspect since a job of it overran. A drain must not wait
+// on one sick worker. It returns the workers taken for hung, which the
+// caller leaves out.
 func (p *Pool) WaitIdle(ctx context.Context, urls []string, timeout time.Duration, health *HealthConfig) (hung []string, err error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -237,11 +238,14 @@ func (p *Pool) drainedLocked(urls []string, health *HealthConfig) (hung []string
 	for _, u := range urls {
 		w := p.findLocked(u)
 		switch {
-		case w == nil || w.load.inflight == 0:
+		case w == nil:
+		case w.health.suspect || health != nil && p.overrunningLocked(w, now, health):
+			// A job of it overran: one a copy overtook may still hold
+			// its GPU, and a call would wait behind it.
+			hung = append(hung, u)
+		case w.load.inflight == 0:
 		case health == nil || w.load.jobs[0].held: // a held video job ends when its polls say so; it never hangs
 			busy = true
-		case p.overrunningLocked(w, now, health):
-			hung = append(hung, u)
 		default:
 			busy = true
 			if at := w.load.headSince + int64(p.stallLimitLocked(w, health)) + 1; next == 0 || at < next {
