@@ -276,6 +276,8 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err err
 		_, msg = queueError(h.pool, t, scheduler.ErrNoWorker)
 	case t.Route.Poll:
 		msg = fmt.Sprintf("Worker request failed: job %s was made by %s, which did not answer: %v", t.Route.JobID, t.Pin, cause(err))
+	case t.Job && t.Route.Rerun == request.RerunUnsent && !neverSent(err):
+		msg = fmt.Sprintf("Worker request failed after %s was sent the job: %v. It may have created it, so the job is not run again on another worker, where it would run twice; list or poll %s's jobs before sending it again", t.ServedBy(), cause(err), t.ServedBy())
 	default:
 		msg = "Worker request failed: " + cause(err).Error()
 	}
