@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
@@ -160,10 +161,17 @@ func (h *Handler) rerunCause(r *http.Request, rec *recorder, t *scheduler.Ticket
 		return badGateway
 	case a.state == read && bytes.Contains(a.body, asleepMessage):
 		return fellAsleep
-	case a.state == undecided && err != nil && workerDropped(err):
+	case a.state == undecided && err != nil && workerDropped(err) && (t.Route.Rerun != request.RerunUnsent || neverSent(err)):
 		return unreachable
 	}
 	return noRerun
+}
+
+// neverSent reports whether err ended an attempt before its request
+// reached the worker: no connection could be made.
+func neverSent(err error) bool {
+	_, dial := errors.AsType[reverseproxy.DialError](err)
+	return dial
 }
 
 // workerDropped reports whether err, which ended an attempt before any

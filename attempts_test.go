@@ -190,3 +190,41 @@ func TestEveryWorkerAsleepAnswers503AtOnce(t *testing.T) {
 		}
 	}
 }
+
+// A video creation whose worker was sent the job and then dropped the
+// connection without an answer may exist there: it is not run again on
+// another worker, where it would run twice, its id known to nobody, and
+// the client is told why.
+func TestVideoCreationSentIsNotRunAgain(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a", TaskType: "T2V"}, fakeworker.Config{Name: "b", TaskType: "T2V"})
+	target, err := url.Parse(ws[0].URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	var created atomic.Int64
+	dropping := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost || r.URL.Path != "/v1/videos" {
+			proxy.ServeHTTP(rw, r)
+			return
+		}
+		proxy.ServeHTTP(httptest.NewRecorder(), r) // the worker creates the job; its answer is lost
+		created.Add(1)
+		panic(http.ErrAbortHandler) // and the connection drops without an answer
+	}))
+	t.Cleanup(dropping.Close)
+	r := testrouter.Start(t, "diffusion_router {\n workers "+dropping.URL+" "+ws[1].URL()+"\n policy round_robin\n max_fails 100\n}")
+	var refused testrouter.Reply
+	for range 2 {
+		if rp := r.Post("/v1/videos", `{"prompt":"a cat","num_frames":4,"num_inference_steps":1}`); rp.Status != 200 {
+			refused = rp
+		}
+	}
+	if created.Load() != 1 || refused.Status != 502 || !strings.Contains(refused.ErrorText(t), "not run again") {
+		t.Fatalf("%d jobs created at the dropping worker; the client got %d %s", created.Load(), refused.Status, refused.Body)
+	}
+	listed := testrouter.Do(t, "GET", ws[1].URL()+"/v1/videos", nil).JSON(t)["data"].([]any)
+	if len(listed) != 1 {
+		t.Fatalf("the other worker was given %d video jobs; only the one sent to it", len(listed))
+	}
+}

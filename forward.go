@@ -24,13 +24,27 @@ import (
 // makes; the response echoes it and the worker sees it.
 const requestIDHeader = "X-Request-Id"
 
-func requestID(r *http.Request) string {
-	if id := r.Header.Get(requestIDHeader); id != "" && len(id) <= 128 {
-		return id
+// maxRequestID bounds a client's request id, which goes out again in
+// headers and log lines.
+const maxRequestID = 128
+
+// errRequestID refuses a client's request id that could not go out again
+// as it came.
+var errRequestID = fmt.Errorf("%s must be at most %d printable ASCII characters", requestIDHeader, maxRequestID)
+
+// requestID returns r's id: the client's, or one the router makes when
+// the client sent none.
+func requestID(r *http.Request) (string, error) {
+	id := r.Header.Get(requestIDHeader)
+	if id == "" {
+		id = strconv.FormatUint(rand.Uint64()|1<<63, 16) // 16 hex digits
+		r.Header.Set(requestIDHeader, id)
+		return id, nil
 	}
-	id := strconv.FormatUint(rand.Uint64()|1<<63, 16) // 16 hex digits
-	r.Header.Set(requestIDHeader, id)
-	return id
+	if len(id) > maxRequestID || strings.ContainsFunc(id, func(c rune) bool { return c < 0x20 || c > 0x7e }) {
+		return "", errRequestID
+	}
+	return id, nil
 }
 
 // forward proxies a request to a worker through next. It first gets the
@@ -38,7 +52,10 @@ func requestID(r *http.Request) string {
 // for one), and releases that worker once the response has been written.
 func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, next caddyhttp.Handler) error {
 	arrived := time.Now()
-	id := requestID(r)
+	id, err := requestID(r)
+	if err != nil {
+		return control.WriteError(rec, http.StatusBadRequest, err.Error())
+	}
 	rec.Header().Set(requestIDHeader, id)
 	t, r, status, msg := h.admit(rec, r, route)
 	if status != 0 {
@@ -53,7 +70,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 		ce.Write(zap.String("request_id", id), zap.String("worker", t.ServedBy()), zap.Float64("cost", t.Cost),
 			zap.String("strategy", h.LoadBalancing.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
 	}
-	err := h.proxy(rec, r, t, next)
+	err = h.proxy(rec, r, t, next)
 	if cause := scheduler.CancelledBy(r.Context()); cause != nil && rec.status == 0 {
 		err = control.WriteError(rec, http.StatusConflict, cause.Error())
 	}
@@ -259,6 +276,8 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err err
 		_, msg = queueError(h.pool, t, scheduler.ErrNoWorker)
 	case t.Route.Poll:
 		msg = fmt.Sprintf("Worker request failed: job %s was made by %s, which did not answer: %v", t.Route.JobID, t.Pin, cause(err))
+	case t.Job && t.Route.Rerun == request.RerunUnsent && !neverSent(err):
+		msg = fmt.Sprintf("Worker request failed after %s was sent the job: %v. It may have created it, so the job is not run again on another worker, where it would run twice; list or poll %s's jobs before sending it again", t.ServedBy(), cause(err), t.ServedBy())
 	default:
 		msg = "Worker request failed: " + cause(err).Error()
 	}

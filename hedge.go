@@ -49,9 +49,11 @@ type hedge struct {
 
 // hedges reports whether t's attempt may get a copy: a job whose answer
 // comes when it is done, as the endpoint table says (not a stream, not a
-// video job answered at once).
+// video job answered at once), with room left in its budget of
+// max_attempts GPU jobs for both the attempt and a copy. One client
+// request never costs the fleet more, however its jobs overrun and fail.
 func (h *Handler) hedges(t *scheduler.Ticket) bool {
-	return t.Config().HedgeAfter > 0 && t.Job && t.Route.Hedged
+	return t.Config().HedgeAfter > 0 && t.Job && t.Route.Hedged && t.Attempts+2 <= t.Config().MaxAttempts
 }
 
 // sendHedged is send with a copy of the job launched on an idle worker if
@@ -77,7 +79,8 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	if copyEnded == nil {
 		return err
 	}
-	<-copyEnded // its answer may be the client's, being written now
+	t.Attempts++ // the copy ran on a GPU too
+	<-copyEnded  // its answer may be the client's, being written now
 	if hd.copyPanic != nil {
 		panic(hd.copyPanic)
 	}

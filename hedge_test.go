@@ -209,3 +209,27 @@ func TestInitialSpeedIsAssumedUntilOneIsLearned(t *testing.T) {
 		t.Fatal("speed after a job of 200 ms is still the initial 4 units/s")
 	}
 }
+
+// One client request costs the fleet at most max_attempts GPU jobs,
+// hedged copies and re-runs together, however its jobs overrun their
+// predictions and fail.
+func TestHedgesAndRerunsShareMaxAttempts(t *testing.T) {
+	cfgs := make([]fakeworker.Config, 6)
+	for i := range cfgs {
+		cfgs[i] = fakeworker.Config{Name: string(rune('a' + i)), FailRate: 1, UnitMs: 50} // each job fails after a second or so
+	}
+	ws := testrouter.StartWorkers(t, cfgs...)
+	// The prediction is far below the time the job takes, as for a job
+	// whose cost was hidden from the router: every attempt is overdue at
+	// health_timeout and gets a copy while it may.
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n initial_speed 1000\n health_timeout 300ms\n retry_on 500\n max_attempts 3\n}")
+	rp := r.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":20}`)
+	testrouter.ExpectStatus(t, "a job that fails everywhere", rp, 500)
+	jobs := 0
+	for _, w := range ws {
+		jobs += w.Stats().Failed
+	}
+	if jobs != 3 {
+		t.Fatalf("one request ran %d GPU jobs; max_attempts is 3", jobs)
+	}
+}

@@ -340,3 +340,25 @@ func TestUnreachableRegistrationsDrawNoJobs(t *testing.T) {
 		t.Fatalf("health after 50 unreachable registrations: %v", h)
 	}
 }
+
+// A client's request id goes out again in the answer's header and to the
+// worker: one that could not (too long, not printable ASCII) is refused.
+func TestRequestIDIsBounded(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	for name, id := range map[string]string{"129 bytes": strings.Repeat("r", 129), "not ASCII": "step-é"} {
+		rp := r.Post("/v1/images/generations", smallImage, requestIDHeader, id)
+		testrouter.ExpectStatus(t, "request id of "+name, rp, 400)
+		if !strings.Contains(rp.ErrorText(t), "X-Request-Id") {
+			t.Fatalf("refusal of a request id of %s: %s", name, rp.Body)
+		}
+	}
+	if ws[0].Stats().Jobs != 0 {
+		t.Fatal("a request with a refused id reached a worker")
+	}
+	rp := r.Post("/v1/images/generations", smallImage, requestIDHeader, strings.Repeat("r", 128))
+	testrouter.ExpectStatus(t, "request id of 128 bytes", rp, 200)
+	if rp.Header.Get(requestIDHeader) != strings.Repeat("r", 128) {
+		t.Fatalf("request id echoed as %q", rp.Header.Get(requestIDHeader))
+	}
+}

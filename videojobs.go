@@ -57,7 +57,7 @@ func (h *Handler) trackVideoJob(r *http.Request, t *scheduler.Ticket, rec *recor
 		return false
 	}
 	switch {
-	case r.Method == http.MethodPost && t.Job && job.ID != "":
+	case r.Method == http.MethodPost && t.Job && request.ValidJobID(job.ID):
 		h.pool.Videos().Remember(job.ID, t.ServedBy())
 		return h.pool.HoldVideo(t, job.ID)
 	case r.Method == http.MethodDelete && t.Pin != "":

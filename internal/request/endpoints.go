@@ -31,10 +31,11 @@ type Rerun uint8
 const (
 	// RerunUntilSent: until any byte of the answer has reached the client.
 	RerunUntilSent Rerun = iota
-	// RerunUnanswered: only while its worker gave no answer at all. A video
-	// worker that answered may have created the job, which would then run
-	// twice.
-	RerunUnanswered
+	// RerunUnsent: only while the request never reached its worker (no
+	// connection could be made). A video worker that was sent the request
+	// may have created the job, answer or not, which would then run twice,
+	// its id known to nobody.
+	RerunUnsent
 )
 
 // An Endpoint is what the router knows of a path it treats specially: one
@@ -75,7 +76,7 @@ var Endpoints = Table{
 	{Path: "/v1/images/generations", Kind: Image, Class: "images", Cost: imageCost, Serves: ImageTask, Hedged: true, LearnsImageID: true},
 	{Path: "/v1/images/edits", Kind: Image, Class: "image_edits", Cost: imageEditCost, Serves: ImageTask, Hedged: true, LearnsImageID: true},
 	{Path: "/v1/images/generations/stream", Kind: ImageStream, Class: "image_stream", Cost: imageCost, Serves: ImageTask, Stream: true},
-	{Path: "/v1/videos", Kind: Video, Class: "videos", Cost: videoCost, Serves: VideoTask, PollParam: "video_id", Rerun: RerunUnanswered},
+	{Path: "/v1/videos", Kind: Video, Class: "videos", Cost: videoCost, Serves: VideoTask, PollParam: "video_id", Rerun: RerunUnsent},
 	{Path: "/v1/diffusion/generate", Kind: Rollout, Class: "diffusion", Cost: diffusionCost, Serves: AnyTask, Hedged: true},
 	{Path: "/rollout/generate", Kind: Rollout, Class: "rollout", Cost: rolloutCost, Serves: AnyTask, Hedged: true},
 	{Path: "/v1/videos/", Prefix: true, Kind: VideoPoll, Class: "video_job", Pinned: true},

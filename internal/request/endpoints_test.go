@@ -60,7 +60,7 @@ func TestBadImageJobPathsAreRefused(t *testing.T) {
 
 func TestOnlyVideosRunAgainOnlyUnanswered(t *testing.T) {
 	for _, e := range Endpoints {
-		if want := e.Kind == Video; (e.Rerun == RerunUnanswered) != want {
+		if want := e.Kind == Video; (e.Rerun == RerunUnsent) != want {
 			t.Errorf("%s: rerun %d", e.Path, e.Rerun)
 		}
 		if e.Hedged && (e.Stream || e.Kind == Video) {
