@@ -194,6 +194,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    fail_window      <duration>
 //	    eject_time       <duration>
 //	    max_eject_time   <duration>
+//	    max_ejection_percent <percent>
 //	    stall_factor     <factor>
 //	    min_ready        <n>
 //
@@ -309,12 +310,13 @@ var handlerOptions = map[string]option{
 	"health_status":   one(func(h *Handler) *int { return &h.HealthChecks.Active.ExpectStatus }, parseWhole),
 	"health_body":     one(func(h *Handler) *string { return &h.HealthChecks.Active.ExpectBody }, parseText),
 
-	"max_fails":      one(func(h *Handler) *int { return &h.HealthChecks.Passive.MaxFails }, parseWhole),
-	"fail_window":    one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Passive.FailWindow }, parseDuration),
-	"eject_time":     one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Passive.EjectTime }, parseDuration),
-	"max_eject_time": one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Passive.MaxEjectTime }, parseDuration),
-	"stall_factor":   one(func(h *Handler) *float64 { return &h.HealthChecks.Passive.StallFactor }, parseNumber),
-	"min_ready":      one(func(h *Handler) *int { return &h.HealthChecks.MinReady }, parseWhole),
+	"max_fails":            one(func(h *Handler) *int { return &h.HealthChecks.Passive.MaxFails }, parseWhole),
+	"fail_window":          one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Passive.FailWindow }, parseDuration),
+	"eject_time":           one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Passive.EjectTime }, parseDuration),
+	"max_eject_time":       one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Passive.MaxEjectTime }, parseDuration),
+	"max_ejection_percent": one(func(h *Handler) *int { return &h.HealthChecks.Passive.MaxEjectionPercent }, parseWhole),
+	"stall_factor":         one(func(h *Handler) *float64 { return &h.HealthChecks.Passive.StallFactor }, parseNumber),
+	"min_ready":            one(func(h *Handler) *int { return &h.HealthChecks.MinReady }, parseWhole),
 
 	"weights_mode":        one(func(h *Handler) *string { return &h.Weights.Mode }, parseText),
 	"rolling_batch":       one(func(h *Handler) *int { return &h.Weights.RollingBatch }, parseWhole),

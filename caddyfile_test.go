@@ -83,6 +83,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		fail_window 1m
 		eject_time 20s
 		max_eject_time 10m
+		max_ejection_percent 25
 		min_ready 2
 		retry_on 500 503
 		max_attempts 2
@@ -122,7 +123,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 			},
 			Passive: PassiveHealthChecks{
 				MaxFails: 4, FailWindow: caddy.Duration(time.Minute), EjectTime: caddy.Duration(20 * time.Second),
-				MaxEjectTime: caddy.Duration(10 * time.Minute), StallFactor: 3.5,
+				MaxEjectTime: caddy.Duration(10 * time.Minute), MaxEjectionPercent: 25, StallFactor: 3.5,
 			},
 			MinReady: 2,
 		},

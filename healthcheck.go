@@ -39,7 +39,10 @@ const (
 	defaultFailWindow     = 30 * time.Second
 	defaultEjectTime      = 10 * time.Second
 	defaultMaxEjectTime   = 5 * time.Minute
-	maxHealthBody         = 64 << 10
+	// Half the pool: diffusion fleets are of a few to tens of workers,
+	// where Envoy's 10% would let one bad worker of eight out at most.
+	defaultMaxEjectionPercent = 50
+	maxHealthBody             = 64 << 10
 )
 
 // HealthApp runs the active health checks of the pools its config uses,

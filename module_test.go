@@ -537,7 +537,9 @@ func TestBadCostFieldsAreRefusedBeforeAnyWorker(t *testing.T) {
 func TestFullQueueAnswers429(t *testing.T) {
 	// One worker busy for 4 s; one job may wait; the third is refused.
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w", UnitMs: 1000})
-	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_queue 1\n}")
+	// The worker is closed at the end: the job still waiting then gives up
+	// after queue_timeout rather than the client's timeout.
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_queue 1\n queue_timeout 10s\n}")
 	slow := `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":4}`
 	running := busyWith(t, r, ws[0].URL(), slow)
 	var wg sync.WaitGroup

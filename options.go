@@ -160,6 +160,11 @@ type PassiveHealthChecks struct {
 	// MaxEjectTime is the longest ejection. Default 5m.
 	MaxEjectTime caddy.Duration `json:"max_eject_time,omitempty"`
 
+	// MaxEjectionPercent bounds the workers ejected at once, in percent
+	// of the pool (one may always be): failures on every worker say more of
+	// the jobs than of the workers, and the fleet keeps serving. Default 50.
+	MaxEjectionPercent int `json:"max_ejection_percent,omitempty"`
+
 	// StallFactor: a job running this many times longer than predicted
 	// (and at least the probe timeout) makes its worker suspect, with no
 	// new jobs until that job ends. Default 5.
@@ -410,6 +415,7 @@ func (h *Handler) provisionHealth() error {
 	p.FailWindow = cmp.Or(p.FailWindow, caddy.Duration(defaultFailWindow))
 	p.EjectTime = cmp.Or(p.EjectTime, caddy.Duration(defaultEjectTime))
 	p.MaxEjectTime = cmp.Or(p.MaxEjectTime, caddy.Duration(defaultMaxEjectTime))
+	p.MaxEjectionPercent = cmp.Or(p.MaxEjectionPercent, defaultMaxEjectionPercent)
 	p.StallFactor = cmp.Or(p.StallFactor, defaultStallFactor)
 	h.HealthChecks.MinReady = cmp.Or(h.HealthChecks.MinReady, 1)
 	if err := checkHealth(&h.HealthChecks); err != nil {
@@ -421,6 +427,7 @@ func (h *Handler) provisionHealth() error {
 		Fails: a.Fails, Passes: a.Passes, Status: a.ExpectStatus,
 		StallFactor: p.StallFactor, MaxFails: p.MaxFails, FailWindow: time.Duration(p.FailWindow),
 		EjectTime: time.Duration(p.EjectTime), MaxEjectTime: time.Duration(p.MaxEjectTime),
+		MaxEjectionPercent: p.MaxEjectionPercent,
 	}
 	if a.ExpectBody != "" {
 		re, err := regexp.Compile(a.ExpectBody)
@@ -458,6 +465,8 @@ func checkHealth(hc *HealthChecks) error {
 		return optionError("eject_time", "health_checks.passive.eject_time", "must be positive")
 	case p.MaxEjectTime < p.EjectTime:
 		return optionError("max_eject_time", "health_checks.passive.max_eject_time", "must be at least eject_time (%s)", time.Duration(p.EjectTime))
+	case p.MaxEjectionPercent < 1 || p.MaxEjectionPercent > 100:
+		return optionError("max_ejection_percent", "health_checks.passive.max_ejection_percent", "must be 1 to 100, got %d", p.MaxEjectionPercent)
 	case !atLeastOne(p.StallFactor):
 		return optionError("stall_factor", "health_checks.passive.stall_factor", "must be a number of at least 1, got %g", p.StallFactor)
 	case hc.MinReady < 1:

@@ -138,6 +138,7 @@ type workerJSON struct {
 	ProbeFailures       int      `json:"probe_failures"`
 	LastProbe           *string  `json:"last_probe"`    // RFC 3339; null: never probed
 	EjectedUntil        *string  `json:"ejected_until"` // RFC 3339; null: not ejected
+	Probation           bool     `json:"probation"`     // back after an ejection: one job at a time until one succeeds
 	LastError           string   `json:"last_error"`
 	Speed               float64  `json:"speed"` // cost units per second
 	SpeedLearned        bool     `json:"speed_learned"`
@@ -165,6 +166,7 @@ func newWorkerJSON(w scheduler.WorkerInfo) workerJSON {
 		ProbeFailures:       w.ProbeFails,
 		LastProbe:           timeJSON(w.LastProbe),
 		EjectedUntil:        timeJSON(w.EjectedTill),
+		Probation:           w.Probation,
 		LastError:           w.LastError,
 		Speed:               w.Speed,
 		SpeedLearned:        w.SpeedLearned,

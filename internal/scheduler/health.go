@@ -23,6 +23,8 @@ type HealthConfig struct {
 	FailWindow   time.Duration //
 	EjectTime    time.Duration // first ejection; doubles on each repeat
 	MaxEjectTime time.Duration
+
+	MaxEjectionPercent int // workers that may be ejected at once, in percent of the pool; one always may
 }
 
 // HealthChange is what a probe result did to a worker.
@@ -157,6 +159,7 @@ func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.D
 	switch o {
 	case Succeeded:
 		w.evidence.ejections, w.evidence.naps = 0, 0
+		w.health.probation = false
 		return 0
 	case Abandoned, Refused:
 		return 0
@@ -175,15 +178,33 @@ func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.D
 		}
 	}
 	w.evidence.recentFails = append(kept, now)
-	if len(w.evidence.recentFails) < cfg.MaxFails {
+	if len(w.evidence.recentFails) < cfg.MaxFails && !w.health.probation || !p.mayEjectLocked(now, cfg) {
 		return 0
 	}
 	d := min(cfg.EjectTime<<min(w.evidence.ejections, 20), cfg.MaxEjectTime)
 	w.health.ejectedUntil, w.evidence.recentFails = now+int64(d), w.evidence.recentFails[:0]
+	// Back, it is on probation: one job at a time, and out again at its
+	// first failure, until a job succeeds. A passed probe says its HTTP
+	// server answers, not that its jobs do.
+	w.health.probation = true
 	w.evidence.ejections++
 	w.stats.ejected++
 	p.redispatchAtLocked(w.health.ejectedUntil) // jobs may be waiting for it
 	return d
+}
+
+// mayEjectLocked reports whether one more worker may be ejected at now:
+// never more than MaxEjectionPercent of the workers at once, but always
+// one, as Envoy's outlier detection does. Jobs failing everywhere say
+// more of the jobs than of the workers, and a fleet must keep serving.
+func (p *Pool) mayEjectLocked(now int64, cfg *HealthConfig) bool {
+	out := 0
+	for _, w := range p.workers {
+		if now < w.health.ejectedUntil {
+			out++
+		}
+	}
+	return out == 0 || (out+1)*100 <= cfg.MaxEjectionPercent*len(p.workers)
 }
 
 // Bounds of how long a worker that said it is asleep is left alone.

@@ -9,7 +9,7 @@ import (
 
 var testHealth = &HealthConfig{
 	Interval: 10 * time.Second, Timeout: 5 * time.Second, Fails: 3, Passes: 2, StallFactor: 5,
-	MaxFails: 3, FailWindow: 30 * time.Second, EjectTime: 10 * time.Second, MaxEjectTime: 35 * time.Second,
+	MaxFails: 3, FailWindow: 30 * time.Second, EjectTime: 10 * time.Second, MaxEjectTime: 35 * time.Second, MaxEjectionPercent: 100,
 }
 
 var errProbe = errors.New("status 503")
@@ -96,6 +96,14 @@ func TestStalledJobMakesWorkerSuspect(t *testing.T) {
 // timer on the real clock, which reads the fake one when it fires; stopping
 // the pool with the test keeps it from firing later, unsynchronised with
 // the test's last advance of the clock.
+// placeable reports whether a new job would get a worker at once.
+func placeable(p *Pool, cfg *Config) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w, _ := p.chooseLocked(&Ticket{pool: p, cfg: cfg, Job: true, Cost: 1})
+	return w != nil
+}
+
 func ejectingPool(t *testing.T, n int) (*Pool, *fakeClock) {
 	t.Helper()
 	p, clock := poolOf(t, n)
@@ -120,7 +128,7 @@ func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 	}
 	for _, want := range []time.Duration{20 * time.Second, 35 * time.Second, 35 * time.Second} {
 		clock.advance(ejectedFor())
-		fail(3)
+		fail(1) // back on probation: out again at its first failure
 		if d := ejectedFor(); d != want {
 			t.Fatalf("repeat ejection for %v; want %v", d, want)
 		}
@@ -134,6 +142,8 @@ func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 	}
 	// Failures spread wider than the window do not add up.
 	clock.advance(ejectedFor())
+	tk, _ = choose(t, p, cfg, 1)
+	p.Release(tk, Succeeded) // the probation ends
 	for range 3 {
 		fail(1)
 		clock.advance(20 * time.Second)
@@ -143,7 +153,11 @@ func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 	}
 }
 
-func TestPassedProbeEndsEjection(t *testing.T) {
+// A passed probe ends an ejection, as in Envoy, but into probation: the
+// worker gets one job at a time, and is out again at its first failure,
+// until a job succeeds. Its HTTP server answering says nothing of its
+// jobs.
+func TestPassedProbeEndsEjectionIntoProbation(t *testing.T) {
 	p, _ := ejectingPool(t, 1)
 	cfg := config(LeastRequest{}, 0)
 	cfg.Health = testHealth
@@ -158,8 +172,49 @@ func TestPassedProbeEndsEjection(t *testing.T) {
 	if change := p.RecordProbe(w.URL, nil, testHealth); change != EjectionEnded {
 		t.Fatalf("a passed probe of an ejected worker changed %v; want its ejection ended", change)
 	}
-	if w := p.Snapshot()[0]; w.State != Serving || !w.EjectedTill.IsZero() {
-		t.Fatalf("after a passed probe the worker is %v until %v; want serving", w.State, w.EjectedTill)
+	if w := p.Snapshot()[0]; w.State != Serving || !w.EjectedTill.IsZero() || !w.Probation {
+		t.Fatalf("after a passed probe the worker is %v until %v, probation %v; want serving on probation", w.State, w.EjectedTill, w.Probation)
+	}
+	first, _ := choose(t, p, cfg, 1)
+	if placeable(p, cfg) {
+		t.Fatal("a worker on probation would take a second job beside its first")
+	}
+	p.Release(first, Failed)
+	if w := p.Snapshot()[0]; w.State != Ejected {
+		t.Fatalf("a worker on probation that failed its job is %v; want ejected again", w.State)
+	}
+	p.RecordProbe(w.URL, nil, testHealth)
+	good, _ := choose(t, p, cfg, 1)
+	p.Release(good, Succeeded)
+	if w := p.Snapshot()[0]; w.Probation {
+		t.Fatal("a job that succeeded did not end the probation")
+	}
+	for range 2 {
+		choose(t, p, cfg, 1)
+	}
+}
+
+// Never more than max_ejection_percent of the pool is out at once, but one
+// worker always may be: jobs failing everywhere say more of the jobs than
+// of the workers.
+func TestEjectionsAreBoundedByMaxEjectionPercent(t *testing.T) {
+	p, _ := ejectingPool(t, 4)
+	cfg := config(&RoundRobin{}, 0)
+	hc := *testHealth
+	hc.MaxEjectionPercent = 50
+	cfg.Health = &hc
+	for range 4 * 3 { // three failures on each worker
+		tk, _ := choose(t, p, cfg, 1)
+		p.Release(tk, Failed)
+	}
+	ejected := 0
+	for _, w := range p.Snapshot() {
+		if w.State == Ejected {
+			ejected++
+		}
+	}
+	if ejected != 2 {
+		t.Fatalf("%d of 4 workers ejected under max_ejection_percent 50; want 2", ejected)
 	}
 }
 

@@ -174,6 +174,7 @@ type workerHealth struct {
 	suspect      bool  // a job of it overran its prediction: stalled
 	ejectedUntil int64 // out after failed requests until then, Unix nanoseconds
 	asleepUntil  int64 // out after it said it is asleep until then, Unix nanoseconds
+	probation    bool  // back after an ejection: one job at a time, out at its first failure, until one succeeds
 }
 
 // healthEvidence is what the verdict on a worker's health rests on.
@@ -284,6 +285,7 @@ type WorkerInfo struct {
 	Cost        float64 // their total cost
 	Ejections   uint64
 	EjectedTill time.Time // zero: not ejected
+	Probation   bool      // back after an ejection: one job at a time until one succeeds
 
 	Speed           float64 // learned cost units per second; the pool's median while unknown
 	SpeedLearned    bool
@@ -306,6 +308,9 @@ func (p *Pool) infoLocked(w *worker) WorkerInfo {
 	}
 	if now < w.health.ejectedUntil {
 		info.EjectedTill = time.Unix(0, w.health.ejectedUntil)
+	}
+	if w.health.probation {
+		info.Probation = true
 	}
 	if w.evidence.lastProbe > 0 {
 		info.LastProbe = time.Unix(0, w.evidence.lastProbe)

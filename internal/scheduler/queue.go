@@ -293,6 +293,9 @@ const (
 // worker whose jobs are overdue by more than the window may be stalled: it
 // is given one job beyond the limit at most.
 func fits(job bool, limit int, w *worker, now int64) bool {
+	if w.health.probation && job {
+		return w.load.inflight == 0
+	}
 	if !job || limit == 0 || w.load.inflight < limit {
 		return true
 	}
