@@ -31,7 +31,7 @@ type rerunCause uint8
 const (
 	noRerun     rerunCause = iota
 	unreachable            // the worker could not be reached, or dropped the connection before answering
-	badGateway             // it answered 502, 503, 504 or a status in retry_on
+	badGateway             // it answered a 5xx or a status in retry_on
 	fellAsleep             // it answered that it is asleep: put to sleep behind the router's back
 )
 
@@ -67,12 +67,18 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *scheduler.Ticket, nex
 		}
 		cause := h.rerunCause(r, rec, t, err)
 		if cause == noRerun {
+			if jobsFault(t, heldStatus(rec)) {
+				h.pool.Forgive(t.Blamed) // its 5xx was the job's fault too
+			}
 			if err := rec.passHeld(); err != nil {
 				return err
 			}
 			return h.answered(rec, t, err)
 		}
 		from := t.ServedBy()
+		if cause == badGateway && rec.held.status >= 500 {
+			t.Blamed = from
+		}
 		if retryErr := h.pool.Retry(r.Context(), t, cause.outcome(rec)); retryErr != nil {
 			return h.lastAnswer(rec, t, cause, err, retryErr)
 		}
@@ -140,11 +146,10 @@ func (h *Handler) judge(t *scheduler.Ticket) func(status int) verdict {
 		switch {
 		case !mayRerunAnswer:
 			return pass
-		case status == http.StatusBadGateway || status == http.StatusServiceUnavailable ||
-			status == http.StatusGatewayTimeout || slices.Contains(h.LoadBalancing.RetryOn, status):
-			return drop
 		case status == http.StatusInternalServerError:
 			return read // it may say the worker is asleep
+		case status >= 500 || slices.Contains(h.LoadBalancing.RetryOn, status):
+			return drop
 		}
 		return pass
 	}
@@ -157,14 +162,34 @@ func (h *Handler) rerunCause(r *http.Request, rec *recorder, t *scheduler.Ticket
 	switch {
 	case a == nil || r.Context().Err() != nil || t.Attempts >= t.Config().MaxAttempts:
 		return noRerun
-	case a.state == drop:
-		return badGateway
 	case a.state == read && bytes.Contains(a.body, asleepMessage):
 		return fellAsleep
+	case a.state == drop || a.state == read:
+		if jobsFault(t, a.status) {
+			return noRerun
+		}
+		return badGateway
 	case a.state == undecided && err != nil && workerDropped(err) && (t.Route.Rerun != request.RerunUnsent || neverSent(err)):
 		return unreachable
 	}
 	return noRerun
+}
+
+// outcomeOf is what t's attempt on r, ended with err and status, says of
+// its worker; a 5xx that was the job's own fault says nothing.
+func outcomeOf(r *http.Request, t *scheduler.Ticket, err error, status int) scheduler.Outcome {
+	if err == nil && jobsFault(t, status) {
+		return scheduler.Refused
+	}
+	return scheduler.OutcomeOf(r.Context(), err, status)
+}
+
+// jobsFault reports whether a 5xx answer to t is taken as the job's own
+// fault rather than its worker's: another worker answered t with a 5xx
+// already. A job that fails the same way on two workers would fail on
+// all of them.
+func jobsFault(t *scheduler.Ticket, status int) bool {
+	return status >= 500 && t.Blamed != "" && t.Blamed != t.ServedBy()
 }
 
 // neverSent reports whether err ended an attempt before its request
@@ -248,7 +273,7 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		// The worker generates while it sends events: its slot is taken
 		// until the stream ends.
 	default:
-		rec.onHeader = func(status int) { release(scheduler.OutcomeOf(r.Context(), nil, status)) }
+		rec.onHeader = func(status int) { release(outcomeOf(r, t, nil, status)) }
 	}
 	h.learnImageJobs(rec, r, t)
 	t.Sent = true
@@ -262,7 +287,7 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		return err // pool.retry releases the worker
 	}
 	if !h.trackVideoJob(r, t, rec, err) {
-		release(scheduler.OutcomeOf(r.Context(), err, heldStatus(rec)))
+		release(outcomeOf(r, t, err, heldStatus(rec)))
 	}
 	return err
 }

@@ -79,18 +79,43 @@ func TestJobRunsAgainAfterBadGateway(t *testing.T) {
 	}
 }
 
-func TestJobFailingEverywhereAnswersTheLastError(t *testing.T) {
-	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
+// A job that two workers answer with a 5xx is taken as the job's own
+// fault: it is not run again, its client gets the second answer, and the
+// first worker's failure is taken back.
+func TestJobFailingOnTwoWorkersIsTheJobsFault(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c"})
 	a, failedA := fronted(t, ws[0], http.StatusBadGateway, generations)
 	b, failedB := fronted(t, ws[1], http.StatusBadGateway, generations)
-	r := testrouter.Start(t, "diffusion_router {\n workers "+a+" "+b+"\n max_attempts 3\n max_fails 100\n}")
+	r := testrouter.Start(t, "diffusion_router {\n workers "+a+" "+b+" "+ws[2].URL()+"\n policy round_robin\n max_attempts 3\n max_fails 100\n}")
 	rp := r.Post("/v1/images/generations", smallImage)
-	testrouter.ExpectStatus(t, "a job every worker fails", rp, http.StatusBadGateway)
+	testrouter.ExpectStatus(t, "a job two workers fail", rp, http.StatusBadGateway)
 	if !strings.Contains(string(rp.Body), "upstream unavailable") {
-		t.Fatalf("body %s; want the last worker's answer", rp.Body)
+		t.Fatalf("body %s; want the second worker's answer", rp.Body)
 	}
-	if n := failedA.Load() + failedB.Load(); n != 3 {
-		t.Fatalf("the job was sent %d times; want max_attempts, 3", n)
+	if n := failedA.Load() + failedB.Load(); n != 2 || ws[2].Stats().Jobs != 0 {
+		t.Fatalf("the job was sent %d times to the failing workers and %d to the good one; want 2 and 0", n, ws[2].Stats().Jobs)
+	}
+	for _, u := range []string{a, b} {
+		if f := r.Workers()[u]["failures"]; f != 0.0 {
+			t.Fatalf("worker %s shows %v failures for the job's own fault", u, f)
+		}
+	}
+}
+
+// A 5xx from a worker, 500 included (sglang-diffusion's answer to most
+// scheduler errors), is its failure: the job runs again on another worker.
+func TestA500RunsAgainElsewhere(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "bad", FailRate: 1}, fakeworker.Config{Name: "good"})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n max_fails 100\n}")
+	for i := range 4 {
+		rp := r.Post("/v1/images/generations", smallImage)
+		testrouter.ExpectStatus(t, "a job beside a worker that fails every job with 500", rp, 200)
+		if got := rp.Header.Get("X-Fake-Worker"); got != "good" {
+			t.Fatalf("request %d answered by %q", i, got)
+		}
+	}
+	if ws[0].Stats().Failed == 0 {
+		t.Fatal("no job reached the failing worker; the test proves nothing")
 	}
 }
 

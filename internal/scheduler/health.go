@@ -178,6 +178,7 @@ func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.D
 		}
 	}
 	w.evidence.recentFails = append(kept, now)
+	w.evidence.lastFail = now
 	if len(w.evidence.recentFails) < cfg.MaxFails && !w.health.probation || !p.mayEjectLocked(now, cfg) {
 		return 0
 	}
@@ -187,10 +188,35 @@ func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.D
 	// first failure, until a job succeeds. A passed probe says its HTTP
 	// server answers, not that its jobs do.
 	w.health.probation = true
+	w.evidence.ejectedAt = now
 	w.evidence.ejections++
 	w.stats.ejected++
 	p.redispatchAtLocked(w.health.ejectedUntil) // jobs may be waiting for it
 	return d
+}
+
+// Forgive takes back the last failure counted against the worker at url,
+// and the ejection it caused, if it did: the job it failed turned out to
+// fail on another worker as well, so it was the job's fault.
+func (p *Pool) Forgive(url string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.findLocked(url)
+	if w == nil || w.stats.failures == 0 {
+		return
+	}
+	w.stats.failures--
+	w.evidence.consecFails = max(w.evidence.consecFails-1, 0)
+	if n := len(w.evidence.recentFails); n > 0 && w.evidence.recentFails[n-1] == w.evidence.lastFail {
+		w.evidence.recentFails = w.evidence.recentFails[:n-1]
+	}
+	if w.evidence.ejectedAt != 0 && w.evidence.ejectedAt == w.evidence.lastFail {
+		w.health.ejectedUntil, w.health.probation = 0, false
+		w.evidence.ejections--
+		w.stats.ejected--
+		w.evidence.ejectedAt = 0
+		p.dispatchLocked()
+	}
 }
 
 // mayEjectLocked reports whether one more worker may be ejected at now:

@@ -184,6 +184,8 @@ type healthEvidence struct {
 	lastProbe   int64   // Unix nanoseconds
 	lastError   string  // of the last probe
 	recentFails []int64 // failed requests within the fail window
+	lastFail    int64   // when the last failed request was counted, Unix nanoseconds
+	ejectedAt   int64   // when the last ejection began, Unix nanoseconds
 	ejections   uint    // ejections since the last success
 	consecFails int     // failed requests since the last success
 	naps        uint    // answers saying it is asleep since the last success

@@ -78,6 +78,7 @@ type Ticket struct {
 	ghost     bool                    // its client left; the worker still computes it
 	Lookups   int                     // upstream lookups by reverse_proxy; more than one is a retry
 	Attempts  int                     // times the request was sent to a worker
+	Blamed    string                  // the worker whose 5xx made the job run again, if one did
 	seq       uint64                  // arrival order among jobs: a job that runs again keeps its place
 	Body      []byte                  // a job's body, sent again when it runs again
 	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t

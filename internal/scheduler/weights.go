@@ -135,8 +135,8 @@ func (p *Pool) Moved(urls []string, s State) {
 	for _, u := range urls {
 		if w := p.findLocked(u); w != nil {
 			w.life.state = s
-			if s == Serving { // awake now, whatever it said before
-				w.evidence.naps, w.health.asleepUntil = 0, 0
+			if s == Serving { // awake now, whatever it said or did before
+				p.wokeLocked(w)
 			}
 			p.holdIfBehindLocked(w)
 		}
@@ -162,6 +162,17 @@ func (p *Pool) InState(s State) ([]string, error) {
 		return nil, ErrNothingToDo
 	}
 	return out, nil
+}
+
+// wokeLocked notes that w answered a wake: whatever it said before, it is
+// awake. Failures while it slept (sglang-diffusion answers an image job
+// on a sleeping worker with a bare 500) end their ejection, into
+// probation.
+func (p *Pool) wokeLocked(w *worker) {
+	w.evidence.naps, w.health.asleepUntil = 0, 0
+	if w.health.ejectedUntil > p.now().UnixNano() {
+		w.health.ejectedUntil = 0
+	}
 }
 
 // NotHeldBack returns the workers an operator has not held back:
