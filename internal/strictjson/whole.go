@@ -33,156 +33,224 @@ var (
 // string or literal is never whole; a top-level number cut short still
 // reads as a number, which no check of the bytes alone can tell.
 func Whole(body []byte) error {
-	var stack []byte // the open containers, '{' or '['
-	i := skipSpace(body, 0)
-	for {
-		// A value starts at i.
-		if i >= len(body) {
-			return incomplete(body)
-		}
-		switch c := body[i]; c {
-		case '{', '[':
-			closing := byte('}')
-			if c == '[' {
-				closing = ']'
-			}
-			if len(stack) >= MaxDepth { // as encoding/json counts, empty ones too
-				return ErrTooDeep
-			}
-			i = skipSpace(body, i+1)
-			if i < len(body) && body[i] == closing {
-				i++
-				break
-			}
-			stack = append(stack, c)
-			if c == '{' {
-				var err error
-				if i, err = memberKey(body, i); err != nil {
-					return err
-				}
+	var s Stream
+	s.Feed(body)
+	return s.End()
+}
+
+// Stream is Whole for a body that comes in pieces, as an answer streamed
+// through the router does: Feed it each piece in order, then End. It keeps
+// the open brackets and where in a value the last piece ended, never the
+// body. The zero Stream is ready for a body's first piece.
+type Stream struct {
+	stack   []byte // the open containers, '{' or '['
+	state   state
+	literal string // the rest of a true, false or null begun
+	escaped bool   // in a string: the piece before ended in an odd run of backslashes
+	offset  int    // bytes fed before this piece
+	err     error
+}
+
+// state is where in the body the next byte falls.
+type state uint8
+
+const (
+	valueNext    state = iota // a value starts (the body's, or after ':' or ',' in an array)
+	valueOrClose              // after '[': a value, or ']'
+	keyOrClose                // after '{': a key, or '}'
+	keyNext                   // after ',' in an object: a key
+	inKey                     // inside a key's string
+	colonNext                 // after a key
+	inString                  // inside a string value
+	inLiteral                 // inside true, false or null
+	inNumber                  // inside a number
+	afterValue                // after a value: ',' or a closing bracket, or nothing at the top
+)
+
+// Feed checks the next piece of the body. After an error it does nothing:
+// End reports the first.
+func (s *Stream) Feed(p []byte) {
+	if s.err != nil {
+		return
+	}
+	// One loop, the state in locals and every step written out: most
+	// answers are few bytes of structure around long strings, but a body
+	// of small values pays this loop for each byte.
+	st, stack := s.state, s.stack
+	defer func() { s.state, s.stack = st, stack }()
+	for i := 0; i < len(p); {
+		switch st {
+		case inKey, inString:
+			end, closed := s.skipString(p, i)
+			if i = end; closed && st == inKey {
+				st = colonNext
+			} else if closed {
+				st = afterValue
 			}
 			continue
-		case '"':
-			var err error
-			if i, err = stringEnd(body, i); err != nil {
-				return err
+		case inLiteral:
+			n := min(len(s.literal), len(p)-i)
+			if string(p[i:i+n]) != s.literal[:n] {
+				s.fail(ErrStructure, "bad literal", i)
+				return
 			}
-		case 't', 'f', 'n':
-			lit := "null"
-			switch c {
-			case 't':
-				lit = "true"
-			case 'f':
-				lit = "false"
+			if s.literal, i = s.literal[n:], i+n; s.literal == "" {
+				st = afterValue
 			}
-			rest := body[i:min(len(body), i+len(lit))]
+			continue
+		case inNumber:
+			for i < len(p) && isNumberByte(p[i]) {
+				i++
+			}
+			if i < len(p) {
+				st = afterValue
+			}
+			continue
+		}
+		c := p[i]
+		if c <= ' ' && (c == ' ' || c == '\n' || c == '\r' || c == '\t') {
+			i++
+			continue
+		}
+		switch st {
+		case afterValue:
 			switch {
-			case string(rest) == lit:
-				i += len(lit)
-			case len(rest) < len(lit) && lit[:len(rest)] == string(rest):
-				return incomplete(body)
-			default:
-				return fmt.Errorf("%w: bad literal at offset %d", ErrStructure, i)
-			}
-		default:
-			start := i
-			for i < len(body) && isNumberByte(body[i]) {
-				i++
-			}
-			if i == start {
-				return fmt.Errorf("%w: unexpected %q at offset %d", ErrStructure, c, i)
-			}
-		}
-		// A value ended at i: close containers until one takes another.
-	next:
-		for {
-			i = skipSpace(body, i)
-			if len(stack) == 0 {
-				if i != len(body) {
-					return fmt.Errorf("%w (offset %d, %d bytes)", ErrTrailing, i, len(body)-i)
-				}
-				return nil
-			}
-			if i >= len(body) {
-				return incomplete(body)
-			}
-			top := stack[len(stack)-1]
-			switch c := body[i]; {
+			case len(stack) == 0:
+				s.fail(ErrTrailing, "more than whitespace", i)
+				return
+			case c == ',' && stack[len(stack)-1] == '[':
+				st = valueNext
 			case c == ',':
-				i = skipSpace(body, i+1)
-				if top == '{' {
-					var err error
-					if i, err = memberKey(body, i); err != nil {
-						return err
-					}
-				}
-				break next
-			case c == '}' && top == '{', c == ']' && top == '[':
+				st = keyNext
+			case c == stack[len(stack)-1]+2: // ']' is '['+2, '}' is '{'+2
 				stack = stack[:len(stack)-1]
-				i++
 			default:
-				return fmt.Errorf("%w: unexpected %q at offset %d", ErrStructure, c, i)
+				s.unexpected(c, i)
+				return
+			}
+		case colonNext:
+			if c != ':' {
+				s.fail(ErrStructure, "no colon after a key", i)
+				return
+			}
+			st = valueNext
+		case keyOrClose, keyNext:
+			switch {
+			case c == '"':
+				st, s.escaped = inKey, false
+			case c == '}' && st == keyOrClose:
+				stack, st = stack[:len(stack)-1], afterValue
+			default:
+				s.fail(ErrStructure, "a key must be a string", i)
+				return
+			}
+		default: // valueNext, valueOrClose
+			switch c {
+			case ']':
+				if st != valueOrClose {
+					s.unexpected(c, i)
+					return
+				}
+				stack, st = stack[:len(stack)-1], afterValue
+			case '"':
+				st, s.escaped = inString, false
+			case '{', '[':
+				if len(stack) >= MaxDepth { // as encoding/json counts, empty ones too
+					s.err = ErrTooDeep
+					return
+				}
+				stack, st = append(stack, c), valueOrClose
+				if c == '{' {
+					st = keyOrClose
+				}
+			case 't', 'f', 'n':
+				st, s.literal = inLiteral, literalRest[c]
+			default:
+				if !isNumberByte(c) {
+					s.unexpected(c, i)
+					return
+				}
+				st = inNumber
 			}
 		}
-	}
-}
-
-// memberKey reads an object member's key and its colon at i, and returns
-// where the member's value starts.
-func memberKey(body []byte, i int) (int, error) {
-	if i >= len(body) {
-		return i, incomplete(body)
-	}
-	if body[i] != '"' {
-		return i, fmt.Errorf("%w: a key must be a string, offset %d", ErrStructure, i)
-	}
-	i, err := stringEnd(body, i)
-	if err != nil {
-		return i, err
-	}
-	i = skipSpace(body, i)
-	switch {
-	case i >= len(body):
-		return i, incomplete(body)
-	case body[i] != ':':
-		return i, fmt.Errorf("%w: no colon after a key, offset %d", ErrStructure, i)
-	}
-	return skipSpace(body, i+1), nil
-}
-
-// stringEnd returns the offset just past the string whose opening quote is
-// at i. A quote preceded by an odd run of backslashes is escaped; the runs
-// between quotes are disjoint, so counting them costs O(len) in all.
-func stringEnd(body []byte, i int) (int, error) {
-	j := i + 1
-	for {
-		k := bytes.IndexByte(body[j:], '"')
-		if k < 0 {
-			return len(body), incomplete(body)
-		}
-		j += k
-		escapes := 0
-		for p := j - 1; p > i && body[p] == '\\'; p-- {
-			escapes++
-		}
-		if escapes%2 == 0 {
-			return j + 1, nil
-		}
-		j++
-	}
-}
-
-func skipSpace(body []byte, i int) int {
-	for i < len(body) && (body[i] == ' ' || body[i] == '\n' || body[i] == '\r' || body[i] == '\t') {
 		i++
 	}
-	return i
+	s.offset += len(p)
+}
+
+// literalRest is what follows the first letter of true, false and null.
+var literalRest = [256]string{'t': "rue", 'f': "alse", 'n': "ull"}
+
+// End reports whether the body fed was one whole value.
+func (s *Stream) End() error {
+	switch {
+	case s.err != nil:
+		return s.err
+	case len(s.stack) == 0 && (s.state == afterValue || s.state == inNumber):
+		return nil
+	}
+	return fmt.Errorf("%w (offset %d)", ErrIncomplete, s.offset)
+}
+
+// skipString steps over the bytes of a string from offset i of p and
+// returns the offset past its closing quote, or len(p) (and false) when the
+// string goes on into the next piece. Keys and short values are stepped
+// over a byte at a time; past shortString bytes, the rest is found with
+// IndexByte: a quote preceded by an odd run of backslashes is escaped, and
+// as the runs before quotes are disjoint, counting them costs O(len) in
+// all.
+func (s *Stream) skipString(p []byte, i int) (int, bool) {
+	escaped := s.escaped
+	for end := min(len(p), i+shortString); i < end; i++ {
+		switch c := p[i]; {
+		case escaped:
+			escaped = false
+		case c == '\\':
+			escaped = true
+		case c == '"':
+			return i + 1, true
+		}
+	}
+	run := i // where the backslashes before a quote may start
+	for {
+		k := bytes.IndexByte(p[i:], '"')
+		if k < 0 {
+			s.escaped = oddBackslashes(p[run:], escaped)
+			return len(p), false
+		}
+		j := i + k
+		if !oddBackslashes(p[run:j], escaped) {
+			return j + 1, true
+		}
+		i, run, escaped = j+1, j+1, false // an escaped quote ends any run
+	}
+}
+
+// shortString is how many bytes of a string skipString reads one at a
+// time before it calls IndexByte, which costs more than that to call.
+const shortString = 16
+
+// oddBackslashes reports whether b ends in an odd run of backslashes;
+// carried is whether the bytes before b did, which counts when the run
+// fills b.
+func oddBackslashes(b []byte, carried bool) bool {
+	n := 0
+	for n < len(b) && b[len(b)-1-n] == '\\' {
+		n++
+	}
+	return (n%2 == 1) != (n == len(b) && carried)
+}
+
+// unexpected records c, at offset i of the piece, as out of place.
+func (s *Stream) unexpected(c byte, i int) {
+	s.fail(ErrStructure, fmt.Sprintf("unexpected %q", c), i)
+}
+
+// fail records err at offset i of the piece being fed.
+func (s *Stream) fail(err error, what string, i int) {
+	s.err = fmt.Errorf("%w: %s at offset %d", err, what, s.offset+i)
 }
 
 func isNumberByte(c byte) bool {
 	return '0' <= c && c <= '9' || c == '-' || c == '+' || c == '.' || c == 'e' || c == 'E'
-}
-
-func incomplete(body []byte) error {
-	return fmt.Errorf("%w (offset %d)", ErrIncomplete, len(body))
 }

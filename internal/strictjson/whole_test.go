@@ -58,6 +58,11 @@ func FuzzWhole(f *testing.F) {
 	f.Add(rolloutJSON(2, 8))
 	f.Fuzz(func(t *testing.T, body []byte) {
 		err := Whole(body)
+		for k := range len(body) {
+			if got := inPieces(body, k, 1); kind(got) != kind(err) {
+				t.Fatalf("%q fed as %q and the rest a byte at a time: %v; at once: %v", body, body[:k], got, err)
+			}
+		}
 		if !json.Valid(body) {
 			return
 		}
@@ -73,7 +78,61 @@ func FuzzWhole(f *testing.F) {
 				t.Fatalf("prefix %q of %q is whole", body[:k], body)
 			}
 		}
+
 	})
+}
+
+// inPieces checks body through a Stream: its first k bytes, then pieces of
+// n bytes.
+func inPieces(body []byte, k, n int) error {
+	var s Stream
+	s.Feed(body[:k])
+	for rest := body[k:]; len(rest) > 0; rest = rest[min(n, len(rest)):] {
+		s.Feed(rest[:min(n, len(rest))])
+	}
+	return s.End()
+}
+
+// TestStreamAgreesWithWhole cuts bodies into pieces at every offset, and
+// into pieces of every size: a Stream finds what Whole finds, however an
+// escape, a literal, a number or a key falls across the pieces.
+func TestStreamAgreesWithWhole(t *testing.T) {
+	bodies := []string{
+		string(rolloutJSON(2, 16)), `"a\\\"b\\"`, `["\\\\", "\\\"\\"]`, `{"k\"":true, "n": -1.5e3}`,
+		`[null,false,true]`, `12`, `[12`, `{"a":1}{}`, `[tru]`, `{"a" 1}`, `["\\"`, ` {} `,
+	}
+	for _, body := range bodies {
+		want := Whole([]byte(body))
+		for k := range len(body) + 1 {
+			for n := 1; n <= len(body); n++ {
+				if got := inPieces([]byte(body), k, n); kind(got) != kind(want) {
+					t.Fatalf("%q: first %d bytes, then pieces of %d: %v; Whole says %v", body, k, n, got, want)
+				}
+			}
+		}
+	}
+}
+
+// kind is which of the package's errors err is.
+func kind(err error) error {
+	for _, k := range []error{ErrIncomplete, ErrTrailing, ErrStructure, ErrTooDeep} {
+		if errors.Is(err, k) {
+			return k
+		}
+	}
+	return err
+}
+
+// BenchmarkStream checks the answer of BenchmarkWhole fed in the 32 KiB
+// pieces reverse_proxy copies an answer in.
+func BenchmarkStream(b *testing.B) {
+	body := rolloutJSON(4, 8<<20)
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		if err := inPieces(body, 0, 32<<10); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
 
 // BenchmarkWhole and BenchmarkValid compare the structural check with
