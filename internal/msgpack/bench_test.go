@@ -28,6 +28,28 @@ func BenchmarkWhole(b *testing.B) {
 	}
 }
 
+// BenchmarkStream checks the answer of BenchmarkWhole fed in the 32 KiB
+// pieces reverse_proxy copies an answer in: a step per piece on top of
+// Whole's.
+func BenchmarkStream(b *testing.B) {
+	data := strings.Repeat("QUJD", 4<<20)
+	list := make([]any, 8)
+	for i := range list {
+		list[i] = rolloutLike(data)[0]
+	}
+	body, err := Marshal(list)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := inPieces(body, 0, 32<<10); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
 // BenchmarkWholeSmallValues is the worst case for a framing walk: one step
 // per byte, a 1 MiB array of small integers.
 func BenchmarkWholeSmallValues(b *testing.B) {

@@ -11,7 +11,8 @@ import (
 )
 
 // FuzzDecode checks the decoder and Whole against each other and against
-// the encoder: what decodes is whole; its encoding decodes to a value that
+// the encoder, and a Stream fed in pieces against Whole: what decodes is
+// whole; its encoding decodes to a value that
 // encodes the same again; and no strict prefix of an encoding is whole.
 func FuzzDecode(f *testing.F) {
 	for _, seed := range [][]byte{
@@ -24,6 +25,11 @@ func FuzzDecode(f *testing.F) {
 	f.Add(b)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		whole := Whole(data)
+		for k := range len(data) {
+			if got := inPieces(data, k, 1); kind(got) != kind(whole) {
+				t.Fatalf("%x fed as %x and the rest a byte at a time: %v; at once: %v", data, data[:k], got, whole)
+			}
+		}
 		v, err := UnmarshalOrdered(data)
 		if err != nil {
 			if whole == nil && (errors.Is(err, ErrIncomplete) || errors.Is(err, ErrTrailing)) {

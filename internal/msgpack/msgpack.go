@@ -312,59 +312,137 @@ var (
 // strings are UTF-8 or map keys strings: it answers "was this cut short?",
 // which is what a router must know before it calls an answer a success.
 func Whole(data []byte) error {
+	var s Stream
+	s.Feed(data)
+	return s.End()
+}
+
+// Stream is Whole for a body that comes in pieces, as an answer streamed
+// through the router does: Feed it each piece in order, then End. It keeps
+// a count of the values still owed, the payload bytes still to step over
+// and a type byte whose length field the piece cut off, never the body.
+// The zero Stream is ready for a body's first piece.
+type Stream struct {
+	begun   bool
+	pending int     // values still to read: the body's own, plus what its arrays and maps announced
+	skip    int     // payload bytes of the last value still to step over
+	head    [5]byte // a type byte and its length field, while a piece cut them
+	headLen int     // bytes of head received
+	offset  int     // bytes fed before this piece
+	err     error
+}
+
+// Feed checks the next piece of the body. After an error it does nothing:
+// End reports the first.
+func (s *Stream) Feed(p []byte) {
+	if !s.begun {
+		s.pending, s.begun = 1, true
+	}
 	i := 0
-	// pending is the number of values still to read: the top one, plus
-	// what the arrays and maps read so far announce.
-	for pending := 1; pending > 0; pending-- {
-		// Each pending value takes at least one byte: a count beyond
-		// what is left cannot be met, whatever follows.
-		if pending > len(data)-i {
-			return fmt.Errorf("%w (offset %d, %d values missing)", ErrIncomplete, len(data), pending-(len(data)-i))
+	if s.headLen > 0 { // the piece before ended inside a header
+		if i = s.finishHeader(p); s.headLen > 0 {
+			s.offset += len(p)
+			return
 		}
-		c := data[i]
-		i++
-		var skip, entries int // payload bytes to step over; entries announced
+	}
+	// The loop keeps the counts in locals and reads the usual values in
+	// place: a body of small values pays it for each byte.
+	pending, skip := s.pending, s.skip
+	for s.err == nil {
+		if n := min(skip, len(p)-i); n > 0 {
+			skip, i = skip-n, i+n
+		}
+		if i == len(p) {
+			break
+		}
+		if pending == 0 {
+			s.err = fmt.Errorf("%w (offset %d)", ErrTrailing, s.offset+i)
+			break
+		}
+		c := p[i]
+		pending--
 		switch {
 		case c <= 0x7f || c >= 0xe0 || c == tagNil || c == tagFalse || c == tagTrue:
+			i++
 		case c <= 0x8f:
-			entries = 2 * int(c&0x0f)
+			pending, i = pending+2*int(c&0x0f), i+1
 		case c <= 0x9f:
-			entries = int(c & 0x0f)
+			pending, i = pending+int(c&0x0f), i+1
 		case c <= 0xbf:
-			skip = int(c & 0x1f)
-		case c == tagNever:
-			return fmt.Errorf("%w 0xc1 at offset %d", ErrInvalid, i-1)
+			skip, i = int(c&0x1f), i+1
+		case len(p)-i < headerSize(c): // the piece ends inside its length field
+			s.head[0], s.headLen = c, copy(s.head[1:], p[i+1:])+1
+			i = len(p)
 		default:
-			size := lengthSize[c-tagBin8]
-			if len(data)-i < size {
-				return fmt.Errorf("%w (offset %d)", ErrIncomplete, len(data))
-			}
-			n := readUint(data[i:], size)
-			if n < 0 { // a 32-bit length beyond a 32-bit int: more than any body holds
-				return fmt.Errorf("%w (offset %d)", ErrIncomplete, len(data))
-			}
-			i += size
-			switch c {
-			case tagBin8, tagBin16, tagBin32, tagStr8, tagStr16, tagStr32:
-				skip = n
-			case tagExt8, tagExt16, tagExt32:
-				skip = n + 1 // the type byte
-			case tagArray16, tagArray32:
-				entries = n
-			case tagMap16, tagMap32:
-				entries = 2 * n
-			default: // numbers and fixext: a fixed payload
-				skip = fixedPayload[c-tagBin8]
-			}
+			var entries int
+			entries, skip = s.step(p[i:i+headerSize(c)], s.offset+i)
+			pending, i = pending+entries, i+headerSize(c)
 		}
-		if skip > len(data)-i {
-			return fmt.Errorf("%w (offset %d, %d bytes missing)", ErrIncomplete, len(data), skip-(len(data)-i))
-		}
-		i += skip
-		pending += entries
 	}
-	if i != len(data) {
-		return fmt.Errorf("%w (offset %d, %d bytes)", ErrTrailing, i, len(data)-i)
+	s.pending, s.skip = pending, skip
+	s.offset += len(p)
+}
+
+// finishHeader completes, from the start of p, the header the piece before
+// cut off, and steps over it; it returns the offset in p past it, or
+// len(p) while the header goes on.
+func (s *Stream) finishHeader(p []byte) int {
+	size := headerSize(s.head[0])
+	n := copy(s.head[s.headLen:size], p)
+	if s.headLen += n; s.headLen < size {
+		return len(p)
+	}
+	s.headLen = 0
+	entries, skip := s.step(s.head[:size], s.offset-size+n)
+	s.pending, s.skip = s.pending+entries, skip
+	return n
+}
+
+// headerSize is the size of a value's type byte and the length field after
+// it.
+func headerSize(c byte) int {
+	if c < tagBin8 || c > tagMap32 {
+		return 1
+	}
+	return 1 + lengthSize[c-tagBin8]
+}
+
+// step reads the header of a value of type 0xc1 to 0xdf, found at offset
+// at, and returns the entries it announces and the payload bytes to step
+// over.
+func (s *Stream) step(head []byte, at int) (entries, skip int) {
+	c := head[0]
+	if c == tagNever {
+		s.err = fmt.Errorf("%w 0xc1 at offset %d", ErrInvalid, at)
+		return 0, 0
+	}
+	n := readUint(head[1:], len(head)-1)
+	if n < 0 { // a 32-bit length beyond a 32-bit int: more than any body holds
+		s.err = fmt.Errorf("%w (offset %d)", ErrIncomplete, at)
+		return 0, 0
+	}
+	switch c {
+	case tagBin8, tagBin16, tagBin32, tagStr8, tagStr16, tagStr32:
+		return 0, n
+	case tagExt8, tagExt16, tagExt32:
+		return 0, n + 1 // the type byte
+	case tagArray16, tagArray32:
+		return n, 0
+	case tagMap16, tagMap32:
+		return 2 * n, 0
+	}
+	return 0, fixedPayload[c-tagBin8] // numbers and fixext: a fixed payload
+}
+
+// End reports whether the body fed was one whole value.
+func (s *Stream) End() error {
+	switch {
+	case s.err != nil:
+		return s.err
+	case !s.begun || s.headLen > 0:
+		return fmt.Errorf("%w (offset %d)", ErrIncomplete, s.offset)
+	case s.pending > 0 || s.skip > 0:
+		return fmt.Errorf("%w (offset %d, %d values and %d bytes missing)", ErrIncomplete, s.offset, s.pending, s.skip)
 	}
 	return nil
 }

@@ -124,6 +124,49 @@ func TestWholeRefusesEveryCut(t *testing.T) {
 	}
 }
 
+// inPieces checks data through a Stream: its first k bytes, then pieces of
+// n bytes.
+func inPieces(data []byte, k, n int) error {
+	var s Stream
+	s.Feed(data[:k])
+	for rest := data[k:]; len(rest) > 0; rest = rest[min(n, len(rest)):] {
+		s.Feed(rest[:min(n, len(rest))])
+	}
+	return s.End()
+}
+
+// kind is which of Whole's errors err is.
+func kind(err error) error {
+	for _, k := range []error{ErrIncomplete, ErrTrailing, ErrInvalid} {
+		if errors.Is(err, k) {
+			return k
+		}
+	}
+	return err
+}
+
+// TestStreamAgreesWithWhole cuts bodies into pieces at every offset, and
+// into pieces of every size: a Stream finds what Whole finds, however a
+// length field or a payload falls across the pieces.
+func TestStreamAgreesWithWhole(t *testing.T) {
+	rollout, _ := Marshal(rolloutLike(strings.Repeat("QUJD", 20)))
+	bodies := [][]byte{
+		rollout, rollout[:len(rollout)-3], append(rollout, 0xc0), {0x91, 0xc1},
+		{0xdd, 0, 0, 0, 2, 0xcb, 1, 2, 3, 4, 5, 6, 7, 8, 0xc7, 1, 5, 9},
+		{0xda, 0, 3, 'a', 'b', 'c'}, {0xda, 0, 3, 'a'}, {0xc0}, {},
+	}
+	for _, body := range bodies {
+		want := Whole(body)
+		for k := range len(body) + 1 {
+			for n := 1; n <= max(1, len(body)); n++ {
+				if got := inPieces(body, k, n); kind(got) != kind(want) {
+					t.Fatalf("%x: first %d bytes, then pieces of %d: %v; Whole says %v", body, k, n, got, want)
+				}
+			}
+		}
+	}
+}
+
 func TestDecoderLimitsDepthButWholeDoesNot(t *testing.T) {
 	deep := append(bytes.Repeat([]byte{0x91}, MaxDepth+1), 0xc0)
 	if err := Whole(deep); err != nil {
