@@ -33,9 +33,10 @@ const (
 	unreachable            // the worker could not be reached, or dropped the connection before answering
 	badGateway             // it answered a 5xx or a status in retry_on
 	fellAsleep             // it answered that it is asleep: put to sleep behind the router's back
+	cutShort               // its 2xx answer broke off, or its JSON or msgpack is not whole
 )
 
-var rerunCauseNames = [...]string{"", "connection", "status", "asleep"}
+var rerunCauseNames = [...]string{"", "connection", "status", "asleep", "cut_short"}
 
 func (c rerunCause) String() string { return rerunCauseNames[c] }
 
@@ -51,18 +52,16 @@ var asleepMessage = []byte("Server is sleeping. Call resume_memory_occupation fi
 // client until it is known to be the one the client gets.
 func (h *Handler) proxy(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler) error {
 	for {
-		var judge func(int) verdict
-		if h.mayRunAgain(r, t) {
+		var judge func(int) verdict // nil: every answer is the client's
+		rerun := h.mayRunAgain(r, t)
+		if rerun {
 			judge = h.judge(t)
 		}
 		var err error
-		switch {
-		case h.hedges(t):
-			err = h.sendHedged(rec, r, t, next, judge)
-		case judge != nil:
-			rec.hold(judge)
-			fallthrough
-		default:
+		if h.hedges(t) {
+			err = h.sendHedged(rec, r, t, next, judge, rerun)
+		} else {
+			rec.hold(judge, rerun)
 			err = h.send(rec, r, r.Context(), t, next, nil)
 		}
 		cause := h.rerunCause(r, rec, t, err)
@@ -85,7 +84,7 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *scheduler.Ticket, nex
 		h.metrics.reruns.WithLabelValues(cause.String()).Inc()
 		h.logger.Info("job runs again on another worker", zap.String("request_id", r.Header.Get(requestIDHeader)),
 			zap.String("from", from), zap.String("to", t.ServedBy()), zap.Stringer("cause", cause), zap.Int("attempt", t.Attempts+1))
-		rec.held = nil
+		rec.dropHeld()
 		r = withOwnVars(r)
 		r.Body = io.NopCloser(bytes.NewReader(t.Body))
 	}
@@ -106,14 +105,14 @@ func withOwnVars(r *http.Request) *http.Request {
 func (h *Handler) lastAnswer(rec *recorder, t *scheduler.Ticket, cause rerunCause, err, retryErr error) error {
 	switch {
 	case cause == fellAsleep && errors.Is(retryErr, scheduler.ErrAsleep):
-		rec.held = nil
+		rec.dropHeld()
 		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
 		status, msg := queueError(h.pool, t, retryErr)
 		return control.WriteError(rec, status, msg)
 	case rec.held.status != 0:
 		return rec.passHeld()
 	}
-	rec.held = nil
+	rec.dropHeld()
 	return h.answered(rec, t, err)
 }
 
@@ -139,9 +138,7 @@ func (h *Handler) mayRunAgain(r *http.Request, t *scheduler.Ticket) bool {
 // judge says which of a worker's answers to r the client must not get
 // while r may still run elsewhere.
 func (h *Handler) judge(t *scheduler.Ticket) func(status int) verdict {
-	// A video job that a worker answered for may exist there: only one
-	// that got no answer runs again.
-	mayRerunAnswer := !t.Job || t.Route.Rerun == request.RerunUntilSent
+	mayRerunAnswer := answerMayRunAgain(t)
 	return func(status int) verdict {
 		switch {
 		case !mayRerunAnswer:
@@ -155,12 +152,19 @@ func (h *Handler) judge(t *scheduler.Ticket) func(status int) verdict {
 	}
 }
 
+// answerMayRunAgain reports whether t may run again after its worker
+// answered. A video job that a worker answered for may exist there: only
+// one that got no answer runs again.
+func answerMayRunAgain(t *scheduler.Ticket) bool {
+	return !t.Job || t.Route.Rerun == request.RerunUntilSent
+}
+
 // rerunCause says whether t's attempt that ended with err and rec's held
 // answer is one to run again after, and why.
 func (h *Handler) rerunCause(r *http.Request, rec *recorder, t *scheduler.Ticket, err error) rerunCause {
 	a := rec.held
 	switch {
-	case a == nil || r.Context().Err() != nil || t.Attempts >= t.Config().MaxAttempts:
+	case a == nil || !a.rerun || r.Context().Err() != nil || t.Attempts >= t.Config().MaxAttempts:
 		return noRerun
 	case a.state == read && bytes.Contains(a.body, asleepMessage):
 		return fellAsleep
@@ -169,6 +173,8 @@ func (h *Handler) rerunCause(r *http.Request, rec *recorder, t *scheduler.Ticket
 			return noRerun
 		}
 		return badGateway
+	case a.state == broken && answerMayRunAgain(t):
+		return cutShort
 	case a.state == undecided && err != nil && workerDropped(err) && (t.Route.Rerun != request.RerunUnsent || neverSent(err)):
 		return unreachable
 	}
@@ -224,10 +230,12 @@ func (c rerunCause) outcome(rec *recorder) scheduler.Outcome {
 // send sends r to t's worker through next and releases the worker: when
 // the answer begins (the generation is done; megabytes of base64 may still
 // be on their way, but the worker's slot is free), or when a video job it
-// started ends. An answer held back releases nothing: the job may run
-// again. The attempt runs in base, r's context or one a hedge may cancel;
-// r's own context is the client's. race, when t's job may get a copy, says
-// what the attempt's end tells of its worker.
+// started ends. An answer set aside releases nothing: the job may run
+// again. A 2xx answer held whole releases its worker as it begins all the
+// same; if it then breaks, the failure is counted at once. The attempt
+// runs in base, r's context or one a hedge may cancel; r's own context is
+// the client's. race, when t's job may get a copy, says what the attempt's
+// end tells of its worker.
 func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *scheduler.Ticket, next caddyhttp.Handler, race *hedge) error {
 	ctx := withTicket(base, t)
 	if h.UpstreamTimeout > 0 {
@@ -235,37 +243,27 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
 		defer cancel()
 	}
-	released := false
-	release := func(o scheduler.Outcome) {
-		if released {
-			return
-		}
-		released = true
-		if race != nil {
-			o = race.outcome(t, o)
-		}
-		if d := h.pool.Release(t, o); d > 0 {
-			h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.ServedBy()), zap.Duration("for", d))
-		}
-	}
+	s := &slot{h: h, t: t, race: race}
 	defer func() {
-		// reverse_proxy aborts an answer that broke off after it began by
-		// panicking with http.ErrAbortHandler. The worker is released all
-		// the same, and if its slot already went free as a success, the
-		// worker, not a client that left, cut it short: a failure after all.
+		// An answer that broke off after it began to reach the client
+		// aborts the client's, by http.ErrAbortHandler (see serve). The
+		// worker is released all the same; unless the client left, it was
+		// the worker that broke it. Then the client's connection is reset,
+		// so that no client takes what came for a whole answer.
 		if v := recover(); v != nil {
-			switch {
-			case r.Context().Err() != nil:
-				release(scheduler.Abandoned)
-			case released:
-				h.pool.NoteCutShort(t)
-			default:
-				release(scheduler.Failed)
+			if r.Context().Err() != nil {
+				s.release(scheduler.Abandoned)
+			} else {
+				h.metrics.broken.WithLabelValues("streamed").Inc()
+				s.brokeOff()
+			}
+			if v == http.ErrAbortHandler {
+				rec.reset()
 			}
 			panic(v)
 		}
 	}()
-	rec.ticket = t
+	rec.ticket, rec.answers = t, h.answersFor(r)
 	switch {
 	case readsVideoJob(r, t.Route):
 		rec.peekLimit = maxVideoResponsePeek
@@ -273,7 +271,7 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		// The worker generates while it sends events: its slot is taken
 		// until the stream ends.
 	default:
-		rec.onHeader = func(status int) { release(outcomeOf(r, t, nil, status)) }
+		rec.onHeader = func(status int) { s.release(outcomeOf(r, t, nil, status)) }
 	}
 	h.learnImageJobs(rec, r, t)
 	t.Sent = true
@@ -283,36 +281,105 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil {
 		err = fmt.Errorf("%w: %w", errUpstreamTimeout, err)
 	}
+	err = h.settle(rec, r, s, err, ctx.Err() != nil)
 	if rec.held != nil && h.rerunCause(r, rec, t, err) != noRerun {
 		return err // pool.retry releases the worker
 	}
 	if !h.trackVideoJob(r, t, rec, err) {
-		release(outcomeOf(r, t, err, heldStatus(rec)))
+		s.release(outcomeOf(r, t, err, heldStatus(rec)))
 	}
 	return err
 }
 
+// settle settles a 2xx answer held whole, once its attempt ended with err
+// (ended: by the router or the client): whole, it goes to the client; cut
+// short, its worker failed. It returns the attempt's error as the client
+// is to see it.
+func (h *Handler) settle(rec *recorder, r *http.Request, s *slot, err error, ended bool) error {
+	if werr := rec.settle(err, ended); werr != nil {
+		return werr
+	}
+	a := rec.held
+	if a == nil || a.state != broken {
+		return err
+	}
+	h.logger.Warn("worker's answer was cut short", zap.String("request_id", r.Header.Get(requestIDHeader)),
+		zap.String("worker", s.t.ServedBy()), zap.Int("attempt", s.t.Attempts), zap.Error(a.broken))
+	h.metrics.broken.WithLabelValues("held").Inc()
+	s.brokeOff()
+	return nil // the job runs again, or the client gets the 502 of a broken answer
+}
+
+// slot is an attempt's claim on its worker, released once.
+type slot struct {
+	h        *Handler
+	t        *scheduler.Ticket
+	race     *hedge // when t's job may get a copy
+	released bool
+}
+
+// release ends the claim with outcome o, which a race turns into what the
+// attempt says of its worker (see hedge.outcome).
+func (s *slot) release(o scheduler.Outcome) {
+	if s.released {
+		return
+	}
+	s.released = true
+	if s.race != nil {
+		o = s.race.outcome(s.t, o)
+	}
+	if d := s.h.pool.Release(s.t, o); d > 0 {
+		s.h.logger.Warn("worker ejected after failed requests", zap.String("worker", s.t.ServedBy()), zap.Duration("for", d))
+	}
+}
+
+// brokeOff counts a failure against the worker whose answer began and
+// then broke: if its slot already went free as a success, it was a failure
+// after all.
+func (s *slot) brokeOff() {
+	if s.released {
+		s.h.pool.NoteCutShort(s.t)
+	} else {
+		s.release(scheduler.Failed)
+	}
+}
+
+// answersFor is how the answers to r are held back and checked: not at
+// all for a HEAD, whose answer has no body.
+func (h *Handler) answersFor(r *http.Request) *heldAnswers {
+	if r.Method == http.MethodHead {
+		return nil
+	}
+	return &h.answers
+}
+
 // errBrokenAnswer ends an attempt whose answer broke off while it was
 // still held: none of it reached the client.
-var errBrokenAnswer = errors.New("the worker's answer broke off")
+var errBrokenAnswer = errors.New("the connection ended before the answer did")
 
-// serve runs next. reverse_proxy aborts an answer that breaks off after
-// its header by panicking with http.ErrAbortHandler; while that answer is
-// held, nothing of it reached the client, and the attempt just failed.
+// serve runs next, and ends the check of an answer that streamed to the
+// client. reverse_proxy aborts an answer that breaks off after its header
+// by panicking with http.ErrAbortHandler: while that answer is held,
+// nothing of it reached the client, and the attempt just failed; once it
+// streams, the abort goes on to the client's.
 func serve(next caddyhttp.Handler, rec *recorder, r *http.Request) (err error) {
 	defer func() {
-		if rec.held == nil {
-			return // the panic, if any, goes on to abort the client's answer
-		}
-		if v := recover(); v != nil {
-			if v != http.ErrAbortHandler {
-				panic(v)
-			}
+		v := recover()
+		switch {
+		case v == nil:
+			return
+		case v == http.ErrAbortHandler && rec.held != nil:
 			rec.held.truncated = true
 			err = errBrokenAnswer
+			return
 		}
+		rec.dropHeld()
+		panic(v)
 	}()
-	return next.ServeHTTP(rec, r)
+	if err = next.ServeHTTP(rec, r); err == nil {
+		rec.finishStream()
+	}
+	return err
 }
 
 // heldStatus is the status of the answer the client gets or will get.

@@ -209,6 +209,10 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    admin_allow      <cidr|ip...>
 //	    admin_token      <token>
 //
+//	    # answers held back until they are whole (answers)
+//	    max_held_answer  <size>|off
+//	    max_held_total   <size>
+//
 //	    # requests
 //	    forward_paths    <path|prefix*|sglang...>
 //	    max_workers      <n>
@@ -327,6 +331,9 @@ var handlerOptions = map[string]option{
 	"admin_allow": several(func(h *Handler) *[]string { return &h.Admin.Allow }),
 	"admin_token": one(func(h *Handler) *string { return &h.Admin.Token }, parseText),
 
+	"max_held_answer": one(func(h *Handler) *int64 { return &h.Answers.MaxHeld }, parseMaxHeld),
+	"max_held_total":  one(func(h *Handler) *int64 { return &h.Answers.MaxHeldTotal }, parseByteSize),
+
 	"forward_paths":    several(func(h *Handler) *[]string { return &h.ForwardPaths }),
 	"max_workers":      one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),
 	"max_body":         one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
@@ -406,6 +413,18 @@ func parseByteSize(v string) (int64, string) {
 		return 0, "a positive size like 64MiB"
 	}
 	return int64(size), ""
+}
+
+// parseMaxHeld reads max_held_answer: a size, or off (-1 in JSON).
+func parseMaxHeld(v string) (int64, string) {
+	if v == "off" {
+		return -1, ""
+	}
+	n, want := parseByteSize(v)
+	if want != "" {
+		want = "a positive size like 32MiB, or off"
+	}
+	return n, want
 }
 
 // parseOff reads on|off into an option that is on by default.

@@ -89,6 +89,8 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		max_attempts 2
 		hedge_after 3
 		initial_speed 4.5
+		max_held_answer 48MiB
+		max_held_total 1GiB
 		reverse_proxy {
 			transport http {
 				dial_timeout 3s
@@ -132,6 +134,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 			Timeout: caddy.Duration(15 * time.Minute), PathPrefixes: []string{"/ckpt/", "s3://bucket/"},
 		},
 		Admin:           Admin{Allow: []string{"10.0.0.0/8", "192.168.1.7"}, Token: "{env.ROUTER_TOKEN}"},
+		Answers:         Answers{MaxHeld: 48 << 20, MaxHeldTotal: 1 << 30},
 		MaxBody:         8 << 20,
 		UpstreamTimeout: caddy.Duration(30 * time.Minute),
 	}
@@ -218,6 +221,9 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 		"bad dns_refresh":           "dns_refresh often",
 		"zero dns_refresh":          "dns_refresh 0s",
 		"missing dns_resolvers":     "dns_resolvers",
+		"bad max_held_answer":       "max_held_answer all",
+		"zero max_held_total":       "max_held_total 0",
+		"max_held_total off":        "max_held_total off",
 	}
 	for name, line := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -332,6 +338,8 @@ func TestProvisionRejectsBadJSONConfig(t *testing.T) {
 		"health":   {HealthChecks: HealthChecks{Active: ActiveHealthChecks{ExpectStatus: 42}}},
 		"passive":  {HealthChecks: HealthChecks{Passive: PassiveHealthChecks{StallFactor: math.Inf(1)}}},
 		"weights":  {Weights: Weights{Timeout: -1}},
+		"held":     {Answers: Answers{MaxHeld: -2}},
+		"total":    {Answers: Answers{MaxHeldTotal: -1}},
 	} {
 		if err := h.provisionOptions(); err == nil {
 			t.Errorf("%s: bad config accepted", name)
@@ -354,6 +362,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 		`"min_ready":1`,
 		`"weights":{"mode":"drain","rolling_batch":1,"drain_timeout":600000000000,"timeout":600000000000}`,
 		`"max_body":67108864`,
+		`"answers":{"max_held":33554432,"max_held_total":268435456}`,
 	} {
 		if !strings.Contains(string(got), want) {
 			t.Errorf("provisioned handler lacks %s:\n%s", want, got)
@@ -390,6 +399,23 @@ func handlerFrom(t *testing.T, cfg string) Handler {
 	}
 	t.Fatalf("no diffusion_router handler in %s", cfg)
 	return Handler{}
+}
+
+func TestMaxHeldAnswerOff(t *testing.T) {
+	cfg, err := adapt(t, "diffusion_router {\nmax_held_answer off\n}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(cfg, `"answers":{"max_held":-1}`) {
+		t.Fatalf("max_held_answer off adapted to %s; want answers.max_held -1", cfg)
+	}
+	h := handlerFrom(t, cfg)
+	if err := h.provisionOptions(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.answers.budget.Hold(1); err == nil {
+		t.Fatal("max_held_answer off, yet an answer of 1 byte is held")
+	}
 }
 
 func TestMaxInflightDefaultsByPolicy(t *testing.T) {

@@ -71,6 +71,10 @@ type Handler struct {
 	// Admin is who may call the endpoints that change the fleet.
 	Admin Admin `json:"admin,omitzero"`
 
+	// Answers is how much of the workers' answers is held back until they
+	// are whole.
+	Answers Answers `json:"answers,omitzero"`
+
 	// MaxBody is the largest request body accepted, in bytes. Default 64 MiB.
 	MaxBody int64 `json:"max_body,omitempty"`
 
@@ -103,6 +107,7 @@ type Handler struct {
 	costs    request.Model
 	weights  fleet.Config
 	health   scheduler.HealthConfig
+	answers  heldAnswers
 	metrics  poolMetrics
 	allow    []netip.Prefix
 	token    string
@@ -169,6 +174,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.metrics = newPoolMetrics(p.Name(), h.LoadBalancing.Policy)
+	h.answers.streamed = h.metrics.streamed
 	app, err := ctx.App("diffusion_health")
 	if err != nil {
 		return err

@@ -58,13 +58,14 @@ func (h *Handler) hedges(t *scheduler.Ticket) bool {
 
 // sendHedged is send with a copy of the job launched on an idle worker if
 // the attempt overruns. judge is the attempt's own rule for answers (nil:
-// every answer is the client's).
-func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler, judge func(int) verdict) error {
+// every answer is the client's), rerun whether the job may run again
+// after it.
+func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler, judge func(int) verdict, rerun bool) error {
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
 	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), start: time.Now(), primary: t, cancelPrim: cancel}
-	rec.hold(hd.gate(t, judge))
+	rec.hold(judge, rerun).claim = func() bool { return hd.claim(t) }
 	hd.mu.Lock()
 	hd.timer = time.AfterFunc(hd.wait(), hd.fire)
 	hd.mu.Unlock()
@@ -87,7 +88,8 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	switch hd.winner {
 	case hd.copy:
 		h.metrics.hedges.WithLabelValues("won").Inc()
-		rec.held, rec.status = nil, hd.copyRec.status
+		rec.dropHeld()
+		rec.status = hd.copyRec.status
 		t.AnsweredBy(hd.copy)
 		return nil
 	case t:
@@ -109,21 +111,6 @@ func (hd *hedge) wait() time.Duration {
 	floor := t.Config().Health.Timeout
 	due := max(time.Duration(float64(t.Due())*t.Config().HedgeAfter), floor)
 	return min(due-time.Since(hd.start), floor)
-}
-
-// gate wraps t's rule for answers in the race: an answer the client would
-// get goes to it only if no other copy's did.
-func (hd *hedge) gate(t *scheduler.Ticket, judge func(int) verdict) func(int) verdict {
-	return func(status int) verdict {
-		v := pass
-		if judge != nil {
-			v = judge(status)
-		}
-		if v == pass && !hd.claim(t) {
-			return lost
-		}
-		return v
-	}
 }
 
 // claim makes t's answer the client's unless the other copy's already
@@ -197,14 +184,15 @@ func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
 		hd.h.pool.EndHedge()
 		close(hd.copyEnded)
 	}()
-	// A copy's failure is no answer: the attempt goes on.
+	// A copy's failure is no answer, and never runs the job again: the
+	// attempt goes on.
 	judge := hd.h.judge(c)
-	rec.hold(hd.gate(c, func(status int) verdict {
+	rec.hold(func(status int) verdict {
 		if judge(status) != pass {
 			return lost
 		}
 		return pass
-	}))
+	}, false).claim = func() bool { return hd.claim(c) }
 	r := *hd.r // reverse_proxy copies what it changes of a request
 	r.Body = io.NopCloser(bytes.NewReader(c.Body))
 	hd.h.send(rec, &r, ctx, c, hd.next, hd)

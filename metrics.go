@@ -52,8 +52,16 @@ var (
 	}, []string{"pool", "endpoint", "code"})
 	reruns = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "job_reruns_total",
-		Help: "Jobs sent again to another worker, by why the last one failed them (connection, status, asleep).",
+		Help: "Jobs sent again to another worker, by why the last one failed them (connection, status, asleep, cut_short).",
 	}, []string{"pool", "cause"})
+	brokenAnswers = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "broken_answers_total",
+		Help: "2xx answers a worker broke off or cut short: held (none of it reached the client) or streamed (the client's connection was reset).",
+	}, []string{"pool", "delivery"})
+	streamedAnswers = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "streamed_answers_total",
+		Help: "2xx answers streamed rather than held whole, by reason: size (over max_held_answer), budget (max_held_total taken).",
+	}, []string{"pool", "reason"})
 	hedges = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "hedges_total",
 		Help: "Second copies of overrunning jobs: launched, won (the copy's answer went to the client), cancelled (the first copy answered first).",
@@ -64,7 +72,7 @@ var (
 		Buckets: []float64{1, 2, 3, 5, 10},
 	}, []string{"pool"})
 
-	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, hedges, jobAttempts, poolCollector{}}
+	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, brokenAnswers, streamedAnswers, hedges, jobAttempts, poolCollector{}}
 )
 
 // registerMetrics adds the collectors to the config's registry. Each config
@@ -175,6 +183,8 @@ type poolMetrics struct {
 	decisions                                         prometheus.Counter
 	requests                                          *prometheus.CounterVec // by endpoint and code
 	reruns                                            *prometheus.CounterVec // by cause
+	broken                                            *prometheus.CounterVec // by delivery
+	streamed                                          *prometheus.CounterVec // by reason
 	hedges                                            *prometheus.CounterVec // by outcome
 }
 
@@ -186,6 +196,8 @@ func newPoolMetrics(pool, strategy string) poolMetrics {
 		decisions:       routingDecisions.WithLabelValues(pool, strategy),
 		requests:        requests.MustCurryWith(prometheus.Labels{"pool": pool}),
 		reruns:          reruns.MustCurryWith(prometheus.Labels{"pool": pool}),
+		broken:          brokenAnswers.MustCurryWith(prometheus.Labels{"pool": pool}),
+		streamed:        streamedAnswers.MustCurryWith(prometheus.Labels{"pool": pool}),
 		hedges:          hedges.MustCurryWith(prometheus.Labels{"pool": pool}),
 		attempts:        jobAttempts.WithLabelValues(pool),
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
@@ -195,6 +196,25 @@ type Weights struct {
 	PathPrefixes []string `json:"path_prefixes,omitempty"`
 }
 
+// Answers is how much of the workers' answers the router holds back until
+// they are whole, so that an answer a worker breaks runs again on another
+// worker instead of reaching the client as a success.
+type Answers struct {
+	// MaxHeld is the largest answer held back until all of it has come
+	// and, for JSON and msgpack, its structure is whole; a larger answer
+	// streams, and if it breaks, the client's connection is reset. Default
+	// 32 MiB: the largest image answer, a 2048x2048 RGBA PNG that does not
+	// compress, is 16 MiB, 21.3 MiB in base64, under 22 MiB with its JSON.
+	// -1 holds none.
+	MaxHeld int64 `json:"max_held,omitempty"`
+
+	// MaxHeldTotal bounds what all the answers held at once may take;
+	// beyond it answers stream. A held answer takes its room until the
+	// client has taken it, so a slow client holds it longer. Default
+	// 256 MiB.
+	MaxHeldTotal int64 `json:"max_held_total,omitempty"`
+}
+
 // Admin is who may call the endpoints that change the fleet.
 type Admin struct {
 	// Allow lists the client networks (CIDR or single address) that may;
@@ -252,6 +272,8 @@ const (
 	defaultMaxWorkers = 4096
 	defaultAttempts   = 3
 	defaultDNSRefresh = 10 * time.Second
+	defaultMaxHeld    = 32 << 20
+	defaultHeldTotal  = 256 << 20
 )
 
 // defaultAdminAllow trusts only the machine the router runs on.
@@ -267,7 +289,7 @@ func optionError(caddyfileName, jsonPath, format string, args ...any) error {
 // options into the values the handler works with.
 func (h *Handler) provisionOptions() error {
 	h.Pool = cmp.Or(h.Pool, defaultPoolName)
-	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers, h.provisionDiscovery, h.provisionForwardPaths}
+	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers, h.provisionDiscovery, h.provisionForwardPaths, h.provisionAnswers}
 	for _, step := range steps {
 		if err := step(); err != nil {
 			return err
@@ -567,6 +589,21 @@ func (h *Handler) provisionForwardPaths() error {
 		}
 		h.forwards.add(p)
 	}
+	return nil
+}
+
+// provisionAnswers reads how much of the answers is held back.
+func (h *Handler) provisionAnswers() error {
+	o := &h.Answers
+	o.MaxHeld = cmp.Or(o.MaxHeld, defaultMaxHeld)
+	o.MaxHeldTotal = cmp.Or(o.MaxHeldTotal, defaultHeldTotal)
+	switch {
+	case o.MaxHeld < -1:
+		return optionError("max_held_answer", "answers.max_held", "must be a size, or -1 (off), got %d", o.MaxHeld)
+	case o.MaxHeldTotal < 0:
+		return optionError("max_held_total", "answers.max_held_total", "must be a size, got %d", o.MaxHeldTotal)
+	}
+	h.answers.budget = answer.NewBudget(o.MaxHeld, o.MaxHeldTotal)
 	return nil
 }
 

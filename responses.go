@@ -2,11 +2,17 @@ package diffusionrouter
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
+	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
+	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
@@ -38,22 +44,42 @@ type recorder struct {
 	status    int              // the status the client got; 0 until then
 	peekLimit int
 	peek      []byte
-	held      *heldAnswer // the answer of an attempt that may yet give way to another
+	held      *heldAnswer // the answer of an attempt, until it is known to be the client's
+	// answers, when set, are the answers held back until they are whole
+	// (a worker's, not the router's own); nil holds and checks nothing.
+	answers *heldAnswers
+	stream  *answer.Stream // the check of a 2xx answer streaming to the client
 	// onPeek, when set, reads the peek each time it grows, before the
 	// bytes that grew it go out, until it reports it has what it needs.
 	onPeek func(peek []byte) (done bool)
 }
 
-// heldAnswer is a worker's answer kept from the client while the job may
-// still run on another worker: the client gets it only once it is judged
-// to be the answer.
+// heldAnswers are a handler's rules for holding answers back: its budget,
+// and the count of answers that stream instead.
+type heldAnswers struct {
+	budget   *answer.Budget
+	streamed *prometheus.CounterVec // by reason: size, budget
+}
+
+// heldAnswer is a worker's answer kept from the client until it is judged
+// to be the client's: while the job may still run on another worker, or
+// while a 2xx answer has not all come and been checked.
 type heldAnswer struct {
-	header    http.Header
-	judge     func(status int) verdict
+	header http.Header
+	judge  func(status int) verdict // nil: every answer is the client's
+	// claim, when set, makes the answer the client's unless another
+	// copy's already is (a hedge's race); it is asked as the answer is
+	// let through.
+	claim     func() bool
+	rerun     bool // the job may run again after this answer
 	state     verdict
 	status    int    // the worker's status; 0 until it answered
 	body      []byte // the first heldBodyLimit bytes of an answer set aside
 	truncated bool   // the body was longer than what was kept
+	whole     answer.Held
+	format    answer.Format
+	length    int64 // the Content-Length the worker declared; -1: none
+	broken    error // why a kept answer is not whole
 }
 
 // verdict is what becomes of a held answer.
@@ -64,17 +90,21 @@ const (
 	pass                     // the client gets it
 	drop                     // set aside: the job runs again, unless it cannot
 	read                     // set aside until its first bytes decide
-	lost                     // another copy of the job answered first
+	lost                     // another copy of the job answered first, or the router ended the attempt
+	kept                     // a 2xx held whole until it has all come and is checked
+	broken                   // kept, and broke off or is not whole: none of it reaches the client
 )
 
 // heldBodyLimit bounds what is kept of an answer set aside. Error answers
 // are short; one being read that outgrows this is passed on.
 const heldBodyLimit = 16 << 10
 
-// hold makes rec keep the next answer from the client until judge lets it
-// through.
-func (rec *recorder) hold(judge func(status int) verdict) {
-	rec.held = &heldAnswer{header: make(http.Header), judge: judge}
+// hold makes rec keep the next answer from the client until judge (nil:
+// any answer) lets it through; rerun says whether the job may run again
+// after it.
+func (rec *recorder) hold(judge func(status int) verdict, rerun bool) *heldAnswer {
+	rec.held = &heldAnswer{header: make(http.Header), judge: judge, rerun: rerun}
+	return rec.held
 }
 
 // Header is the held answer's header while one is held.
@@ -93,10 +123,14 @@ func (rec *recorder) WriteHeader(status int) {
 		if status < 200 || a.state != undecided {
 			return
 		}
-		if a.status, a.state = status, a.judge(status); a.state != pass {
+		a.status, a.state = status, pass
+		if a.judge != nil {
+			a.state = a.judge(status)
+		}
+		if a.state != pass || rec.keep(a) || !rec.letThrough() {
 			return
 		}
-		rec.letThrough()
+		rec.checkStream(a)
 	}
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
@@ -107,16 +141,78 @@ func (rec *recorder) WriteHeader(status int) {
 				rec.Header().Del(weightVersionHeader)
 			}
 		}
-		if rec.onHeader != nil {
-			rec.onHeader(status)
-		}
+		rec.answered(status)
 	}
 	rec.ResponseWriterWrapper.WriteHeader(status)
 }
 
-// letThrough ends the hold: the held header becomes the client's.
-func (rec *recorder) letThrough() {
+// answered tells onHeader, once, that the worker's answer has begun.
+func (rec *recorder) answered(status int) {
+	if rec.onHeader != nil {
+		rec.onHeader(status)
+		rec.onHeader = nil
+	}
+}
+
+// keep holds a whole when it is a 2xx answer with a body that fits what
+// may be held; it reports whether it does. The worker's answer has begun
+// all the same.
+func (rec *recorder) keep(a *heldAnswer) bool {
+	if rec.answers == nil || !checked(a.status) || strings.HasPrefix(a.header.Get("Content-Type"), "text/event-stream") {
+		return false
+	}
+	a.format, a.length = answer.FormatOf(a.header.Get("Content-Type")), contentLength(a.header)
+	whole, err := rec.answers.budget.Hold(a.length)
+	if err != nil {
+		rec.answers.streamedFor(err)
+		return false
+	}
+	a.whole, a.state = whole, kept
+	rec.answered(a.status)
+	return true
+}
+
+// checked reports whether an answer of status is one the client must get
+// whole: a success with a body.
+func checked(status int) bool {
+	return status >= 200 && status <= 299 && status != http.StatusNoContent
+}
+
+// streamedFor counts an answer that streams because of err, the budget's
+// refusal.
+func (ha *heldAnswers) streamedFor(err error) {
+	reason := "size"
+	if err == answer.ErrNoRoom {
+		reason = "budget"
+	}
+	ha.streamed.WithLabelValues(reason).Inc()
+}
+
+// contentLength is the length h declares, or -1.
+func contentLength(h http.Header) int64 {
+	n, err := strconv.ParseInt(h.Get("Content-Length"), 10, 64)
+	if err != nil || n < 0 {
+		return -1
+	}
+	return n
+}
+
+// checkStream checks a's answer, which streams to the client, as it
+// passes, when it is a worker's 2xx whose format has a structure.
+func (rec *recorder) checkStream(a *heldAnswer) {
+	if rec.answers != nil && checked(a.status) {
+		rec.stream = answer.NewStream(answer.FormatOf(a.header.Get("Content-Type")), contentLength(a.header))
+	}
+}
+
+// letThrough ends the hold, unless the answer lost its race to another
+// copy's: the held header becomes the client's.
+func (rec *recorder) letThrough() bool {
 	a := rec.held
+	if a.claim != nil && !a.claim() {
+		a.state = lost
+		return false
+	}
 	rec.held = nil
 	h := rec.ResponseWriterWrapper.Header()
 	for k, v := range a.header {
@@ -125,41 +221,107 @@ func (rec *recorder) letThrough() {
 	if a.truncated {
 		h.Del("Content-Length")
 	}
+	return true
 }
 
-// passHeld gives the client the answer that was set aside, if any.
+// passHeld gives the client the answer that was set aside, if any: a
+// broken one as the error it is.
 func (rec *recorder) passHeld() error {
 	a := rec.held
-	if a == nil || a.status == 0 || a.state == lost {
-		rec.held = nil
+	switch {
+	case a == nil:
+		return nil
+	case a.state == broken:
+		rec.dropHeld()
+		return control.WriteError(rec, http.StatusBadGateway, fmt.Sprintf("Worker request failed: its %d answer was cut short (%v)", a.status, a.broken))
+	case a.status == 0 || a.state == lost || a.state == kept:
+		rec.dropHeld()
 		return nil
 	}
-	rec.letThrough()
+	if !rec.letThrough() {
+		return nil
+	}
 	rec.WriteHeader(a.status)
 	_, err := rec.Write(a.body)
 	return err
 }
 
-// Write keeps up to peekLimit bytes of the body; an answer set aside keeps
-// its first bytes only.
+// dropHeld lets go of the held answer, and of the room a whole one took.
+func (rec *recorder) dropHeld() {
+	if a := rec.held; a != nil {
+		a.whole.Release()
+		rec.held = nil
+	}
+}
+
+// settle ends the hold on a 2xx answer kept whole, once its attempt ended
+// with err: an answer that came whole goes to the client, unless another
+// copy's did; one that broke off, or whose JSON or msgpack is cut short,
+// is broken. ended says the router ended the attempt (upstream_timeout, a
+// copy that won, the client gone): its answer is lost, no fault of the
+// worker's.
+func (rec *recorder) settle(err error, ended bool) error {
+	a := rec.held
+	if a == nil || a.state != kept {
+		return nil
+	}
+	defer a.whole.Release()
+	switch {
+	case err == nil:
+		if a.broken = a.format.Check(a.whole.Body()); a.broken == nil {
+			return rec.passKept(a)
+		}
+	case ended:
+		a.state = lost
+		return nil
+	default:
+		a.broken = err
+	}
+	a.state = broken
+	return nil
+}
+
+// passKept gives the client a kept answer that came whole.
+func (rec *recorder) passKept(a *heldAnswer) error {
+	if !rec.letThrough() {
+		return nil
+	}
+	rec.WriteHeader(a.status)
+	_, err := rec.Write(a.whole.Body())
+	return err
+}
+
+// outgrown passes on a kept answer that grew past what may be held: the
+// client gets what came so far and b, and the rest streams, checked as it
+// passes.
+func (rec *recorder) outgrown(a *heldAnswer, b []byte) (int, error) {
+	defer a.whole.Release()
+	a.state = pass
+	if !rec.letThrough() {
+		return len(b), nil
+	}
+	rec.stream = answer.NewStream(a.format, a.length)
+	rec.WriteHeader(a.status)
+	if _, err := rec.Write(a.whole.Body()); err != nil {
+		return 0, err
+	}
+	return rec.Write(b)
+}
+
+// Write keeps up to peekLimit bytes of the body; an answer held whole is
+// kept whole, an answer set aside keeps its first bytes only.
 func (rec *recorder) Write(b []byte) (int, error) {
 	if rec.status == 0 {
 		rec.WriteHeader(http.StatusOK)
 	}
 	if a := rec.held; a != nil {
-		if a.state == read && len(a.body)+len(b) > heldBodyLimit {
-			// Too long to be the short answer being looked for.
-			if err := rec.passHeld(); err != nil {
-				return 0, err
-			}
-			return rec.Write(b)
-		}
-		kept := min(heldBodyLimit-len(a.body), len(b))
-		a.body, a.truncated = append(a.body, b[:kept]...), a.truncated || kept < len(b)
-		return len(b), nil
+		return rec.holdBytes(a, b)
 	}
 	if room := rec.peekLimit - len(rec.peek); room > 0 {
 		rec.observe(b[:min(room, len(b))])
+	}
+	if rec.stream != nil {
+		return rec.stream.Pass(&rec.ResponseWriterWrapper, b)
 	}
 	return rec.ResponseWriterWrapper.Write(b)
 }
@@ -178,10 +340,61 @@ func (rec *recorder) observe(b []byte) {
 	}
 }
 
+// holdBytes keeps b, the next bytes of a held answer.
+func (rec *recorder) holdBytes(a *heldAnswer, b []byte) (int, error) {
+	switch {
+	case a.state == kept:
+		err := a.whole.Add(b)
+		if err == nil {
+			return len(b), nil
+		}
+		rec.answers.streamedFor(err)
+		return rec.outgrown(a, b)
+	case a.state == read && len(a.body)+len(b) > heldBodyLimit:
+		// Too long to be the short answer being looked for.
+		if err := rec.passHeld(); err != nil {
+			return 0, err
+		}
+		return rec.Write(b)
+	}
+	kept := min(heldBodyLimit-len(a.body), len(b))
+	a.body, a.truncated = append(a.body, b[:kept]...), a.truncated || kept < len(b)
+	return len(b), nil
+}
+
+// finishStream ends the check of an answer that streamed to the client:
+// whole, its withheld last byte goes out; not, the client's answer is
+// aborted, as for an answer that broke off (see send).
+func (rec *recorder) finishStream() {
+	s := rec.stream
+	if s == nil {
+		return
+	}
+	rec.stream = nil
+	if err := s.Finish(&rec.ResponseWriterWrapper); err != nil {
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// reset breaks the client's connection (TCP RST, SO_LINGER 0), so that no
+// client reads an answer cut short as one that ended. Where the connection
+// is not the answer's own (HTTP/2, HTTP/3), the caller's abort resets the
+// stream.
+func (rec *recorder) reset() {
+	conn, _, err := http.NewResponseController(rec.ResponseWriterWrapper.ResponseWriter).Hijack()
+	if err != nil {
+		return
+	}
+	if tc, ok := conn.(interface{ SetLinger(int) error }); ok {
+		_ = tc.SetLinger(0)
+	}
+	_ = conn.Close()
+}
+
 // ReadFrom keeps the fast path of the underlying writer unless the body is
-// being peeked at or held.
+// being peeked at, held or checked.
 func (rec *recorder) ReadFrom(r io.Reader) (int64, error) {
-	if rec.peekLimit > 0 || rec.held != nil {
+	if rec.peekLimit > 0 || rec.held != nil || rec.stream != nil {
 		return io.Copy(writerOnly{rec}, r)
 	}
 	if rec.status == 0 {

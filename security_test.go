@@ -3,7 +3,6 @@ package diffusionrouter_test
 import (
 	"encoding/json"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -248,6 +247,9 @@ func TestIsDeadMustBeABoolean(t *testing.T) {
 	}
 }
 
+// TestCutShortAnswerIsAFailure: a worker that promises 1000 bytes and
+// closes after nine is failing, each time; the client, which got none of
+// them, gets an error that says so, not a 200 cut short.
 func TestCutShortAnswerIsAFailure(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/v1/images/generations" {
@@ -261,19 +263,15 @@ func TestCutShortAnswerIsAFailure(t *testing.T) {
 		conn.Close()
 	}))
 	t.Cleanup(srv.Close)
-	r := testrouter.Start(t, "diffusion_router {\n workers "+srv.URL+"\n}")
-	resp, err := testrouter.Client.Post(r.Base+"/v1/images/generations", "application/json", strings.NewReader(`{"prompt":"a"}`))
-	if err == nil {
-		_, err = io.ReadAll(resp.Body)
-		resp.Body.Close()
+	r := testrouter.Start(t, "diffusion_router {\n workers "+srv.URL+"\n max_attempts 3\n}")
+	rp := r.Post("/v1/images/generations", `{"prompt":"a"}`)
+	testrouter.ExpectStatus(t, "a job whose only worker cuts every answer short", rp, http.StatusBadGateway)
+	if msg := rp.ErrorText(t); !strings.Contains(msg, "cut short") {
+		t.Fatalf("error %q does not say the answer was cut short", msg)
 	}
-	if err == nil {
-		t.Fatal("the client got a whole answer from a worker that cut it short")
+	if got := r.Workers()[srv.URL]["failures"]; got != 3.0 {
+		t.Fatalf("the worker shows %v failures after cutting short the answers of 3 attempts", got)
 	}
-	testrouter.WaitFor(t, func() bool {
-		w := r.Get("/workers").JSON(t)["workers"].([]any)[0].(map[string]any)
-		return w["failures"] == 1.0
-	})
 }
 
 func TestForwardPaths(t *testing.T) {

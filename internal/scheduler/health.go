@@ -262,7 +262,7 @@ func (p *Pool) SetDown(url string, err error) {
 }
 
 // NoteCutShort counts a failure against the worker that served t, whose
-// answer began and then broke off.
+// answer began and then broke off; if t runs again, it is on another.
 func (p *Pool) NoteCutShort(t *Ticket) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -270,6 +270,7 @@ func (p *Pool) NoteCutShort(t *Ticket) {
 	if w == nil {
 		return
 	}
+	t.tried = append(t.tried, w)
 	w.stats.failures++
 	w.evidence.consecFails++
 	p.noteOutcomeLocked(w, Failed, t.cfg.Health)
