@@ -11,7 +11,9 @@ package answer
 import (
 	"errors"
 	"io"
+	"math/bits"
 	"strings"
+	"sync"
 	"sync/atomic"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/msgpack"
@@ -59,7 +61,9 @@ func (f Format) Check(body []byte) error {
 
 // Budget bounds the answers held back: each, and all at once, so that
 // slow clients, which hold their answers' memory until they have read
-// them, cannot make the router hold more. It is safe for concurrent use.
+// them, cannot make the router hold more. An answer takes the memory it is
+// held in: its size rounded up to a power of two, at least 4 KiB. It is
+// safe for concurrent use.
 type Budget struct {
 	most int64        // largest answer held
 	room atomic.Int64 // bytes not held now
@@ -96,28 +100,26 @@ var (
 // not declared, as a chunked answer), or returns why not: ErrTooLarge or
 // ErrNoRoom.
 func (b *Budget) Hold(length int64) (Held, error) {
-	h := Held{budget: b}
 	switch {
 	case length > b.most || b.most <= 0:
 		return Held{}, ErrTooLarge
 	case length < 0:
-		return h, nil
-	case !b.take(length):
-		return Held{}, ErrNoRoom
+		return Held{budget: b}, nil
 	}
-	h.body, h.taken = make([]byte, 0, length), length
+	h := Held{budget: b}
+	if err := h.grow(length); err != nil {
+		return Held{}, err
+	}
 	return h, nil
 }
 
-// minGrowth is the first room an answer of undeclared length is given.
-const minGrowth = 32 << 10
-
 // Held is an answer held back whole, its room taken from a budget until
-// Release.
+// Release. Its room is a buffer whose size is a power of two, reused by
+// later answers.
 type Held struct {
 	budget *Budget
-	body   []byte
-	taken  int64 // bytes of the budget this answer holds
+	buf    *[]byte // the buffer, from buffers
+	body   []byte  // what has been added, in *buf
 }
 
 // Add appends p to the answer. When the answer would grow larger than an
@@ -126,30 +128,82 @@ type Held struct {
 // streams the rest.
 func (h *Held) Add(p []byte) error {
 	need := int64(len(h.body) + len(p))
-	if need > int64(cap(h.body)) {
-		size := min(max(need, 2*int64(cap(h.body)), minGrowth), h.budget.most)
-		switch {
-		case need > size:
-			return ErrTooLarge
-		case !h.budget.take(size - h.taken):
-			return ErrNoRoom
+	switch {
+	case need > h.budget.most:
+		return ErrTooLarge
+	case need > int64(cap(h.body)):
+		if err := h.grow(need); err != nil {
+			return err
 		}
-		h.body, h.taken = append(make([]byte, 0, size), h.body...), size
 	}
 	h.body = append(h.body, p...)
+	return nil
+}
+
+// grow moves the answer to a buffer of room for n bytes, taking what it
+// adds to the room from the budget.
+func (h *Held) grow(n int64) error {
+	buf := buffers.get(n)
+	if !h.budget.take(int64(cap(*buf) - cap(h.body))) {
+		buffers.put(buf)
+		return ErrNoRoom
+	}
+	*buf = append((*buf)[:0], h.body...)
+	if h.buf != nil {
+		buffers.put(h.buf)
+	}
+	h.buf, h.body = buf, *buf
 	return nil
 }
 
 // Body is what has been added.
 func (h *Held) Body() []byte { return h.body }
 
-// Release gives the answer's room back to the budget; the body is not to
-// be used after.
+// Release gives the answer's room back to the budget, and its buffer for
+// another answer: the body is not to be used after.
 func (h *Held) Release() {
-	if h.budget != nil {
-		h.budget.room.Add(h.taken)
+	if h.buf != nil {
+		h.budget.room.Add(int64(cap(h.body)))
+		buffers.put(h.buf)
 	}
 	*h = Held{}
+}
+
+// buffers keeps the buffers of the answers released, one pool for each
+// power of two from 4 KiB to 1 GiB, so that holding an answer costs a copy
+// of it, not memory the runtime must zero (and the kernel map) for each
+// answer and the collector reclaim.
+var buffers bufferPools
+
+const minBufferShift, maxBufferShift = 12, 30
+
+type bufferPools [maxBufferShift - minBufferShift + 1]sync.Pool
+
+// get returns an empty buffer of room for at least n bytes.
+func (p *bufferPools) get(n int64) *[]byte {
+	shift := minBufferShift
+	if n > 1<<minBufferShift {
+		shift = bits.Len64(uint64(n - 1))
+	}
+	if shift > maxBufferShift {
+		b := make([]byte, 0, n)
+		return &b
+	}
+	if b, ok := p[shift-minBufferShift].Get().(*[]byte); ok {
+		return b
+	}
+	b := make([]byte, 0, 1<<shift)
+	return &b
+}
+
+// put keeps b for reuse, when it is of one of the pools' sizes. A writer
+// never keeps what it was given to write, so once the client was given
+// the answer, its buffer is free.
+func (p *bufferPools) put(b *[]byte) {
+	if c := cap(*b); c >= 1<<minBufferShift && c <= 1<<maxBufferShift && c&(c-1) == 0 {
+		*b = (*b)[:0]
+		p[bits.Len(uint(c))-1-minBufferShift].Put(b)
+	}
 }
 
 // Stream is an answer too large to hold, passed on as it comes while its

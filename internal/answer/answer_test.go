@@ -64,24 +64,24 @@ func TestCheckFindsAnswersCutShort(t *testing.T) {
 }
 
 func TestBudgetBoundsEachAnswerAndAllTogether(t *testing.T) {
-	b := NewBudget(100, 250)
-	if _, err := b.Hold(101); err != ErrTooLarge {
+	b := NewBudget(64<<10, 160<<10)
+	if _, err := b.Hold(64<<10 + 1); err != ErrTooLarge {
 		t.Fatalf("an answer larger than an answer may be: %v", err)
 	}
-	first, err1 := b.Hold(100)
-	second, err2 := b.Hold(100)
+	first, err1 := b.Hold(64 << 10)
+	second, err2 := b.Hold(60 << 10) // in 64 KiB
 	if err1 != nil || err2 != nil {
-		t.Fatalf("two answers of 100 bytes within a budget of 250: %v, %v", err1, err2)
+		t.Fatalf("two answers of 64 KiB within a budget of 160: %v, %v", err1, err2)
 	}
-	if _, err := b.Hold(100); err != ErrNoRoom {
-		t.Fatalf("a third answer of 100 bytes, 300 bytes in a budget of 250: %v", err)
+	if _, err := b.Hold(40 << 10); err != ErrNoRoom {
+		t.Fatalf("a third answer of 64 KiB, 192 KiB in a budget of 160: %v", err)
 	}
-	small, err := b.Hold(50)
+	small, err := b.Hold(20 << 10) // in 32 KiB
 	if err != nil {
-		t.Fatalf("an answer of 50 bytes with 50 left: %v", err)
+		t.Fatalf("an answer of 20 KiB with 32 KiB left: %v", err)
 	}
 	first.Release()
-	if _, err := b.Hold(100); err != nil {
+	if _, err := b.Hold(64 << 10); err != nil {
 		t.Fatalf("room released was not given back: %v", err)
 	}
 	second.Release()
@@ -98,9 +98,12 @@ func TestHeldOfUndeclaredLengthGrowsWithinTheBudget(t *testing.T) {
 		t.Fatal(err)
 	}
 	piece := bytes.Repeat([]byte("x"), 10<<10)
-	for range 10 {
+	for i := range 10 {
 		if err := h.Add(piece); err != nil {
 			t.Fatalf("refused at %d bytes, within 100 KiB: %v", len(h.Body()), err)
+		}
+		if !bytes.Equal(h.Body(), bytes.Repeat(piece, i+1)) {
+			t.Fatalf("after %d pieces the body is %d bytes, not what was added", i+1, len(h.Body()))
 		}
 	}
 	if err := h.Add([]byte("y")); err != ErrTooLarge {
@@ -109,12 +112,12 @@ func TestHeldOfUndeclaredLengthGrowsWithinTheBudget(t *testing.T) {
 	if len(h.Body()) != 100<<10 {
 		t.Fatalf("a refused piece changed the body: %d bytes", len(h.Body()))
 	}
-	other, err := b.Hold(-1)
+	other, err := b.Hold(-1) // 100 KiB held in 128 KiB
 	if err != nil || other.Add(piece[:1]) != nil {
 		t.Fatal("another answer found no room")
 	}
 	if err := other.Add(bytes.Repeat([]byte("x"), 60<<10)); err != ErrNoRoom {
-		t.Fatalf("grew past the budget, 100 KiB held and 60 more in a budget of 150: %v", err)
+		t.Fatalf("grew past the budget, 128 KiB held and 64 more in a budget of 150: %v", err)
 	}
 	h.Release()
 	other.Release()
@@ -126,25 +129,25 @@ func TestHeldOfUndeclaredLengthGrowsWithinTheBudget(t *testing.T) {
 // TestBudgetUnderContention holds and releases answers from many
 // goroutines: the budget ends whole, and never was exceeded.
 func TestBudgetUnderContention(t *testing.T) {
-	b := NewBudget(10, 35)
+	b := NewBudget(4<<10, 14<<10)
 	var wg sync.WaitGroup
 	var held atomic.Int64
 	for range 8 {
 		wg.Go(func() {
 			for range 1000 {
-				if h, err := b.Hold(10); err == nil {
-					if held.Add(10) > 35 {
-						t.Error("over budget")
+				if h, err := b.Hold(4 << 10); err == nil {
+					if held.Add(1) > 3 {
+						t.Error("over budget: four answers of 4 KiB in 14 KiB")
 					}
-					held.Add(-10)
+					held.Add(-1)
 					h.Release()
 				}
 			}
 		})
 	}
 	wg.Wait()
-	if b.room.Load() != 35 {
-		t.Fatalf("room %d after every answer released; want 35", b.room.Load())
+	if b.room.Load() != 14<<10 {
+		t.Fatalf("room %d after every answer released; want 14 KiB", b.room.Load())
 	}
 }
 
