@@ -62,9 +62,10 @@ func TestBrokenAnswerRunsAgainOnAnotherWorker(t *testing.T) {
 			t.Run(fmt.Sprintf("%s/%s", g.path, b), func(t *testing.T) {
 				ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks"}, fakeworker.Config{Name: "good"})
 				ws[0].SetBreakRate(b, 1)
-				// Room for two answers held at once, no more: an answer
-				// whose room was never given back would soon leave none,
-				// and a broken answer would then stream to its client.
+				// Room for four of these answers held at once (4 KiB each),
+				// no more: answers whose room was never given back would
+				// soon leave none, and a broken answer would then stream
+				// to its client.
 				pool := fmt.Sprintf("held-%s-%s", strings.Split(g.path, "/")[1], b) // counters of their own
 				r := testrouter.Start(t, metricsSite("diffusion_router "+pool+" {\n workers "+testrouter.URLs(ws)+
 					"\n policy round_robin\n max_fails 100\n max_held_total 16KiB\n}"))

@@ -15,14 +15,26 @@ import (
 
 // BenchmarkServeHTTP measures the router's own work on a zero-cost job,
 // with reverse_proxy replaced by a handler that writes a worker's answer:
-// what the router adds to every job, without the network.
+// what the router adds to every job, without the network. The answer is
+// held until whole and checked (held), or, with max_held_answer off,
+// checked as it streams (streamed): the difference is what holding costs
+// a small answer.
 func BenchmarkServeHTTP(b *testing.B) {
+	for _, bc := range []struct {
+		name    string
+		maxHeld int64
+	}{{"held", 0}, {"streamed", -1}} {
+		b.Run(bc.name, func(b *testing.B) { benchmarkServeHTTP(b, bc.maxHeld) })
+	}
+}
+
+func benchmarkServeHTTP(b *testing.B, maxHeld int64) {
 	ctx, err := caddy.ProvisionContext(&caddy.Config{})
 	if err != nil {
 		b.Fatal(err)
 	}
 	urls := []string{"http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000", "http://10.0.0.4:30000"}
-	h := &Handler{Pool: "bench-serve", Workers: urls, PersistOff: true}
+	h := &Handler{Pool: "bench-serve", Workers: urls, PersistOff: true, Answers: Answers{MaxHeld: maxHeld}}
 	if err := h.Provision(ctx); err != nil {
 		b.Fatal(err)
 	}
@@ -49,7 +61,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 		rctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
 		rctx = context.WithValue(rctx, caddyhttp.VarsCtxKey, map[string]any{})
 		w := httptest.NewRecorder()
-		if err := h.ServeHTTP(w, r.WithContext(rctx), worker); err != nil || w.Code != http.StatusOK {
+		if err := h.ServeHTTP(w, r.WithContext(rctx), worker); err != nil || w.Code != http.StatusOK || w.Body.Len() != len(answer) {
 			b.Fatal(w.Code, err, w.Body.String())
 		}
 	}
