@@ -209,6 +209,23 @@ func TestRetryAvoidsFailedWorker(t *testing.T) {
 	}
 }
 
+// TestRetryAfterAnAnswerCutShortAvoidsItsWorker: the worker's answer
+// began, which freed its slot, and then broke off; the job runs again on
+// the other worker, though the strategy prefers the first.
+func TestRetryAfterAnAnswerCutShortAvoidsItsWorker(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	tk, first := choose(t, p, config(&lastURL{}, 0), 1)
+	p.Release(tk, Succeeded)
+	p.NoteCutShort(tk)
+	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {
+		t.Fatalf("retry went to %v (%v) after %s cut its answer short", tk.worker, err, first)
+	}
+	p.Release(tk, Succeeded)
+	if w := p.findLocked("http://" + first + ":1"); w.stats.failures != 1 {
+		t.Fatalf("%s shows %d failures after cutting an answer short; want 1", first, w.stats.failures)
+	}
+}
+
 func TestRetryDoesNotWaitForWorkersThatAreOut(t *testing.T) {
 	p, _ := poolOf(t, 3)
 	tk, first := choose(t, p, config(LeastRequest{}, 0), 1)
