@@ -62,8 +62,8 @@ func (f Format) Check(body []byte) error {
 // Budget bounds the answers held back: each, and all at once, so that
 // slow clients, which hold their answers' memory until they have read
 // them, cannot make the router hold more. An answer takes the memory it is
-// held in: its size rounded up to a power of two, at least 4 KiB. It is
-// safe for concurrent use.
+// held in: up to 4 MiB, its size rounded up to a power of two, at least
+// 4 KiB. It is safe for concurrent use.
 type Budget struct {
 	most int64        // largest answer held
 	room atomic.Int64 // bytes not held now
@@ -114,8 +114,7 @@ func (b *Budget) Hold(length int64) (Held, error) {
 }
 
 // Held is an answer held back whole, its room taken from a budget until
-// Release. Its room is a buffer whose size is a power of two, reused by
-// later answers.
+// Release.
 type Held struct {
 	budget *Budget
 	buf    *[]byte // the buffer, from buffers
@@ -132,7 +131,9 @@ func (h *Held) Add(p []byte) error {
 	case need > h.budget.most:
 		return ErrTooLarge
 	case need > int64(cap(h.body)):
-		if err := h.grow(need); err != nil {
+		// Doubling, so that an answer of undeclared length is copied
+		// O(1) times over.
+		if err := h.grow(max(need, min(2*int64(cap(h.body)), h.budget.most))); err != nil {
 			return err
 		}
 	}
@@ -170,16 +171,21 @@ func (h *Held) Release() {
 }
 
 // buffers keeps the buffers of the answers released, one pool for each
-// power of two from 4 KiB to 1 GiB, so that holding an answer costs a copy
-// of it, not memory the runtime must zero (and the kernel map) for each
-// answer and the collector reclaim.
+// power of two from 4 KiB to 4 MiB, so that holding an answer of the usual
+// sizes (a 1024x1024 PNG is 2 MB of base64) costs a copy of it, not memory
+// the runtime must zero (and the kernel map) for each answer and the
+// collector reclaim. What the pools keep is what the answers held at once
+// took, at most the budget, until the collector's second cycle after. A
+// larger buffer goes back to the collector: a pool of those would keep
+// tens of MB for the odd answer that large.
 var buffers bufferPools
 
-const minBufferShift, maxBufferShift = 12, 30
+const minBufferShift, maxBufferShift = 12, 22
 
 type bufferPools [maxBufferShift - minBufferShift + 1]sync.Pool
 
-// get returns an empty buffer of room for at least n bytes.
+// get returns an empty buffer of room for at least n bytes: one of the
+// pools' sizes, or n when it is larger.
 func (p *bufferPools) get(n int64) *[]byte {
 	shift := minBufferShift
 	if n > 1<<minBufferShift {

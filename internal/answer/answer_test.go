@@ -126,6 +126,32 @@ func TestHeldOfUndeclaredLengthGrowsWithinTheBudget(t *testing.T) {
 	}
 }
 
+// TestHeldGrowsPastThePooledSizes adds an answer of undeclared length in
+// the pieces reverse_proxy copies, past the largest buffer the pools keep.
+func TestHeldGrowsPastThePooledSizes(t *testing.T) {
+	b := NewBudget(10<<20, 16<<20)
+	h, err := b.Hold(-1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := rolloutAnswer(t, 9<<20)
+	for rest := body; len(rest) > 0; rest = rest[min(32<<10, len(rest)):] {
+		if err := h.Add(rest[:min(32<<10, len(rest))]); err != nil {
+			t.Fatalf("refused at %d of %d bytes: %v", len(h.Body()), len(body), err)
+		}
+	}
+	if !bytes.Equal(h.Body(), body) || Msgpack.Check(h.Body()) != nil {
+		t.Fatal("the answer held is not the answer added")
+	}
+	if held := 16<<20 - b.room.Load(); held < int64(len(body)) || held > 10<<20 {
+		t.Fatalf("the budget counts %d bytes for an answer of %d", held, len(body))
+	}
+	h.Release()
+	if b.room.Load() != 16<<20 {
+		t.Fatalf("room %d after the answer was released; want the budget, %d", b.room.Load(), 16<<20)
+	}
+}
+
 // TestBudgetUnderContention holds and releases answers from many
 // goroutines: the budget ends whole, and never was exceeded.
 func TestBudgetUnderContention(t *testing.T) {
