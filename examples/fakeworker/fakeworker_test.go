@@ -289,6 +289,25 @@ func TestImageGenerations(t *testing.T) {
 	call(t, video, "POST", "/v1/images/generations", `{"prompt":"p","size":"8x8","response_format":"b64_json"}`).expect(t, 200)
 }
 
+// TestMediaAnswersDeclareTheirLength: an answer that carries media in
+// base64 has a Content-Length, as Starlette's JSONResponse sends it, not
+// a chunked body, however large.
+func TestMediaAnswersDeclareTheirLength(t *testing.T) {
+	for name, tc := range map[string]struct {
+		cfg        Config
+		path, body string
+	}{
+		"image":   {Config{ImageBytes: 300 << 10}, "/v1/images/generations", `{"prompt":"cat","size":"64x32","num_inference_steps":1,"n":3,"response_format":"b64_json"}`},
+		"rollout": {Config{ImageBytes: 300 << 10, RolloutJSON: true}, "/rollout/generate", rolloutBody},
+	} {
+		w := start(t, tc.cfg)
+		r := call(t, w, "POST", tc.path, tc.body)
+		if r.status != 200 || r.header.Get("Content-Length") != strconv.Itoa(len(r.body)) || len(r.body) < 300<<10 {
+			t.Errorf("%s: status %d, Content-Length %q for %d bytes", name, r.status, r.header.Get("Content-Length"), len(r.body))
+		}
+	}
+}
+
 func TestImageGenerationErrors(t *testing.T) {
 	tests := []struct {
 		name, body string

@@ -92,14 +92,17 @@ func internalServerError(rw http.ResponseWriter) {
 // writeMedia answers v, with status 200, where v holds w.mediaToken wherever
 // the base64 media b64 goes: the media is spliced into the encoded answer.
 // This spares encoding/json a scan of every byte of what may be megabytes
-// per output; base64 needs no escaping.
+// per output; base64 needs no escaping. The answer has a Content-Length,
+// as Starlette's JSONResponse renders its body before sending it.
 func (w *Worker) writeMedia(rw http.ResponseWriter, b64 string, v any) {
 	b, err := json.Marshal(v)
 	if err != nil {
 		w.fail(rw, err)
 		return
 	}
+	media := bytes.Count(b, []byte(w.mediaToken))
 	rw.Header().Set("Content-Type", "application/json")
+	rw.Header().Set("Content-Length", strconv.Itoa(len(b)+media*(len(b64)-len(w.mediaToken))))
 	w.spliceMedia(rw, b, b64)
 }
 
