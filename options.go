@@ -209,7 +209,8 @@ type Answers struct {
 	MaxHeld int64 `json:"max_held,omitempty"`
 
 	// MaxHeldTotal bounds what all the answers held at once may take;
-	// beyond it answers stream. A held answer takes its room until the
+	// beyond it answers stream. A held answer takes the buffer it is held
+	// in (up to 4 MiB, its size rounded up to a power of two) until the
 	// client has taken it, so a slow client holds it longer. Default
 	// 256 MiB.
 	MaxHeldTotal int64 `json:"max_held_total,omitempty"`
