@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -154,9 +155,9 @@ func (rec *recorder) answered(status int) {
 	}
 }
 
-// keep holds a whole when it is a 2xx answer with a body that fits what
-// may be held; it reports whether it does. The worker's answer has begun
-// all the same.
+// keep holds a's answer whole when it is a 2xx with a body (not a stream
+// of events) that fits what may be held, and reports whether it does.
+// Either way, the worker's answer has begun.
 func (rec *recorder) keep(a *heldAnswer) bool {
 	if rec.answers == nil || !checked(a.status) || strings.HasPrefix(a.header.Get("Content-Type"), "text/event-stream") {
 		return false
@@ -377,13 +378,18 @@ func (rec *recorder) finishStream() {
 }
 
 // reset breaks the client's connection (TCP RST, SO_LINGER 0), so that no
-// client reads an answer cut short as one that ended. Where the connection
-// is not the answer's own (HTTP/2, HTTP/3), the caller's abort resets the
-// stream.
+// client reads an answer cut short as one that ended. Under TLS it closes
+// the TCP connection beneath, so that no close_notify ends the answer
+// cleanly either. Where the connection is not the answer's own (HTTP/2,
+// HTTP/3), the caller's abort resets the stream; where Caddy wrapped it
+// (for its access log), it is closed.
 func (rec *recorder) reset() {
 	conn, _, err := http.NewResponseController(rec.ResponseWriterWrapper.ResponseWriter).Hijack()
 	if err != nil {
 		return
+	}
+	if tc, ok := conn.(interface{ NetConn() net.Conn }); ok {
+		conn = tc.NetConn()
 	}
 	if tc, ok := conn.(interface{ SetLinger(int) error }); ok {
 		_ = tc.SetLinger(0)
