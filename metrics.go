@@ -60,7 +60,7 @@ var (
 	}, []string{"pool", "delivery"})
 	streamedAnswers = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "streamed_answers_total",
-		Help: "2xx answers streamed rather than held whole, by reason: size (over max_held_answer), budget (max_held_total taken).",
+		Help: "2xx answers streamed rather than held whole, by reason: size (over max_held_answer, or it is off), budget (max_held_total taken).",
 	}, []string{"pool", "reason"})
 	hedges = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "hedges_total",
