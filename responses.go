@@ -159,10 +159,14 @@ func (rec *recorder) answered(status int) {
 // of events) that fits what may be held, and reports whether it does.
 // Either way, the worker's answer has begun.
 func (rec *recorder) keep(a *heldAnswer) bool {
-	if rec.answers == nil || !checked(a.status) || strings.HasPrefix(a.header.Get("Content-Type"), "text/event-stream") {
+	if rec.answers == nil || !checked(a.status) {
 		return false
 	}
-	a.format, a.length = answer.FormatOf(a.header.Get("Content-Type")), contentLength(a.header)
+	contentType := a.header.Get("Content-Type")
+	if strings.HasPrefix(contentType, "text/event-stream") {
+		return false
+	}
+	a.format, a.length = answer.FormatOf(contentType), contentLength(a.header)
 	whole, err := rec.answers.budget.Hold(a.length)
 	if err != nil {
 		rec.answers.streamedFor(err)
