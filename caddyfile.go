@@ -296,7 +296,7 @@ var handlerOptions = map[string]option{
 	"dns_resolvers": several(func(h *Handler) *[]string { return &h.Discovery.Resolvers }),
 
 	"policy":        one(func(h *Handler) *string { return &h.LoadBalancing.Policy }, parseText),
-	"max_inflight":  one(func(h *Handler) *int { return &h.LoadBalancing.MaxInflight }, parseMaxInflight),
+	"max_inflight":  one(func(h *Handler) *int { return &h.LoadBalancing.MaxInflight }, orWord("unlimited", -1, parseWhole)),
 	"queue_order":   one(func(h *Handler) *string { return &h.Queue.Order }, parseText),
 	"queue_timeout": one(func(h *Handler) *caddy.Duration { return &h.Queue.Timeout }, parseDuration),
 	"max_queue":     one(func(h *Handler) *int { return &h.Queue.MaxJobs }, parseWhole),
@@ -331,7 +331,7 @@ var handlerOptions = map[string]option{
 	"admin_allow": several(func(h *Handler) *[]string { return &h.Admin.Allow }),
 	"admin_token": one(func(h *Handler) *string { return &h.Admin.Token }, parseText),
 
-	"max_held_answer": one(func(h *Handler) *int64 { return &h.Answers.MaxHeld }, parseMaxHeld),
+	"max_held_answer": one(func(h *Handler) *int64 { return &h.Answers.MaxHeld }, orWord("off", int64(-1), parseByteSize)),
 	"max_held_total":  one(func(h *Handler) *int64 { return &h.Answers.MaxHeldTotal }, parseByteSize),
 
 	"forward_paths":    several(func(h *Handler) *[]string { return &h.ForwardPaths }),
@@ -380,17 +380,6 @@ func parseWhole(v string) (int, string) {
 	return n, ""
 }
 
-func parseMaxInflight(v string) (int, string) {
-	if v == "unlimited" {
-		return -1, ""
-	}
-	n, want := parseWhole(v)
-	if want != "" {
-		want = "a whole number other than 0, or unlimited"
-	}
-	return n, want
-}
-
 func parseNumber(v string) (float64, string) {
 	f, err := strconv.ParseFloat(v, 64)
 	if err != nil || f == 0 {
@@ -415,16 +404,19 @@ func parseByteSize(v string) (int64, string) {
 	return int64(size), ""
 }
 
-// parseMaxHeld reads max_held_answer: a size, or off (-1 in JSON).
-func parseMaxHeld(v string) (int64, string) {
-	if v == "off" {
-		return -1, ""
+// orWord reads word as value (a JSON value of its own, such as -1), and
+// anything else as parse does.
+func orWord[T any](word string, value T, parse func(string) (T, string)) func(string) (T, string) {
+	return func(v string) (T, string) {
+		if v == word {
+			return value, ""
+		}
+		n, want := parse(v)
+		if want != "" {
+			want += ", or " + word
+		}
+		return n, want
 	}
-	n, want := parseByteSize(v)
-	if want != "" {
-		want = "a positive size like 32MiB, or off"
-	}
-	return n, want
 }
 
 // parseOff reads on|off into an option that is on by default.

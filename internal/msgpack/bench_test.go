@@ -10,15 +10,7 @@ import (
 // steps over each tensor in one move, so its MB/s is the body's size over
 // the time of a few dozen steps.
 func BenchmarkWhole(b *testing.B) {
-	data := strings.Repeat("QUJD", 4<<20)
-	list := make([]any, 8)
-	for i := range list {
-		list[i] = rolloutLike(data)[0]
-	}
-	body, err := Marshal(list)
-	if err != nil {
-		b.Fatal(err)
-	}
+	body := trajectoryAnswer(b)
 	b.SetBytes(int64(len(body)))
 	b.ReportAllocs()
 	for b.Loop() {
@@ -32,15 +24,7 @@ func BenchmarkWhole(b *testing.B) {
 // pieces reverse_proxy copies an answer in: a step per piece on top of
 // Whole's.
 func BenchmarkStream(b *testing.B) {
-	data := strings.Repeat("QUJD", 4<<20)
-	list := make([]any, 8)
-	for i := range list {
-		list[i] = rolloutLike(data)[0]
-	}
-	body, err := Marshal(list)
-	if err != nil {
-		b.Fatal(err)
-	}
+	body := trajectoryAnswer(b)
 	b.SetBytes(int64(len(body)))
 	b.ReportAllocs()
 	for b.Loop() {
@@ -64,4 +48,19 @@ func BenchmarkWholeSmallValues(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// trajectoryAnswer is a rollout answer of 8 outputs with a 16 MiB base64
+// tensor each (128 MiB).
+func trajectoryAnswer(b *testing.B) []byte {
+	data := strings.Repeat("QUJD", 4<<20)
+	list := make([]any, 8)
+	for i := range list {
+		list[i] = rolloutLike(data)[0]
+	}
+	body, err := Marshal(list)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return body
 }

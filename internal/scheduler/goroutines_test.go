@@ -3,8 +3,6 @@ package scheduler
 import (
 	"runtime"
 	"strings"
-	"testing"
-	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
@@ -33,24 +31,4 @@ func packageGoroutines() map[string]string {
 		}
 	}
 	return out
-}
-
-// waitNoNewPackageGoroutines waits, for up to 30 s, until every goroutine
-// of this package still running was already running when before was taken,
-// and otherwise fails the test with the stacks of the new ones.
-func waitNoNewPackageGoroutines(t *testing.T, what string, before map[string]string) {
-	t.Helper()
-	var added []string
-	testkit.WaitUntil(30*time.Second, func() bool {
-		added = added[:0]
-		for id, s := range packageGoroutines() {
-			if _, ok := before[id]; !ok {
-				added = append(added, s)
-			}
-		}
-		return len(added) == 0
-	})
-	if len(added) > 0 {
-		t.Fatalf("%s left %d goroutines of this package running:\n\n%s", what, len(added), strings.Join(added, "\n\n"))
-	}
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
 
 // queued returns the number of jobs waiting in p's queue.
@@ -230,7 +231,7 @@ func runJob(p *Pool, cfg *Config, rng *rand.Rand) {
 func TestTenThousandWaitingJobsDrain(t *testing.T) {
 	before := packageGoroutines()
 	drainQueue(t, 10_000)
-	waitNoNewPackageGoroutines(t, "draining 10,000 jobs", before)
+	testkit.WaitNoNewGoroutines(t, "draining 10,000 jobs", "this package", before, packageGoroutines)
 }
 
 // drainQueue fills one worker's queue with n jobs, then completes them all.

@@ -117,28 +117,29 @@ func (p *Pool) EndUpdate(u Update, succeeded bool) {
 
 // SetStates moves the workers named to state s.
 func (p *Pool) SetStates(urls []string, s State) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, u := range urls {
-		if w := p.findLocked(u); w != nil {
-			w.life.state = s
-		}
-	}
-	p.dispatchLocked()
+	p.move(urls, s, func(*worker) {})
 }
 
 // Moved moves the workers named to state s after a sleep or a wake; a
 // worker woken with the weights it slept on catches up first.
 func (p *Pool) Moved(urls []string, s State) {
+	p.move(urls, s, func(w *worker) {
+		if s == Serving { // awake now, whatever it said or did before
+			p.wokeLocked(w)
+		}
+		p.holdIfBehindLocked(w)
+	})
+}
+
+// move takes the pool's lock, moves the workers named to state s,
+// doing then to each, and hands out jobs by the states now.
+func (p *Pool) move(urls []string, s State, then func(*worker)) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, u := range urls {
 		if w := p.findLocked(u); w != nil {
 			w.life.state = s
-			if s == Serving { // awake now, whatever it said or did before
-				p.wokeLocked(w)
-			}
-			p.holdIfBehindLocked(w)
+			then(w)
 		}
 	}
 	p.dispatchLocked()

@@ -8,6 +8,8 @@ import (
 	"bytes"
 	"mime/multipart"
 	"runtime"
+	"strings"
+	"testing"
 	"time"
 )
 
@@ -70,4 +72,26 @@ func MultipartForm(image []byte, fields ...string) (string, string) {
 	}
 	mw.Close()
 	return buf.String(), mw.FormDataContentType()
+}
+
+// WaitNoNewGoroutines waits, for up to 30 s, until every goroutine that
+// current returns (stacks by goroutine id, as Stacks gives them) was
+// already in before, and otherwise fails t with the stacks of the new
+// ones. what names the step that should have left none, whose the code
+// the goroutines run.
+func WaitNoNewGoroutines(t testing.TB, what, whose string, before map[string]string, current func() map[string]string) {
+	t.Helper()
+	var added []string
+	WaitUntil(30*time.Second, func() bool {
+		added = added[:0]
+		for id, s := range current() {
+			if _, ok := before[id]; !ok {
+				added = append(added, s)
+			}
+		}
+		return len(added) == 0
+	})
+	if len(added) > 0 {
+		t.Fatalf("%s left %d goroutines of %s running:\n\n%s", what, len(added), whose, strings.Join(added, "\n\n"))
+	}
 }

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
@@ -47,19 +46,7 @@ func RouterGoroutines() map[string]string {
 // of the new ones. what names the step that should have left none.
 func WaitNoNewRouterGoroutines(t testing.TB, what string, before map[string]string) {
 	t.Helper()
-	var added []string
-	testkit.WaitUntil(30*time.Second, func() bool {
-		added = added[:0]
-		for id, s := range RouterGoroutines() {
-			if _, ok := before[id]; !ok {
-				added = append(added, s)
-			}
-		}
-		return len(added) == 0
-	})
-	if len(added) > 0 {
-		t.Fatalf("%s left %d goroutines of the router running:\n\n%s", what, len(added), strings.Join(added, "\n\n"))
-	}
+	testkit.WaitNoNewGoroutines(t, what, "the router", before, RouterGoroutines)
 }
 
 // DescribeGoroutines counts goroutines by the function that started them,
