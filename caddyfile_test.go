@@ -273,6 +273,8 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"health_body (unclosed", "health_body (health_checks.active.expect_body):"},
 		{"stall_factor 0.5", "stall_factor (health_checks.passive.stall_factor):"},
 		{"max_fails -4", "max_fails (health_checks.passive.max_fails):"},
+		{"max_ejection_percent 101", "max_ejection_percent (health_checks.passive.max_ejection_percent): must be 1 to 100"},
+		{"max_ejection_percent -5", "max_ejection_percent (health_checks.passive.max_ejection_percent): must be 1 to 100"},
 		{"eject_time -1s", "eject_time (health_checks.passive.eject_time):"},
 		{"eject_time 1h", "max_eject_time (health_checks.passive.max_eject_time): must be at least eject_time"},
 		{"min_ready -1", "min_ready (health_checks.min_ready):"},
