@@ -14,7 +14,6 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp/headers"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/dustin/go-humanize"
 )
@@ -131,16 +130,14 @@ func guardTransport(rp *reverseproxy.Handler) {
 	}
 }
 
-// workerHost sends each request with the worker's own host:port as its
-// Host, as a client of the worker would, rather than the client's Host:
-// nothing a client writes decides what a worker, or whatever else listens
-// there, takes the request to be for.
+// workerHost keeps each request's Host the worker's own host:port, which
+// the diffusion policy sets (see DiffusionSelection.Select), when the
+// block has header_up operations: reverse_proxy applies them to the
+// client's headers and Host, so they must set it again, unless they set a
+// Host of their own. Without them, the block needs none.
 func workerHost(rp *reverseproxy.Handler) {
-	if rp.Headers == nil {
-		rp.Headers = new(headers.Handler)
-	}
-	if rp.Headers.Request == nil {
-		rp.Headers.Request = new(headers.HeaderOps)
+	if rp.Headers == nil || rp.Headers.Request == nil {
+		return
 	}
 	if rp.Headers.Request.Set == nil {
 		rp.Headers.Request.Set = http.Header{}

@@ -35,7 +35,23 @@ func (DiffusionSelection) CaddyModule() caddy.ModuleInfo {
 // Select returns the upstream of the worker given to r's ticket. A request
 // that did not pass through diffusion_router has no ticket; it gets a
 // serving worker at random, uncounted.
+//
+// r goes out with the worker's own host:port as its Host, as a client of
+// the worker would send it, rather than the client's: nothing a client
+// writes decides what a worker, or whatever else listens there, takes the
+// request to be for. Setting it here, where the worker is known, costs
+// nothing; a `header_up Host` would make reverse_proxy copy every request's
+// headers to apply it. A block that has header_up operations starts again
+// from the client's Host before them (see workerHost).
 func (s *DiffusionSelection) Select(upstreams reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
+	u := s.pick(upstreams, r)
+	if u != nil {
+		r.Host = u.Dial
+	}
+	return u
+}
+
+func (s *DiffusionSelection) pick(upstreams reverseproxy.UpstreamPool, r *http.Request) *reverseproxy.Upstream {
 	t := ticketFrom(r.Context())
 	if t == nil {
 		return s.pool.pickUntracked(upstreams)

@@ -149,10 +149,19 @@ func TestWorkersSeeTheirOwnHost(t *testing.T) {
 		_, _ = w.Write([]byte(`{}`))
 	}))
 	t.Cleanup(srv.Close)
-	r := testrouter.Start(t, "diffusion_router {\n workers "+srv.URL+"\n}")
-	testrouter.Do(t, "GET", r.Base+"/any/path", nil, "Host", "127.0.0.1:2019")
-	if got, want := host.Load(), strings.TrimPrefix(srv.URL, "http://"); got != want {
-		t.Fatalf("the worker saw Host %v; want its own %s, never the client's", got, want)
+	for name, cf := range map[string]string{
+		"short form": "diffusion_router {\n workers " + srv.URL + "\n}",
+		// reverse_proxy applies header_up to the client's Host: the short
+		// form sets the worker's again.
+		"short form with header_up": "diffusion_router {\n workers " + srv.URL + "\n reverse_proxy {\n header_up X-Rollout yes\n }\n}",
+		"long form": "route {\n diffusion_router {\n workers " + srv.URL + "\n reverse_proxy external\n }\n" +
+			" reverse_proxy {\n dynamic diffusion\n lb_policy diffusion\n transport diffusion\n }\n}",
+	} {
+		r := testrouter.Start(t, cf)
+		testrouter.Do(t, "GET", r.Base+"/any/path", nil, "Host", "127.0.0.1:2019")
+		if got, want := host.Load(), strings.TrimPrefix(srv.URL, "http://"); got != want {
+			t.Errorf("%s: the worker saw Host %v; want its own %s, never the client's", name, got, want)
+		}
 	}
 }
 
