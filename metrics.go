@@ -105,6 +105,7 @@ var (
 	descEjections = newDesc("worker_ejections_total", "Times the worker was ejected for failed requests.", workerLabels...)
 	descQueue     = newDesc("queue_length", "Generation jobs waiting in the pool's queue.", "pool")
 	descServing   = newDesc("serving_workers", "Workers of the pool that may be given jobs.", "pool")
+	descBacklog   = newDesc("backlog_seconds", "Predicted time for the pool's workers to finish every job running and waiting, at their learned speeds.", "pool")
 )
 
 func newDesc(name, help string, labels ...string) *prometheus.Desc {
@@ -116,7 +117,7 @@ type poolCollector struct{}
 
 // Describe sends the descriptors of the per-worker series.
 func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descServing} {
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descServing, descBacklog} {
 		ch <- d
 	}
 }
@@ -130,6 +131,7 @@ func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, float64(p.Stats().Queued), p.Name())
 		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.ServingCount()), p.Name())
+		ch <- prometheus.MustNewConstMetric(descBacklog, prometheus.GaugeValue, p.Backlog().Seconds(), p.Name())
 		return true
 	})
 }

@@ -3,12 +3,16 @@ package diffusionrouter_test
 import (
 	"bufio"
 	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
 	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
@@ -209,4 +213,84 @@ func TestFinishedJobIsLogged(t *testing.T) {
 			t.Errorf("log field %s = %v", k, entry[k])
 		}
 	}
+}
+
+// TestBacklogPredictsTheBatch reads caddy_diffusion_backlog_seconds once
+// a batch of mixed jobs has all arrived, and times the batch to its last
+// answer: the gauge is what an autoscaler scales on, and must be within
+// a factor of 1.6 of the truth either way once speeds are learned.
+func TestBacklogPredictsTheBatch(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{UnitMs: 20}, fakeworker.Config{UnitMs: 20}, fakeworker.Config{UnitMs: 20})
+	r := testrouter.Start(t, metricsSite("diffusion_router backlog-pool {\n workers "+testrouter.URLs(ws)+"\n}"))
+	pool := map[string]string{"pool": "backlog-pool"}
+	image := func(steps int) string {
+		return fmt.Sprintf(`{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":%d}`, steps)
+	}
+	for range 2 { // every worker learns its speed
+		batch(t, r, []string{image(2), image(2), image(2)})
+	}
+	if got := value(t, r, "caddy_diffusion_backlog_seconds", pool); got != 0 {
+		t.Fatalf("backlog of an idle pool %v; want 0", got)
+	}
+
+	rng := rand.New(rand.NewPCG(1, 2))
+	bodies := make([]string, 24)
+	for i := range bodies {
+		bodies[i] = image(2 + rng.IntN(7)) // 40 to 160 ms
+	}
+	done := value(t, r, "caddy_diffusion_worker_jobs_total", pool)
+	answers := batchAsync(r, bodies)
+	deadline := time.Now().Add(30 * time.Second)
+	for value(t, r, "caddy_diffusion_queue_length", pool)+value(t, r, "caddy_diffusion_worker_inflight_jobs", pool)+
+		value(t, r, "caddy_diffusion_worker_jobs_total", pool)-done < float64(len(bodies)) {
+		if time.Now().After(deadline) {
+			t.Fatal("the batch never arrived whole")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	predicted := time.Duration(value(t, r, "caddy_diffusion_backlog_seconds", pool) * float64(time.Second))
+	read := time.Now()
+	for range bodies {
+		if status := <-answers; status != 200 {
+			t.Fatalf("a job of the batch got %d", status)
+		}
+	}
+	took := time.Since(read)
+	t.Logf("backlog %v; the batch took %v more (%.2fx)", predicted, took, took.Seconds()/predicted.Seconds())
+	if ratio := took.Seconds() / predicted.Seconds(); ratio > 1.6 || ratio < 1/1.6 {
+		t.Errorf("backlog %v; the batch took %v: off by more than 1.6x", predicted, took)
+	}
+	if got := value(t, r, "caddy_diffusion_backlog_seconds", pool); got != 0 {
+		t.Errorf("backlog after the batch %v; want 0", got)
+	}
+}
+
+// batch sends the image bodies to r at once and waits for every answer.
+func batch(t *testing.T, r *testrouter.Router, bodies []string) {
+	t.Helper()
+	answers := batchAsync(r, bodies)
+	for range bodies {
+		if status := <-answers; status != 200 {
+			t.Fatalf("a job got %d", status)
+		}
+	}
+}
+
+// batchAsync sends the image bodies to r at once; each answer's status
+// arrives on the channel (0: no answer).
+func batchAsync(r *testrouter.Router, bodies []string) <-chan int {
+	answers := make(chan int, len(bodies))
+	for _, body := range bodies {
+		go func() {
+			resp, err := testrouter.Client.Post(r.Base+"/v1/images/generations", "application/json", strings.NewReader(body))
+			if err != nil {
+				answers <- 0
+				return
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			answers <- resp.StatusCode
+		}()
+	}
+	return answers
 }

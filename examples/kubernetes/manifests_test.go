@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -292,4 +293,36 @@ func mount(t *testing.T, deploy object, name string) any {
 		t.Fatalf("%s does not mount volume %q", deploy.name(), name)
 	}
 	return mounts[i]
+}
+
+// TestAutoscalerScalesTheWorkersOnTheBacklog checks that the KEDA
+// ScaledObject scales the workers' StatefulSet on the router's backlog
+// gauge of the pool router.yaml serves, as a Value (the HPA multiplies
+// the fleet by backlog / threshold), and never below one worker.
+func TestAutoscalerScalesTheWorkersOnTheBacklog(t *testing.T) {
+	objs := manifests(t)
+	so := find(t, objs, "ScaledObject", "diffusion-workers")
+	target := at(so.doc, "spec", "scaleTargetRef")
+	workers := find(t, objs, str(target, "kind"), str(target, "name"))
+	if workers.kind() != "StatefulSet" || str(target, "apiVersion") != str(workers.doc, "apiVersion") {
+		t.Errorf("the autoscaler targets %v; want the workers' StatefulSet", target)
+	}
+	if least, _ := at(so.doc, "spec", "minReplicaCount").(int); least < 1 {
+		t.Errorf("minReplicaCount %v: a fleet scaled to zero has no backlog to scale up on", least)
+	}
+	trigger := at(so.doc, "spec", "triggers", 0)
+	query := str(trigger, "metadata", "query")
+	if str(trigger, "type") != "prometheus" || str(trigger, "metricType") != "Value" {
+		t.Errorf("trigger %v; want a prometheus trigger with metricType Value", trigger)
+	}
+	caddyfile := str(find(t, objs, "ConfigMap", "diffusion-router").doc, "data", "Caddyfile")
+	if !strings.Contains(caddyfile, "diffusion_router {") {
+		t.Error("the router's diffusion_router names a pool; the autoscaler reads the pool default")
+	}
+	if !strings.Contains(query, `caddy_diffusion_backlog_seconds{pool="default"}`) {
+		t.Errorf("the autoscaler's query %q does not read the backlog of the router's pool, default", query)
+	}
+	if _, err := strconv.ParseFloat(str(trigger, "metadata", "threshold"), 64); err != nil {
+		t.Errorf("threshold: %v", err)
+	}
 }
