@@ -170,6 +170,9 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    queue_order      fifo|largest_first|smallest_first
 //	    queue_timeout    <duration>
 //	    max_queue        <n>
+//	    priority         <placeholder>
+//	    max_priority     <n>
+//	    priority_max_wait <duration>|off
 //
 //	    # the cost of a job (cost)
 //	    default_steps    <n>
@@ -292,11 +295,14 @@ var handlerOptions = map[string]option{
 	"dns_refresh":   one(func(h *Handler) *caddy.Duration { return &h.Discovery.Refresh }, parseDuration),
 	"dns_resolvers": several(func(h *Handler) *[]string { return &h.Discovery.Resolvers }),
 
-	"policy":        one(func(h *Handler) *string { return &h.LoadBalancing.Policy }, parseText),
-	"max_inflight":  one(func(h *Handler) *int { return &h.LoadBalancing.MaxInflight }, orWord("unlimited", -1, parseWhole)),
-	"queue_order":   one(func(h *Handler) *string { return &h.Queue.Order }, parseText),
-	"queue_timeout": one(func(h *Handler) *caddy.Duration { return &h.Queue.Timeout }, parseDuration),
-	"max_queue":     one(func(h *Handler) *int { return &h.Queue.MaxJobs }, parseWhole),
+	"policy":            one(func(h *Handler) *string { return &h.LoadBalancing.Policy }, parseText),
+	"max_inflight":      one(func(h *Handler) *int { return &h.LoadBalancing.MaxInflight }, orWord("unlimited", -1, parseWhole)),
+	"queue_order":       one(func(h *Handler) *string { return &h.Queue.Order }, parseText),
+	"queue_timeout":     one(func(h *Handler) *caddy.Duration { return &h.Queue.Timeout }, parseDuration),
+	"max_queue":         one(func(h *Handler) *int { return &h.Queue.MaxJobs }, parseWhole),
+	"priority":          one(func(h *Handler) *string { return &h.Queue.Priority }, parseText),
+	"max_priority":      one(func(h *Handler) *int { return &h.Queue.MaxPriority }, parseWhole),
+	"priority_max_wait": one(func(h *Handler) *caddy.Duration { return &h.Queue.PriorityMaxWait }, orWord("off", caddy.Duration(-1), parseDuration)),
 
 	"default_steps":  one(func(h *Handler) *int { return &h.Cost.DefaultSteps }, parseWhole),
 	"default_size":   one(func(h *Handler) *string { return &h.Cost.DefaultSize }, parseText),

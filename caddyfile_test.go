@@ -57,6 +57,9 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		queue_order largest_first
 		queue_timeout 90s
 		max_queue 500
+		priority {http.request.header.X-Priority}
+		max_priority 5
+		priority_max_wait 30s
 		default_steps 30
 		default_size 768x1344
 		default_frames 33
@@ -120,8 +123,11 @@ func TestCaddyfileEveryOption(t *testing.T) {
 			Resolvers: []string{"10.96.0.10:53", "10.96.0.11"},
 		},
 		LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2, MaxAttempts: 2, RetryOn: []int{500, 503}, HedgeAfter: 3, InitialSpeed: 4.5},
-		Queue:         Queue{Order: "largest_first", Timeout: caddy.Duration(90 * time.Second), MaxJobs: 500},
-		Cost:          CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
+		Queue: Queue{
+			Order: "largest_first", Timeout: caddy.Duration(90 * time.Second), MaxJobs: 500,
+			Priority: "{http.request.header.X-Priority}", MaxPriority: 5, PriorityMaxWait: caddy.Duration(30 * time.Second),
+		},
+		Cost: CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
 		HealthChecks: HealthChecks{
 			Active: ActiveHealthChecks{
 				URI: "/health_generate", Interval: caddy.Duration(30 * time.Second), Timeout: caddy.Duration(2 * time.Minute),
@@ -258,6 +264,8 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"queue_order random", "queue_order (queue.order): unknown order"},
 		{"queue_timeout -1s", "queue_timeout (queue.timeout):"},
 		{"max_queue -1", "max_queue (queue.max_jobs):"},
+		{"max_priority -1", "max_priority (queue.max_priority):"},
+		{"priority_max_wait -2s", "priority_max_wait (queue.priority_max_wait):"},
 		{"default_steps -3", "default_steps (cost.default_steps):"},
 		{"default_size big", "default_size (cost.default_size):"},
 		{"default_size 0x1024", "default_size (cost.default_size):"},

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
@@ -161,9 +162,16 @@ func retryAfter(t *scheduler.Ticket) int {
 func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ticket, int, string) {
 	t := h.pool.NewTicket(&h.dispatch)
 	t.Route, t.Job, t.WantVersion = route, route.Job(r.Method), r.Header.Get(weightVersionHeader)
-	switch {
-	case route.Err != nil:
+	if route.Err != nil {
 		return nil, http.StatusBadRequest, route.Err.Error()
+	}
+	if t.Job && h.Queue.Priority != "" {
+		var err error
+		if t.Priority, err = h.priorityOf(r); err != nil {
+			return nil, http.StatusBadRequest, err.Error()
+		}
+	}
+	switch {
 	case route.Poll:
 		return h.pinToJob(t)
 	case route.Serves == request.VideoTask:
@@ -184,6 +192,21 @@ func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ti
 		h.api.ProbeUnknown(r.Context())
 	}
 	return t, 0, ""
+}
+
+// priorityOf is r's priority, as the priority option's placeholder gives
+// it, clamped to max_priority either way.
+func (h *Handler) priorityOf(r *http.Request) (int, error) {
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	v := strings.TrimSpace(repl.ReplaceAll(h.Queue.Priority, ""))
+	if v == "" {
+		return 0, nil
+	}
+	prio, err := strconv.Atoi(v)
+	if err != nil {
+		return 0, fmt.Errorf("priority %q is not an integer (it comes from %s)", v, h.Queue.Priority)
+	}
+	return min(max(prio, -h.Queue.MaxPriority), h.Queue.MaxPriority), nil
 }
 
 // pinToJob pins t to the worker that made the job its route names. A

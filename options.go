@@ -82,6 +82,21 @@ type Queue struct {
 
 	// MaxJobs is how many jobs may wait at once; beyond it 429. Default 10000.
 	MaxJobs int `json:"max_jobs,omitempty"`
+
+	// Priority is each job's priority, a placeholder evaluated per request
+	// (for example {http.request.header.X-Priority}) that gives an
+	// integer: among waiting jobs a higher one goes first. An empty value
+	// is 0; one that is no integer gets 400. Default: every job 0.
+	Priority string `json:"priority,omitempty"`
+
+	// MaxPriority bounds priorities: they are clamped to -MaxPriority to
+	// MaxPriority. Default 10.
+	MaxPriority int `json:"max_priority,omitempty"`
+
+	// PriorityMaxWait is the longest a job waits while jobs of higher
+	// priority go first: then it goes to the next worker that frees up and
+	// may serve it. -1: no limit. Default 1m.
+	PriorityMaxWait caddy.Duration `json:"priority_max_wait,omitempty"`
 }
 
 // CostModel is how a job's cost is worked out from its request, for the
@@ -272,6 +287,8 @@ const (
 	defaultMaxQueue   = 10000
 	defaultMaxWorkers = 4096
 	defaultAttempts   = 3
+	defaultMaxPrio    = 10
+	defaultPrioWait   = time.Minute
 	defaultDNSRefresh = 10 * time.Second
 	defaultMaxHeld    = 32 << 20
 	defaultHeldTotal  = 256 << 20
@@ -346,6 +363,21 @@ func (h *Handler) provisionDispatch() error {
 		return optionError("max_queue", "queue.max_jobs", "must be positive, got %d", q.MaxJobs)
 	}
 	d.MaxQueue = q.MaxJobs
+	return h.provisionPriority()
+}
+
+// provisionPriority reads the priority options.
+func (h *Handler) provisionPriority() error {
+	q := &h.Queue
+	q.MaxPriority = cmp.Or(q.MaxPriority, defaultMaxPrio)
+	if q.MaxPriority < 0 {
+		return optionError("max_priority", "queue.max_priority", "must be positive, got %d", q.MaxPriority)
+	}
+	q.PriorityMaxWait = cmp.Or(q.PriorityMaxWait, caddy.Duration(defaultPrioWait))
+	if q.PriorityMaxWait < -1 {
+		return optionError("priority_max_wait", "queue.priority_max_wait", "must be positive, or off (-1), got %s", time.Duration(q.PriorityMaxWait))
+	}
+	h.dispatch.MaxPassedOver = max(time.Duration(q.PriorityMaxWait), 0)
 	return nil
 }
 

@@ -73,6 +73,7 @@ type registry struct {
 // dispatchState is the state of routing decisions and of the queue.
 type dispatchState struct {
 	queue        []*waiter       // jobs waiting for a worker, in dispatch order
+	arrivals     []*waiter       // the same and some that left, in the order they came: see priority.go
 	seq          uint64          // arrival counter of the queue
 	hedging      int             // copies of jobs running
 	cands        []*worker       // scratch space of routing decisions

@@ -13,14 +13,15 @@ import (
 
 // Config is how one diffusion_router config hands jobs to workers.
 type Config struct {
-	Strategy    Strategy
-	MaxInflight int           // jobs a worker holds at once; 0: no limit
-	Order       QueueOrder    // which waiting job goes first
-	Timeout     time.Duration // longest wait in the queue; 0: the client's own
-	MaxQueue    int           // jobs that may wait at once
-	MaxAttempts int           // workers a job may be sent to
-	HedgeAfter  float64       // a job overrunning its prediction this much gets a copy; 0: never
-	Health      *HealthConfig // how failed requests count against a worker
+	Strategy      Strategy
+	MaxInflight   int           // jobs a worker holds at once; 0: no limit
+	Order         QueueOrder    // which waiting job goes first
+	Timeout       time.Duration // longest wait in the queue; 0: the client's own
+	MaxQueue      int           // jobs that may wait at once
+	MaxAttempts   int           // workers a job may be sent to
+	MaxPassedOver time.Duration // longest a job waits while higher priorities go first; 0: no limit
+	HedgeAfter    float64       // a job overrunning its prediction this much gets a copy; 0: never
+	Health        *HealthConfig // how failed requests count against a worker
 }
 
 // Outcome is how a ticket's claim on a worker ended.
@@ -64,6 +65,9 @@ type Ticket struct {
 	Task  request.Task  // what the worker must be able to generate
 	Job   bool          // a generation: takes a worker slot, may wait for one
 	Cost  float64
+	// Priority ranks t among waiting jobs before anything else does: a
+	// higher one goes first (see compare).
+	Priority int
 
 	WantVersion   string // only a worker on this weight version may serve
 	servedVersion string // the weight version of the worker chosen
@@ -122,6 +126,8 @@ func CancelledBy(ctx context.Context) error {
 type waiter struct {
 	t     *Ticket
 	ready chan struct{} // closed once t.worker is set
+	since int64         // when it joined the queue, Unix nanoseconds
+	gone  bool          // it left the queue: see arrivals
 }
 
 // Acquire gives t a worker. A job that finds every fitting worker full
@@ -475,12 +481,12 @@ func (p *Pool) endGhost(t *Ticket) {
 // dispatchLocked hands free slots to waiting jobs, in queue order; a job
 // that no free worker may serve lets the ones behind it pass.
 func (p *Pool) dispatchLocked() {
+	p.dispatchPassedOverLocked()
 	kept := p.queue[:0]
 	for i, wt := range p.queue {
 		w, anyFree := p.chooseLocked(wt.t)
 		if w != nil {
-			p.assignLocked(wt.t, w)
-			close(wt.ready)
+			p.handOutLocked(wt, w)
 			continue
 		}
 		kept = append(kept, wt)
@@ -493,16 +499,26 @@ func (p *Pool) dispatchLocked() {
 	p.queue = kept
 }
 
+// handOutLocked gives wt's job worker w; the caller takes wt out of the
+// queue.
+func (p *Pool) handOutLocked(wt *waiter, w *worker) {
+	p.assignLocked(wt.t, w)
+	wt.gone = true
+	close(wt.ready)
+}
+
 func (p *Pool) enqueueLocked(t *Ticket) *waiter {
-	wt := &waiter{t: t, ready: make(chan struct{})}
+	wt := &waiter{t: t, ready: make(chan struct{}), since: p.now().UnixNano()}
 	i, _ := slices.BinarySearchFunc(p.queue, wt, func(a, b *waiter) int { return a.t.compare(b.t) })
 	p.queue = slices.Insert(p.queue, i, wt)
+	p.arriveLocked(wt)
 	return wt
 }
 
-// compare orders waiting jobs: by the queue order, then by arrival.
+// compare orders waiting jobs: by priority, then by the queue order, then
+// by arrival. A job running again keeps its arrival, so its place.
 func (t *Ticket) compare(u *Ticket) int {
-	return cmp.Or(cmp.Compare(t.queueKey(), u.queueKey()), cmp.Compare(t.seq, u.seq))
+	return cmp.Or(cmp.Compare(u.Priority, t.Priority), cmp.Compare(t.queueKey(), u.queueKey()), cmp.Compare(t.seq, u.seq))
 }
 
 // before reports whether t goes ahead of u in the queue.
@@ -520,6 +536,7 @@ func (p *Pool) dequeueLocked(wt *waiter) bool {
 		return false
 	}
 	p.queue = slices.Delete(p.queue, i, i+1)
+	wt.gone = true
 	return true
 }
 

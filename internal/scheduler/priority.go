@@ -1,0 +1,58 @@
+package scheduler
+
+// Among waiting jobs a higher priority goes first, whatever the queue
+// order says, and a running job is never preempted. So that a stream of
+// urgent jobs cannot keep a lower priority waiting for ever, a job passed
+// over for MaxPassedOver (it waited that long while the queue's head was
+// of a higher priority) goes to the next worker that frees up and may
+// serve it, ahead of every priority. Such jobs go in the order they came.
+
+// arriveLocked notes that wt joined the queue. Jobs that left are taken
+// off the front as they are met, and all at once when they are most of
+// the list, so it stays within twice the queue.
+func (p *Pool) arriveLocked(wt *waiter) {
+	p.arrivals = append(p.arrivals, wt)
+	if len(p.arrivals) > 2*len(p.queue)+64 {
+		kept := p.arrivals[:0]
+		for _, a := range p.arrivals {
+			if !a.gone {
+				kept = append(kept, a)
+			}
+		}
+		clear(p.arrivals[len(kept):])
+		p.arrivals = kept
+	}
+}
+
+// dispatchPassedOverLocked hands free workers to the jobs passed over for
+// too long, in the order they came, before the queue's order has its turn.
+func (p *Pool) dispatchPassedOverLocked() {
+	for len(p.arrivals) > 0 && p.arrivals[0].gone {
+		p.arrivals[0] = nil
+		p.arrivals = p.arrivals[1:]
+	}
+	now := p.now().UnixNano()
+	for _, wt := range p.arrivals {
+		if len(p.queue) == 0 || !waitedTooLong(wt, now) {
+			return // the ones after it came later
+		}
+		if wt.gone || wt.t.Priority >= p.queue[0].t.Priority {
+			continue
+		}
+		w, anyFree := p.chooseLocked(wt.t)
+		if !anyFree {
+			return
+		}
+		if w != nil {
+			p.dequeueLocked(wt)
+			p.handOutLocked(wt, w)
+		}
+	}
+}
+
+// waitedTooLong reports whether wt has waited as long as a job may be
+// passed over.
+func waitedTooLong(wt *waiter, now int64) bool {
+	limit := wt.t.cfg.MaxPassedOver
+	return limit > 0 && now-wt.since >= int64(limit)
+}

@@ -1,0 +1,86 @@
+package diffusionrouter_test
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
+)
+
+// prioritySite is a router over ws whose jobs take their priority from
+// X-Priority, with /metrics beside it.
+func prioritySite(ws []*fakeworker.Worker, extra string) string {
+	return metricsSite("diffusion_router priority-pool {\n workers " + testrouter.URLs(ws) +
+		"\n priority {http.request.header.X-Priority}\n" + extra + "}")
+}
+
+// sendJob sends one 20 ms image job with the given X-Priority (none when
+// empty) and names it on done once answered.
+func sendJob(r *testrouter.Router, name, prio string, done chan<- string) {
+	req, _ := http.NewRequest(http.MethodPost, r.Base+"/v1/images/generations",
+		strings.NewReader(`{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":2}`))
+	req.Header.Set("Content-Type", "application/json")
+	if prio != "" {
+		req.Header.Set("X-Priority", prio)
+	}
+	resp, err := testrouter.Client.Do(req)
+	if err != nil {
+		done <- name + ": " + err.Error()
+		return
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		name = fmt.Sprintf("%s: status %d", name, resp.StatusCode)
+	}
+	done <- name
+}
+
+func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{UnitMs: 10})
+	r := testrouter.Start(t, prioritySite(ws, ""))
+	pool := map[string]string{"pool": "priority-pool"}
+	done := make(chan string, 12)
+	for i := range 10 {
+		go sendJob(r, fmt.Sprintf("batch-%d", i), "", done)
+	}
+	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 8 })
+	go sendJob(r, "urgent-1", "5", done)
+	go sendJob(r, "urgent-2", "5", done)
+	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 10 })
+	var order []string
+	for range 12 {
+		order = append(order, <-done)
+	}
+	// One batch job runs and at most one more is handed to the worker just
+	// before it ends: the urgent jobs go next, ahead of the rest.
+	for _, urgent := range []string{"urgent-1", "urgent-2"} {
+		i := strings.Index(strings.Join(order, " ")+" ", urgent+" ")
+		if i < 0 || strings.Count(strings.Join(order, " ")[:i], "batch-") > 2 {
+			t.Fatalf("answers came in the order %v; want both urgent jobs served after at most 2 of the batch", order)
+		}
+	}
+}
+
+func TestPriorityThatIsNoIntegerIsRefused(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, prioritySite(ws, ""))
+	for _, bad := range []string{"high", "1.5", "9999999999999999999999"} {
+		rp := r.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"8x8"}`, "X-Priority", bad)
+		testrouter.ExpectStatus(t, "priority "+bad, rp, 400)
+		if msg := rp.ErrorText(t); !strings.Contains(msg, "priority") || !strings.Contains(msg, "not an integer") {
+			t.Errorf("priority %q: error %q does not say the priority is no integer", bad, msg)
+		}
+	}
+	for _, ok := range []string{"", "0", "-3", " 7 ", "1000", "-1000"} { // clamped to max_priority
+		rp := r.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"8x8"}`, "X-Priority", ok)
+		testrouter.ExpectStatus(t, fmt.Sprintf("priority %q", ok), rp, 200)
+	}
+	if n := ws[0].Stats().Jobs; n != 6 {
+		t.Errorf("the worker served %d jobs; want the 6 with a priority it could read", n)
+	}
+}
