@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.opentelemetry.io/otel/attribute"
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
@@ -82,6 +83,8 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *scheduler.Ticket, nex
 			return h.lastAnswer(rec, t, cause, err, retryErr)
 		}
 		h.metrics.reruns.WithLabelValues(cause.String()).Inc()
+		traceEvent(r.Context(), rec.tracer, "diffusion_router.rerun", attribute.String("diffusion.cause", cause.String()),
+			attribute.String("diffusion.from", from), attribute.String("diffusion.to", t.ServedBy()))
 		h.logger.Info("job runs again on another worker", zap.String("request_id", r.Header.Get(requestIDHeader)),
 			zap.String("from", from), zap.String("to", t.ServedBy()), zap.Stringer("cause", cause), zap.Int("attempt", t.Attempts+1))
 		rec.dropHeld()
@@ -277,11 +280,13 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 	t.Sent = true
 	t.Attempts++
 	t.Lookups = 0
+	ctx, endSpan := traceAttempt(ctx, rec.tracer, t, race != nil && t != race.primary)
 	err := serve(next, rec, r.WithContext(ctx))
 	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil {
 		err = fmt.Errorf("%w: %w", errUpstreamTimeout, err)
 	}
 	err = h.settle(rec, r, s, err, ctx.Err() != nil)
+	endSpan(err, attribute.Int("http.response.status_code", heldStatus(rec)))
 	if rec.held != nil && h.rerunCause(r, rec, t, err) != noRerun {
 		return err // pool.retry releases the worker
 	}

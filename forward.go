@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.opentelemetry.io/otel/attribute"
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
@@ -58,6 +59,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 		return control.WriteError(rec, http.StatusBadRequest, err.Error())
 	}
 	rec.Header().Set(requestIDHeader, id)
+	rec.tracer = tracerOf(r)
 	t, r, status, msg := h.admit(rec, r, route)
 	if status != 0 {
 		return control.WriteError(rec, status, msg)
@@ -96,7 +98,7 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*s
 	if t.Job {
 		r = r.WithContext(t.WithCancel(r.Context()))
 	}
-	if err := h.pool.Acquire(r.Context(), t); err != nil {
+	if err := h.acquire(rec, r, t); err != nil {
 		if cause := scheduler.CancelledBy(r.Context()); cause != nil {
 			return nil, r, http.StatusConflict, cause.Error()
 		}
@@ -108,6 +110,17 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*s
 		return nil, r, status, msg
 	}
 	return t, r, 0, ""
+}
+
+// acquire gets t a worker from the pool, tracing a job's wait for one.
+func (h *Handler) acquire(rec *recorder, r *http.Request, t *scheduler.Ticket) error {
+	if !t.Job {
+		return h.pool.Acquire(r.Context(), t)
+	}
+	ctx, end := traceQueue(r.Context(), rec.tracer, t)
+	err := h.pool.Acquire(ctx, t)
+	end(err, attribute.String("diffusion.worker", t.ServedBy()))
+	return err
 }
 
 // logJob records a finished generation job's metrics, logs it at DEBUG,

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -85,6 +86,8 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	if hd.copyPanic != nil {
 		panic(hd.copyPanic)
 	}
+	traceEvent(r.Context(), rec.tracer, "diffusion_router.hedge", attribute.String("diffusion.copy_on", hd.copy.ServedBy()),
+		attribute.Bool("diffusion.copy_won", hd.winner == hd.copy))
 	switch hd.winner {
 	case hd.copy:
 		h.metrics.hedges.WithLabelValues("won").Inc()
@@ -174,7 +177,7 @@ func (hd *hedge) fire() {
 // runCopy sends the copy c of the job to its worker. Its answer reaches
 // the client only if it wins the race.
 func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
-	rec := &recorder{ResponseWriterWrapper: hd.rec.ResponseWriterWrapper}
+	rec := &recorder{ResponseWriterWrapper: hd.rec.ResponseWriterWrapper, tracer: hd.rec.tracer}
 	defer func() {
 		v := recover() // an answer that broke off after it began
 		hd.mu.Lock()

@@ -42,11 +42,13 @@ func (DiffusionSelection) CaddyModule() caddy.ModuleInfo {
 // request to be for. Setting it here, where the worker is known, costs
 // nothing; a `header_up Host` would make reverse_proxy copy every request's
 // headers to apply it. A block that has header_up operations starts again
-// from the client's Host before them (see workerHost).
+// from the client's Host before them (see workerHost). A traced job's
+// attempt goes with its span as W3C trace context (see tracing.go).
 func (s *DiffusionSelection) Select(upstreams reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
 	u := s.pick(upstreams, r)
 	if u != nil {
 		r.Host = u.Dial
+		injectTraceContext(r)
 	}
 	return u
 }

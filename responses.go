@@ -11,6 +11,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
@@ -53,6 +54,7 @@ type recorder struct {
 	// onPeek, when set, reads the peek each time it grows, before the
 	// bytes that grew it go out, until it reports it has what it needs.
 	onPeek func(peek []byte) (done bool)
+	tracer trace.Tracer // the job's, when its site traces requests; nil: not traced
 }
 
 // heldAnswers are a handler's rules for holding answers back: its budget,

@@ -1,0 +1,81 @@
+package diffusionrouter
+
+import (
+	"context"
+	"net/http"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+)
+
+// A site with Caddy's tracing directive traces each job under the span
+// Caddy starts for its request: a span for its wait in the queue, one for
+// each attempt on a worker (a hedge's copy among them), and events for
+// each re-run and hedge. Each attempt's span goes to its worker as W3C
+// trace context, so a worker that traces continues the job's trace. A site
+// without tracing pays one context lookup per job.
+
+const tracerName = "github.com/miles-rollout/miles-diffusion-router"
+
+// traceContext writes an attempt's span into its request's headers.
+var traceContext = propagation.TraceContext{}
+
+// tracerOf returns the tracer of r's span, or nil when r is not traced.
+func tracerOf(r *http.Request) trace.Tracer {
+	span := trace.SpanFromContext(r.Context())
+	if !span.SpanContext().IsValid() {
+		return nil
+	}
+	return span.TracerProvider().Tracer(tracerName)
+}
+
+// startSpan starts the span name under ctx's when tracer is set; its end
+// records err, if any.
+func startSpan(ctx context.Context, tracer trace.Tracer, name string, attrs ...attribute.KeyValue) (context.Context, func(err error, attrs ...attribute.KeyValue)) {
+	if tracer == nil {
+		return ctx, func(error, ...attribute.KeyValue) {}
+	}
+	ctx, span := tracer.Start(ctx, name, trace.WithAttributes(attrs...))
+	return ctx, func(err error, attrs ...attribute.KeyValue) {
+		span.SetAttributes(attrs...)
+		if err != nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}
+}
+
+// traceQueue starts the span of t's wait for a worker.
+func traceQueue(ctx context.Context, tracer trace.Tracer, t *scheduler.Ticket) (context.Context, func(error, ...attribute.KeyValue)) {
+	return startSpan(ctx, tracer, "diffusion_router.queue",
+		attribute.String("diffusion.endpoint", t.Route.Class), attribute.Float64("diffusion.cost", t.Cost),
+		attribute.Int("diffusion.priority", t.Priority))
+}
+
+// traceAttempt starts the span of t's attempt on its worker; copy says it
+// is a hedge's copy of the job.
+func traceAttempt(ctx context.Context, tracer trace.Tracer, t *scheduler.Ticket, copy bool) (context.Context, func(error, ...attribute.KeyValue)) {
+	return startSpan(ctx, tracer, "diffusion_router.attempt",
+		attribute.String("diffusion.worker", t.ServedBy()), attribute.Int("diffusion.attempt", t.Attempts),
+		attribute.Bool("diffusion.hedge", copy))
+}
+
+// traceEvent adds the event name to the span of ctx's request, when traced.
+func traceEvent(ctx context.Context, tracer trace.Tracer, name string, attrs ...attribute.KeyValue) {
+	if tracer != nil {
+		trace.SpanFromContext(ctx).AddEvent(name, trace.WithAttributes(attrs...))
+	}
+}
+
+// injectTraceContext writes the span of r's attempt into r's headers, for
+// its worker. r is reverse_proxy's own copy of the request.
+func injectTraceContext(r *http.Request) {
+	if trace.SpanContextFromContext(r.Context()).IsValid() {
+		traceContext.Inject(r.Context(), propagation.HeaderCarrier(r.Header))
+	}
+}
