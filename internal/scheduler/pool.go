@@ -37,6 +37,10 @@ import (
 //     and written under the other two)
 //  3. mu
 //  4. videos' and images' own locks (JobOwners)
+//
+// The registry of jobs by request id (aborts) has a lock of its own,
+// never held with any of these: every job takes it as it arrives and as
+// it ends, and an abort takes it and then mu, one after the other.
 type Pool struct {
 	name   string
 	now    func() time.Time // the clock; tests set their own
@@ -55,6 +59,7 @@ type Pool struct {
 
 	videos *JobOwners // which worker made each video job
 	images *JobOwners // which worker made each image job
+	aborts aborts     // the jobs in the router by request id, and what was aborted
 }
 
 // registry is which workers the pool has and why. A worker stays while
@@ -103,6 +108,7 @@ func New(name string, logger *zap.Logger) *Pool {
 		images: NewJobOwners(DefaultOwnerLimit, DefaultOwnerTTL),
 	}
 	p.defaultSpeed, p.initialSpeed = DefaultInitialSpeed, DefaultInitialSpeed
+	p.aborts.init(func() time.Time { return p.now() })
 	p.client = workerurl.GuardedClient(func() *workerurl.Guard { return p.guard.Load() })
 	p.bg = newBackground(p.logger)
 	p.due = make(chan struct{}, 1)

@@ -87,6 +87,11 @@ type Ticket struct {
 	Body      []byte                  // a job's body, sent again when it runs again
 	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
+
+	RID     string  // the request's id (X-Request-Id), by which it can be aborted
+	tracked bool    // in the pool's registry of jobs by id; guarded by the registry's lock
+	sameRID *Ticket // the next job in the registry with the same id; guarded by the registry's lock
+	aborted error   // why an abort ended the job: it gets no worker from then on
 }
 
 // errCancelled is the cause of a ticket's context that Cancel ended.
@@ -146,6 +151,9 @@ func (p *Pool) Acquire(ctx context.Context, t *Ticket) error {
 // admitLocked gives t a worker now, or a place in the queue, or the reason
 // it may not wait.
 func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
+	if t.aborted != nil {
+		return nil, t.aborted
+	}
 	if t.seq == 0 {
 		p.seq++
 		t.seq = p.seq
