@@ -173,6 +173,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    priority         <placeholder>
 //	    max_priority     <n>
 //	    priority_max_wait <duration>|off
+//	    abort_memory     <duration>|off
 //
 //	    # the cost of a job (cost)
 //	    default_steps    <n>
@@ -303,6 +304,7 @@ var handlerOptions = map[string]option{
 	"priority":          one(func(h *Handler) *string { return &h.Queue.Priority }, parseText),
 	"max_priority":      one(func(h *Handler) *int { return &h.Queue.MaxPriority }, parseWhole),
 	"priority_max_wait": one(func(h *Handler) *caddy.Duration { return &h.Queue.PriorityMaxWait }, orWord("off", caddy.Duration(-1), parseDuration)),
+	"abort_memory":      one(func(h *Handler) *caddy.Duration { return &h.Queue.AbortMemory }, orWord("off", caddy.Duration(-1), parseDuration)),
 
 	"default_steps":  one(func(h *Handler) *int { return &h.Cost.DefaultSteps }, parseWhole),
 	"default_size":   one(func(h *Handler) *string { return &h.Cost.DefaultSize }, parseText),

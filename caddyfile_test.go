@@ -60,6 +60,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		priority {http.request.header.X-Priority}
 		max_priority 5
 		priority_max_wait 30s
+		abort_memory 10m
 		default_steps 30
 		default_size 768x1344
 		default_frames 33
@@ -126,6 +127,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		Queue: Queue{
 			Order: "largest_first", Timeout: caddy.Duration(90 * time.Second), MaxJobs: 500,
 			Priority: "{http.request.header.X-Priority}", MaxPriority: 5, PriorityMaxWait: caddy.Duration(30 * time.Second),
+			AbortMemory: caddy.Duration(10 * time.Minute),
 		},
 		Cost: CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
 		HealthChecks: HealthChecks{
@@ -211,6 +213,8 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 		"zero max_inflight":         "max_inflight 0",
 		"bad max_inflight":          "max_inflight many",
 		"bad queue_timeout":         "queue_timeout forever",
+		"bad abort_memory":          "abort_memory long",
+		"zero abort_memory":         "abort_memory 0s",
 		"zero default_steps":        "default_steps 0",
 		"bad default_frames":        "default_frames 1.5",
 		"bad cfg_factor":            "cfg_factor double",
@@ -266,6 +270,7 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"max_queue -1", "max_queue (queue.max_jobs):"},
 		{"max_priority -1", "max_priority (queue.max_priority):"},
 		{"priority_max_wait -2s", "priority_max_wait (queue.priority_max_wait):"},
+		{"abort_memory -2s", "abort_memory (queue.abort_memory):"},
 		{"default_steps -3", "default_steps (cost.default_steps):"},
 		{"default_size big", "default_size (cost.default_size):"},
 		{"default_size 0x1024", "default_size (cost.default_size):"},
@@ -370,7 +375,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 	for _, want := range []string{
 		`"pool":"default"`,
 		`"load_balancing":{"policy":"least_work","max_attempts":3,"hedge_after":5,"initial_speed":1}`,
-		`"queue":{"order":"fifo","max_jobs":10000,"max_priority":10,"priority_max_wait":60000000000}`,
+		`"queue":{"order":"fifo","max_jobs":10000,"max_priority":10,"priority_max_wait":60000000000,"abort_memory":300000000000}`,
 		`"cost":{"default_steps":20,"default_size":"1024x1024","default_frames":96,"cfg_factor":2}`,
 		`"active":{"uri":"/health","interval":10000000000,"timeout":5000000000,"fails":3,"passes":2}`,
 		`"min_ready":1`,
@@ -429,6 +434,20 @@ func TestMaxHeldAnswerOff(t *testing.T) {
 	}
 	if _, err := h.answers.budget.Hold(1); err == nil {
 		t.Fatal("max_held_answer off, yet an answer of 1 byte is held")
+	}
+}
+
+func TestAbortMemoryOff(t *testing.T) {
+	cfg, err := adapt(t, "diffusion_router {\nabort_memory off\n}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(cfg, `"queue":{"abort_memory":-1}`) {
+		t.Fatalf("abort_memory off adapted to %s; want queue.abort_memory -1", cfg)
+	}
+	h := handlerFrom(t, cfg)
+	if err := h.provisionOptions(); err != nil || h.Queue.AbortMemory != -1 {
+		t.Fatalf("abort_memory off provisioned as %d (%v)", h.Queue.AbortMemory, err)
 	}
 }
 

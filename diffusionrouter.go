@@ -18,6 +18,7 @@ import (
 	"net/http"
 	"net/netip"
 	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -168,6 +169,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		ClientIP: clientIP, Guard: h.guard, MaxWorkers: h.MaxWorkers, MinReady: h.HealthChecks.MinReady,
 		Policy: h.LoadBalancing.Policy, Dashboard: !h.DashboardOff,
 		Models: &p.models, EngineMetrics: &p.metrics, Operations: weightUpdates,
+		AbortMemory: time.Duration(h.Queue.AbortMemory),
 	}
 	h.control = h.api.Mux()
 	if err := registerMetrics(ctx); err != nil {

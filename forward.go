@@ -26,13 +26,9 @@ import (
 // makes; the response echoes it and the worker sees it.
 const requestIDHeader = "X-Request-Id"
 
-// maxRequestID bounds a client's request id, which goes out again in
-// headers and log lines.
-const maxRequestID = 128
-
 // errRequestID refuses a client's request id that could not go out again
 // as it came.
-var errRequestID = fmt.Errorf("%s must be at most %d printable ASCII characters", requestIDHeader, maxRequestID)
+var errRequestID = fmt.Errorf("%s must be at most %d printable ASCII characters", requestIDHeader, request.MaxID)
 
 // requestID returns r's id: the client's, or one the router makes when
 // the client sent none.
@@ -43,7 +39,7 @@ func requestID(r *http.Request) (string, error) {
 		r.Header.Set(requestIDHeader, id)
 		return id, nil
 	}
-	if len(id) > maxRequestID || strings.ContainsFunc(id, func(c rune) bool { return c < 0x20 || c > 0x7e }) {
+	if !request.ValidID(id) {
 		return "", errRequestID
 	}
 	return id, nil
@@ -67,6 +63,9 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 	if t == nil {
 		return nil // the client left while waiting
 	}
+	if t.Job {
+		defer h.pool.Untrack(t)
+	}
 	dispatched := time.Now()
 	h.metrics.decisions.Inc()
 	if ce := h.logger.Check(zap.DebugLevel, "routed"); ce != nil {
@@ -85,8 +84,9 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 
 // admit reads and costs r and gets it a worker. It returns r as the job
 // is to be sent, in its ticket's context. A non-zero status refuses r with
-// that status and message (409 for a job cancelled while it waited); a nil
-// ticket means the client left.
+// that status and message (409 for a job aborted, or whose id an abort
+// remembers); a nil ticket means the client left. A job is registered by
+// its id until the caller's Untrack, so that an abort finds it.
 func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*scheduler.Ticket, *http.Request, int, string) {
 	t, status, msg := h.ticketFor(r, route)
 	if status == 0 {
@@ -97,8 +97,13 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*s
 	}
 	if t.Job {
 		r = r.WithContext(t.WithCancel(r.Context()))
+		t.RID = r.Header.Get(requestIDHeader)
+		if err := h.pool.Track(t); err != nil {
+			return nil, r, http.StatusConflict, err.Error()
+		}
 	}
 	if err := h.acquire(rec, r, t); err != nil {
+		h.pool.Untrack(t)
 		if cause := scheduler.CancelledBy(r.Context()); cause != nil {
 			return nil, r, http.StatusConflict, cause.Error()
 		}
@@ -303,6 +308,8 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err err
 	switch {
 	case status == 499:
 		return nil // the client went away; nobody reads an answer
+	case scheduler.Cancelled(err):
+		return nil // forward answers with the cause
 	case errors.Is(err, errUpstreamTimeout):
 		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("%v (%s)", errUpstreamTimeout, time.Duration(h.UpstreamTimeout))
 	case isMaxBytes(err):

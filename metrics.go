@@ -106,6 +106,7 @@ var (
 	descQueue     = newDesc("queue_length", "Generation jobs waiting in the pool's queue.", "pool")
 	descServing   = newDesc("serving_workers", "Workers of the pool that may be given jobs.", "pool")
 	descBacklog   = newDesc("backlog_seconds", "Predicted time for the pool's workers to finish every job running and waiting, at their learned speeds.", "pool")
+	descAborted   = newDesc("aborted_total", "Generation jobs ended by POST /abort_request, by where they were (waiting, running), and requests refused on arrival because an abort remembers their id (resent).", "pool", "state")
 )
 
 func newDesc(name, help string, labels ...string) *prometheus.Desc {
@@ -117,7 +118,7 @@ type poolCollector struct{}
 
 // Describe sends the descriptors of the per-worker series.
 func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descServing, descBacklog} {
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descServing, descBacklog, descAborted} {
 		ch <- d
 	}
 }
@@ -132,6 +133,7 @@ func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, float64(p.Stats().Queued), p.Name())
 		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.ServingCount()), p.Name())
 		ch <- prometheus.MustNewConstMetric(descBacklog, prometheus.GaugeValue, p.Backlog().Seconds(), p.Name())
+		collectAborts(ch, p.Name(), p.AbortStats())
 		return true
 	})
 }
@@ -156,6 +158,12 @@ func collectWorker(ch chan<- prometheus.Metric, pool string, w scheduler.WorkerI
 	counter(descCost, w.Cost)
 	counter(descFailures, float64(w.Failures))
 	counter(descEjections, float64(w.Ejections))
+}
+
+func collectAborts(ch chan<- prometheus.Metric, pool string, s scheduler.AbortStats) {
+	for state, n := range map[string]uint64{"waiting": s.Waiting, "running": s.Running, "resent": s.Resent} {
+		ch <- prometheus.MustNewConstMetric(descAborted, prometheus.CounterValue, float64(n), pool, state)
+	}
 }
 
 func boolFloat(b bool) float64 {

@@ -97,6 +97,13 @@ type Queue struct {
 	// priority go first: then it goes to the next worker that frees up and
 	// may serve it. -1: no limit. Default 1m.
 	PriorityMaxWait caddy.Duration `json:"priority_max_wait,omitempty"`
+
+	// AbortMemory is how long POST /abort_request remembers the request
+	// ids and prefixes it aborted: a job that arrives with one meanwhile,
+	// such as a client's resend of an aborted job, is refused with 409 at
+	// once. Default 5m (miles resends a failed request for about a
+	// minute); -1 remembers nothing.
+	AbortMemory caddy.Duration `json:"abort_memory,omitempty"`
 }
 
 // CostModel is how a job's cost is worked out from its request, for the
@@ -363,7 +370,20 @@ func (h *Handler) provisionDispatch() error {
 		return optionError("max_queue", "queue.max_jobs", "must be positive, got %d", q.MaxJobs)
 	}
 	d.MaxQueue = q.MaxJobs
+	if err := h.provisionAbortMemory(); err != nil {
+		return err
+	}
 	return h.provisionPriority()
+}
+
+// provisionAbortMemory reads how long aborts are remembered.
+func (h *Handler) provisionAbortMemory() error {
+	q := &h.Queue
+	q.AbortMemory = cmp.Or(q.AbortMemory, caddy.Duration(scheduler.DefaultAbortMemory))
+	if q.AbortMemory < -1 {
+		return optionError("abort_memory", "queue.abort_memory", "must be a duration, or -1 (off), got %s", time.Duration(q.AbortMemory))
+	}
+	return nil
 }
 
 // provisionPriority reads the priority options.

@@ -1,13 +1,14 @@
 // Package control is the router's control API: the endpoints it answers
 // itself, in the shapes of the Python sglang-diffusion router and of
 // miles' router API (workers, health, models, engine metrics, weight
-// updates, LoRA, sleep and wake, the status page), as plain
+// updates, LoRA, sleep and wake, aborts, the status page), as plain
 // http.Handlers over a scheduler.Pool.
 package control
 
 import (
 	"net/http"
 	"net/netip"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -61,6 +62,10 @@ type API struct {
 
 	// Operations counts fleet operations by pool, operation and outcome.
 	Operations *prometheus.CounterVec
+
+	// AbortMemory is how long the request ids and prefixes an abort names
+	// are refused after it, resends included.
+	AbortMemory time.Duration
 }
 
 // Mux routes the control endpoints. Any other method on one of their

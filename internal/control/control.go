@@ -55,6 +55,7 @@ func (a *API) mux() *http.ServeMux {
 		{"POST /release_memory_occupation", a.admin(a.serveSleep)},
 		{"POST /resume_memory_occupation", a.admin(a.serveWake)},
 		{"GET /fleet_operation", a.serveOperation},
+		{"POST /abort_request", a.admin(a.serveAbort)},
 	}
 	if a.Dashboard {
 		routes = append(routes, route{"GET /dashboard", serveDashboard}, route{"GET /dashboard/data", a.serveDashboardData})

@@ -119,6 +119,13 @@ func (t *Ticket) Cancel(cause error) {
 	}
 }
 
+// Cancelled reports whether err is the end of a job Cancel ended: the
+// error of an attempt cut off by it carries its cause.
+func Cancelled(err error) bool {
+	_, ok := errors.AsType[*errCancelled](err)
+	return ok
+}
+
 // CancelledBy returns the cause Cancel gave ctx's job, or nil.
 func CancelledBy(ctx context.Context) error {
 	if c, ok := errors.AsType[*errCancelled](context.Cause(ctx)); ok {
