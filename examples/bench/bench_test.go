@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/xml"
 	"errors"
+	"fmt"
 	"io"
 	"math"
 	"slices"
@@ -10,6 +11,8 @@ import (
 	"testing"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 func TestMakeJobsProportions(t *testing.T) {
@@ -337,5 +340,58 @@ func TestParseFlags(t *testing.T) {
 		if _, err := parseFlags(bad); err == nil {
 			t.Errorf("%v accepted", bad)
 		}
+	}
+}
+
+// TestOversampleMode runs both plans at a small scale on one worker: each
+// step gets its groups, the exact plan aborts nothing, and oversampling
+// sends its groups at once and aborts the ones left when enough passed
+// (a step where 3 of its 4 groups pass leaves at least one image queued).
+func TestOversampleMode(t *testing.T) {
+	args := []string{"--mode", "oversample", "--n", "2", "--group", "2", "--steps", "2", "--oversample", "2",
+		"--mix", "uniform", "--speeds", "1", "--unit-ms", "5", "--warmup", "0", "--strategies", "least_work/fifo"}
+	o, err := parseFlags(args)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for o.seed = 1; ; o.seed++ { // a seed whose steps each keep 3 of their first 4 groups
+		kept := 0
+		for s := range 2 {
+			for g := range 4 {
+				if keeps(o, s, g) {
+					kept++
+				}
+			}
+		}
+		if kept == 6 {
+			break
+		}
+	}
+	cleanHome, err := testrouter.IsolateHome("bench-oversample-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cleanHome()
+	logs := map[float64]*stepLog{1: {}, 2: {}}
+	for factor, log := range logs {
+		res := runPlan(t.Context(), o, plan{fmt.Sprint(factor), factor}, log)
+		if res.err != nil || len(log.times) != 2 || len(log.abortErrs) > 0 {
+			t.Fatalf("plan %gx: %v, %d steps, abort errors %v", factor, res.err, len(log.times), log.abortErrs)
+		}
+	}
+	exact := 0 // each step sends groups until 2 have passed
+	for s := range 2 {
+		for g, passed := 0, 0; passed < 2; g++ {
+			exact++
+			if keeps(o, s, g) {
+				passed++
+			}
+		}
+	}
+	if l := logs[1]; l.waiting+l.running != 0 || l.groups != exact {
+		t.Errorf("exact plan: %d groups sent, %d/%d aborted; want %d, none aborted", l.groups, l.waiting, l.running, exact)
+	}
+	if l := logs[2]; l.groups != 8 || l.waiting == 0 {
+		t.Errorf("oversample plan: %d groups sent, %d/%d aborted; want 8 sent, some aborted while waiting", l.groups, l.waiting, l.running)
 	}
 }

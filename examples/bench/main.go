@@ -53,6 +53,13 @@
 //	all       batch, open and overhead in turn.
 //	soak      a long mixed load with faults injected on a schedule (below);
 //	          not part of all.
+//	oversample  --steps RL steps back to back, each needing --n groups of
+//	          --group images that pass a filter dropping --filter-rate of
+//	          the groups (drawn with --seed): sent exactly, the dropped
+//	          groups sent again, against --oversample times as many sent at
+//	          once and the rest aborted (POST /abort_request with the step's
+//	          id prefix) once enough have passed. It runs on the first of
+//	          --strategies and reports the step times; not part of all.
 //
 // The soak runs the router as a process of its own, Caddy built from
 // ./cmd/caddy (or --caddy), so that the memory, goroutines and open files
@@ -103,6 +110,7 @@
 //	go run ./examples/bench --mode open --mix heavy --util 0.7 --svg open.svg
 //	go run ./examples/bench --mode overhead --strategies least_work/fifo,caddy/least_conn
 //	go run ./examples/bench --mode soak --n 100000 --clients 6 --unit-ms 0.5
+//	go run ./examples/bench --mode oversample --n 32 --group 4 --steps 5 --mix uniform --speeds 1,1,1,1
 //
 // --router URL drives a router that is already running instead: it is
 // measured as it is (its own workers, strategy and learned state), once
@@ -126,6 +134,7 @@ import (
 	"io"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -153,6 +162,10 @@ type options struct {
 	durationSet bool          // --duration was given
 	caddy       string        // soak: a built Caddy to run as the router
 	faultEvery  time.Duration // soak: time between faults
+	group       int           // oversample: images per group
+	steps       int           // oversample: steps run
+	filterRate  float64       // oversample: share of groups the filter drops
+	oversample  float64       // oversample: groups sent per group needed
 }
 
 func main() {
@@ -173,10 +186,10 @@ func main() {
 func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak")
+	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample")
 	fs.StringVar(&o.mix, "mix", "heavy", "the jobs: "+mixNames())
 	speeds := fs.String("speeds", "1,1,1,2", "one fake worker per value, its relative speed")
-	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open); soak: requests in all")
+	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open); soak: requests in all; oversample: groups a step needs")
 	fs.Float64Var(&o.util, "util", 0.7, "open mode: offered load as a share of the fleet's capacity")
 	fs.Float64Var(&o.unitMs, "unit-ms", 10, "fake worker milliseconds per cost unit (one 1024x1024 step) at speed 1")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the job sequence and the arrival trace")
@@ -190,6 +203,10 @@ func parseFlags(args []string) (options, error) {
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "limit on one strategy's run (soak: on the whole run); requests still open then fail")
 	fs.StringVar(&o.caddy, "caddy", "", "soak: the Caddy binary to run as the router (default: build ./cmd/caddy)")
 	fs.DurationVar(&o.faultEvery, "fault-every", 2*time.Second, "soak: time between the faults of the schedule")
+	fs.IntVar(&o.group, "group", 4, "oversample: images per group (samples of one prompt)")
+	fs.IntVar(&o.steps, "steps", 5, "oversample: rollout steps, back to back")
+	fs.Float64Var(&o.filterRate, "filter-rate", 0.3, "oversample: share of the groups the filter drops, drawn with --seed")
+	fs.Float64Var(&o.oversample, "oversample", 1.5, "oversample: groups sent at a step's start per group needed")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -217,12 +234,14 @@ func parseFlags(args []string) (options, error) {
 
 func (o options) check() error {
 	switch {
-	case o.mode != "batch" && o.mode != "open" && o.mode != "overhead" && o.mode != "all" && o.mode != "soak":
-		return fmt.Errorf("--mode %q: want batch, open, overhead, all or soak", o.mode)
+	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample"}, o.mode):
+		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak or oversample", o.mode)
 	case mixes[o.mix] == nil:
 		return fmt.Errorf("--mix %q: want %s", o.mix, mixNames())
 	case o.n <= 0, o.unitMs <= 0, o.util <= 0, o.clients <= 0, o.duration <= 0, o.timeout <= 0, o.faultEvery <= 0:
 		return errors.New("--n, --unit-ms, --util, --clients, --duration, --timeout and --fault-every must be positive")
+	case o.group <= 0, o.steps <= 0, o.filterRate < 0, o.filterRate >= 1, o.oversample < 1:
+		return errors.New("--group and --steps must be positive, --filter-rate from 0 to below 1, --oversample at least 1")
 	case o.mode == "soak" && o.router != "":
 		return errors.New("--router: the soak starts and reloads its own router")
 	case o.router != "" && !strings.HasPrefix(o.router, "http://") && !strings.HasPrefix(o.router, "https://"):
@@ -268,6 +287,8 @@ func run(ctx context.Context, o options, out io.Writer) error {
 			panels = append(panels, benchOpen(ctx, o, out))
 		case "overhead":
 			panels = append(panels, benchOverhead(ctx, o, out))
+		case "oversample":
+			panels = append(panels, benchOversample(ctx, o, out))
 		}
 	}
 	if o.svg == "" {
@@ -310,6 +331,10 @@ func printHeader(out io.Writer, o options) {
 		fmt.Fprintf(out, "fleet:    %d fake workers on 127.0.0.1, speeds %s, %gms per cost unit at speed 1 (capacity %.0f units/s), fresh for every strategy\n",
 			len(o.speeds), fmtSpeeds(o.speeds), o.unitMs, sum(o.speeds)*1000/o.unitMs)
 		fmt.Fprintf(out, "strategies: %s\n", strings.Join(names, ", "))
+	}
+	if o.mode == "oversample" {
+		fmt.Fprintf(out, "steps:    %d back to back, each needing %d groups of %d images; the filter drops %.0f%% of groups; oversample %gx; router %s\n",
+			o.steps, o.n, o.group, 100*o.filterRate, o.oversample, o.strategies[0].name)
 	}
 	fmt.Fprintf(out, "mix:      %s: %s\n", o.mix, describeMix(mixes[o.mix]))
 	fmt.Fprintf(out, "machine:  %s, %d CPUs, GOMAXPROCS %d, %s\n",

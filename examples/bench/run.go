@@ -233,6 +233,9 @@ type client struct {
 	// reused connection it was written on before answering; it learns the
 	// request's number each time. Otherwise such a request fails.
 	onResend func(i int)
+	// ids, when set, names request i's X-Request-Id; otherwise it is
+	// bench-<i>.
+	ids func(i int) string
 }
 
 // newClient keeps up to conns idle connections per router, so that a batch
@@ -285,8 +288,8 @@ func (e *statusError) Error() string {
 
 // call sends method path with body as JSON (none if nil) to the next router
 // and returns the whole answer of a 2xx, or a *statusError, and the answer's
-// header. The request carries X-Request-Id bench-<i>, which the router's job
-// log repeats. what names the call in errors.
+// header. The request carries X-Request-Id bench-<i> (or what c.ids names),
+// which the router's job log repeats. what names the call in errors.
 func (c *client) call(ctx context.Context, what, method, path string, i int, body any) ([]byte, http.Header, error) {
 	var rd io.Reader
 	if body != nil {
@@ -301,6 +304,9 @@ func (c *client) call(ctx context.Context, what, method, path string, i int, bod
 		return nil, nil, err
 	}
 	id := fmt.Sprintf("bench-%d", i)
+	if c.ids != nil {
+		id = c.ids(i)
+	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", id)
 	if c.onResend != nil {
