@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -334,4 +337,46 @@ func TestAbortRefusesBadBodies(t *testing.T) {
 	testrouter.ExpectStatus(t, "the job no good abort named", (<-running).Reply, 200)
 	rp := r.Post("/abort_request", `{"rid": "", "abort_all": true}`, auth...) // SGLang's AbortReq with its defaults
 	testrouter.ExpectStatus(t, "abort_all with an empty rid", rp, 200)
+}
+
+// A job aborted while its worker's answer is coming, held back until
+// whole, gets 409 and none of the answer; the answer lost is the abort's
+// doing, not a failure of the worker.
+func TestAbortWhileTheAnswerIsHeld(t *testing.T) {
+	ws := abortWorkers(t, "w")
+	target, err := url.Parse(ws[0].URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	began := make(chan struct{}, 1)
+	stand := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if !generations(r) {
+			proxy.ServeHTTP(rw, r)
+			return
+		}
+		rw.Header().Set("Content-Type", "application/json")
+		rw.WriteHeader(http.StatusOK)
+		rw.Write([]byte(`{"created": 1, "data": [{"b64_json": "iVBO`))
+		http.NewResponseController(rw).Flush()
+		began <- struct{}{}
+		<-r.Context().Done() // the rest never comes
+	}))
+	t.Cleanup(stand.Close)
+	r := testrouter.Start(t, metricsSite("diffusion_router abort-pool {\n workers "+stand.URL+"\n"+abortSpeed+"}"))
+
+	job := postJob(t.Context(), r, "/v1/images/generations", smallImage, "held-1")
+	<-began
+	abort(t, r, `{"rid": "held-1"}`, 0, 1)
+	a := <-job
+	expectAborted(t, "a job whose answer was held", a, "held-1", `{"rid": "held-1"}`)
+	if strings.Contains(string(a.Body), "iVBO") {
+		t.Fatalf("the client got part of the answer: %s", a.Body)
+	}
+	if w := r.Workers()[stand.URL]; w["failures"] != 0.0 || w["consecutive_failures"] != 0.0 {
+		t.Fatalf("the abort counted against the worker: %v failures", w["failures"])
+	}
+	if got := value(t, r, "caddy_diffusion_broken_answers_total", map[string]string{"pool": "abort-pool"}); got != 0 {
+		t.Fatalf("the answer the abort cut off counted as %g broken answers", got)
+	}
 }

@@ -308,7 +308,7 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err err
 	switch {
 	case status == 499:
 		return nil // the client went away; nobody reads an answer
-	case scheduler.Cancelled(err):
+	case t.Cancelled() != nil:
 		return nil // forward answers with the cause
 	case errors.Is(err, errUpstreamTimeout):
 		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("%v (%s)", errUpstreamTimeout, time.Duration(h.UpstreamTimeout))

@@ -87,6 +87,7 @@ type Ticket struct {
 	Body      []byte                  // a job's body, sent again when it runs again
 	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
+	ctx       context.Context         // the job's context, which cancel ends
 
 	RID     string  // the request's id (X-Request-Id), by which it can be aborted
 	tracked bool    // in the pool's registry of jobs by id; guarded by the registry's lock
@@ -104,7 +105,18 @@ func (e *errCancelled) Unwrap() error { return e.cause }
 // it in the context returned, a child of ctx.
 func (t *Ticket) WithCancel(ctx context.Context) context.Context {
 	ctx, t.cancel = context.WithCancelCause(ctx)
+	t.ctx = ctx
 	return ctx
+}
+
+// Cancelled returns the cause Cancel gave t's job, or nil: whatever error
+// its attempt ended with (a connection closed, an answer cut off), that
+// is what the job's client is to be told.
+func (t *Ticket) Cancelled() error {
+	if t.ctx == nil {
+		return nil
+	}
+	return CancelledBy(t.ctx)
 }
 
 // Cancel ends t's job for cause, whether it waits or runs. A waiting job
@@ -117,13 +129,6 @@ func (t *Ticket) Cancel(cause error) {
 	if t.cancel != nil {
 		t.cancel(&errCancelled{cause})
 	}
-}
-
-// Cancelled reports whether err is the end of a job Cancel ended: the
-// error of an attempt cut off by it carries its cause.
-func Cancelled(err error) bool {
-	_, ok := errors.AsType[*errCancelled](err)
-	return ok
 }
 
 // CancelledBy returns the cause Cancel gave ctx's job, or nil.
