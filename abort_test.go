@@ -380,3 +380,25 @@ func TestAbortWhileTheAnswerIsHeld(t *testing.T) {
 		t.Fatalf("the answer the abort cut off counted as %g broken answers", got)
 	}
 }
+
+// A job waiting to run again, after its first worker answered 503, gets
+// the abort's 409, not that worker's answer.
+func TestAbortJobWaitingToRunAgain(t *testing.T) {
+	w, r, running := busyRouter(t, "", "long")
+	bad := abortWorkers(t, "bad")
+	failing, failed := fronted(t, bad[0], http.StatusServiceUnavailable, generations)
+	testrouter.ExpectStatus(t, "register the failing worker", r.Post("/workers", `{"url": "`+failing+`"}`), 200)
+	testrouter.WaitFor(t, func() bool { return r.Workers()[failing]["state"] == "serving" })
+
+	job := postJob(t.Context(), r, "/v1/images/generations", smallImage, "again-1")
+	waitQueued(t, r, 1) // behind the long job, for the worker that did not fail it
+	if failed.Load() != 1 {
+		t.Fatalf("the failing worker saw %d jobs; want the one now waiting", failed.Load())
+	}
+	abort(t, r, `{"rid": "again-1"}`, 1, 0)
+	expectAborted(t, "a job waiting to run again", <-job, "again-1", `{"rid": "again-1"}`)
+	testrouter.ExpectStatus(t, "the long job", (<-running).Reply, 200)
+	if st := w.Stats(); st.Jobs != 1 {
+		t.Fatalf("the good worker ran %d jobs; want only the long one", st.Jobs)
+	}
+}

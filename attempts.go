@@ -104,9 +104,13 @@ func withOwnVars(r *http.Request) *http.Request {
 
 // lastAnswer answers a job that found no worker to run again on: with its
 // last answer, or error; when every worker is asleep, with the 503 that
-// says so.
+// says so. A job cancelled while it waited to run again gets nothing here:
+// forward answers with the cause.
 func (h *Handler) lastAnswer(rec *recorder, t *scheduler.Ticket, cause rerunCause, err, retryErr error) error {
 	switch {
+	case t.Cancelled() != nil:
+		rec.dropHeld()
+		return nil
 	case cause == fellAsleep && errors.Is(retryErr, scheduler.ErrAsleep):
 		rec.dropHeld()
 		rec.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
