@@ -402,3 +402,14 @@ func TestAbortJobWaitingToRunAgain(t *testing.T) {
 		t.Fatalf("the good worker ran %d jobs; want only the long one", st.Jobs)
 	}
 }
+
+// What an abort remembers is the pool's: a reload keeps it.
+func TestAbortMemorySurvivesAReload(t *testing.T) {
+	ws := abortWorkers(t, "w")
+	site := abortSite(ws, "")
+	r := testrouter.Start(t, site)
+	abort(t, r, `{"rid_prefix": "step-9-"}`, 0, 0)
+	r.Load(site + "\n# reloaded")
+	rp := r.Post("/v1/images/generations", smallImage, requestIDHeader, "step-9-1")
+	expectAborted(t, "a job of the aborted step after a reload", clientGot{Reply: rp}, "step-9-1", `{"rid_prefix": "step-9-"}`)
+}
