@@ -213,7 +213,7 @@ func (p *Pool) endLocked(victims []*Ticket, by string) AbortCounts {
 	p.queue = slices.DeleteFunc(p.queue, func(wt *waiter) bool {
 		_, hit := dequeued[wt.t]
 		if hit {
-			dequeued[wt.t] = true
+			dequeued[wt.t], wt.gone = true, true // gone, as dequeueLocked marks it: see arrivals
 		}
 		return hit
 	})

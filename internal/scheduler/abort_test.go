@@ -184,3 +184,29 @@ func TestAbortMemoryBounded(t *testing.T) {
 		t.Fatal("the second oldest prefix was forgotten")
 	}
 }
+
+// An aborted job that had been passed over by higher priorities for
+// longer than MaxPassedOver is not handed the next worker: it left the
+// queue.
+func TestAbortedJobPassedOverGetsNoWorker(t *testing.T) {
+	p, clock := poolOf(t, 1)
+	cfg := config(LeastWork{}, 1)
+	cfg.MaxPassedOver = 10 * time.Second
+	running, _ := choose(t, p, cfg, 1)
+	low, lowDone := waiting(t, p, cfg, "low")
+	urgent, urgentDone := enqueueAt(t, p, cfg, 1)
+	clock.advance(time.Minute)
+	p.Abort(Abort{RID: "low", By: "test"})
+	if abortedBy(<-lowDone) == nil {
+		t.Fatal("the passed-over job was not aborted")
+	}
+	p.Release(running, Succeeded)
+	select {
+	case err := <-urgentDone:
+		if err != nil || urgent.worker == nil || low.worker != nil {
+			t.Fatalf("the urgent job got %v; the aborted one worker %v", err, low.worker)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the worker went to the aborted job, not the urgent one")
+	}
+}
