@@ -18,7 +18,7 @@ func prioritySite(ws []*fakeworker.Worker, extra string) string {
 		"\n priority {http.request.header.X-Priority}\n" + extra + "}")
 }
 
-// sendJob sends one 20 ms image job with the given X-Priority (none when
+// sendJob sends one image job of cost 2 with the given X-Priority (none when
 // empty) and names it on done once answered.
 func sendJob(r *testrouter.Router, name, prio string, done chan<- string) {
 	req, _ := http.NewRequest(http.MethodPost, r.Base+"/v1/images/generations",
@@ -41,7 +41,9 @@ func sendJob(r *testrouter.Router, name, prio string, done chan<- string) {
 }
 
 func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
-	ws := testrouter.StartWorkers(t, fakeworker.Config{UnitMs: 10})
+	// Jobs of 300 ms: the queue fills, and the urgent jobs join it, long
+	// before the running job ends, even under the race detector.
+	ws := testrouter.StartWorkers(t, fakeworker.Config{UnitMs: 150})
 	r := testrouter.Start(t, prioritySite(ws, ""))
 	pool := map[string]string{"pool": "priority-pool"}
 	done := make(chan string, 12)
