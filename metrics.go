@@ -104,6 +104,7 @@ var (
 	descFailures  = newDesc("worker_failures_total", "Failed requests to the worker (connection errors, 5xx answers, answers cut short).", workerLabels...)
 	descEjections = newDesc("worker_ejections_total", "Times the worker was ejected for failed requests.", workerLabels...)
 	descQueue     = newDesc("queue_length", "Generation jobs waiting in the pool's queue.", "pool")
+	descQueueBy   = newDesc("priority_queue_length", "Generation jobs waiting in the pool's queue, by priority.", "pool", "priority")
 	descServing   = newDesc("serving_workers", "Workers of the pool that may be given jobs.", "pool")
 	descBacklog   = newDesc("backlog_seconds", "Predicted time for the pool's workers to finish every job running and waiting, at their learned speeds.", "pool")
 	descAborted   = newDesc("aborted_total", "Generation jobs ended by POST /abort_request, by where they were (waiting, running), and requests refused on arrival because an abort remembers their id (resent).", "pool", "state")
@@ -118,7 +119,7 @@ type poolCollector struct{}
 
 // Describe sends the descriptors of the per-worker series.
 func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descServing, descBacklog, descAborted} {
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descBacklog, descAborted} {
 		ch <- d
 	}
 }
@@ -130,7 +131,11 @@ func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 		for _, w := range p.Snapshot() {
 			collectWorker(ch, p.Name(), w)
 		}
-		ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, float64(p.Stats().Queued), p.Name())
+		stats := p.Stats()
+		ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, float64(stats.Queued), p.Name())
+		for prio, n := range stats.ByPriority {
+			ch <- prometheus.MustNewConstMetric(descQueueBy, prometheus.GaugeValue, float64(n), p.Name(), strconv.Itoa(prio))
+		}
 		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.ServingCount()), p.Name())
 		ch <- prometheus.MustNewConstMetric(descBacklog, prometheus.GaugeValue, p.Backlog().Seconds(), p.Name())
 		collectAborts(ch, p.Name(), p.AbortStats())

@@ -54,6 +54,16 @@ func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
 	go sendJob(r, "urgent-1", "5", done)
 	go sendJob(r, "urgent-2", "5", done)
 	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 10 })
+	// What waits, by priority, as the metrics, /health and the status
+	// page show it.
+	if n := value(t, r, "caddy_diffusion_priority_queue_length", map[string]string{"pool": "priority-pool", "priority": "5"}); n != 2 {
+		t.Errorf("priority_queue_length{priority=5} = %v; want the 2 urgent jobs", n)
+	}
+	for _, path := range []string{"/health", "/dashboard/data"} {
+		if got := r.Get(path).JSON(t)["queued_by_priority"].(map[string]any)["5"]; got != 2.0 {
+			t.Errorf("%s queued_by_priority[5] = %v; want 2", path, got)
+		}
+	}
 	var order []string
 	for range 12 {
 		order = append(order, <-done)

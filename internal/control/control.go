@@ -197,18 +197,20 @@ func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 	}
 	stats := a.Pool.Stats()
 	_ = WriteJSON(w, code, map[string]any{
-		"status":            status,
-		"healthy_workers":   inState[scheduler.Serving],
-		"total_workers":     len(workers),
-		"dead_workers":      inState[scheduler.Dead],
-		"sleeping_workers":  inState[scheduler.Sleeping],
-		"stale_workers":     inState[scheduler.Stale],
-		"unhealthy_workers": inState[scheduler.Unhealthy],
-		"ejected_workers":   inState[scheduler.Ejected],
-		"suspect_workers":   inState[scheduler.Suspect],
-		"queued_requests":   stats.Queued,
-		"weight_version":    stats.Version,
-		"updating_to":       stats.UpdatingTo,
+		"status":             status,
+		"healthy_workers":    inState[scheduler.Serving],
+		"total_workers":      len(workers),
+		"dead_workers":       inState[scheduler.Dead],
+		"sleeping_workers":   inState[scheduler.Sleeping],
+		"stale_workers":      inState[scheduler.Stale],
+		"unhealthy_workers":  inState[scheduler.Unhealthy],
+		"ejected_workers":    inState[scheduler.Ejected],
+		"suspect_workers":    inState[scheduler.Suspect],
+		"queued_requests":    stats.Queued,
+		"queued_by_priority": priorityCounts(stats.ByPriority),
+		"aborted":            a.Pool.AbortStats(),
+		"weight_version":     stats.Version,
+		"updating_to":        stats.UpdatingTo,
 	})
 }
 

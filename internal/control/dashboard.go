@@ -3,6 +3,7 @@ package control
 import (
 	_ "embed"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
@@ -21,6 +22,16 @@ func serveDashboard(w http.ResponseWriter, _ *http.Request) {
 	_, _ = w.Write(dashboardPage)
 }
 
+// priorityCounts are the jobs waiting by priority, keyed by the priority
+// as JSON keys are: text.
+func priorityCounts(byPriority map[int]int) map[string]int {
+	out := make(map[string]int, len(byPriority))
+	for prio, n := range byPriority {
+		out[strconv.Itoa(prio)] = n
+	}
+	return out
+}
+
 // serveDashboardData is GET /dashboard/data: the pool now, polled by the
 // status page, which draws its charts from successive answers.
 func (a *API) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
@@ -35,14 +46,16 @@ func (a *API) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 	}
 	stats := a.Pool.Stats()
 	_ = WriteJSON(w, http.StatusOK, map[string]any{
-		"pool":            a.Pool.Name(),
-		"policy":          a.Policy,
-		"time":            time.Now().UnixMilli(),
-		"queued":          stats.Queued,
-		"completed_jobs":  stats.Completed,
-		"serving_workers": servingWorkers,
-		"total_workers":   len(workers),
-		"weight_version":  stats.Version,
-		"workers":         out,
+		"pool":               a.Pool.Name(),
+		"policy":             a.Policy,
+		"time":               time.Now().UnixMilli(),
+		"queued":             stats.Queued,
+		"queued_by_priority": priorityCounts(stats.ByPriority),
+		"aborted":            a.Pool.AbortStats(),
+		"completed_jobs":     stats.Completed,
+		"serving_workers":    servingWorkers,
+		"total_workers":      len(workers),
+		"weight_version":     stats.Version,
+		"workers":            out,
 	})
 }

@@ -43,7 +43,9 @@ type AbortCounts struct {
 // AbortStats are the pool's aborts so far: the jobs ended, and the
 // requests refused on arrival because an abort remembered their id.
 type AbortStats struct {
-	Waiting, Running, Resent uint64
+	Waiting uint64 `json:"waiting"`
+	Running uint64 `json:"running"`
+	Resent  uint64 `json:"resent"`
 }
 
 // AbortedError is why an aborted job ended, and the answer to a request

@@ -529,7 +529,8 @@ func (p *Pool) findLocked(url string) *worker {
 // Stats are the pool-wide figures.
 type Stats struct {
 	Queued     int
-	Completed  uint64 // jobs completed since the pool was made
+	ByPriority map[int]int // jobs waiting, by priority
+	Completed  uint64      // jobs completed since the pool was made
 	Version    string
 	UpdatingTo string // the version an update in progress moves to
 }
@@ -538,7 +539,11 @@ type Stats struct {
 func (p *Pool) Stats() Stats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return Stats{Queued: len(p.queue), Completed: p.completions, Version: p.versionLocked(), UpdatingTo: p.fleet.target}
+	byPriority := make(map[int]int)
+	for _, wt := range p.queue {
+		byPriority[wt.t.Priority]++
+	}
+	return Stats{Queued: len(p.queue), ByPriority: byPriority, Completed: p.completions, Version: p.versionLocked(), UpdatingTo: p.fleet.target}
 }
 
 // versionLocked is the pool's weight version: that of the last update, or
