@@ -59,6 +59,41 @@ func BenchmarkDecision(b *testing.B) {
 	}
 }
 
+// BenchmarkDecisionTenants measures the decision of BenchmarkDecision's
+// busy case (n workers, 16 free) while 8 tenants have jobs waiting (100
+// each, of varied costs and counters): which tenant's job goes next, and
+// to which worker.
+func BenchmarkDecisionTenants(b *testing.B) {
+	for _, n := range fleetSizes {
+		b.Run(fmt.Sprintf("%d/busy/8-tenants", n), func(b *testing.B) {
+			p := benchPool(b, n)
+			cfg := &Config{Strategy: LeastWork{}, MaxInflight: 1, MaxQueue: 10_000, Order: FIFO{}}
+			for _, w := range p.workers[16:] {
+				p.assignLocked(&Ticket{pool: p, cfg: cfg, Job: true, Cost: 10}, w)
+			}
+			for i := range 800 {
+				t := &Ticket{pool: p, cfg: cfg, Job: true, Cost: float64(10 + i%7), Tenant: fmt.Sprint("tenant-", i%8)}
+				p.seq++
+				t.seq = p.seq
+				p.joinTenantLocked(t)
+				p.enqueueLocked(t)
+			}
+			for i, tn := range p.tenancy.list {
+				tn.served = float64(100 - i)
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				p.mu.Lock()
+				if _, w := p.nextLocked(); w == nil {
+					b.Fatal("no worker")
+				}
+				p.mu.Unlock()
+			}
+		})
+	}
+}
+
 // BenchmarkAcquireRelease measures a job's whole claim on a pool of n idle
 // workers: choose, claim, release (with speed learning).
 func BenchmarkAcquireRelease(b *testing.B) {

@@ -79,6 +79,7 @@ type registry struct {
 type dispatchState struct {
 	queue        []*waiter       // jobs waiting for a worker, in dispatch order
 	arrivals     []*waiter       // the same and some that left, in the order they came: see priority.go
+	tenancy      tenancy         // the tenants' shares: see tenants.go
 	seq          uint64          // arrival counter of the queue
 	hedging      int             // copies of jobs running
 	cands        []*worker       // scratch space of routing decisions

@@ -22,6 +22,11 @@ type Config struct {
 	MaxPassedOver time.Duration // longest a job waits while higher priorities go first; 0: no limit
 	HedgeAfter    float64       // a job overrunning its prediction this much gets a copy; 0: never
 	Health        *HealthConfig // how failed requests count against a worker
+
+	// Tenants: see tenants.go.
+	TenantWeights  map[string]float64 // each tenant's share by weight; 1 unless set
+	TenantMaxQueue int                // jobs one tenant may have waiting; 0: no limit but MaxQueue
+	MaxTenants     int                // tenants tracked; 0: DefaultMaxTenants
 }
 
 // Outcome is how a ticket's claim on a worker ended.
@@ -68,6 +73,9 @@ type Ticket struct {
 	// Priority ranks t among waiting jobs before anything else does: a
 	// higher one goes first (see compare).
 	Priority int
+	// Tenant names whose share of the pool t's job counts against (see
+	// tenants.go); "": no tenant.
+	Tenant string
 
 	WantVersion   string // only a worker on this weight version may serve
 	servedVersion string // the weight version of the worker chosen
@@ -86,6 +94,8 @@ type Ticket struct {
 	seq       uint64                  // arrival order among jobs: a job that runs again keeps its place
 	Body      []byte                  // a job's body, sent again when it runs again
 	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
+	tenant    *tenant                 // the tenant t's job counts against, while tenants are on
+	charged   bool                    // its tenant was charged its cost
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
 	ctx       context.Context         // the job's context, which cancel ends
 
@@ -170,7 +180,10 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 		p.seq++
 		t.seq = p.seq
 	}
-	if !t.Job || len(p.queue) == 0 || t.before(p.queue[0].t) { // a job never overtakes waiting ones
+	if t.Job && (t.Tenant != "" || p.tenancy.on) && (t.tenant == nil || t.tenant.evicted) {
+		p.joinTenantLocked(t)
+	}
+	if !t.Job || len(p.queue) == 0 || p.goesFirstLocked(t) { // a job never overtakes waiting ones
 		if w, _ := p.chooseLocked(t); w != nil {
 			p.assignLocked(t, w)
 			return nil, nil
@@ -182,9 +195,22 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 	if len(p.queue) >= t.cfg.MaxQueue && t.Attempts == 0 { // a job running again was admitted already
 		return nil, ErrQueueFull
 	}
+	if tenantQueueFullLocked(t) {
+		return nil, ErrTenantQueueFull
+	}
 	wt := p.enqueueLocked(t)
 	p.dispatchLocked() // a prefetch slot may be free for the queue's head
 	return wt, nil
+}
+
+// goesFirstLocked reports whether t, a job, goes ahead of every waiting
+// one. With tenants, only a higher priority is sure to: among jobs of one
+// priority the tenants' counters decide, so t waits and dispatch decides.
+func (p *Pool) goesFirstLocked(t *Ticket) bool {
+	if p.tenancy.on {
+		return t.Priority > p.queue[0].t.Priority
+	}
+	return t.before(p.queue[0].t)
 }
 
 // wait waits for wt's ticket to be given a worker.
@@ -381,6 +407,9 @@ func (p *Pool) assignLocked(t *Ticket, w *worker) {
 	if !t.Job {
 		return
 	}
+	if t.tenant != nil {
+		p.chargeLocked(t.tenant, t)
+	}
 	if w.load.inflight == 0 {
 		p.startLocked(w, t, p.now().UnixNano())
 	}
@@ -434,6 +463,9 @@ func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 	ejected = p.noteOutcomeLocked(w, o, t.cfg.Health)
 	if !t.Job {
 		return ejected
+	}
+	if t.tenant != nil {
+		t.tenant.running--
 	}
 	now := p.now().UnixNano()
 	w.load.lastFinish = now
@@ -502,6 +534,10 @@ func (p *Pool) endGhost(t *Ticket) {
 // that no free worker may serve lets the ones behind it pass.
 func (p *Pool) dispatchLocked() {
 	p.dispatchPassedOverLocked()
+	if p.tenancy.on {
+		p.dispatchTenantsLocked()
+		return
+	}
 	kept := p.queue[:0]
 	for i, wt := range p.queue {
 		w, anyFree := p.chooseLocked(wt.t)
@@ -529,8 +565,11 @@ func (p *Pool) handOutLocked(wt *waiter, w *worker) {
 
 func (p *Pool) enqueueLocked(t *Ticket) *waiter {
 	wt := &waiter{t: t, ready: make(chan struct{}), since: p.now().UnixNano()}
-	i, _ := slices.BinarySearchFunc(p.queue, wt, func(a, b *waiter) int { return a.t.compare(b.t) })
+	i, _ := slices.BinarySearchFunc(p.queue, wt, compareWaiters)
 	p.queue = slices.Insert(p.queue, i, wt)
+	if t.tenant != nil {
+		p.enqueueTenantLocked(t.tenant, wt)
+	}
 	p.arriveLocked(wt)
 	return wt
 }
@@ -551,11 +590,20 @@ func (t *Ticket) queueKey() float64 {
 // dequeueLocked takes a waiter out of the queue; false means it had already
 // been given a worker.
 func (p *Pool) dequeueLocked(wt *waiter) bool {
-	i := slices.Index(p.queue, wt)
+	if wt.gone {
+		return false
+	}
+	i, found := slices.BinarySearchFunc(p.queue, wt, compareWaiters)
+	if !found || p.queue[i] != wt {
+		i = slices.Index(p.queue, wt)
+	}
 	if i < 0 {
 		return false
 	}
 	p.queue = slices.Delete(p.queue, i, i+1)
+	if wt.t.tenant != nil {
+		dequeueTenantLocked(wt.t.tenant, wt)
+	}
 	wt.gone = true
 	return true
 }

@@ -1,0 +1,280 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"testing"
+	"time"
+)
+
+// tenantJob is a job of the tenant simulation.
+type tenantJob struct {
+	tenant string
+	cost   float64
+	prio   int
+}
+
+// sim runs jobs on p's workers without goroutines: each job is admitted
+// as a waiting client would be, and a running job ends when the clock
+// reaches its predicted end (speed 1: cost seconds).
+type sim struct {
+	t       *testing.T
+	p       *Pool
+	clock   *fakeClock
+	cfg     *Config
+	running []*Ticket
+	order   []*Ticket // jobs in the order they got a worker
+	waiting map[*Ticket]bool
+}
+
+func newSim(t *testing.T, workers int, cfg *Config) *sim {
+	p, clock := poolOf(t, workers)
+	return &sim{t: t, p: p, clock: clock, cfg: cfg, waiting: map[*Ticket]bool{}}
+}
+
+// submit admits a job; it reports the error a client would get.
+func (s *sim) submit(j tenantJob) (*Ticket, error) {
+	tk := &Ticket{pool: s.p, cfg: s.cfg, Job: true, Cost: j.cost, Priority: j.prio, Tenant: j.tenant}
+	s.p.mu.Lock()
+	_, err := s.p.admitLocked(tk)
+	s.p.mu.Unlock()
+	if err != nil {
+		return tk, err
+	}
+	s.waiting[tk] = true
+	s.collect()
+	return tk, nil
+}
+
+// collect notes the jobs that got a worker since it last looked, in the
+// order they did (dispatch order among jobs given workers at once is
+// their seq's, which is enough here: one worker frees at a time).
+func (s *sim) collect() {
+	s.p.mu.Lock()
+	defer s.p.mu.Unlock()
+	for {
+		var next *Ticket
+		for tk := range s.waiting {
+			if tk.worker != nil && (next == nil || tk.started < next.started || (tk.started == next.started && tk.seq < next.seq)) {
+				next = tk
+			}
+		}
+		if next == nil {
+			return
+		}
+		delete(s.waiting, next)
+		s.running = append(s.running, next)
+		s.order = append(s.order, next)
+	}
+}
+
+// firstToEnd is the running job that ends first; a job prefetched onto a
+// busy worker has not started.
+func (s *sim) firstToEnd() (int, time.Time) {
+	first, end := -1, time.Time{}
+	for i, tk := range s.running {
+		e := time.Unix(0, tk.started+int64(tk.predicted))
+		if tk.started != 0 && (first < 0 || e.Before(end)) {
+			first, end = i, e
+		}
+	}
+	return first, end
+}
+
+// step ends the running job that ends first, at its end.
+func (s *sim) step() *Ticket {
+	s.t.Helper()
+	first, end := s.firstToEnd()
+	if first < 0 {
+		s.t.Fatal("nothing runs")
+	}
+	tk := s.running[first]
+	s.running = append(s.running[:first], s.running[first+1:]...)
+	s.clock.t = end
+	s.p.Release(tk, Succeeded)
+	s.collect()
+	return tk
+}
+
+// workDone runs the pool until until seconds of the clock have passed and
+// returns the cost each tenant's finished jobs add up to.
+func (s *sim) workDone(until time.Duration) map[string]float64 {
+	s.t.Helper()
+	end := s.clock.t.Add(until)
+	done := map[string]float64{}
+	for {
+		first, e := s.firstToEnd()
+		if first < 0 || e.After(end) {
+			break
+		}
+		tk := s.step()
+		done[tk.Tenant] += tk.Cost
+	}
+	return done
+}
+
+func (s *sim) submitAll(tenant string, n int, cost float64) {
+	s.t.Helper()
+	for range n {
+		if _, err := s.submit(tenantJob{tenant: tenant, cost: cost}); err != nil {
+			s.t.Fatal(err)
+		}
+	}
+}
+
+func within(got, want, tolerance float64) bool { return math.Abs(got-want) <= tolerance*want }
+
+func TestTenantsShareWorkByCostNotRequests(t *testing.T) {
+	s := newSim(t, 1, config(LeastWork{}, 1))
+	s.submitAll("many-small", 400, 1)
+	s.submitAll("few-large", 40, 10)
+	done := s.workDone(300 * time.Second)
+	small, large := done["many-small"], done["few-large"]
+	t.Logf("in 300 s: many-small %.0f units (%d jobs), few-large %.0f units", small, int(small), large)
+	if !within(small/(small+large), 0.5, 0.05) {
+		t.Fatalf("many-small got %.0f units, few-large %.0f: want equal shares of the work within 5%%", small, large)
+	}
+}
+
+func TestTenantWeightsSetTheShares(t *testing.T) {
+	cfg := config(LeastWork{}, 1)
+	cfg.TenantWeights = map[string]float64{"trainer": 2}
+	s := newSim(t, 2, cfg)
+	s.submitAll("trainer", 300, 2)
+	s.submitAll("eval", 300, 3)
+	done := s.workDone(300 * time.Second)
+	share := done["trainer"] / (done["trainer"] + done["eval"])
+	t.Logf("weights 2:1 on 2 workers in 300 s: trainer %.0f units, eval %.0f (trainer's share %.3f)", done["trainer"], done["eval"], share)
+	if !within(share, 2.0/3, 0.05) {
+		t.Fatalf("trainer's share of the work %.3f; want 2/3 by its weight", share)
+	}
+}
+
+func TestAnIdleTenantBanksNoCredit(t *testing.T) {
+	s := newSim(t, 1, config(LeastWork{}, 1))
+	s.submitAll("a", 400, 1)
+	done := s.workDone(200 * time.Second)
+	if done["a"] < 199 {
+		t.Fatalf("alone, a got %.0f units in 200 s; want the whole worker (work-conserving)", done["a"])
+	}
+	s.submitAll("b", 200, 1)
+	done = s.workDone(100 * time.Second)
+	t.Logf("in the 100 s after b came: a %.0f units, b %.0f", done["a"], done["b"])
+	if !within(done["b"], 50, 0.05) {
+		t.Fatalf("after b came, b got %.0f of 100 units; want half: b's idle time banks no credit", done["b"])
+	}
+}
+
+func TestAnIdleTenantsShareGoesToTheOthers(t *testing.T) {
+	s := newSim(t, 1, config(LeastWork{}, 1))
+	s.submitAll("a", 300, 1)
+	s.submitAll("b", 300, 1)
+	s.submitAll("c", 10, 1)
+	done := s.workDone(210 * time.Second)
+	t.Logf("a %.0f, b %.0f, c %.0f units in 210 s", done["a"], done["b"], done["c"])
+	if done["c"] != 10 || done["a"]+done["b"]+done["c"] < 209 || !within(done["a"], done["b"], 0.05) {
+		t.Fatalf("a %.0f, b %.0f, c %.0f units; want c's 10 done, the worker never idle, a and b even", done["a"], done["b"], done["c"])
+	}
+}
+
+func TestPriorityGoesBeforeTenantShares(t *testing.T) {
+	s := newSim(t, 1, config(LeastWork{}, 1))
+	first, _ := s.submit(tenantJob{tenant: "a", cost: 1})
+	s.submitAll("a", 5, 1)
+	s.submitAll("b", 5, 1)
+	urgent, _ := s.submit(tenantJob{tenant: "a", cost: 1, prio: 1})
+	s.step()
+	if s.order[0] != first || s.order[1] != urgent {
+		t.Fatalf("after the first job, tenant %s's priority %d job ran; want a's urgent job, though a was served more", s.order[1].Tenant, s.order[1].Priority)
+	}
+	s.step()
+	if s.order[2].Tenant != "b" {
+		t.Fatalf("then tenant %s ran; want b, served least", s.order[2].Tenant)
+	}
+}
+
+func TestQueueOrderWithinATenant(t *testing.T) {
+	cfg := config(LeastWork{}, 1)
+	cfg.Order = LargestFirst{}
+	s := newSim(t, 1, cfg)
+	s.submitAll("a", 1, 1)
+	for _, c := range []float64{1, 3, 2} {
+		s.submitAll("a", 1, c)
+		s.submitAll("b", 1, c)
+	}
+	for range 6 {
+		s.step()
+	}
+	var got []string
+	for _, tk := range s.order[1:] {
+		got = append(got, fmt.Sprintf("%s%.0f", tk.Tenant, tk.Cost))
+	}
+	// b came while a ran its first job, so b's counter was lifted to a's:
+	// even, the tenant whose next job came first goes, then the least
+	// served; each tenant's largest job first.
+	want := fmt.Sprint([]string{"a3", "b3", "a2", "b2", "a1", "b1"})
+	if fmt.Sprint(got) != want {
+		t.Fatalf("ran %v; want %v", got, want)
+	}
+}
+
+func TestTenantMaxQueueRefusesOnlyThatTenant(t *testing.T) {
+	cfg := config(LeastWork{}, 1)
+	cfg.TenantMaxQueue = 2
+	s := newSim(t, 1, cfg)
+	s.submitAll("a", 3, 1) // one runs, two wait
+	tk, err := s.submit(tenantJob{tenant: "a", cost: 1})
+	if !errors.Is(err, ErrTenantQueueFull) || tk.TenantOf() != "a" {
+		t.Fatalf("a's third waiting job: %v, tenant %q; want ErrTenantQueueFull naming a", err, tk.TenantOf())
+	}
+	if _, err := s.submit(tenantJob{tenant: "b", cost: 1}); err != nil {
+		t.Fatalf("b's job: %v; want it to wait: a's limit is a's", err)
+	}
+}
+
+func TestTenantsBeyondTheBoundShareOther(t *testing.T) {
+	cfg := config(LeastWork{}, 1)
+	cfg.MaxTenants = 2
+	s := newSim(t, 1, cfg)
+	s.submitAll("a", 2, 1)
+	s.submitAll("b", 1, 1)
+	c, _ := s.submit(tenantJob{tenant: "c", cost: 1})
+	none, _ := s.submit(tenantJob{cost: 1})
+	if c.TenantOf() != OtherTenant || none.TenantOf() != OtherTenant {
+		t.Fatalf("with a and b tracked and active, c counts for %q and a job naming none for %q; want both %q", c.TenantOf(), none.TenantOf(), OtherTenant)
+	}
+	for len(s.running) > 0 {
+		s.step()
+	}
+	d, _ := s.submit(tenantJob{tenant: "d", cost: 1})
+	if d.TenantOf() != "d" {
+		t.Fatalf("with a and b idle, d counts for %q; want d, in an idle tenant's place", d.TenantOf())
+	}
+	var names []string
+	for _, ts := range s.p.Tenants() {
+		names = append(names, ts.Name)
+	}
+	if len(names) != 3 {
+		t.Fatalf("tracked %v; want other and two tenants", names)
+	}
+}
+
+func TestARerunKeepsItsPlaceAndIsChargedOnce(t *testing.T) {
+	s := newSim(t, 1, config(LeastWork{}, 1))
+	a, _ := s.submit(tenantJob{tenant: "a", cost: 5})
+	b, _ := s.submit(tenantJob{tenant: "b", cost: 5})
+	a.Attempts = 1
+	if err := s.p.Retry(context.Background(), a, Failed); err != nil {
+		t.Fatal(err)
+	}
+	if a.worker == nil || b.worker != nil {
+		t.Fatal("b got the worker a's job failed on; want a's re-run, in its place: b came when a had been served as much")
+	}
+	for _, ts := range s.p.Tenants() {
+		if ts.Name == "a" && ts.Cost != 5 {
+			t.Fatalf("a was charged %.0f; want 5, once: the re-run is not charged again", ts.Cost)
+		}
+	}
+}
