@@ -174,6 +174,10 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    max_priority     <n>
 //	    priority_max_wait <duration>|off
 //	    abort_memory     <duration>|off
+//	    tenant           <placeholder>
+//	    tenant_weight    <name> <weight>
+//	    tenant_max_queue <n>
+//	    max_tenants      <n>
 //
 //	    # the cost of a job (cost)
 //	    default_steps    <n>
@@ -224,8 +228,8 @@ func workerHost(rp *reverseproxy.Handler) {
 //	}
 //
 // workers, workers_dns, workers_srv, dns_resolvers, admin_allow,
-// weights_path_prefix, forward_paths and retry_on may repeat; each adds to
-// the list. Sizes
+// weights_path_prefix, forward_paths, retry_on and tenant_weight may
+// repeat; each adds to the list. Sizes
 // read like Caddy's request_body max_size (64MiB, 10MB, 1048576).
 //
 // Parsing checks the syntax only: the option is known, its value is a
@@ -305,6 +309,10 @@ var handlerOptions = map[string]option{
 	"max_priority":      one(func(h *Handler) *int { return &h.Queue.MaxPriority }, parseWhole),
 	"priority_max_wait": one(func(h *Handler) *caddy.Duration { return &h.Queue.PriorityMaxWait }, orWord("off", caddy.Duration(-1), parseDuration)),
 	"abort_memory":      one(func(h *Handler) *caddy.Duration { return &h.Queue.AbortMemory }, orWord("off", caddy.Duration(-1), parseDuration)),
+	"tenant":            one(func(h *Handler) *string { return &h.Queue.Tenant }, parseText),
+	"tenant_weight":     {list: true, read: readTenantWeight},
+	"tenant_max_queue":  one(func(h *Handler) *int { return &h.Queue.TenantMaxQueue }, parseWhole),
+	"max_tenants":       one(func(h *Handler) *int { return &h.Queue.MaxTenants }, parseWhole),
 
 	"default_steps":  one(func(h *Handler) *int { return &h.Cost.DefaultSteps }, parseWhole),
 	"default_size":   one(func(h *Handler) *string { return &h.Cost.DefaultSize }, parseText),
@@ -453,6 +461,23 @@ func readWorkersSRV(h *Handler, d *caddyfile.Dispenser, name string, args []stri
 		return d.Errf("%s takes one name per line: %s <name>", name, name)
 	}
 	h.Discovery.SRV = append(h.Discovery.SRV, args[0])
+	return nil
+}
+
+// readTenantWeight reads `tenant_weight <name> <weight>`, one tenant per
+// line.
+func readTenantWeight(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
+	if len(args) != 2 {
+		return d.Errf("%s takes a tenant and a weight: %s <name> <weight>", name, name)
+	}
+	w, want := parseNumber(args[1])
+	if want != "" {
+		return d.Errf("%s: weight %q is not %s", name, args[1], want)
+	}
+	if h.Queue.TenantWeights == nil {
+		h.Queue.TenantWeights = map[string]float64{}
+	}
+	h.Queue.TenantWeights[args[0]] = w
 	return nil
 }
 

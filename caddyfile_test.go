@@ -61,6 +61,11 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		max_priority 5
 		priority_max_wait 30s
 		abort_memory 10m
+		tenant {http.request.header.X-Tenant}
+		tenant_weight trainer 2
+		tenant_weight eval 0.5
+		tenant_max_queue 100
+		max_tenants 16
 		default_steps 30
 		default_size 768x1344
 		default_frames 33
@@ -128,6 +133,8 @@ func TestCaddyfileEveryOption(t *testing.T) {
 			Order: "largest_first", Timeout: caddy.Duration(90 * time.Second), MaxJobs: 500,
 			Priority: "{http.request.header.X-Priority}", MaxPriority: 5, PriorityMaxWait: caddy.Duration(30 * time.Second),
 			AbortMemory: caddy.Duration(10 * time.Minute),
+			Tenant:      "{http.request.header.X-Tenant}", TenantWeights: map[string]float64{"trainer": 2, "eval": 0.5},
+			TenantMaxQueue: 100, MaxTenants: 16,
 		},
 		Cost: CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
 		HealthChecks: HealthChecks{
@@ -271,6 +278,10 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"max_priority -1", "max_priority (queue.max_priority):"},
 		{"priority_max_wait -2s", "priority_max_wait (queue.priority_max_wait):"},
 		{"abort_memory -2s", "abort_memory (queue.abort_memory):"},
+		{"tenant_weight a/b 2", "tenant_weight (queue.tenant_weights): \"a/b\" is not a tenant name"},
+		{"tenant_weight trainer -1", "tenant_weight (queue.tenant_weights): the weight of \"trainer\" must be a positive number"},
+		{"tenant_max_queue -1", "tenant_max_queue (queue.tenant_max_queue):"},
+		{"max_tenants -1", "max_tenants (queue.max_tenants):"},
 		{"default_steps -3", "default_steps (cost.default_steps):"},
 		{"default_size big", "default_size (cost.default_size):"},
 		{"default_size 0x1024", "default_size (cost.default_size):"},

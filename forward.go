@@ -189,6 +189,12 @@ func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ti
 			return nil, http.StatusBadRequest, err.Error()
 		}
 	}
+	if t.Job && h.Queue.Tenant != "" {
+		var err error
+		if t.Tenant, err = h.tenantOf(r); err != nil {
+			return nil, http.StatusBadRequest, err.Error()
+		}
+	}
 	switch {
 	case route.Poll:
 		return h.pinToJob(t)
@@ -225,6 +231,37 @@ func (h *Handler) priorityOf(r *http.Request) (int, error) {
 		return 0, fmt.Errorf("priority %q is not an integer (it comes from %s)", v, h.Queue.Priority)
 	}
 	return min(max(prio, -h.Queue.MaxPriority), h.Queue.MaxPriority), nil
+}
+
+// maxTenantName bounds a tenant's name, which comes from clients and
+// goes out again as a metric label.
+const maxTenantName = 64
+
+// tenantRule is what a tenant's name must be.
+var tenantRule = fmt.Sprintf("at most %d of A-Z a-z 0-9 . _ -", maxTenantName)
+
+// validTenant reports whether name may name a tenant.
+func validTenant(name string) bool {
+	if name == "" || len(name) > maxTenantName {
+		return false
+	}
+	for _, c := range []byte(name) {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+// tenantOf is r's tenant, as the tenant option's placeholder gives it; ""
+// (the tenant other) when it gives nothing.
+func (h *Handler) tenantOf(r *http.Request) (string, error) {
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	v := strings.TrimSpace(repl.ReplaceAll(h.Queue.Tenant, ""))
+	if v != "" && !validTenant(v) {
+		return "", fmt.Errorf("tenant %.64q is not a tenant name: %s (it comes from %s)", v, tenantRule, h.Queue.Tenant)
+	}
+	return v, nil
 }
 
 // pinToJob pins t to the worker that made the job its route names. A

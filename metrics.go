@@ -108,6 +108,12 @@ var (
 	descServing   = newDesc("serving_workers", "Workers of the pool that may be given jobs.", "pool")
 	descBacklog   = newDesc("backlog_seconds", "Predicted time for the pool's workers to finish every job running and waiting, at their learned speeds.", "pool")
 	descAborted   = newDesc("aborted_total", "Generation jobs ended by POST /abort_request, by where they were (waiting, running), and requests refused on arrival because an abort remembers their id (resent).", "pool", "state")
+
+	tenantLabels      = []string{"pool", "tenant"}
+	descTenantBacklog = newDesc("tenant_backlog_seconds", "Predicted time for the pool's workers to finish the tenant's jobs running and waiting, the queue played out by the tenants' shares.", tenantLabels...)
+	descTenantQueue   = newDesc("tenant_queue_length", "Generation jobs of the tenant waiting in the pool's queue.", tenantLabels...)
+	descTenantRunning = newDesc("tenant_inflight_jobs", "Generation jobs of the tenant holding a worker.", tenantLabels...)
+	descTenantCost    = newDesc("tenant_cost_total", "Cost units of the tenant's jobs given workers (a hedged copy counts again, a re-run does not).", tenantLabels...)
 )
 
 func newDesc(name, help string, labels ...string) *prometheus.Desc {
@@ -119,7 +125,7 @@ type poolCollector struct{}
 
 // Describe sends the descriptors of the per-worker series.
 func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descBacklog, descAborted} {
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descBacklog, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted} {
 		ch <- d
 	}
 }
@@ -139,6 +145,12 @@ func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.ServingCount()), p.Name())
 		ch <- prometheus.MustNewConstMetric(descBacklog, prometheus.GaugeValue, p.Backlog().Seconds(), p.Name())
 		collectAborts(ch, p.Name(), p.AbortStats())
+		for _, tn := range p.Tenants() { // at most max_tenants and other: bounded labels
+			ch <- prometheus.MustNewConstMetric(descTenantBacklog, prometheus.GaugeValue, tn.Backlog, p.Name(), tn.Name)
+			ch <- prometheus.MustNewConstMetric(descTenantQueue, prometheus.GaugeValue, float64(tn.Waiting), p.Name(), tn.Name)
+			ch <- prometheus.MustNewConstMetric(descTenantRunning, prometheus.GaugeValue, float64(tn.Running), p.Name(), tn.Name)
+			ch <- prometheus.MustNewConstMetric(descTenantCost, prometheus.CounterValue, tn.Cost, p.Name(), tn.Name)
+		}
 		return true
 	})
 }

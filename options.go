@@ -104,6 +104,26 @@ type Queue struct {
 	// once. Default 5m (miles resends a failed request for about a
 	// minute); -1 remembers nothing.
 	AbortMemory caddy.Duration `json:"abort_memory,omitempty"`
+
+	// Tenant is each job's tenant, a placeholder evaluated per request
+	// (for example {http.request.header.X-Tenant}): while several tenants
+	// have jobs waiting, each gets a share of the GPU time, counted in
+	// cost, proportional to its weight. A name is at most 64 of A-Z a-z
+	// 0-9 . _ -, else 400; an empty value is the tenant "other". Default:
+	// no tenants.
+	Tenant string `json:"tenant,omitempty"`
+
+	// TenantWeights is each tenant's weight, by name. Default 1.
+	TenantWeights map[string]float64 `json:"tenant_weights,omitempty"`
+
+	// TenantMaxQueue is how many jobs one tenant may have waiting; beyond
+	// it 429 naming the tenant. Default: no limit but MaxJobs.
+	TenantMaxQueue int `json:"tenant_max_queue,omitempty"`
+
+	// MaxTenants is how many tenants the pool tracks (and shows in the
+	// metrics); a new one beyond them takes an idle one's place, or
+	// shares the tenant "other" while all are active. Default 64.
+	MaxTenants int `json:"max_tenants,omitempty"`
 }
 
 // CostModel is how a job's cost is worked out from its request, for the
@@ -398,6 +418,28 @@ func (h *Handler) provisionPriority() error {
 		return optionError("priority_max_wait", "queue.priority_max_wait", "must be positive, or off (-1), got %s", time.Duration(q.PriorityMaxWait))
 	}
 	h.dispatch.MaxPassedOver = max(time.Duration(q.PriorityMaxWait), 0)
+	return h.provisionTenants()
+}
+
+// provisionTenants reads the tenant options.
+func (h *Handler) provisionTenants() error {
+	q, d := &h.Queue, &h.dispatch
+	for name, w := range q.TenantWeights {
+		if !validTenant(name) {
+			return optionError("tenant_weight", "queue.tenant_weights", "%q is not a tenant name: %s", name, tenantRule)
+		}
+		if !(w > 0) || math.IsInf(w, 0) {
+			return optionError("tenant_weight", "queue.tenant_weights", "the weight of %q must be a positive number, got %v", name, w)
+		}
+	}
+	if q.TenantMaxQueue < 0 {
+		return optionError("tenant_max_queue", "queue.tenant_max_queue", "must be positive, got %d", q.TenantMaxQueue)
+	}
+	q.MaxTenants = cmp.Or(q.MaxTenants, scheduler.DefaultMaxTenants)
+	if q.MaxTenants < 0 {
+		return optionError("max_tenants", "queue.max_tenants", "must be positive, got %d", q.MaxTenants)
+	}
+	d.TenantWeights, d.TenantMaxQueue, d.MaxTenants = q.TenantWeights, q.TenantMaxQueue, q.MaxTenants
 	return nil
 }
 

@@ -236,7 +236,11 @@ func (a *API) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 	for i, wk := range workers {
 		out[i] = newWorkerJSON(wk)
 	}
-	_ = WriteJSON(w, http.StatusOK, map[string]any{"workers": out})
+	resp := map[string]any{"workers": out}
+	if tenants := a.Pool.Tenants(); len(tenants) > 0 {
+		resp["tenants"] = tenants
+	}
+	_ = WriteJSON(w, http.StatusOK, resp)
 }
 
 func (a *API) serveListWorkers(w http.ResponseWriter, _ *http.Request) {

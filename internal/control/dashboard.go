@@ -46,6 +46,7 @@ func (a *API) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 	}
 	stats := a.Pool.Stats()
 	_ = WriteJSON(w, http.StatusOK, map[string]any{
+		"tenants":            a.Pool.Tenants(),
 		"pool":               a.Pool.Name(),
 		"policy":             a.Policy,
 		"time":               time.Now().UnixMilli(),

@@ -19,23 +19,85 @@ import (
 func (p *Pool) Backlog() time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return time.Duration(p.backlogLocked(nil) * float64(time.Second))
+}
+
+// backlogLocked is Backlog in seconds. With byTenant, it also notes there
+// how long each tenant's jobs, running and waiting, are predicted to take
+// to finish, the queue played out in the order the tenants' shares give.
+func (p *Pool) backlogLocked(byTenant map[*tenant]float64) float64 {
 	now := p.now().UnixNano()
 	var free freeTimes
 	longest := 0.0
 	for _, w := range p.workers {
-		left := p.workLeftLocked(w, now) / p.speedOfLocked(w)
+		speed := p.speedOfLocked(w)
+		left := p.workLeftLocked(w, now) / speed
 		longest = max(longest, left)
 		if w.serving(now) {
 			free = append(free, freeAt{w, left})
 		}
-	}
-	heap.Init(&free)
-	for _, wt := range p.queue {
-		if end, ok := free.take(wt.t, p.speedOfLocked, p.fleet.target); ok {
-			longest = max(longest, end)
+		if byTenant != nil && len(w.load.jobs) > 0 {
+			end := left - (w.load.work-w.load.headCost)/speed // the running job's
+			for i, t := range w.load.jobs {
+				if i > 0 {
+					end += t.Cost / speed
+				}
+				if t.tenant != nil {
+					byTenant[t.tenant] = max(byTenant[t.tenant], end)
+				}
+			}
 		}
 	}
-	return time.Duration(longest * float64(time.Second))
+	heap.Init(&free)
+	queue := p.queue
+	if p.tenancy.on {
+		queue = p.playOrderLocked()
+	}
+	for _, wt := range queue {
+		if end, ok := free.take(wt.t, p.speedOfLocked, p.fleet.target); ok {
+			longest = max(longest, end)
+			if byTenant != nil && wt.t.tenant != nil {
+				byTenant[wt.t.tenant] = max(byTenant[wt.t.tenant], end)
+			}
+		}
+	}
+	return longest
+}
+
+// playOrderLocked is the queue in the order the tenants' shares would
+// dispatch it, were every job servable by the next free worker: among the
+// heads of the highest priority, the tenant with the lowest counter,
+// charged as it goes.
+func (p *Pool) playOrderLocked() []*waiter {
+	out := make([]*waiter, 0, len(p.queue))
+	served := make(map[*tenant]float64, len(p.tenancy.list))
+	next := make(map[*tenant]int, len(p.tenancy.list))
+	for _, tn := range p.tenancy.list {
+		served[tn] = tn.served
+	}
+	for len(out) < len(p.queue) {
+		var best *tenant
+		var bestWt *waiter
+		for _, tn := range p.tenancy.list {
+			if next[tn] >= len(tn.queue) {
+				continue
+			}
+			wt := tn.queue[next[tn]]
+			if best == nil || wt.t.Priority > bestWt.t.Priority ||
+				wt.t.Priority == bestWt.t.Priority && (served[tn] < served[best] || served[tn] == served[best] && wt.t.seq < bestWt.t.seq) {
+				best, bestWt = tn, wt
+			}
+		}
+		if best == nil {
+			break // jobs queued before tenants were on, in no tenant's queue: none should be
+		}
+		next[best]++
+		if !bestWt.t.charged {
+			served[best] += bestWt.t.Cost / bestWt.t.cfg.weight(best.name)
+		}
+		out = append(out, bestWt)
+	}
+	return out
 }
 
 // freeAt is when a worker, in seconds from now, is done with the work it

@@ -244,6 +244,10 @@ type TenantStats struct {
 	Running int     `json:"running"`
 	Cost    float64 `json:"cost_served"`     // cost of the jobs given workers
 	Service float64 `json:"virtual_service"` // that cost over the tenant's weight, lifted after idle spells
+	// Backlog is how long the pool's workers are predicted to take to
+	// finish the tenant's jobs, running and waiting, as Backlog plays the
+	// queue out, in seconds.
+	Backlog float64 `json:"backlog_seconds"`
 }
 
 // Tenants lists the tenants the pool tracks, OtherTenant first; none
@@ -251,9 +255,14 @@ type TenantStats struct {
 func (p *Pool) Tenants() []TenantStats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if !p.tenancy.on {
+		return nil
+	}
+	backlog := make(map[*tenant]float64, len(p.tenancy.list))
+	p.backlogLocked(backlog)
 	out := make([]TenantStats, 0, len(p.tenancy.list))
 	for _, tn := range p.tenancy.list {
-		out = append(out, TenantStats{Name: tn.name, Waiting: len(tn.queue), Running: tn.running, Cost: tn.cost, Service: tn.served})
+		out = append(out, TenantStats{Name: tn.name, Waiting: len(tn.queue), Running: tn.running, Cost: tn.cost, Service: tn.served, Backlog: backlog[tn]})
 	}
 	return out
 }

@@ -278,3 +278,25 @@ func TestARerunKeepsItsPlaceAndIsChargedOnce(t *testing.T) {
 		}
 	}
 }
+
+func TestTenantBacklogPlaysTheQueueOutByShares(t *testing.T) {
+	s := newSim(t, 1, config(LeastWork{}, 1))
+	s.submitAll("a", 3, 10)
+	s.submitAll("b", 1, 10)
+	s.submitAll("c", 1, 1)
+	s.clock.advance(4 * time.Second)
+	// a runs (6 s left) and has been served 10; b and c came then, lifted
+	// to 10. Even, the earlier head goes: a's 2nd (a 20), then b (20),
+	// then c (11), then a's 3rd. Ends 6, 16, 26, 27, 37.
+	got := map[string]float64{}
+	for _, ts := range s.p.Tenants() {
+		got[ts.Name] = ts.Backlog
+	}
+	want := map[string]float64{OtherTenant: 0, "a": 37, "b": 26, "c": 27}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("tenant backlogs %v; want %v", got, want)
+	}
+	if b := s.p.Backlog(); b != 37*time.Second {
+		t.Fatalf("backlog %s; want 37s", b)
+	}
+}
