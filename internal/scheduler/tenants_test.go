@@ -7,6 +7,8 @@ import (
 	"math"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // tenantJob is a job of the tenant simulation.
@@ -298,5 +300,44 @@ func TestTenantBacklogPlaysTheQueueOutByShares(t *testing.T) {
 	}
 	if b := s.p.Backlog(); b != 37*time.Second {
 		t.Fatalf("backlog %s; want 37s", b)
+	}
+}
+
+func TestAJobPassedOverForTooLongGoesNextWithTenants(t *testing.T) {
+	cfg := config(LeastWork{}, 1)
+	cfg.MaxPassedOver = 10 * time.Second
+	s := newSim(t, 1, cfg)
+	s.submit(tenantJob{tenant: "b", cost: 5})
+	low, _ := s.submit(tenantJob{tenant: "a", cost: 5})
+	s.submit(tenantJob{tenant: "b", cost: 5, prio: 1})
+	s.step() // at 5 s b's urgent job goes: a's has waited 5 s
+	s.submit(tenantJob{tenant: "b", cost: 5, prio: 1})
+	s.step() // at 10 s
+	if s.order[2] != low {
+		t.Fatalf("at 10 s tenant %s's priority %d job went; want a's, passed over for 10 s", s.order[2].Tenant, s.order[2].Priority)
+	}
+}
+
+func TestAJobNoFreeWorkerMayServeLetsOtherTenantsPass(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	p.SetCapabilities("http://a:1", []string{"T2I"}, "")
+	p.SetCapabilities("http://b:1", []string{"T2V"}, "")
+	cfg := config(LeastWork{}, 1)
+	admit := func(tenant string, task request.Task, cost float64) *Ticket {
+		tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: cost, Task: task, Tenant: tenant}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if _, err := p.admitLocked(tk); err != nil {
+			t.Fatal(err)
+		}
+		return tk
+	}
+	image := admit("busy", request.ImageTask, 10)
+	admit("busy", request.VideoTask, 10)
+	video := admit("videos", request.VideoTask, 1) // lifted to busy's 20, as is images: even, its earlier job is tried first
+	img := admit("images", request.ImageTask, 1)
+	p.Release(image, Succeeded)
+	if video.worker != nil || img.worker == nil || img.worker.dial != "a:1" {
+		t.Fatal("the image worker that freed did not go to the images tenant's job; want it to pass the video job no free worker may serve")
 	}
 }
