@@ -118,6 +118,22 @@ func TestDashboardInBrowser(t *testing.T) {
 	})
 }
 
+func TestDashboardShowsTenants(t *testing.T) {
+	tab := startBrowser(t)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n tenant {http.request.header.X-Tenant}\n}")
+	tab.navigate(r.Base + "/dashboard")
+	waitUntil(t, 20*time.Second, "the worker's row", func() bool { return tab.count("#workers tr") == 1 })
+	if n := tab.count("#tenants tr"); n != 0 {
+		t.Fatalf("%d tenant rows before any job named a tenant", n)
+	}
+	rp := r.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"8x8"}`, "X-Tenant", "trainer-1")
+	testrouter.ExpectStatus(t, "job", rp, 200)
+	waitUntil(t, 20*time.Second, "a row for the tenant trainer-1", func() bool {
+		return tab.count(`#tenants tr[data-tenant="trainer-1"]`) == 1
+	})
+}
+
 func TestDashboardWith500Workers(t *testing.T) {
 	tab := startBrowser(t)
 	r := testrouter.Start(t, "diffusion_router {\n}")
