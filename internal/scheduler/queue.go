@@ -88,6 +88,7 @@ type Ticket struct {
 	held      bool                    // a video job answered at once and running on its worker
 	Sent      bool                    // the request went to the worker
 	ghost     bool                    // its client left; the worker still computes it
+	charged   bool                    // its tenant was charged its cost (beside the other flags: no room of its own)
 	Lookups   int                     // upstream lookups by reverse_proxy; more than one is a retry
 	Attempts  int                     // times the request was sent to a worker
 	Blamed    string                  // the worker whose 5xx made the job run again, if one did
@@ -95,7 +96,6 @@ type Ticket struct {
 	Body      []byte                  // a job's body, sent again when it runs again
 	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
 	tenant    *tenant                 // the tenant t's job counts against, while tenants are on
-	charged   bool                    // its tenant was charged its cost
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
 	ctx       context.Context         // the job's context, which cancel ends
 
