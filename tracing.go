@@ -54,7 +54,7 @@ func startSpan(ctx context.Context, tracer trace.Tracer, name string, attrs ...a
 func traceQueue(ctx context.Context, tracer trace.Tracer, t *scheduler.Ticket) (context.Context, func(error, ...attribute.KeyValue)) {
 	return startSpan(ctx, tracer, "diffusion_router.queue",
 		attribute.String("diffusion.endpoint", t.Route.Class), attribute.Float64("diffusion.cost", t.Cost),
-		attribute.Int("diffusion.priority", t.Priority))
+		attribute.Int("diffusion.priority", t.Priority), attribute.String("diffusion.tenant", t.Tenant))
 }
 
 // traceAttempt starts the span of t's attempt on its worker; copy says it
