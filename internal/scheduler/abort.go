@@ -216,6 +216,9 @@ func (p *Pool) endLocked(victims []*Ticket, by string) AbortCounts {
 		_, hit := dequeued[wt.t]
 		if hit {
 			dequeued[wt.t], wt.gone = true, true // gone, as dequeueLocked marks it: see arrivals
+			if wt.t.tenant != nil {
+				dequeueTenantLocked(wt.t.tenant, wt)
+			}
 		}
 		return hit
 	})

@@ -341,3 +341,48 @@ func TestAJobNoFreeWorkerMayServeLetsOtherTenantsPass(t *testing.T) {
 		t.Fatal("the image worker that freed did not go to the images tenant's job; want it to pass the video job no free worker may serve")
 	}
 }
+
+// An aborted job leaves its tenant's queue too: the worker that frees up
+// goes to the next job, and the tenant shows nothing waiting.
+func TestAnAbortedJobLeavesItsTenantsQueue(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	cfg := config(LeastWork{}, 1)
+	running, runCtx := tracked(t, p, cfg, "run", 1)
+	running.Tenant = "a"
+	if err := p.Acquire(runCtx, running); err != nil {
+		t.Fatal(err)
+	}
+	ab, abCtx := tracked(t, p, cfg, "step-1", 1)
+	ab.Tenant = "a"
+	abDone := make(chan error, 1)
+	go func() { abDone <- p.Acquire(abCtx, ab) }()
+	waitQueued(t, p, 1)
+	next, nextDone := enqueueTenant(t, p, cfg, "b")
+	if got := p.Abort(Abort{RID: "step-1", By: "test"}); got.Waiting != 1 {
+		t.Fatalf("abort counted %+v; want 1 waiting", got)
+	}
+	if err := <-abDone; abortedBy(err) == nil {
+		t.Fatalf("the aborted job got %v; want the abort", err)
+	}
+	for _, ts := range p.Tenants() {
+		if ts.Name == "a" && ts.Waiting != 0 {
+			t.Fatalf("tenant a shows %d waiting after the abort; want 0", ts.Waiting)
+		}
+	}
+	p.Release(running, Succeeded)
+	if err := <-nextDone; err != nil || next.worker == nil {
+		t.Fatalf("b's job: %v; want the worker that freed up", err)
+	}
+}
+
+// enqueueTenant queues a job of tenant behind p's busy workers; its
+// Acquire's error arrives on the channel.
+func enqueueTenant(t *testing.T, p *Pool, cfg *Config, tenant string) (*Ticket, chan error) {
+	t.Helper()
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Tenant: tenant}
+	done := make(chan error, 1)
+	n := queued(p)
+	go func() { done <- p.Acquire(context.Background(), tk) }()
+	waitQueued(t, p, n+1)
+	return tk, done
+}
