@@ -51,7 +51,7 @@ func TestTenantsShareTheWorkerByCostNotRequests(t *testing.T) {
 	r := testrouter.Start(t, tenantSite(ws, ""))
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 64)
-	go sendTenantJob(r, "warmup", 10, done) // holds the worker while the others queue
+	go sendTenantJob(r, "warmup", 100, done) // holds the worker for 2 s while the others queue
 	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for range 30 {
 		go sendTenantJob(r, "many-small", 1, done)
@@ -86,7 +86,7 @@ func TestTenantMaxQueueRefusesOnlyThatTenant(t *testing.T) {
 	r := testrouter.Start(t, tenantSite(ws, "tenant_max_queue 2\n"))
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 8)
-	go sendTenantJob(r, "a", 30, done)
+	go sendTenantJob(r, "a", 100, done) // holds the worker for 2 s
 	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	go sendTenantJob(r, "a", 1, done)
 	go sendTenantJob(r, "a", 1, done)
@@ -129,7 +129,7 @@ func TestTenantsBeyondMaxTenantsShareOther(t *testing.T) {
 	r := testrouter.Start(t, tenantSite(ws, "max_tenants 2\n"))
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 16)
-	go sendTenantJob(r, "t0", 20, done)
+	go sendTenantJob(r, "t0", 100, done) // holds the worker for 2 s
 	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for i := range 10 {
 		go sendTenantJob(r, fmt.Sprint("t", i), 1, done)
