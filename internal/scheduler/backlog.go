@@ -67,35 +67,41 @@ func (p *Pool) backlogLocked(byTenant map[*tenant]float64) float64 {
 // playOrderLocked is the queue in the order the tenants' shares would
 // dispatch it, were every job servable by the next free worker: among the
 // heads of the highest priority, the tenant with the lowest counter,
-// charged as it goes.
+// charged as it goes. It runs under the lock at each scrape: a scan of the
+// tenants with jobs waiting (at most max_tenants + 1) per job, no map.
 func (p *Pool) playOrderLocked() []*waiter {
-	out := make([]*waiter, 0, len(p.queue))
-	served := make(map[*tenant]float64, len(p.tenancy.list))
-	next := make(map[*tenant]int, len(p.tenancy.list))
-	for _, tn := range p.tenancy.list {
-		served[tn] = tn.served
+	type share struct {
+		tn     *tenant
+		served float64
+		next   int
 	}
-	for len(out) < len(p.queue) {
-		var best *tenant
-		var bestWt *waiter
-		for _, tn := range p.tenancy.list {
-			if next[tn] >= len(tn.queue) {
-				continue
+	out := make([]*waiter, 0, len(p.queue))
+	var active []share
+	for _, tn := range p.tenancy.list {
+		if len(tn.queue) > 0 {
+			active = append(active, share{tn, tn.served, 0})
+		}
+	}
+	for len(active) > 0 {
+		best := 0
+		for i := 1; i < len(active); i++ {
+			a, b := active[i].tn.queue[active[i].next].t, active[best].tn.queue[active[best].next].t
+			if a.Priority > b.Priority || a.Priority == b.Priority &&
+				(active[i].served < active[best].served || active[i].served == active[best].served && a.seq < b.seq) {
+				best = i
 			}
-			wt := tn.queue[next[tn]]
-			if best == nil || wt.t.Priority > bestWt.t.Priority ||
-				wt.t.Priority == bestWt.t.Priority && (served[tn] < served[best] || served[tn] == served[best] && wt.t.seq < bestWt.t.seq) {
-				best, bestWt = tn, wt
-			}
 		}
-		if best == nil {
-			break // jobs queued before tenants were on, in no tenant's queue: none should be
+		sh := &active[best]
+		wt := sh.tn.queue[sh.next]
+		sh.next++
+		if !wt.t.charged {
+			sh.served += wt.t.Cost / wt.t.cfg.weight(sh.tn.name)
 		}
-		next[best]++
-		if !bestWt.t.charged {
-			served[best] += bestWt.t.Cost / bestWt.t.cfg.weight(best.name)
+		out = append(out, wt)
+		if sh.next == len(sh.tn.queue) {
+			active[best] = active[len(active)-1]
+			active = active[:len(active)-1]
 		}
-		out = append(out, bestWt)
 	}
 	return out
 }

@@ -120,3 +120,34 @@ func BenchmarkDrain(b *testing.B) {
 		drainQueue(b, 10_000)
 	}
 }
+
+// BenchmarkTenantBacklog measures what a scrape of the tenant metrics
+// holds the pool's lock for: the backlog of 64 tenants with 10,000 jobs
+// waiting among 1,024 busy workers.
+func BenchmarkTenantBacklog(b *testing.B) {
+	p := benchPool(b, 1024)
+	cfg := &Config{Strategy: LeastWork{}, MaxInflight: 1, MaxQueue: 10_000, Order: FIFO{}}
+	for i, w := range p.workers {
+		p.assignLocked(&Ticket{pool: p, cfg: cfg, Job: true, Cost: 10, Tenant: fmt.Sprint("tenant-", i%64)}, w)
+	}
+	for i := range 10_000 {
+		t := &Ticket{pool: p, cfg: cfg, Job: true, Cost: float64(10 + i%7), Tenant: fmt.Sprint("tenant-", i%64)}
+		p.seq++
+		t.seq = p.seq
+		p.joinTenantLocked(t)
+		p.enqueueLocked(t)
+	}
+	b.ReportAllocs()
+	b.Run("tenants", func(b *testing.B) {
+		for b.Loop() {
+			if len(p.Tenants()) != 65 {
+				b.Fatal("want 64 tenants and other")
+			}
+		}
+	})
+	b.Run("pool", func(b *testing.B) { // the pool's backlog alone, the same play-out
+		for b.Loop() {
+			p.Backlog()
+		}
+	})
+}
