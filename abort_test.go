@@ -165,7 +165,7 @@ func TestAbortWaitingJobsNeverReachAWorker(t *testing.T) {
 	if got := abortedTotal(t, r, "waiting"); got != 2 {
 		t.Fatalf("aborted_total{state=waiting} = %g; want 2", got)
 	}
-	for _, path := range []string{"/health", "/dashboard/data"} {
+	for _, path := range []string{"/health", "/workers", "/dashboard/data"} {
 		if got := r.Get(path).JSON(t)["aborted"].(map[string]any)["waiting"]; got != 2.0 {
 			t.Errorf("%s aborted.waiting = %v; want 2", path, got)
 		}

@@ -59,7 +59,7 @@ func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
 	if n := value(t, r, "caddy_diffusion_priority_queue_length", map[string]string{"pool": "priority-pool", "priority": "5"}); n != 2 {
 		t.Errorf("priority_queue_length{priority=5} = %v; want the 2 urgent jobs", n)
 	}
-	for _, path := range []string{"/health", "/dashboard/data"} {
+	for _, path := range []string{"/health", "/workers", "/dashboard/data"} {
 		if got := r.Get(path).JSON(t)["queued_by_priority"].(map[string]any)["5"]; got != 2.0 {
 			t.Errorf("%s queued_by_priority[5] = %v; want 2", path, got)
 		}

@@ -236,7 +236,7 @@ func (a *API) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 	for i, wk := range workers {
 		out[i] = newWorkerJSON(wk)
 	}
-	resp := map[string]any{"workers": out}
+	resp := map[string]any{"workers": out, "queued_by_priority": priorityCounts(a.Pool.Stats().ByPriority), "aborted": a.Pool.AbortStats()}
 	if tenants := a.Pool.Tenants(); len(tenants) > 0 {
 		resp["tenants"] = tenants
 	}
