@@ -55,6 +55,7 @@ type Config struct {
 	HangAfter   int           // after N finished jobs, every later job holds the worker until Close (0 = never); Hang starts it at once
 	CrashAfter  int           // after N finished jobs, the next job kills the worker: listener and connections close unanswered (0 = never); Crash kills it at once
 	UpdateFail  bool          // weight updates fail: 400 {"success": false}, and the old weights stay, as sglang rolls back
+	UpdateHang  bool          // weight updates never end: each holds the worker until Close, /health still answering; HangUpdates starts it at once
 	// RolloutJSON answers /rollout/generate with the JSON list of the
 	// older rollout API (ORJSONResponse) instead of msgpack, for clients
 	// and routers of that time.
@@ -151,6 +152,8 @@ type Worker struct {
 	// HangAfter at first, then what SetFailRate and Hang make them.
 	failRate float64
 	hung     bool
+	// updateHung is Config.UpdateHang, or set by HangUpdates.
+	updateHung bool
 	// breakRates are CloseRate, ResetRate and TruncateRate in force;
 	// oomPixels is OOMPixels in force.
 	breakRates [3]float64
@@ -206,6 +209,7 @@ func New(cfg Config) *Worker {
 		loras:      make(map[string]string),
 		rng:        mrand.New(mrand.NewPCG(uint64(cfg.Seed), 0)),
 		failRate:   cfg.FailRate,
+		updateHung: cfg.UpdateHang,
 		breakRates: [3]float64{cfg.CloseRate, cfg.ResetRate, cfg.TruncateRate},
 		oomPixels:  cfg.OOMPixels,
 		videos:     make(map[string]*videoJob),
@@ -389,4 +393,15 @@ func (w *Worker) Hang() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.hung = true
+}
+
+// HangUpdates makes every weight update from now on (from disk or from
+// tensors) hold the worker until it closes, as Config.UpdateHang does from
+// the start: the load never ends, so its caller gets no answer, and the
+// jobs queued behind it wait as they would behind a stuck GPU, while
+// /health still answers. Only a restart ends it.
+func (w *Worker) HangUpdates() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.updateHung = true
 }

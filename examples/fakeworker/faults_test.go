@@ -217,3 +217,49 @@ func TestOOMByShape(t *testing.T) {
 		return call(t, v, "GET", "/v1/videos/"+job["id"].(string), "").object(t)["status"] == "completed"
 	})
 }
+
+// TestHungUpdate: once HangUpdates is called, a weight update holds the
+// worker and never answers, the jobs behind it wait, /health still
+// answers and the weights stay; only Close ends it.
+func TestHungUpdate(t *testing.T) {
+	w := start(t, Config{})
+	call(t, w, "POST", "/update_weights_from_disk", `{"model_path":"/ckpt/1"}`).expect(t, 200)
+	w.HangUpdates()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	update := make(chan error, 1)
+	go func() {
+		r, err := send(ctx, "POST", w.URL()+"/update_weights_from_disk", "application/json", []byte(`{"model_path":"/ckpt/2"}`))
+		if err == nil {
+			err = errors.New("answered " + strconv.Itoa(r.status))
+		}
+		update <- err
+	}()
+	waitQueue(t, w, 0) // the update has the worker
+	queued := make(chan error, 1)
+	go func() {
+		_, err := send(context.Background(), "POST", w.URL()+"/v1/images/generations", "application/json", []byte(imageBody(1)))
+		queued <- err
+	}()
+	waitQueue(t, w, 1)
+	call(t, w, "GET", "/health", "").expect(t, 200)
+
+	cancel()
+	if err := <-update; !errors.Is(err, context.Canceled) {
+		t.Errorf("hung update: %v", err)
+	}
+	waitQueue(t, w, 1) // the update keeps the worker after its caller gave up
+	if got := w.Weights(); got != "/ckpt/1" {
+		t.Errorf("weights %q during a hung update", got)
+	}
+	w.Close()
+	select {
+	case <-queued:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close did not end the job queued behind the hung update")
+	}
+	if got := w.Weights(); got != "/ckpt/1" {
+		t.Errorf("a hung update left weights %q", got)
+	}
+}

@@ -283,6 +283,9 @@ func (w *Worker) loadWeights(rw http.ResponseWriter, r *http.Request, load weigh
 		default:
 			status, message = http.StatusOK, load.success
 		}
+		if w.updateHung {
+			return forever
+		}
 		return w.serviceTime(weightUpdateUnits)
 	}, func() {
 		if status == http.StatusOK {

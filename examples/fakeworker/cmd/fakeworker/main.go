@@ -42,6 +42,7 @@ func run() error {
 	flag.IntVar(&cfg.HangAfter, "hang-after", 0, "after N finished jobs, later jobs hang (0 = never)")
 	flag.IntVar(&cfg.CrashAfter, "crash-after", 0, "after N finished jobs, the next job kills the worker (0 = never)")
 	flag.BoolVar(&cfg.UpdateFail, "update-fail", false, "weight updates fail (400) and roll back")
+	flag.BoolVar(&cfg.UpdateHang, "update-hang", false, "weight updates never end: each holds the worker until it stops, /health still answering")
 	flag.BoolVar(&cfg.RolloutJSON, "rollout-json", false, "answer /rollout/generate with the older JSON list instead of msgpack")
 	flag.Float64Var(&cfg.CloseRate, "close-rate", 0, "fraction of successful generation answers cut off by closing the connection short of their Content-Length (1 = every one)")
 	flag.Float64Var(&cfg.ResetRate, "reset-rate", 0, "fraction of successful generation answers cut off by resetting the connection (TCP RST) (1 = every one)")
