@@ -19,7 +19,9 @@ import (
 // at least health_timeout), while
 // a worker that may serve it is idle and no job waits, gets a second copy
 // on that worker. The first answer the client may get wins; the other copy
-// is cancelled. A hung worker whose /health still answers then costs a
+// is cancelled. A copy that fails is followed by another, on another idle
+// worker, while max_attempts leaves room: the attempt it was to overtake
+// may hang for good. A hung worker whose /health still answers then costs a
 // step one job's time, not the client's timeout, from the router's start:
 // its first job, predicted at the speed assumed before anything was
 // learned, is predicted anew once other workers complete theirs.
@@ -38,12 +40,14 @@ type hedge struct {
 
 	mu         sync.Mutex // taken before the pool's lock, never after (see pool)
 	primary    *scheduler.Ticket
-	copy       *scheduler.Ticket
+	copy       *scheduler.Ticket  // the copy launched last
 	cancelPrim context.CancelFunc // ends the primary attempt
 	cancelCopy context.CancelFunc
 	winner     *scheduler.Ticket
 	ended      bool          // the attempt is over: no copy may start
-	copyEnded  chan struct{} // closed when the copy's attempt is over
+	copies     int           // copies launched, one at a time
+	budget     int           // copies the job's max_attempts leave room for
+	copyEnded  chan struct{} // closed when the last copy's attempt is over
 	copyRec    *recorder
 	copyPanic  any // an answer of the copy that broke off, to abort the client's with
 }
@@ -65,7 +69,8 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), start: time.Now(), primary: t, cancelPrim: cancel}
+	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), start: time.Now(), primary: t, cancelPrim: cancel,
+		budget: t.Config().MaxAttempts - t.Attempts - 1}
 	rec.hold(judge, rerun).claim = func() bool { return hd.claim(t) }
 	hd.mu.Lock()
 	hd.timer = time.AfterFunc(hd.wait(), hd.fire)
@@ -76,13 +81,13 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	hd.mu.Lock()
 	hd.ended = true
 	hd.timer.Stop()
-	copyEnded := hd.copyEnded
+	copyEnded, copies := hd.copyEnded, hd.copies
 	hd.mu.Unlock()
 	if copyEnded == nil {
 		return err
 	}
-	t.Attempts++ // the copy ran on a GPU too
-	<-copyEnded  // its answer may be the client's, being written now
+	t.Attempts += copies // they ran on GPUs too
+	<-copyEnded          // the last one's answer may be the client's, being written now
 	if hd.copyPanic != nil {
 		panic(hd.copyPanic)
 	}
@@ -169,23 +174,32 @@ func (hd *hedge) fire() {
 	}
 	ctx, cancel := context.WithCancel(context.WithValue(hd.r.Context(), caddyhttp.VarsCtxKey, hd.vars))
 	hd.copy, hd.cancelCopy = c, cancel
+	hd.copies++
 	hd.copyEnded = make(chan struct{})
 	hd.h.metrics.hedges.WithLabelValues("launched").Inc()
-	go hd.runCopy(ctx, c)
+	go hd.runCopy(ctx, c, hd.copyEnded)
 }
 
-// runCopy sends the copy c of the job to its worker. Its answer reaches
-// the client only if it wins the race.
-func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
+// runCopy sends the copy c of the job to its worker and closes ended when
+// it is over. Its answer reaches the client only if it wins the race. A
+// copy that failed while the attempt still runs makes way for another, on
+// another worker, while the budget lasts.
+func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket, ended chan struct{}) {
 	rec := &recorder{ResponseWriterWrapper: hd.rec.ResponseWriterWrapper, tracer: hd.rec.tracer}
 	defer func() {
 		v := recover() // an answer that broke off after it began
 		hd.mu.Lock()
 		hd.copyRec, hd.copyPanic = rec, v
 		hd.cancelCopy()
+		if hd.winner == nil && hd.r.Context().Err() == nil { // it failed
+			hd.h.pool.Avoid(hd.primary, c.ServedBy())
+			if !hd.ended && hd.copies < hd.budget {
+				hd.timer.Reset(0)
+			}
+		}
 		hd.mu.Unlock()
 		hd.h.pool.EndHedge()
-		close(hd.copyEnded)
+		close(ended)
 	}()
 	// A copy's failure is no answer, and never runs the job again: the
 	// attempt goes on.

@@ -233,3 +233,33 @@ func TestHedgesAndRerunsShareMaxAttempts(t *testing.T) {
 		t.Fatalf("one request ran %d GPU jobs; max_attempts is 3", jobs)
 	}
 }
+
+// A copy that fails leaves the job on the worker it was to overtake,
+// which may hang for good: the job gets another copy, on another worker,
+// while max_attempts leaves room. Here the job's worker never answers,
+// its first copy goes to the only other worker, which fails it, and the
+// second to a worker that joined meanwhile.
+func TestAFailedCopyIsFollowedByAnother(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "hung"}, fakeworker.Config{Name: "failing", FailRate: 1}, fakeworker.Config{Name: "good"})
+	hung, failing, good := ws[0], ws[1], ws[2]
+	hung.Hang()
+	r := testrouter.Start(t, "diffusion_router {\n workers "+hung.URL()+"\n health_timeout 1s\n}")
+	answer := make(chan testrouter.Reply, 1)
+	go func() { answer <- r.Post("/v1/images/generations", smallImage) }()
+	testrouter.WaitFor(t, func() bool { return r.Workers()[hung.URL()]["active_requests"].(float64) == 1 })
+	testrouter.ExpectStatus(t, "registering the failing worker", r.Post("/workers?url="+failing.URL(), ""), 200)
+	testrouter.WaitFor(t, func() bool { return failing.Stats().Failed == 1 }) // the first copy
+	testrouter.ExpectStatus(t, "registering the good worker", r.Post("/workers?url="+good.URL(), ""), 200)
+	select {
+	case rp := <-answer:
+		testrouter.ExpectStatus(t, "the job", rp, 200)
+		if w := rp.Header.Get("X-Fake-Worker"); w != "good" {
+			t.Errorf("answered by %q", w)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the job stayed on the hung worker after its copy failed")
+	}
+	if n := failing.Stats().Failed; n != 1 {
+		t.Errorf("the failing worker ran %d copies; a copy goes elsewhere after one failed there", n)
+	}
+}

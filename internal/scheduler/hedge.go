@@ -1,5 +1,7 @@
 package scheduler
 
+import "slices"
+
 // HedgeCopy gives a copy of t to the fastest idle worker that may serve
 // it, or reports nil when t should not get one now: it has ended, jobs
 // wait, or copies already run on a tenth of the workers (at least two).
@@ -31,4 +33,14 @@ func (p *Pool) EndHedge() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.hedging--
+}
+
+// Avoid keeps t's job off the worker at workerURL while another may serve
+// it: a copy of it failed there.
+func (p *Pool) Avoid(t *Ticket, workerURL string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w := p.findLocked(workerURL); w != nil && !slices.Contains(t.tried, w) {
+		t.tried = append(t.tried, w)
+	}
 }
