@@ -18,38 +18,44 @@ import (
 // A job still unanswered after hedge_after times its predicted time (and
 // at least health_timeout), while
 // a worker that may serve it is idle and no job waits, gets a second copy
-// on that worker. The first answer the client may get wins; the other copy
-// is cancelled. A copy that fails is followed by another, on another idle
-// worker, while max_attempts leaves room: the attempt it was to overtake
-// may hang for good. A hung worker whose /health still answers then costs a
+// on that worker. The first answer the client may get wins; the others
+// are cancelled. A hung worker whose /health still answers then costs a
 // step one job's time, not the client's timeout, from the router's start:
 // its first job, predicted at the speed assumed before anything was
 // learned, is predicted anew once other workers complete theirs.
+//
+// Any worker may hang, the copy's too: the race goes on while
+// max_attempts leaves room. A copy that overruns in turn gets a copy of
+// its own, and one that fails is followed by another on a worker that has
+// not failed the job. An attempt that fails while copies run frees its
+// worker at once and leaves the race to them.
 
-// hedge is one job's race between its attempt and, once launched, a copy.
-// Its mutex orders the claims of the two answers, so exactly one reaches
-// the client.
+// hedge is one job's race between its attempt and the copies launched
+// when the last one overran. Its mutex orders the claims of the answers,
+// so exactly one reaches the client.
 type hedge struct {
 	h     *Handler
 	rec   *recorder // the client's
 	r     *http.Request
 	next  caddyhttp.Handler
-	vars  map[string]any // a copy of the request's variables, for the copy's reverse_proxy
+	vars  map[string]any // a copy of the request's variables, cloned for each copy's reverse_proxy
 	timer *time.Timer
-	start time.Time // when the attempt began
 
-	mu         sync.Mutex // taken before the pool's lock, never after (see pool)
-	primary    *scheduler.Ticket
-	copy       *scheduler.Ticket  // the copy launched last
-	cancelPrim context.CancelFunc // ends the primary attempt
-	cancelCopy context.CancelFunc
-	winner     *scheduler.Ticket
-	ended      bool          // the attempt is over: no copy may start
-	copies     int           // copies launched, one at a time
-	budget     int           // copies the job's max_attempts leave room for
-	copyEnded  chan struct{} // closed when the last copy's attempt is over
-	copyRec    *recorder
-	copyPanic  any // an answer of the copy that broke off, to abort the client's with
+	mu      sync.Mutex // taken before the pool's lock, never after (see pool)
+	primary *scheduler.Ticket
+	// last is the attempt or copy launched last, since lastSince: the one
+	// whose overrun launches the next copy.
+	last      *scheduler.Ticket
+	lastSince time.Time
+	cancels   map[*scheduler.Ticket]context.CancelFunc // each attempt and copy still running
+	winner    *scheduler.Ticket
+	ended     bool       // the race is over: no copy may start
+	copies    int        // copies launched
+	budget    int        // copies the job's max_attempts leave room for
+	running   int        // copies not yet over
+	copyOver  *sync.Cond // on mu: signalled as each copy ends
+	copyRec   *recorder  // the winning copy's
+	copyPanic any        // an answer of a copy that broke off, to abort the client's with
 }
 
 // hedges reports whether t's attempt may get a copy: a job whose answer
@@ -61,16 +67,17 @@ func (h *Handler) hedges(t *scheduler.Ticket) bool {
 	return t.Config().HedgeAfter > 0 && t.Job && t.Route.Hedged && t.Attempts+2 <= t.Config().MaxAttempts
 }
 
-// sendHedged is send with a copy of the job launched on an idle worker if
-// the attempt overruns. judge is the attempt's own rule for answers (nil:
-// every answer is the client's), rerun whether the job may run again
-// after it.
+// sendHedged is send with copies of the job launched on idle workers
+// while the attempt, and then each copy, overruns. judge is the attempt's
+// own rule for answers (nil: every answer is the client's), rerun whether
+// the job may run again after it.
 func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler, judge func(int) verdict, rerun bool) error {
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), start: time.Now(), primary: t, cancelPrim: cancel,
-		budget: t.Config().MaxAttempts - t.Attempts - 1}
+	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), primary: t, last: t, lastSince: time.Now(),
+		cancels: map[*scheduler.Ticket]context.CancelFunc{t: cancel}, budget: t.Config().MaxAttempts - t.Attempts - 1}
+	hd.copyOver = sync.NewCond(&hd.mu)
 	rec.hold(judge, rerun).claim = func() bool { return hd.claim(t) }
 	hd.mu.Lock()
 	hd.timer = time.AfterFunc(hd.wait(), hd.fire)
@@ -78,51 +85,74 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 
 	err := h.send(rec, r, ctx, t, next, hd)
 
-	hd.mu.Lock()
-	hd.ended = true
-	hd.timer.Stop()
-	copyEnded, copies := hd.copyEnded, hd.copies
-	hd.mu.Unlock()
-	if copyEnded == nil {
+	copies := hd.finish(rec, r, t, err)
+	if copies == 0 {
 		return err
 	}
 	t.Attempts += copies // they ran on GPUs too
-	<-copyEnded          // the last one's answer may be the client's, being written now
 	if hd.copyPanic != nil {
 		panic(hd.copyPanic)
 	}
-	traceEvent(r.Context(), rec.tracer, "diffusion_router.hedge", attribute.String("diffusion.copy_on", hd.copy.ServedBy()),
-		attribute.Bool("diffusion.copy_won", hd.winner == hd.copy))
+	copyOn := hd.last // the copy launched last, unless another won
+	if hd.winner != nil && hd.winner != t {
+		copyOn = hd.winner
+	}
+	traceEvent(r.Context(), rec.tracer, "diffusion_router.hedge", attribute.String("diffusion.copy_on", copyOn.ServedBy()),
+		attribute.Bool("diffusion.copy_won", copyOn == hd.winner), attribute.Int("diffusion.copies", copies))
 	switch hd.winner {
-	case hd.copy:
-		h.metrics.hedges.WithLabelValues("won").Inc()
-		rec.dropHeld()
-		rec.status = hd.copyRec.status
-		t.AnsweredBy(hd.copy)
-		return nil
+	case nil:
+		return err
 	case t:
 		h.metrics.hedges.WithLabelValues("cancelled").Inc()
+		return err
 	}
-	return err
+	h.metrics.hedges.WithLabelValues("won").Inc()
+	rec.dropHeld()
+	rec.status = hd.copyRec.status
+	t.AnsweredBy(hd.winner)
+	return nil
 }
 
-// wait is how long the primary attempt still runs before a copy is
-// considered: until it has run hedge_after times its predicted time until
-// its worker finishes it, and at least the probe timeout, as for the stall
-// rule (a job of milliseconds that runs slow on a busy machine is late,
-// not hung). The prediction is the pool's of now and may shrink meanwhile:
-// the first jobs completed anywhere set the speed of a worker that has
-// completed none. So the attempt looks again at least every probe
-// timeout, the earliest a copy can ever be due.
+// finish waits, once the attempt is over, until no copy runs, the race
+// going on meanwhile if none has won (see the top of this file), and
+// returns the number of copies launched. An attempt that failed in a way
+// the job may run again after kept its worker for that re-run to free
+// (see send); once copies ran, frees it now: the copies may answer, or
+// use up max_attempts, and then no re-run comes.
+func (hd *hedge) finish(rec *recorder, r *http.Request, t *scheduler.Ticket, err error) int {
+	hd.mu.Lock()
+	defer hd.mu.Unlock()
+	delete(hd.cancels, t)
+	if hd.copies > 0 && hd.winner != t {
+		if cause := hd.h.rerunCause(r, rec, t, err); cause != noRerun {
+			hd.h.pool.Leave(t, cause.outcome(rec))
+		}
+	}
+	for hd.running > 0 {
+		hd.copyOver.Wait()
+	}
+	hd.ended = true
+	hd.timer.Stop()
+	return hd.copies
+}
+
+// wait is how long the attempt or copy launched last still runs before
+// the next copy is considered: until it has run hedge_after times its
+// predicted time until its worker finishes it, and at least the probe
+// timeout, as for the stall rule (a job of milliseconds that runs slow on
+// a busy machine is late, not hung). The prediction is the pool's of now
+// and may shrink meanwhile: the first jobs completed anywhere set the
+// speed of a worker that has completed none. So the race looks again at
+// least every probe timeout, the earliest a copy can ever be due.
 func (hd *hedge) wait() time.Duration {
-	t := hd.primary
+	t := hd.last
 	floor := t.Config().Health.Timeout
 	due := max(time.Duration(float64(t.Due())*t.Config().HedgeAfter), floor)
-	return min(due-time.Since(hd.start), floor)
+	return min(due-time.Since(hd.lastSince), floor)
 }
 
-// claim makes t's answer the client's unless the other copy's already
-// is, and cancels the other copy.
+// claim makes t's answer the client's unless another's already is, and
+// cancels the others.
 func (hd *hedge) claim(t *scheduler.Ticket) bool {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
@@ -130,18 +160,16 @@ func (hd *hedge) claim(t *scheduler.Ticket) bool {
 		return hd.winner == t
 	}
 	hd.winner = t
-	if t == hd.primary {
-		if hd.cancelCopy != nil {
-			hd.cancelCopy()
+	for other, cancel := range hd.cancels {
+		if other != t {
+			cancel()
 		}
-	} else {
-		hd.cancelPrim()
 	}
 	return true
 }
 
 // outcome is what t's attempt says of its worker: a copy that lost the
-// race says nothing (its worker may still be computing it); an attempt the
+// race says nothing (its worker may still be computing it); an attempt a
 // copy overtook overran its prediction many times over.
 func (hd *hedge) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Outcome {
 	hd.mu.Lock()
@@ -155,12 +183,13 @@ func (hd *hedge) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Out
 	return scheduler.Abandoned
 }
 
-// fire launches the copy once the attempt is overdue, if the pool has an
-// idle worker for it then, and otherwise looks again after a while.
+// fire launches a copy once the attempt or copy launched last is overdue,
+// if the budget has room and the pool has an idle worker for it then, and
+// otherwise looks again after a while.
 func (hd *hedge) fire() {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
-	if hd.ended || hd.winner != nil {
+	if hd.ended || hd.winner != nil || hd.copies >= hd.budget {
 		return
 	}
 	if wait := hd.wait(); wait > 0 {
@@ -172,34 +201,39 @@ func (hd *hedge) fire() {
 		hd.timer.Reset(min(max(hd.primary.Predicted()/4, 10*time.Millisecond), time.Second))
 		return
 	}
-	ctx, cancel := context.WithCancel(context.WithValue(hd.r.Context(), caddyhttp.VarsCtxKey, hd.vars))
-	hd.copy, hd.cancelCopy = c, cancel
+	ctx, cancel := context.WithCancel(context.WithValue(hd.r.Context(), caddyhttp.VarsCtxKey, maps.Clone(hd.vars)))
+	hd.cancels[c] = cancel
+	hd.last, hd.lastSince = c, time.Now()
 	hd.copies++
-	hd.copyEnded = make(chan struct{})
+	hd.running++
 	hd.h.metrics.hedges.WithLabelValues("launched").Inc()
-	go hd.runCopy(ctx, c, hd.copyEnded)
+	go hd.runCopy(ctx, c)
+	hd.timer.Reset(hd.wait())
 }
 
-// runCopy sends the copy c of the job to its worker and closes ended when
-// it is over. Its answer reaches the client only if it wins the race. A
-// copy that failed while the attempt still runs makes way for another, on
-// another worker, while the budget lasts.
-func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket, ended chan struct{}) {
+// runCopy sends the copy c of the job to its worker. Its answer reaches
+// the client only if it wins the race. A copy that failed makes way for
+// another, on another worker, while the budget lasts.
+func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
 	rec := &recorder{ResponseWriterWrapper: hd.rec.ResponseWriterWrapper, tracer: hd.rec.tracer}
 	defer func() {
 		v := recover() // an answer that broke off after it began
 		hd.mu.Lock()
-		hd.copyRec, hd.copyPanic = rec, v
-		hd.cancelCopy()
+		if hd.winner == c || v != nil {
+			hd.copyRec, hd.copyPanic = rec, v
+		}
+		hd.cancels[c]()
+		delete(hd.cancels, c)
 		if hd.winner == nil && hd.r.Context().Err() == nil { // it failed
 			hd.h.pool.Avoid(hd.primary, c.ServedBy())
-			if !hd.ended && hd.copies < hd.budget {
+			if hd.copies < hd.budget {
 				hd.timer.Reset(0)
 			}
 		}
+		hd.running--
+		hd.copyOver.Broadcast()
 		hd.mu.Unlock()
 		hd.h.pool.EndHedge()
-		close(ended)
 	}()
 	// A copy's failure is no answer, and never runs the job again: the
 	// attempt goes on.

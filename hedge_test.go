@@ -263,3 +263,61 @@ func TestAFailedCopyIsFollowedByAnother(t *testing.T) {
 		t.Errorf("the failing worker ran %d copies; a copy goes elsewhere after one failed there", n)
 	}
 }
+
+// An attempt that fails while its copy runs frees its worker at once,
+// however the copy ends: here the copy answers, so that no re-run comes
+// to free it, as the worker of a failed attempt is otherwise freed.
+func TestAnAttemptThatFailsWhileItsCopyRunsFreesItsWorker(t *testing.T) {
+	// The copy takes 3 s (0.125 units at 24 s a unit): the attempt fails
+	// while it runs.
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "hung"}, fakeworker.Config{Name: "slow", UnitMs: 24000})
+	hung, slow := ws[0], ws[1]
+	hung.Hang()
+	r := testrouter.Start(t, "diffusion_router {\n workers "+hung.URL()+"\n health_timeout 1s\n}")
+	answer := make(chan testrouter.Reply, 1)
+	go func() { answer <- r.Post("/v1/images/generations", smallImage) }()
+	active := func(w *fakeworker.Worker) float64 { return r.Workers()[w.URL()]["active_requests"].(float64) }
+	testrouter.WaitFor(t, func() bool { return active(hung) == 1 })
+	testrouter.ExpectStatus(t, "registering the slow worker", r.Post("/workers?url="+slow.URL(), ""), 200)
+	testrouter.WaitFor(t, func() bool { return active(slow) == 1 }) // the copy
+	hung.Crash()
+	restarted, err := fakeworker.Start(fakeworker.Config{Name: "hung", Addr: strings.TrimPrefix(hung.URL(), "http://")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer restarted.Close()
+	select {
+	case rp := <-answer:
+		testrouter.ExpectStatus(t, "the job", rp, 200)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the job never answered")
+	}
+	testrouter.WaitFor(t, func() bool { return active(hung) == 0 })
+}
+
+// A copy that hangs in turn gets a copy of its own while max_attempts
+// leaves room: here the job's worker and its first copy's both never
+// answer, and the second copy goes to a worker that joined meanwhile.
+func TestACopyThatHangsGetsACopyOfItsOwn(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "hung"}, fakeworker.Config{Name: "hung too"}, fakeworker.Config{Name: "good"})
+	hung, hungToo, good := ws[0], ws[1], ws[2]
+	hung.Hang()
+	hungToo.Hang()
+	r := testrouter.Start(t, "diffusion_router {\n workers "+hung.URL()+"\n health_timeout 1s\n}")
+	answer := make(chan testrouter.Reply, 1)
+	go func() { answer <- r.Post("/v1/images/generations", smallImage) }()
+	active := func(w *fakeworker.Worker) float64 { return r.Workers()[w.URL()]["active_requests"].(float64) }
+	testrouter.WaitFor(t, func() bool { return active(hung) == 1 })
+	testrouter.ExpectStatus(t, "registering a worker", r.Post("/workers?url="+hungToo.URL(), ""), 200)
+	testrouter.WaitFor(t, func() bool { return active(hungToo) == 1 }) // the first copy
+	testrouter.ExpectStatus(t, "registering a worker", r.Post("/workers?url="+good.URL(), ""), 200)
+	select {
+	case rp := <-answer:
+		testrouter.ExpectStatus(t, "the job", rp, 200)
+		if w := rp.Header.Get("X-Fake-Worker"); w != "good" {
+			t.Errorf("answered by %q", w)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the job stayed on two hung workers")
+	}
+}

@@ -244,10 +244,7 @@ func (p *Pool) wait(ctx context.Context, t *Ticket, wt *waiter) error {
 // in it. It reports an error when t got no worker.
 func (p *Pool) Retry(ctx context.Context, t *Ticket, o Outcome) error {
 	p.mu.Lock()
-	if w := t.worker; w != nil {
-		t.tried = append(t.tried, w)
-		p.freeLocked(t, o)
-	}
+	p.offWorkerLocked(t, o)
 	if !p.untriedServingLocked(t) {
 		// Better a worker that failed once than waiting for ones that
 		// are out: they may stay out for minutes.
@@ -260,6 +257,24 @@ func (p *Pool) Retry(ctx context.Context, t *Ticket, o Outcome) error {
 		return err
 	}
 	return p.wait(ctx, t, wt)
+}
+
+// Leave moves t off a worker that failed it, with what the attempt said
+// of that worker, as Retry does, without giving it another yet: copies of
+// its job still run. Retry may follow.
+func (p *Pool) Leave(t *Ticket, o Outcome) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.offWorkerLocked(t, o)
+	p.dispatchLocked()
+}
+
+// offWorkerLocked frees the worker holding t, if one does, and keeps t off it.
+func (p *Pool) offWorkerLocked(t *Ticket, o Outcome) {
+	if w := t.worker; w != nil {
+		t.tried = append(t.tried, w)
+		p.freeLocked(t, o)
+	}
 }
 
 // untriedServingLocked reports whether a serving worker that t has not
