@@ -66,23 +66,47 @@
 // it reports are the router's and not those of the fake workers and clients
 // in the bench. The router has two pools: the --speeds image workers, and
 // one video worker. --clients closed loops send --n requests in all (or
-// run for --duration, when given), after --warmup of the same load: 89%
-// images of --mix, 10% rollouts (/rollout/generate), 1% video jobs
-// (create, poll until done, fetch, delete). Every --fault-every one fault of
-// the schedule, in turn: an image worker crashes and starts again on its
-// port a second later; the config is reloaded unchanged; an image worker
-// hangs (its /health still answers) and is restarted 3 s later; an image
-// worker answers 30% of its jobs 500 for 3 s; a worker is registered
-// through POST /workers; the config is reloaded with queue_order changed;
-// that worker is removed through DELETE /workers/{id} and stopped. The
-// image pool re-runs a job after a 500 (retry_on 500); both probe their
-// workers every second. A request is lost when it got neither a 2xx nor a
-// 4xx answer; each one is printed as it happens, with its X-Request-Id
-// (bench-<n>, as the router's job log has it), and summed by reason under
-// the table. The table gives the requests by kind and fate, the re-runs and
-// hedges (the router's metrics), the faults injected, and the router's
-// resident memory, heap, goroutines and open files after the warm-up, half
-// way and at the end (each after a garbage collection), and their peak.
+// run for --duration, or --rounds of the schedule, when given), after
+// --warmup of the same load: 89% images of --mix, 10% rollouts
+// (/rollout/generate), 1% video jobs (create, poll until done, fetch,
+// delete). From the router's start, a blackhole is one more image worker:
+// it takes jobs and never answers, its /health answering; once the
+// schedule's first round is over it leaves the config by a reload and
+// stops. Every --fault-every one fault of the schedule, in turn: an image
+// worker crashes and starts again on its port a second later; the config
+// is reloaded unchanged; an image worker hangs (its /health still answers)
+// and is restarted 3 s later; an image worker answers 30% of its jobs 500
+// for 3 s; a worker is registered through POST /workers; the config is
+// reloaded with queue_order changed; that worker is removed through DELETE
+// /workers/{id} and stopped; an image worker breaks half its answers after
+// their 2xx status for 3 s, by closing the connection; an image worker
+// fails the mix's largest jobs as sglang fails a CUDA out-of-memory, for
+// 3 s; an image worker breaks half its answers by a reset; the weights are
+// updated through the router while one image worker's update call hangs
+// (the update must answer within drain_timeout plus 4 weights_timeout,
+// failing on that worker alone, with jobs answered meanwhile; the worker is
+// then restarted and must be brought to the new weights); an image worker
+// truncates half its answers, Content-Length matching; the router's
+// storage folder becomes a file (unwritable, even by root), a worker is
+// registered, whose answer must say "persisted": false, and once the
+// folder is back its removal must be persisted. Each fault moves on to the
+// next image worker every round. The image pool re-runs a job after a 500
+// (retry_on 500), takes workers for speed 1 until one answers
+// (initial_speed), gives a worker's update call 3 s (weights_timeout) and
+// holds answers of up to 2 KiB back until whole (max_held_answer: the
+// image answers; the rollouts, 2.7 KB, stream); both pools probe their
+// workers every second. Every 2xx answer is read whole and decoded (JSON,
+// msgpack, base64 media): one that is not whole is a broken answer
+// delivered as success. A 2xx over max_held_answer whose body broke off is
+// a reset: the router streams it, and resets the client's connection when
+// its worker breaks it. A request is lost when it got none of these nor a
+// 4xx answer; each request not answered is printed as it happens, with its
+// X-Request-Id (bench-<n>, as the router's job log has it), and summed by
+// reason under the table. The table gives the requests by kind and fate,
+// the re-runs, hedges and broken answers (the router's metrics), how long
+// the updates took, the faults injected, and the router's resident memory,
+// heap, goroutines and open files after the warm-up, half way and at the
+// end (each after a garbage collection), and their peak.
 //
 // Mixes (--mix), POST /v1/images/generations with size and
 // num_inference_steps:
@@ -166,6 +190,7 @@ type options struct {
 	steps       int           // oversample: steps run
 	filterRate  float64       // oversample: share of groups the filter drops
 	oversample  float64       // oversample: groups sent per group needed
+	rounds      int           // soak: rounds of the schedule after which the load ends; 0: no such end
 }
 
 func main() {
@@ -207,6 +232,7 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.steps, "steps", 5, "oversample: rollout steps, back to back")
 	fs.Float64Var(&o.filterRate, "filter-rate", 0.3, "oversample: share of the groups the filter drops, drawn with --seed")
 	fs.Float64Var(&o.oversample, "oversample", 1.5, "oversample: groups sent at a step's start per group needed")
+	fs.IntVar(&o.rounds, "rounds", 0, "soak: end the load once the schedule of faults has gone round this many times (0: --n or --duration decides)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -242,6 +268,8 @@ func (o options) check() error {
 		return errors.New("--n, --unit-ms, --util, --clients, --duration, --timeout and --fault-every must be positive")
 	case o.group <= 0, o.steps <= 0, o.filterRate < 0, o.filterRate >= 1, o.oversample < 1:
 		return errors.New("--group and --steps must be positive, --filter-rate from 0 to below 1, --oversample at least 1")
+	case o.rounds < 0:
+		return errors.New("--rounds must not be negative")
 	case o.mode == "soak" && o.router != "":
 		return errors.New("--router: the soak starts and reloads its own router")
 	case o.router != "" && !strings.HasPrefix(o.router, "http://") && !strings.HasPrefix(o.router, "https://"):
@@ -323,7 +351,7 @@ func printHeader(out io.Writer, o options) {
 		o.mode, o.mix, o.n, fmtSpeeds(o.speeds), o.unitMs, o.seed, o.warmup, o.util, o.clients, o.duration, inflight)
 	switch {
 	case o.mode == "soak":
-		fmt.Fprintf(out, "fleet:    %d fake image workers on 127.0.0.1, speeds %s, and one video worker of its own pool, %gms per cost unit at speed 1; faults every %s\n",
+		fmt.Fprintf(out, "fleet:    %d fake image workers on 127.0.0.1, speeds %s, a blackhole until the schedule's first round is over, and one video worker of its own pool, %gms per cost unit at speed 1; faults every %s\n",
 			len(o.speeds), fmtSpeeds(o.speeds), o.unitMs, o.faultEvery)
 	case o.router != "":
 		fmt.Fprintf(out, "router:   %s (external: measured as it runs; --speeds and --unit-ms are taken to describe its fleet)\n", o.router)

@@ -24,10 +24,11 @@ import (
 var buildEnv = os.Environ()
 
 // buildCaddy builds the repository's Caddy (./cmd/caddy) into dir; with the
-// build cache warm it takes seconds. Run the bench from the repository root.
+// build cache warm it takes seconds. It names the package by its import
+// path, so that it builds from any folder of the repository.
 func buildCaddy(ctx context.Context, dir string) (string, error) {
 	bin := filepath.Join(dir, "caddy")
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/caddy")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/miles-rollout/miles-diffusion-router/cmd/caddy")
 	cmd.Env = buildEnv
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return "", fmt.Errorf("go build ./cmd/caddy: %v\n%s", err, out)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptrace"
 	"net/url"
@@ -334,7 +335,26 @@ func (c *client) call(ctx context.Context, what, method, path string, i int, bod
 		return nil, resp.Header, &statusError{what, resp.StatusCode, string(bytes.TrimSpace(b[:min(len(b), 200)]))}
 	}
 	if err != nil {
-		return nil, resp.Header, fmt.Errorf("%sreading the answer: %w", what, err)
+		return nil, resp.Header, &cutError{what, resp.ContentLength, err}
 	}
 	return b, resp.Header, nil
 }
+
+// cutError is a 2xx answer whose body broke off before its end: the
+// connection closed or was reset after the status.
+type cutError struct {
+	call   string
+	length int64 // the answer's Content-Length; -1 if it declared none
+	err    error
+}
+
+func (e *cutError) Error() string {
+	err := e.err
+	var op *net.OpError
+	if errors.As(err, &op) {
+		err = op.Err // without the addresses, so that reasons stay countable
+	}
+	return fmt.Sprintf("%s2xx answer broke off mid-body: %v", e.call, err)
+}
+
+func (e *cutError) Unwrap() error { return e.err }

@@ -45,11 +45,43 @@ func (k soakKind) String() string {
 type fate int
 
 const (
-	answered fate = iota // 2xx, its answer read whole
+	answered fate = iota // 2xx, its answer read whole and checked
 	refused              // a 4xx: the router or worker said clearly what was wrong
-	lost                 // anything else: a 5xx, a broken connection, a timeout
+	// reset is a 2xx answer over the router's max_held_answer whose body
+	// broke off: the router streams such an answer and, when its worker
+	// breaks it, resets the client's connection rather than end it as if
+	// whole. Its client knows it has no answer.
+	reset
+	// broken is a 2xx answer read to its end that is not whole: a broken
+	// answer delivered as a success, which a trainer would take for a
+	// sample.
+	broken
+	lost // anything else: a 5xx, a broken connection, a timeout, a held answer cut off
 	fates
 )
+
+func (f fate) String() string {
+	return [...]string{"answered", "refused", "reset", "broken", "lost"}[f]
+}
+
+// fateOf is how a request that ended with err fared: nil for a 2xx read
+// whole and checked.
+func fateOf(err error) fate {
+	var se *statusError
+	var be *brokenError
+	var ce *cutError
+	switch {
+	case err == nil:
+		return answered
+	case errors.As(err, &se) && se.status >= 400 && se.status < 500:
+		return refused
+	case errors.As(err, &be):
+		return broken
+	case errors.As(err, &ce) && ce.length > soakHeldAnswer:
+		return reset
+	}
+	return lost
+}
 
 // tally counts the soak's requests by kind and fate, and why each one that
 // was not answered ended as it did.
@@ -66,22 +98,14 @@ func newTally() *tally { return &tally{began: time.Now(), reasons: make(map[stri
 // add counts request i, of kind k, which ended with err: nil for a 2xx
 // read whole, a *statusError for another answer.
 func (t *tally) add(k soakKind, i int, err error) {
-	f := answered
-	var se *statusError
-	switch {
-	case err == nil:
-	case errors.As(err, &se) && se.status >= 400 && se.status < 500:
-		f = refused
-	default:
-		f = lost
-	}
+	f := fateOf(err)
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.counts[k][f]++
 	if err == nil {
 		return
 	}
-	reason := fmt.Sprintf("%s %s: %v", k, [...]string{"", "refused", "lost"}[f], err)
+	reason := fmt.Sprintf("%s %s: %v", k, f, err)
 	t.reasons[reason]++
 	// As it happens, to be matched with the faults and the router's log.
 	fmt.Fprintf(os.Stderr, "soak: %6.1fs  request bench-%d: %s\n", time.Since(t.began).Seconds(), i, reason)
@@ -97,16 +121,24 @@ func (t *tally) resend(i int) {
 	fmt.Fprintf(os.Stderr, "soak: %6.1fs  request bench-%d: sent again: the router closed the reused connection before answering\n", time.Since(t.began).Seconds(), i)
 }
 
-// total is the count of requests of every kind with fate f.
-func (t *tally) total(f fate) int {
+// total is the count of requests of every kind with any of the fates fs.
+func (t *tally) total(fs ...fate) int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	n := 0
 	for k := range kinds {
-		n += t.counts[k][f]
+		for _, f := range fs {
+			n += t.counts[k][f]
+		}
 	}
 	return n
 }
+
+// unanswered is the count of requests that got no whole answer.
+func (t *tally) unanswered() int { return t.total(refused, reset, broken, lost) }
+
+// requests is the count of requests that ended, however they did.
+func (t *tally) requests() int { return t.total(answered) + t.unanswered() }
 
 // soakClients runs the load: clients loops until n requests have been sent
 // or ctx ends, counting each request's fate in t. images and videos send to
@@ -141,14 +173,26 @@ func soakRequest(ctx context.Context, rng *rand.Rand, i int, mix []share, images
 	case p < videoPercent:
 		return kindVideo, videoJob(ctx, videos, i)
 	case p < videoPercent+rolloutPercent:
-		_, _, err := images.call(ctx, "", http.MethodPost, "/rollout/generate", i, map[string]any{
-			"prompt": fmt.Sprintf("soak rollout %d", i), "seed": i,
-			"size": "512x512", "num_inference_steps": 8,
-		})
-		return kindRollout, err
+		body, header, err := images.call(ctx, "", http.MethodPost, "/rollout/generate", i, rolloutRequest(i))
+		if err != nil {
+			return kindRollout, err
+		}
+		return kindRollout, whole("", checkRollout(body, header.Get("Content-Type")))
 	default:
-		_, err := images.post(ctx, i, drawJob(mix, rng))
-		return kindImage, err
+		body, _, err := images.call(ctx, "", http.MethodPost, "/v1/images/generations", i, drawJob(mix, rng).request(i))
+		if err != nil {
+			return kindImage, err
+		}
+		return kindImage, whole("", checkImages(body))
+	}
+}
+
+// rolloutRequest is the body of the i-th request, a rollout, as miles
+// sends one.
+func rolloutRequest(i int) map[string]any {
+	return map[string]any{
+		"prompt": fmt.Sprintf("soak rollout %d", i), "seed": i,
+		"size": "512x512", "num_inference_steps": 8,
 	}
 }
 
@@ -176,7 +220,7 @@ func videoJob(ctx context.Context, c *client, i int) error {
 	}
 	var job struct{ ID, Status string }
 	if err := json.Unmarshal(body, &job); err != nil || job.ID == "" {
-		return fmt.Errorf("create: no job id in %.200s", body)
+		return whole("create ", fmt.Errorf("no job id in %.200s", body))
 	}
 	path := "/v1/videos/" + url.PathEscape(job.ID)
 	for job.Status != "completed" {
@@ -190,14 +234,21 @@ func videoJob(ctx context.Context, c *client, i int) error {
 			return err
 		}
 		if err := json.Unmarshal(body, &job); err != nil {
-			return fmt.Errorf("poll: %w", err)
+			return whole("poll ", err)
 		}
 	}
-	if _, _, err := c.call(ctx, "content ", http.MethodGet, path+"/content", i, nil); err != nil {
+	content, _, err := c.call(ctx, "content ", http.MethodGet, path+"/content", i, nil)
+	if err != nil {
 		return err
 	}
-	_, _, err = c.call(ctx, "delete ", http.MethodDelete, path, i, nil)
-	return err
+	if len(content) == 0 {
+		return whole("content ", errors.New("no video"))
+	}
+	if body, _, err = c.call(ctx, "delete ", http.MethodDelete, path, i, nil); err != nil {
+		return err
+	}
+	var deleted map[string]any
+	return whole("delete ", json.Unmarshal(body, &deleted))
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) error {
