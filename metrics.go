@@ -64,7 +64,7 @@ var (
 	}, []string{"pool", "reason"})
 	hedges = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "hedges_total",
-		Help: "Second copies of overrunning jobs: launched, won (the copy's answer went to the client), cancelled (the first copy answered first).",
+		Help: "Copies of overrunning jobs: launched (each copy), won (a copy's answer went to the client), cancelled (the job's own attempt answered first).",
 	}, []string{"pool", "outcome"})
 	jobAttempts = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "job_attempts",

@@ -55,7 +55,9 @@ type LoadBalancing struct {
 	// least health_checks.active.timeout, as for the stall rule), while
 	// another worker that may serve it is idle and no job waits, gets a
 	// second copy on that worker; the first answer goes to the client and
-	// the other copy is cancelled. Default: the stall factor
+	// the others are cancelled. A copy that overruns in its turn gets a
+	// copy of its own, and one that fails another, within MaxAttempts.
+	// Default: the stall factor
 	// (health_checks.passive.stall_factor); -1 turns hedging off.
 	HedgeAfter float64 `json:"hedge_after,omitempty"`
 
