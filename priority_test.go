@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 
@@ -18,11 +19,12 @@ func prioritySite(ws []*fakeworker.Worker, extra string) string {
 		"\n priority {http.request.header.X-Priority}\n" + extra + "}")
 }
 
-// sendJob sends one image job of cost 2 with the given X-Priority (none when
-// empty) and names it on done once answered.
-func sendJob(r *testrouter.Router, name, prio string, done chan<- string) {
-	req, _ := http.NewRequest(http.MethodPost, r.Base+"/v1/images/generations",
-		strings.NewReader(`{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":2}`))
+// sendJob sends one 1024x1024 image job of the given steps (its cost) with
+// the given X-Priority (none when empty) and names it on done once
+// answered.
+func sendJob(r *testrouter.Router, name, prio string, steps int, done chan<- string) {
+	body := fmt.Sprintf(`{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":%d}`, steps)
+	req, _ := http.NewRequest(http.MethodPost, r.Base+"/v1/images/generations", strings.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	if prio != "" {
 		req.Header.Set("X-Priority", prio)
@@ -41,21 +43,24 @@ func sendJob(r *testrouter.Router, name, prio string, done chan<- string) {
 }
 
 func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
-	// Jobs of 300 ms: the queue fills, and the urgent jobs join it, long
-	// before the running job ends, even under the race detector.
 	ws := testrouter.StartWorkers(t, fakeworker.Config{UnitMs: 150})
 	r := testrouter.Start(t, prioritySite(ws, ""))
 	pool := map[string]string{"pool": "priority-pool"}
 	done := make(chan string, 12)
-	for i := range 10 {
-		go sendJob(r, fmt.Sprintf("batch-%d", i), "", done)
+	// The batch's first job holds the worker for 3 s, long enough for the
+	// rest of the batch and the urgent jobs to queue behind it and be seen
+	// there, even under the race detector; then jobs of 300 ms.
+	go sendJob(r, "batch-0", "", 20, done)
+	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) == 1 })
+	for i := 1; i < 10; i++ {
+		go sendJob(r, fmt.Sprintf("batch-%d", i), "", 2, done)
 	}
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 8 })
-	go sendJob(r, "urgent-1", "5", done)
-	go sendJob(r, "urgent-2", "5", done)
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 10 })
-	// What waits, by priority, as the metrics, /health and the status
-	// page show it.
+	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) == 9 })
+	go sendJob(r, "urgent-1", "5", 2, done)
+	go sendJob(r, "urgent-2", "5", 2, done)
+	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) == 11 })
+	// What waits, by priority, as the metrics, /health, /workers and the
+	// status page show it.
 	if n := value(t, r, "caddy_diffusion_priority_queue_length", map[string]string{"pool": "priority-pool", "priority": "5"}); n != 2 {
 		t.Errorf("priority_queue_length{priority=5} = %v; want the 2 urgent jobs", n)
 	}
@@ -68,13 +73,8 @@ func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
 	for range 12 {
 		order = append(order, <-done)
 	}
-	// One batch job runs and at most one more is handed to the worker just
-	// before it ends: the urgent jobs go next, ahead of the rest.
-	for _, urgent := range []string{"urgent-1", "urgent-2"} {
-		i := strings.Index(strings.Join(order, " ")+" ", urgent+" ")
-		if i < 0 || strings.Count(strings.Join(order, " ")[:i], "batch-") > 2 {
-			t.Fatalf("answers came in the order %v; want both urgent jobs served after at most 2 of the batch", order)
-		}
+	if !slices.Equal(order[:3], []string{"batch-0", "urgent-1", "urgent-2"}) && !slices.Equal(order[:3], []string{"batch-0", "urgent-2", "urgent-1"}) {
+		t.Fatalf("answers came in the order %v; want the urgent jobs right after the batch job that was running", order)
 	}
 }
 
