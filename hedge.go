@@ -6,6 +6,7 @@ import (
 	"io"
 	"maps"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -47,15 +48,16 @@ type hedge struct {
 	// whose overrun launches the next copy.
 	last      *scheduler.Ticket
 	lastSince time.Time
-	cancels   map[*scheduler.Ticket]context.CancelFunc // each attempt and copy still running
+	live      []liveAttempt // the attempt and each copy still running
+	liveBuf   [2]liveAttempt
 	winner    *scheduler.Ticket
-	ended     bool       // the race is over: no copy may start
-	copies    int        // copies launched
-	budget    int        // copies the job's max_attempts leave room for
-	running   int        // copies not yet over
-	copyOver  *sync.Cond // on mu: signalled as each copy ends
-	copyRec   *recorder  // the winning copy's
-	copyPanic any        // an answer of a copy that broke off, to abort the client's with
+	ended     bool      // the race is over: no copy may start
+	copies    int       // copies launched
+	budget    int       // copies the job's max_attempts leave room for
+	running   int       // copies not yet over
+	copyOver  sync.Cond // on mu: signalled as each copy ends
+	copyRec   *recorder // the winning copy's
+	copyPanic any       // an answer of a copy that broke off, to abort the client's with
 }
 
 // hedges reports whether t's attempt may get a copy: a job whose answer
@@ -76,8 +78,11 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	defer cancel()
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
 	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), primary: t, last: t, lastSince: time.Now(),
-		cancels: map[*scheduler.Ticket]context.CancelFunc{t: cancel}, budget: t.Config().MaxAttempts - t.Attempts - 1}
-	hd.copyOver = sync.NewCond(&hd.mu)
+		budget: t.Config().MaxAttempts - t.Attempts - 1}
+	// Every job that may be hedged sets a race up: none of it is
+	// allocated apart from the hedge until a copy is launched.
+	hd.live = append(hd.liveBuf[:0], liveAttempt{t, cancel})
+	hd.copyOver.L = &hd.mu
 	rec.hold(judge, rerun).claim = func() bool { return hd.claim(t) }
 	hd.mu.Lock()
 	hd.timer = time.AfterFunc(hd.wait(), hd.fire)
@@ -122,7 +127,7 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 func (hd *hedge) finish(rec *recorder, r *http.Request, t *scheduler.Ticket, err error) int {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
-	delete(hd.cancels, t)
+	hd.endAttempt(t)
 	if hd.copies > 0 && hd.winner != t {
 		if cause := hd.h.rerunCause(r, rec, t, err); cause != noRerun {
 			hd.h.pool.Leave(t, cause.outcome(rec))
@@ -160,12 +165,29 @@ func (hd *hedge) claim(t *scheduler.Ticket) bool {
 		return hd.winner == t
 	}
 	hd.winner = t
-	for other, cancel := range hd.cancels {
-		if other != t {
-			cancel()
+	for _, other := range hd.live {
+		if other.t != t {
+			other.cancel()
 		}
 	}
 	return true
+}
+
+// liveAttempt is the attempt or a copy of a hedged job while it runs,
+// with what ends it.
+type liveAttempt struct {
+	t      *scheduler.Ticket
+	cancel context.CancelFunc
+}
+
+// endAttempt ends t's context and forgets t: it runs no more.
+func (hd *hedge) endAttempt(t *scheduler.Ticket) {
+	hd.live = slices.DeleteFunc(hd.live, func(a liveAttempt) bool {
+		if a.t == t {
+			a.cancel()
+		}
+		return a.t == t
+	})
 }
 
 // outcome is what t's attempt says of its worker: a copy that lost the
@@ -202,7 +224,7 @@ func (hd *hedge) fire() {
 		return
 	}
 	ctx, cancel := context.WithCancel(context.WithValue(hd.r.Context(), caddyhttp.VarsCtxKey, maps.Clone(hd.vars)))
-	hd.cancels[c] = cancel
+	hd.live = append(hd.live, liveAttempt{c, cancel})
 	hd.last, hd.lastSince = c, time.Now()
 	hd.copies++
 	hd.running++
@@ -222,8 +244,7 @@ func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
 		if hd.winner == c || v != nil {
 			hd.copyRec, hd.copyPanic = rec, v
 		}
-		hd.cancels[c]()
-		delete(hd.cancels, c)
+		hd.endAttempt(c)
 		if hd.winner == nil && hd.r.Context().Err() == nil { // it failed
 			hd.h.pool.Avoid(hd.primary, c.ServedBy())
 			if hd.copies < hd.budget {
