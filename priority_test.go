@@ -19,25 +19,30 @@ func prioritySite(ws []*fakeworker.Worker, extra string) string {
 		"\n priority {http.request.header.X-Priority}\n" + extra + "}")
 }
 
-// sendJob sends one 1024x1024 image job of the given steps (its cost) with
-// the given X-Priority (none when empty) and names it on done once
-// answered.
-func sendJob(r *testrouter.Router, name, prio string, steps int, done chan<- string) {
+// postImage posts a 1024x1024 image job of steps steps (its cost), with
+// the header name set to value unless value is empty, and returns the
+// answer's status and body: 0 and the error when none came.
+func postImage(r *testrouter.Router, steps int, name, value string) (int, string) {
 	body := fmt.Sprintf(`{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":%d}`, steps)
 	req, _ := http.NewRequest(http.MethodPost, r.Base+"/v1/images/generations", strings.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
-	if prio != "" {
-		req.Header.Set("X-Priority", prio)
+	if value != "" {
+		req.Header.Set(name, value)
 	}
 	resp, err := testrouter.Client.Do(req)
 	if err != nil {
-		done <- name + ": " + err.Error()
-		return
+		return 0, err.Error()
 	}
-	_, _ = io.Copy(io.Discard, resp.Body)
+	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if resp.StatusCode != 200 {
-		name = fmt.Sprintf("%s: status %d", name, resp.StatusCode)
+	return resp.StatusCode, string(b)
+}
+
+// sendJob sends an image job of steps steps with the given X-Priority
+// (none when empty) and names it on done once answered.
+func sendJob(r *testrouter.Router, name, prio string, steps int, done chan<- string) {
+	if status, body := postImage(r, steps, "X-Priority", prio); status != 200 {
+		name = fmt.Sprintf("%s: status %d: %.100s", name, status, body)
 	}
 	done <- name
 }

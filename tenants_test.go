@@ -2,8 +2,6 @@ package diffusionrouter_test
 
 import (
 	"fmt"
-	"io"
-	"net/http"
 	"strings"
 	"testing"
 
@@ -29,20 +27,8 @@ type tenantAnswer struct {
 // sendTenantJob sends a 1024x1024 image job of steps steps for tenant and
 // reports what its client got.
 func sendTenantJob(r *testrouter.Router, tenant string, steps int, done chan<- tenantAnswer) {
-	body := fmt.Sprintf(`{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":%d}`, steps)
-	req, _ := http.NewRequest(http.MethodPost, r.Base+"/v1/images/generations", strings.NewReader(body))
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Tenant", tenant)
 	a := tenantAnswer{tenant: tenant, steps: steps}
-	resp, err := testrouter.Client.Do(req)
-	if err != nil {
-		a.body = err.Error()
-		done <- a
-		return
-	}
-	b, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	a.status, a.body = resp.StatusCode, string(b)
+	a.status, a.body = postImage(r, steps, "X-Tenant", tenant)
 	done <- a
 }
 
