@@ -44,7 +44,7 @@ func (a *API) readLoraRequest(r *http.Request) (scheduler.Update, int, string) {
 	if target, ok := stringField(strictjson.Member(members, "target"), "all"); !ok || !slices.Contains(loraTargets, target) {
 		return req, http.StatusBadRequest, "target must be one of " + strings.Join(loraTargets, ", ")
 	}
-	base, _, _ := strings.Cut(a.Pool.Stats().Version, loraSuffix)
+	base, _, _ := strings.Cut(a.Pool.Version(), loraSuffix)
 	req.Version = base
 	switch r.URL.Path {
 	case "/v1/set_lora":
@@ -66,7 +66,7 @@ func (a *API) readLoraRequest(r *http.Request) (scheduler.Update, int, string) {
 			return req, status, msg
 		}
 	case "/v1/merge_lora_weights":
-		req.Version = a.Pool.Stats().Version // merging changes how, not what, is served
+		req.Version = a.Pool.Version() // merging changes how, not what, is served
 	}
 	req.Body = body
 	return req, 0, ""

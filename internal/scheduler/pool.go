@@ -547,6 +547,14 @@ func (p *Pool) Stats() Stats {
 	return Stats{Queued: len(p.queue), ByPriority: byPriority, Completed: p.completions, Version: p.versionLocked(), UpdatingTo: p.fleet.target}
 }
 
+// Version is the pool's weight version: that of the last update, or
+// before any, the one most workers report.
+func (p *Pool) Version() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.versionLocked()
+}
+
 // versionLocked is the pool's weight version: that of the last update, or
 // before any, the one most workers report.
 func (p *Pool) versionLocked() string {

@@ -31,6 +31,9 @@ func (p *Pool) dispatchPassedOverLocked() {
 		p.arrivals[0] = nil
 		p.arrivals = p.arrivals[1:]
 	}
+	if len(p.queue) == 0 || p.queue[len(p.queue)-1].t.Priority == p.queue[0].t.Priority {
+		return // every waiting job is of the head's priority: none is passed over
+	}
 	now := p.now().UnixNano()
 	for _, wt := range p.arrivals {
 		if len(p.queue) == 0 || !waitedTooLong(wt, now) {

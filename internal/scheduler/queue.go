@@ -740,7 +740,7 @@ func (t *Ticket) VersionServed() string {
 	if t.servedVersion != "" || t.pool == nil {
 		return t.servedVersion
 	}
-	return t.pool.Stats().Version
+	return t.pool.Version()
 }
 
 // OutcomeOf tells how the exchange with the worker ended, as evidence of
