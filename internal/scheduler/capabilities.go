@@ -43,6 +43,7 @@ func (p *Pool) SetCapabilities(url string, taskTypes []string, modelID string) {
 		if w.life.version == "" {
 			w.life.version = modelID
 		}
+		w.caps.modelID = modelID
 		if w.caps.taskTypes == nil {
 			p.unknown.Add(-1)
 		}

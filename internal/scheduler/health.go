@@ -88,7 +88,8 @@ func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) Health
 		change = EjectionEnded
 	}
 	if w.health.down && (w.evidence.probePasses >= cfg.Passes || w.health.unverified) {
-		w.health.down = false // one pass admits a worker read back, as one answer admits a worker registered
+		w.health.down = false    // one pass admits a worker read back, as one answer admits a worker registered
+		p.forgetAdapterLocked(w) // it may have restarted on the base weights
 		change = BecameHealthy
 	}
 	w.health.unverified = false

@@ -53,9 +53,10 @@ type Pool struct {
 	mu sync.Mutex
 	registry
 	dispatchState
-	fleet  fleetState              // weights, updates and sleep
-	held   map[string]*heldVideo   // video jobs running on their workers, by id
-	ghosts map[*Ticket]*time.Timer // jobs whose clients left, until their predicted end
+	fleet     fleetState              // weights, updates and sleep
+	placement                         // LoRA adapters and which workers hold them: see adapters.go
+	held      map[string]*heldVideo   // video jobs running on their workers, by id
+	ghosts    map[*Ticket]*time.Timer // jobs whose clients left, until their predicted end
 
 	videos *JobOwners // which worker made each video job
 	images *JobOwners // which worker made each image job
@@ -161,6 +162,7 @@ type worker struct {
 	registered bool   // joined at run time (POST /workers), not from a config
 	evidence   healthEvidence
 	stats      workerStats
+	adapter    workerAdapter
 }
 
 // workerLoad is the work a worker has been given.
@@ -222,6 +224,7 @@ type workerStats struct {
 type capabilities struct {
 	makes     request.Tasks // what the worker may be given
 	taskTypes []string      // nil until a probe answers
+	modelID   string        // the model its /v1/models names; "" until a probe answers
 	probedAt  time.Time     // last capability probe attempt
 }
 
@@ -301,6 +304,14 @@ type WorkerInfo struct {
 	SpeedLearned    bool
 	WorkLeft        float64 // predicted cost still to process
 	PredictionError float64 // moving average of |predicted - actual| / actual job time
+
+	// While the pool places adapters: the one the worker holds ("" for
+	// the base weights) and what placement does with it: ready, unknown
+	// (not read back yet), stray (not what any request asks for), or
+	// "switching to <adapter>".
+	Adapter      string
+	AdapterState string
+	SwitchTime   float64 // its switches' learned time, seconds; 0: none yet
 }
 
 func (p *Pool) infoLocked(w *worker) WorkerInfo {
@@ -315,7 +326,9 @@ func (p *Pool) infoLocked(w *worker) WorkerInfo {
 		WorkLeft: p.workLeftLocked(w, now), PredictionError: w.load.speed.RelErr(),
 		ProbeFails: w.evidence.probeFails, LastError: w.evidence.lastError,
 		Jobs: w.stats.jobsDone, Cost: w.stats.costDone, Ejections: w.stats.ejected,
+		SwitchTime: w.adapter.cost,
 	}
+	info.Adapter, info.AdapterState = p.adapterInfoLocked(w)
 	if now < w.health.ejectedUntil {
 		info.EjectedTill = time.Unix(0, w.health.ejectedUntil)
 	}
@@ -428,6 +441,7 @@ func (p *Pool) addLocked(u string) *worker {
 		w = &worker{url: u, dial: dial, caps: capabilities{makes: request.Unprobed}}
 	}
 	p.holdIfBehindLocked(w)
+	p.forgetAdapterLocked(w)
 	if w.caps.taskTypes == nil {
 		p.unknown.Add(1)
 	}

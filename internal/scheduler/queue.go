@@ -96,6 +96,7 @@ type Ticket struct {
 	Body      []byte                  // a job's body, sent again when it runs again
 	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
 	tenant    *tenant                 // the tenant t's job counts against, while tenants are on
+	policy    *policy                 // the adapter t's job runs with, while adapters are declared
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
 	ctx       context.Context         // the job's context, which cancel ends
 
@@ -182,6 +183,9 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 	}
 	if t.Job && (t.Tenant != "" || p.tenancy.on) && (t.tenant == nil || t.tenant.evicted) {
 		p.joinTenantLocked(t)
+	}
+	if p.placement.on && t.policy == nil {
+		t.policy = &p.placement.base // adapters were declared after t was resolved
 	}
 	if !t.Job || len(p.queue) == 0 || p.goesFirstLocked(t) { // a job never overtakes waiting ones
 		if w, _ := p.chooseLocked(t); w != nil {
@@ -311,7 +315,7 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 			return w, true
 		}
 		fitting := fits(t.Job, t.cfg.MaxInflight, w, now)
-		if !fitting || !w.serving(now) {
+		if !fitting || !w.serving(now) || p.placement.on && !w.fitsAdapter(t) {
 			return nil, fitting
 		}
 		return w, true
@@ -321,13 +325,13 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 	}
 	cands, views := p.cands[:0], p.views[:0]
 	anyFree := false
-	job, limit := t.Job, t.cfg.MaxInflight
+	job, limit, placed := t.Job, t.cfg.MaxInflight, p.placement.on && t.Job
 	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
 		if !fits(job, limit, w, now) || !w.serving(now) {
 			continue
 		}
 		anyFree = true
-		if t.mayServe(w, "") {
+		if t.mayServe(w, "") && (!placed || w.fitsAdapter(t)) {
 			cands = append(cands, w)
 			views = append(views, p.viewLocked(w, now))
 		}
@@ -419,6 +423,9 @@ func (p *Pool) waitErrorLocked(t *Ticket) error {
 
 func (p *Pool) assignLocked(t *Ticket, w *worker) {
 	t.worker, t.servedBy, t.servedVersion = w, w.url, w.life.version
+	if t.policy != nil && t.Job {
+		t.servedVersion = t.policy.version(w.life.version)
+	}
 	if !t.Job {
 		return
 	}
@@ -461,10 +468,7 @@ func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 		return 0
 	}
 	t.worker = nil
-	for _, released := range p.onRelease {
-		close(released)
-	}
-	p.onRelease = p.onRelease[:0]
+	p.wakeWaitersLocked()
 	switch o {
 	case Succeeded:
 		w.stats.served++
@@ -551,8 +555,16 @@ func (p *Pool) dispatchLocked() {
 	p.dispatchPassedOverLocked()
 	if p.tenancy.on {
 		p.dispatchTenantsLocked()
-		return
+	} else {
+		p.dispatchQueueLocked()
 	}
+	if p.placement.on {
+		p.placeLocked()
+	}
+}
+
+// dispatchQueueLocked hands free slots to waiting jobs in queue order.
+func (p *Pool) dispatchQueueLocked() {
 	kept := p.queue[:0]
 	for i, wt := range p.queue {
 		w, anyFree := p.chooseLocked(wt.t)

@@ -88,6 +88,7 @@ func (p *Pool) FinishUpdate(url, version string, ok, answered bool) {
 	if w := p.findLocked(url); w != nil {
 		if ok {
 			w.life.version, w.life.state, w.life.missed = version, Serving, false
+			p.remergeLocked(w)
 		} else {
 			w.life.state, w.life.missed = Stale, !answered
 		}

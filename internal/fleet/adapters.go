@@ -1,0 +1,109 @@
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+)
+
+// Switcher makes the calls by which a pool's placement changes one
+// worker's LoRA adapter, and reads back the adapter a worker has active.
+type Switcher struct {
+	fleet *Fleet
+	cfg   *Config
+}
+
+var _ scheduler.Switcher = (*Switcher)(nil)
+
+// NewSwitcher returns the switcher of f's pool, whose calls are bounded by
+// cfg.Timeout each.
+func NewSwitcher(f *Fleet, cfg *Config) *Switcher {
+	return &Switcher{fleet: f, cfg: cfg}
+}
+
+// loraStatus is sglang-diffusion's answer to GET /v1/list_loras (its
+// pipeline's get_lora_status): the adapters loaded, and the one active on
+// each transformer, absent on the base weights.
+type loraStatus struct {
+	Active map[string][]struct {
+		Nickname string `json:"nickname"`
+		Path     string `json:"path"`
+	} `json:"active"`
+}
+
+// Active reads the adapter active on the worker's transformer.
+func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path string, err error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, workerURL+"/v1/list_loras", nil)
+	if err != nil {
+		return "", "", err
+	}
+	resp, err := s.fleet.pool.Client().Do(req)
+	if err != nil {
+		return "", "", err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
+	if err != nil {
+		return "", "", err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return "", "", fmt.Errorf("/v1/list_loras answered %d: %.200s", resp.StatusCode, raw)
+	}
+	var status loraStatus
+	if err := json.Unmarshal(raw, &status); err != nil {
+		return "", "", fmt.Errorf("/v1/list_loras answered what is not its JSON: %w", err)
+	}
+	if active := status.Active["transformer"]; len(active) > 0 {
+		return active[0].Nickname, active[0].Path, nil
+	}
+	return "", "", nil
+}
+
+// Switch makes a the worker's adapter, nil the base weights. With unmerge
+// it first takes off what the worker has: sglang-diffusion asks for that
+// before another adapter is set, and an adapter set again over new base
+// weights would otherwise be taken for the one merged already. An unmerge
+// that fails is no failure of the switch: the adapter read back after it
+// says whether the switch worked.
+func (s *Switcher) Switch(ctx context.Context, workerURL string, a *scheduler.Adapter, unmerge bool) (int, string, error) {
+	res := Result{StatusCode: http.StatusOK, OK: true}
+	if unmerge {
+		res = s.fleet.post(ctx, workerURL, "/v1/unmerge_lora_weights", []byte("{}"), s.cfg.Timeout)
+	}
+	if a != nil {
+		body, err := json.Marshal(setLora{Nickname: a.Name, Path: a.Path, Strength: a.Strength})
+		if err != nil {
+			return 0, "", err
+		}
+		res = s.fleet.post(ctx, workerURL, "/v1/set_lora", body, s.cfg.Timeout)
+		if !res.OK {
+			return res.StatusCode, message(res), fmt.Errorf("/v1/set_lora answered %d: %s", res.StatusCode, message(res))
+		}
+	}
+	return res.StatusCode, message(res), nil
+}
+
+// setLora is the body of a switch's /v1/set_lora.
+type setLora struct {
+	Nickname string  `json:"lora_nickname"`
+	Path     string  `json:"lora_path"`
+	Strength float64 `json:"strength,omitempty"`
+}
+
+// message is what a worker's answer says: its message, detail or error.
+func message(r Result) string {
+	if said, ok := r.Body.(map[string]any); ok {
+		for _, k := range []string{"message", "detail", "error", "raw"} {
+			if s, ok := said[k].(string); ok {
+				return s
+			}
+		}
+	}
+	return http.StatusText(r.StatusCode)
+}

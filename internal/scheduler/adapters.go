@@ -1,0 +1,427 @@
+package scheduler
+
+import (
+	"errors"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// LoRA adapters as policies. sglang-diffusion merges one adapter into a
+// worker's weights for every later request (/v1/set_lora is worker-wide),
+// and switching costs seconds to tens of seconds. So when a pool declares
+// adapters, each worker holds one (or the base weights), a job runs only
+// on a worker holding its own, and the pool decides which workers hold
+// which (placement.go). What a worker holds is what the router set and
+// then read back from /v1/list_loras; until then it serves nothing.
+
+// Adapter is a LoRA policy a pool serves: what /v1/set_lora loads.
+type Adapter struct {
+	Name     string  `json:"name"`               // its lora_nickname, which requests name it by
+	Path     string  `json:"path"`               // its lora_path
+	Strength float64 `json:"strength,omitempty"` // 1 unless set
+}
+
+// PlacementConfig is how a pool places adapters on its workers.
+type PlacementConfig struct {
+	// SwitchPrior is how long a worker is assumed to take to switch
+	// adapters before it has switched once; then its own switches say.
+	SwitchPrior time.Duration
+	// MaxSwitches bounds a worker's switches in any minute.
+	MaxSwitches int
+	// Turn is how long an adapter keeps its only worker while another
+	// adapter with jobs waiting has none.
+	Turn time.Duration
+}
+
+// Placement defaults.
+const (
+	DefaultSwitchPrior = 30 * time.Second
+	DefaultMaxSwitches = 4
+	DefaultTurn        = time.Minute
+)
+
+// Errors of adapters and their publishes.
+var (
+	ErrSamePath = errors.New("the adapter is loaded from this path already; a worker would not load it again")
+)
+
+// UnknownAdapterError refuses a request that names an adapter the pool
+// does not serve.
+type UnknownAdapterError struct {
+	Name     string
+	Declared []string
+}
+
+func (e *UnknownAdapterError) Error() string {
+	return "adapter " + strconv.Quote(e.Name) + " is not served here; declared adapters: " + strings.Join(e.Declared, ", ")
+}
+
+// policy is a declared adapter as the pool serves it; the pool's base
+// weights are one too, without a name, so that placement treats a request
+// for no adapter as one more policy.
+type policy struct {
+	Adapter
+	publish   int // the publishes since it was declared: its path's version
+	declared  int // loaded configs declaring it
+	switches  uint64
+	switching float64 // seconds spent switching to it in all
+	failures  uint64  // switches to it that failed
+
+	tally policyTally // what placement counts on each pass
+}
+
+// version is the weight version a worker on base version base serves
+// with p: "<base>+lora:<name>@<publish>"; base alone for the base weights.
+func (pol *policy) version(base string) string {
+	if pol.Name == "" {
+		return base
+	}
+	return base + LoraSuffix + pol.Name + "@" + strconv.Itoa(pol.publish)
+}
+
+// LoraSuffix starts the LoRA part of a weight version.
+const LoraSuffix = "+lora:"
+
+// placement is the pool's side of its adapters, guarded by the pool's
+// mutex.
+type placement struct {
+	on       bool               // adapters are declared: jobs run only where theirs is
+	base     policy             // the base weights
+	stray    policy             // what a worker holds that no request asks for
+	policies map[string]*policy // declared adapters by name
+	order    []*policy          // the same, in order of declaration
+	cfg      PlacementConfig
+	switcher Switcher
+	ticking  bool // the placement's clock runs
+}
+
+// workerAdapter is what a worker holds and what placement does with it.
+type workerAdapter struct {
+	holds     *policy // what it holds: the base weights, an adapter, or a stray one
+	publish   int     // the publish of holds it has loaded
+	known     bool    // read back from /v1/list_loras since the last switch, restart or join
+	switching bool    // stops taking jobs, to switch to target once its jobs end
+	target    *policy // what it switches to
+	seen      string  // the nickname its /v1/list_loras named last
+	calling   bool    // a call to it is under way
+	called    int64   // when the call began, Unix nanoseconds
+	since     int64   // when it began holding what it holds, Unix nanoseconds
+	retryAt   int64   // a failed call is not repeated before then, Unix nanoseconds
+	cost      float64 // its switches' learned time in seconds; 0: none yet
+	recent    []int64 // when its switches of the last minute began, Unix nanoseconds
+	last      SwitchResult
+}
+
+// SwitchResult is how a worker's last switch went.
+type SwitchResult struct {
+	Adapter string // switched to; "" for the base weights
+	Publish int
+	OK      bool
+	Status  int    // the worker's HTTP status, 502 when it did not answer
+	Message string // what it said, or why the switch failed
+	At      int64  // when it ended, Unix nanoseconds
+}
+
+// ready reports whether w holds what it holds for sure and keeps it.
+func (wa *workerAdapter) ready() bool { return wa.known && !wa.switching }
+
+// fitsAdapter reports whether w may run t's job as far as adapters go:
+// it holds t's adapter, at its latest publish, and keeps it.
+func (w *worker) fitsAdapter(t *Ticket) bool {
+	wa := &w.adapter
+	return wa.ready() && wa.holds == t.policy && wa.publish == t.policy.publish
+}
+
+// DeclareAdapters adds the adapters a config declares, and sets how they
+// are placed; the config loaded last sets that. Declarations are counted,
+// as workers' are, so that a reload keeps what both configs declare. An
+// adapter declared again with another path is published anew: its
+// holders load the new path before they serve it again.
+func (p *Pool) DeclareAdapters(adapters []Adapter, cfg PlacementConfig) {
+	if len(adapters) == 0 {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pl := &p.placement
+	if pl.policies == nil {
+		pl.policies = make(map[string]*policy)
+	}
+	pl.cfg = cfg
+	for _, a := range adapters {
+		pol := pl.policies[a.Name]
+		if pol == nil {
+			pol = &policy{Adapter: a}
+			pl.policies[a.Name] = pol
+			pl.order = append(pl.order, pol)
+		} else if pol.Path != a.Path || pol.Strength != a.Strength {
+			p.publishLocked(pol, a.Path, a.Strength)
+		}
+		pol.declared++
+	}
+	if !pl.on {
+		p.startPlacementLocked()
+	}
+	p.dispatchLocked()
+}
+
+// UndeclareAdapters withdraws a config's adapters; one no loaded config
+// declares leaves the pool, and its holders hold a stray adapter.
+func (p *Pool) UndeclareAdapters(adapters []Adapter) {
+	if len(adapters) == 0 {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pl := &p.placement
+	for _, a := range adapters {
+		pol := pl.policies[a.Name]
+		if pol == nil {
+			continue
+		}
+		if pol.declared--; pol.declared > 0 {
+			continue
+		}
+		delete(pl.policies, a.Name)
+		pl.order = slices.DeleteFunc(pl.order, func(x *policy) bool { return x == pol })
+		for _, w := range p.workers {
+			if w.adapter.holds == pol {
+				w.adapter.holds = &pl.stray
+			}
+			if w.adapter.target == pol {
+				w.adapter.switching, w.adapter.target = false, nil
+			}
+		}
+	}
+	if len(pl.order) == 0 {
+		pl.on = false // as before any was declared: every worker serves every job
+	}
+	p.dispatchLocked()
+}
+
+// startPlacementLocked turns placement on: every worker's adapter is
+// unknown until read back.
+func (p *Pool) startPlacementLocked() {
+	pl := &p.placement
+	pl.on = true
+	for _, w := range p.workers {
+		p.forgetAdapterLocked(w)
+	}
+}
+
+// forgetAdapterLocked makes w's adapter unknown: it serves nothing until
+// its /v1/list_loras is read (it joined, restarted or was read back).
+func (p *Pool) forgetAdapterLocked(w *worker) {
+	if !p.placement.on {
+		return
+	}
+	w.adapter.known = false
+	if w.adapter.holds == nil {
+		w.adapter.holds = &p.placement.stray
+	}
+}
+
+// ResolveAdapter sets the adapter t's job runs with: name is what the
+// request asks for, "" or the base model's id for the base weights. With
+// no adapters declared, every name runs as it does without them.
+func (p *Pool) ResolveAdapter(t *Ticket, name string) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pl := &p.placement
+	if !pl.on {
+		return nil
+	}
+	t.policy = &pl.base
+	if name == "" || p.isBaseModelLocked(name) {
+		return nil
+	}
+	pol := pl.policies[name]
+	if pol == nil {
+		return &UnknownAdapterError{Name: name, Declared: p.adapterNamesLocked()}
+	}
+	t.policy = pol
+	return nil
+}
+
+// isBaseModelLocked reports whether name is the base model's id, as a
+// worker's /v1/models gave it or an update named it.
+func (p *Pool) isBaseModelLocked(name string) bool {
+	if base, _, _ := strings.Cut(p.versionLocked(), LoraSuffix); name == base {
+		return true
+	}
+	return slices.ContainsFunc(p.workers, func(w *worker) bool { return w.caps.modelID == name })
+}
+
+// adapterNamesLocked lists the declared adapters' names.
+func (p *Pool) adapterNamesLocked() []string {
+	names := make([]string, len(p.placement.order))
+	for i, pol := range p.placement.order {
+		names[i] = pol.Name
+	}
+	return names
+}
+
+// AdaptersOn reports whether the pool places adapters.
+func (p *Pool) AdaptersOn() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.placement.on
+}
+
+// AdapterNames lists the declared adapters' names, in order of
+// declaration.
+func (p *Pool) AdapterNames() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.adapterNamesLocked()
+}
+
+// Publish makes path the adapter name's weights: from now on no job of it
+// runs on a worker that loaded an earlier path, and its holders load the
+// new one once their jobs end. It returns the holders, which the caller
+// may wait for with WaitSwitched, and the adapter's weight version.
+func (p *Pool) Publish(name, path string, strength float64) (holders []string, version string, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pol := p.placement.policies[name]
+	if pol == nil {
+		return nil, "", &UnknownAdapterError{Name: name, Declared: p.adapterNamesLocked()}
+	}
+	if pol.Path == path {
+		return nil, "", ErrSamePath
+	}
+	holders = p.publishLocked(pol, path, strength)
+	p.dispatchLocked()
+	p.Changed()
+	base, _, _ := strings.Cut(p.versionLocked(), LoraSuffix)
+	return holders, pol.version(base), nil
+}
+
+// publishLocked moves pol to path and sends its holders to load it.
+func (p *Pool) publishLocked(pol *policy, path string, strength float64) (holders []string) {
+	pol.Path, pol.Strength = path, strength
+	pol.publish++
+	for _, w := range p.workers {
+		wa := &w.adapter
+		if wa.holds == pol || wa.switching && wa.target == pol {
+			wa.switching, wa.target = true, pol
+			holders = append(holders, w.url)
+		}
+	}
+	return holders
+}
+
+// WaitSwitched waits, for at most timeout, until each worker named has
+// ended a switch to adapter name's publish, or failed one, and returns
+// how each went; a worker that left, or went on to another adapter, is
+// not waited for.
+func (p *Pool) WaitSwitched(stop <-chan struct{}, urls []string, name string, timeout time.Duration) map[string]SwitchResult {
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
+	for {
+		p.mu.Lock()
+		results, pending := p.switchResultsLocked(urls, name)
+		if !pending {
+			p.mu.Unlock()
+			return results
+		}
+		changed := make(chan struct{})
+		p.onRelease = append(p.onRelease, changed)
+		p.mu.Unlock()
+		select {
+		case <-changed:
+		case <-deadline.C:
+			return results
+		case <-stop:
+			return results
+		}
+	}
+}
+
+// switchResultsLocked is how the workers named ended their switch to
+// adapter name, and whether one still switches to it.
+func (p *Pool) switchResultsLocked(urls []string, name string) (map[string]SwitchResult, bool) {
+	pol := p.placement.policies[name]
+	results := make(map[string]SwitchResult, len(urls))
+	pending := false
+	for _, u := range urls {
+		w := p.findLocked(u)
+		switch {
+		case w == nil || pol == nil:
+		case w.adapter.switching && w.adapter.target == pol:
+			pending = true
+		default:
+			results[u] = w.adapter.last
+		}
+	}
+	return results, pending
+}
+
+// AdapterStats are one adapter's figures, for /workers and the metrics.
+type AdapterStats struct {
+	Adapter
+	Version       string  // its weight version on the pool's base weights
+	Publish       int     // publishes since it was declared
+	Holders       int     // workers holding it, ready or not
+	Waiting       int     // jobs waiting for it
+	WaitingCost   float64 // their cost
+	Switches      uint64  // switches to it that succeeded
+	SwitchSeconds float64 // their time in all
+	Failures      uint64  // switches to it that failed
+}
+
+// Adapters returns the figures of the declared adapters and, first, of
+// the base weights (Name ""), while adapters are declared.
+func (p *Pool) Adapters() []AdapterStats {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pl := &p.placement
+	if !pl.on {
+		return nil
+	}
+	p.tallyLocked(p.now().UnixNano())
+	base, _, _ := strings.Cut(p.versionLocked(), LoraSuffix)
+	out := make([]AdapterStats, 0, len(pl.order)+1)
+	for _, pol := range append([]*policy{&pl.base}, pl.order...) {
+		out = append(out, AdapterStats{
+			Adapter: pol.Adapter, Version: pol.version(base), Publish: pol.publish,
+			Holders: pol.tally.holders, Waiting: pol.tally.waiting, WaitingCost: pol.tally.queued,
+			Switches: pol.switches, SwitchSeconds: pol.switching, Failures: pol.failures,
+		})
+	}
+	return out
+}
+
+// adapterInfoLocked is what /workers says of w's adapter: its name (""
+// for the base weights), and what placement does with it.
+func (p *Pool) adapterInfoLocked(w *worker) (name, state string) {
+	wa := &w.adapter
+	if !p.placement.on {
+		return "", ""
+	}
+	if wa.holds != nil {
+		name = wa.holds.Name
+	}
+	if wa.holds == &p.placement.stray {
+		name = wa.seen
+	}
+	switch {
+	case wa.switching && wa.target != nil:
+		return name, "switching to " + cmpName(wa.target)
+	case !wa.known:
+		return name, "unknown"
+	case wa.holds == &p.placement.stray || wa.publish != wa.holds.publish:
+		return name, "stray"
+	}
+	return name, "ready"
+}
+
+// cmpName names a policy for people: the base weights are "base".
+func cmpName(pol *policy) string {
+	if pol.Name == "" {
+		return "base"
+	}
+	return pol.Name
+}

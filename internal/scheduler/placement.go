@@ -1,0 +1,494 @@
+package scheduler
+
+import (
+	"context"
+	"math"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// Placement decides which workers hold which adapter. Its rule is the
+// fluid one: a worker joins an adapter's holders when the work waiting
+// for that adapter would take its holders longer than the worker needs to
+// get there (its own jobs, then the switch), and it leaves one adapter
+// for another only when the other's wait exceeds what the first's would
+// be without it by more than the switch. So workers stay where they are
+// while demand is balanced, an adapter with no holder takes a worker from
+// one with several, or from one with nothing waiting, at once, and when
+// adapters with work outnumber workers each keeps its only worker for a
+// turn (PlacementConfig.Turn) before the next in the queue's order takes
+// it. A worker switches at most MaxSwitches times a minute, and serves at
+// least as long as its switch took before it switches again.
+
+// A Switcher makes the calls that change a worker's adapter. Its methods
+// are called in the pool's background, without the pool's lock.
+type Switcher interface {
+	// Active reads which adapter the worker has active: its nickname and
+	// path, both "" for the base weights.
+	Active(ctx context.Context, workerURL string) (name, path string, err error)
+	// Switch makes a the worker's adapter (nil: the base weights). With
+	// unmerge it first takes off whatever the worker has merged: anything
+	// but the base weights, or what the router does not know for sure.
+	// It returns the worker's status and message.
+	Switch(ctx context.Context, workerURL string, a *Adapter, unmerge bool) (status int, message string, err error)
+}
+
+// UseSwitcher sets how the pool changes workers' adapters, and starts
+// placement's clock in the pool's background: it is called as the router
+// starts, not as a config is provisioned.
+func (p *Pool) UseSwitcher(s Switcher) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pl := &p.placement
+	pl.switcher = s
+	if !pl.ticking {
+		pl.ticking = true
+		p.bg.Go("adapter placement", p.tickPlacement)
+	}
+	p.dispatchLocked()
+}
+
+// policyTally is what placement counts of a policy on each pass.
+type policyTally struct {
+	waiting int     // jobs waiting
+	queued  float64 // their cost
+	head    *Ticket // the first of them in the queue's order
+	holders int     // workers holding it or switching to it
+	speed   float64 // their speeds' sum
+	work    float64 // the work they have before the waiting jobs, in cost units
+}
+
+// wait is how long the jobs waiting for pol would take its holders, in
+// seconds: +Inf with none.
+func (t *policyTally) wait() float64 {
+	if t.queued == 0 {
+		return 0
+	}
+	if t.holders == 0 {
+		return math.Inf(1)
+	}
+	return (t.work + t.queued) / t.speed
+}
+
+// placementTick is how often placement looks again without an event:
+// turns and switch budgets end with time.
+const placementTick = time.Second
+
+// switchRetry is how long a worker whose adapter call failed waits before
+// it is tried again.
+const switchRetry = 5 * time.Second
+
+// tickPlacement runs placement once a tick while the pool lives.
+func (p *Pool) tickPlacement(ctx context.Context) {
+	tick := time.NewTicker(placementTick)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+			p.mu.Lock()
+			if p.placement.on {
+				p.dispatchLocked()
+			}
+			p.mu.Unlock()
+		}
+	}
+}
+
+// placeLocked runs a pass of placement: it starts the calls workers are
+// ready for and decides the switches the queue asks for.
+func (p *Pool) placeLocked() {
+	pl := &p.placement
+	if !pl.on || pl.switcher == nil {
+		return
+	}
+	now := p.now().UnixNano()
+	p.tallyLocked(now)
+	for p.switchOneLocked(now) {
+	}
+	for _, w := range p.workers {
+		if p.callDueLocked(w, now) {
+			p.callLocked(w, now)
+		}
+	}
+}
+
+// tallyLocked counts, for each policy, the jobs waiting for it and its
+// holders.
+func (p *Pool) tallyLocked(now int64) {
+	pl := &p.placement
+	pl.base.tally, pl.stray.tally = policyTally{}, policyTally{}
+	for _, pol := range pl.order {
+		pol.tally = policyTally{}
+	}
+	for _, wt := range p.queue {
+		if pol := wt.t.policy; pol != nil && wt.t.Pin == "" {
+			tl := &pol.tally
+			if tl.head == nil {
+				tl.head = wt.t
+			}
+			tl.waiting++
+			tl.queued += wt.t.Cost
+		}
+	}
+	for _, w := range p.workers {
+		if pol := p.placedOnLocked(w, now); pol != nil {
+			tl := &pol.tally
+			tl.holders++
+			tl.speed += p.speedOfLocked(w)
+			tl.work += p.workLeftLocked(w, now) + p.switchLeftLocked(w, now)*p.speedOfLocked(w)
+		}
+	}
+}
+
+// placedOnLocked is the policy whose jobs w serves, or will once its
+// switch ends; nil when w serves none now.
+func (p *Pool) placedOnLocked(w *worker, now int64) *policy {
+	wa := &w.adapter
+	if !w.serving(now) {
+		return nil
+	}
+	switch {
+	case wa.switching:
+		return wa.target
+	case !wa.known || wa.holds == nil || wa.publish != wa.holds.publish:
+		return nil
+	}
+	return wa.holds
+}
+
+// switchLeftLocked is how long w's switch is predicted to go on, in
+// seconds: 0 when it is not switching.
+func (p *Pool) switchLeftLocked(w *worker, now int64) float64 {
+	wa := &w.adapter
+	if !wa.switching {
+		return 0
+	}
+	cost := p.switchCostLocked(w)
+	if wa.calling {
+		cost -= float64(now-wa.called) / float64(time.Second)
+	}
+	return max(cost, 0)
+}
+
+// switchCostLocked is how long w is predicted to take to switch, in
+// seconds.
+func (p *Pool) switchCostLocked(w *worker) float64 {
+	if w.adapter.cost > 0 {
+		return w.adapter.cost
+	}
+	return p.placement.cfg.SwitchPrior.Seconds()
+}
+
+// switchOneLocked decides one switch, the neediest policy's, and reports
+// whether it made one.
+func (p *Pool) switchOneLocked(now int64) bool {
+	pl := &p.placement
+	var needy *policy
+	for _, pol := range append([]*policy{&pl.base}, pl.order...) {
+		if pol.tally.waiting > 0 && (needy == nil || p.needierLocked(pol, needy)) {
+			needy = pol
+		}
+	}
+	if needy == nil {
+		return false
+	}
+	w := p.donorLocked(needy, now)
+	if w == nil {
+		return false
+	}
+	p.startSwitchLocked(w, needy, now)
+	return true
+}
+
+// needierLocked reports whether policy a's waiting jobs come before b's:
+// the higher priority at their heads, then the one with no holder, then
+// the longer wait, then the queue's order (with tenants, the lower
+// counter first).
+func (p *Pool) needierLocked(a, b *policy) bool {
+	ha, hb := a.tally.head, b.tally.head
+	if ha.Priority != hb.Priority {
+		return ha.Priority > hb.Priority
+	}
+	if (a.tally.holders == 0) != (b.tally.holders == 0) {
+		return a.tally.holders == 0
+	}
+	if wa, wb := a.tally.wait(), b.tally.wait(); wa != wb {
+		return wa > wb
+	}
+	return p.headsBeforeLocked(ha, hb)
+}
+
+// headsBeforeLocked reports whether waiting job a goes before b: the
+// queue's order, with the tenants' counters first when tenants are on.
+func (p *Pool) headsBeforeLocked(a, b *Ticket) bool {
+	if a.Priority == b.Priority && a.tenant != nil && b.tenant != nil && a.tenant.served != b.tenant.served {
+		return a.tenant.served < b.tenant.served
+	}
+	return a.before(b)
+}
+
+// donorLocked picks the worker that switches to pol, or nil when none
+// should: among the workers that may, the one whose leaving costs least.
+func (p *Pool) donorLocked(pol *policy, now int64) *worker {
+	var best *worker
+	bestLoss := math.Inf(1)
+	for _, w := range p.workers {
+		loss, ok := p.switchLossLocked(w, pol, now)
+		// Of equal losses, an idle worker: one whose jobs overran their
+		// prediction may not end soon.
+		if ok && (best == nil || loss < bestLoss || loss == bestLoss && w.load.inflight < best.load.inflight) {
+			best, bestLoss = w, loss
+		}
+	}
+	return best
+}
+
+// switchLossLocked reports whether w may switch to pol now and, if it
+// may, what it costs: the time until w could start pol's jobs, plus the
+// wait w's leaving leaves its own policy with.
+func (p *Pool) switchLossLocked(w *worker, pol *policy, now int64) (float64, bool) {
+	wa := &w.adapter
+	from := p.placedOnLocked(w, now)
+	if !w.serving(now) || wa.switching || !wa.known || from == pol || !p.switchBudgetLocked(w, now) ||
+		!w.can(pol.tally.head.Task) {
+		return 0, false
+	}
+	speed := p.speedOfLocked(w)
+	delay := p.workLeftLocked(w, now)/speed + p.switchCostLocked(w)
+	need := pol.tally.wait()
+	if need <= delay || pol.tally.holders >= pol.tally.waiting {
+		return 0, false // its holders finish the waiting jobs before w could start one of them
+	}
+	if from == nil || from.tally.waiting == 0 {
+		return delay, true // it holds what nobody waits for
+	}
+	if float64(now-wa.since)/float64(time.Second) < p.switchCostLocked(w) {
+		return 0, false // it has not yet served as long as its switch took
+	}
+	rest := from.tally
+	rest.holders--
+	rest.speed -= speed
+	rest.work -= p.workLeftLocked(w, now)
+	left := rest.wait()
+	if rest.holders == 0 {
+		return delay + left, p.takesTurnLocked(w, pol, from, now)
+	}
+	return delay + left, need > left+p.switchCostLocked(w)
+}
+
+// takesTurnLocked reports whether pol, which has jobs waiting and no
+// holder, may take w, the only holder of from, whose jobs wait too: from
+// has had w for a turn and pol's jobs come first in the queue's order, or
+// pol's are of a higher priority.
+func (p *Pool) takesTurnLocked(w *worker, pol, from *policy, now int64) bool {
+	if pol.tally.holders > 0 {
+		return false
+	}
+	if pol.tally.head.Priority > from.tally.head.Priority {
+		return true
+	}
+	turn := p.placement.cfg.Turn
+	return now-w.adapter.since >= int64(turn) && p.headsBeforeLocked(pol.tally.head, from.tally.head)
+}
+
+// switchBudgetLocked reports whether w has switched fewer than
+// MaxSwitches times in the last minute.
+func (p *Pool) switchBudgetLocked(w *worker, now int64) bool {
+	recent := w.adapter.recent[:0]
+	for _, at := range w.adapter.recent {
+		if now-at < int64(time.Minute) {
+			recent = append(recent, at)
+		}
+	}
+	w.adapter.recent = recent
+	return len(recent) < p.placement.cfg.MaxSwitches
+}
+
+// startSwitchLocked sends w to pol: it takes no job from now on, and
+// switches once its jobs end. The switch's time counts against the
+// tenant whose job asked for it.
+func (p *Pool) startSwitchLocked(w *worker, pol *policy, now int64) {
+	wa := &w.adapter
+	from := p.placedOnLocked(w, now)
+	wa.switching, wa.target = true, pol
+	wa.recent = append(wa.recent, now)
+	speed := p.speedOfLocked(w)
+	if from != nil {
+		tl := &from.tally
+		tl.holders--
+		tl.speed -= speed
+		tl.work -= p.workLeftLocked(w, now)
+	}
+	tl := &pol.tally
+	tl.holders++
+	tl.speed += speed
+	tl.work += p.workLeftLocked(w, now) + p.switchCostLocked(w)*speed
+	if tn := pol.tally.head.tenant; tn != nil {
+		tn.served += p.switchCostLocked(w) * speed / pol.tally.head.cfg.weight(tn.name)
+	}
+	if ce := p.logger.Check(zap.DebugLevel, "adapter switch decided"); ce != nil {
+		ce.Write(zap.String("worker", w.url), zap.String("to", cmpName(pol)), zap.Int("waiting", pol.tally.waiting))
+	}
+}
+
+// callDueLocked reports whether a call to w is due now: it switches, or
+// its adapter is unknown, and it runs no job and no other call.
+func (p *Pool) callDueLocked(w *worker, now int64) bool {
+	wa := &w.adapter
+	if wa.calling || (wa.known && !wa.switching) || w.load.inflight > 0 || now < wa.retryAt {
+		return false
+	}
+	return !w.life.dead && !w.life.removed && w.life.state == Serving && !w.health.down
+}
+
+// callLocked starts w's call in the pool's background: a switch, or a
+// read of the adapter it has.
+func (p *Pool) callLocked(w *worker, now int64) {
+	wa := &w.adapter
+	wa.calling, wa.called = true, now
+	sw := p.placement.switcher
+	if !wa.switching {
+		p.bg.Go("adapter check of "+w.url, func(ctx context.Context) {
+			name, path, err := sw.Active(ctx, w.url)
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			p.checkedLocked(w, name, path, err)
+		})
+		return
+	}
+	target := wa.target
+	var a *Adapter
+	if target.Name != "" {
+		a = &Adapter{Name: target.Name, Path: target.Path, Strength: target.Strength}
+	}
+	publish := target.publish
+	unmerge := !wa.known || wa.holds != &p.placement.base
+	p.bg.Go("adapter switch of "+w.url, func(ctx context.Context) {
+		status, msg, err := sw.Switch(ctx, w.url, a, unmerge)
+		var name, path string
+		if err == nil {
+			name, path, err = sw.Active(ctx, w.url)
+		}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.switchedLocked(w, target, publish, a, status, msg, name, path, err)
+	})
+}
+
+// checkedLocked records what w's /v1/list_loras said: it holds the base
+// weights, an adapter at its latest publish, or something stray, which
+// placement will switch.
+func (p *Pool) checkedLocked(w *worker, name, path string, err error) {
+	wa := &w.adapter
+	wa.calling = false
+	now := p.now().UnixNano()
+	if err != nil {
+		wa.retryAt = now + int64(switchRetry)
+		p.logger.Warn("could not read the worker's LoRA adapter; it serves nothing until it can be read", zap.String("worker", w.url), zap.Error(err))
+		p.dispatchLocked()
+		return
+	}
+	wa.known, wa.since, wa.seen = true, now, name
+	wa.holds, wa.publish = p.matchLocked(name, path)
+	p.wakeWaitersLocked()
+	p.dispatchLocked()
+}
+
+// matchLocked is the policy a worker that has adapter name at path active
+// holds, and its publish; the stray policy when none matches.
+func (p *Pool) matchLocked(name, path string) (*policy, int) {
+	pl := &p.placement
+	if name == "" {
+		return &pl.base, 0
+	}
+	if pol := pl.policies[name]; pol != nil && pol.Path == path {
+		return pol, pol.publish
+	}
+	return &pl.stray, 0
+}
+
+// switchedLocked records how w's switch to target's publish ended.
+func (p *Pool) switchedLocked(w *worker, target *policy, publish int, a *Adapter, status int, msg string, name, path string, err error) {
+	wa := &w.adapter
+	now := p.now().UnixNano()
+	took := time.Duration(now - wa.called) // the switch and its check: what a job waits for
+	wa.calling = false
+	ok := err == nil && name == nameOf(a) && (a == nil || path == a.Path)
+	wa.last = SwitchResult{Adapter: target.Name, Publish: publish, OK: ok, Status: status, Message: msg, At: now}
+	if !ok {
+		target.failures++
+		wa.known, wa.retryAt = false, now+int64(switchRetry)
+		if err != nil {
+			wa.last.Message = err.Error()
+		} else {
+			wa.last.Message = "the worker reports adapter " + orBase(name) + " active after the switch"
+		}
+		p.logger.Warn("adapter switch failed; the worker serves nothing until its adapter is known",
+			zap.String("worker", w.url), zap.String("adapter", cmpName(target)), zap.String("error", wa.last.Message))
+	} else {
+		secs := took.Seconds()
+		wa.cost = learnSwitchCost(wa.cost, secs)
+		target.switches++
+		target.switching += secs
+		wa.known, wa.since = true, now
+		wa.holds, wa.publish = p.matchLocked(name, path)
+		wa.seen = name
+	}
+	if wa.target == target && target.publish == publish || !ok {
+		wa.switching, wa.target = false, nil
+	}
+	p.wakeWaitersLocked()
+	p.dispatchLocked()
+}
+
+// learnSwitchCost folds a switch's seconds into a worker's learned switch
+// time: the mean of the last and the ones before, so that one slow switch
+// (a cold page cache) moves it only halfway.
+func learnSwitchCost(cost, secs float64) float64 {
+	if cost == 0 {
+		return secs
+	}
+	return (cost + secs) / 2
+}
+
+// nameOf is a's nickname; "" for the base weights.
+func nameOf(a *Adapter) string {
+	if a == nil {
+		return ""
+	}
+	return a.Name
+}
+
+// orBase names an adapter nickname for people.
+func orBase(name string) string {
+	if name == "" {
+		return "none (the base weights)"
+	}
+	return name
+}
+
+// wakeWaitersLocked wakes what waits for a worker to change: drains and
+// publishes.
+func (p *Pool) wakeWaitersLocked() {
+	for _, c := range p.onRelease {
+		close(c)
+	}
+	p.onRelease = p.onRelease[:0]
+}
+
+// remergeLocked notes that w loaded new base weights under its adapter:
+// it merges its adapter again (a switch to it, which unmerges first)
+// before it serves.
+func (p *Pool) remergeLocked(w *worker) {
+	wa := &w.adapter
+	switch {
+	case !p.placement.on || wa.holds == &p.placement.base:
+	case wa.holds == nil || wa.holds == &p.placement.stray:
+		wa.known = false
+	default:
+		wa.switching, wa.target = true, wa.holds
+	}
+}

@@ -1,0 +1,341 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeSwitcher is a fleet of sglang-diffusion workers as placement sees
+// them: each has one adapter active, "" for the base weights, and a
+// switch takes the clock forward by its switch time.
+type fakeSwitcher struct {
+	pool  *Pool
+	clock *fakeClock
+	took  time.Duration // each switch's time
+
+	mu       sync.Mutex
+	active   map[string]Adapter // by worker URL
+	switches int
+	broken   map[string]bool // workers whose /v1/list_loras fails
+}
+
+func (s *fakeSwitcher) Active(_ context.Context, u string) (string, string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.broken[u] {
+		return "", "", errors.New("list_loras: 500")
+	}
+	a := s.active[u]
+	return a.Name, a.Path, nil
+}
+
+func (s *fakeSwitcher) Switch(_ context.Context, u string, a *Adapter, _ bool) (int, string, error) {
+	s.pool.mu.Lock()
+	s.clock.advance(s.took)
+	s.pool.mu.Unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.switches++
+	if a == nil {
+		delete(s.active, u)
+	} else {
+		s.active[u] = *a
+	}
+	return 200, "ok", nil
+}
+
+// holding is the adapter worker u has active.
+func (s *fakeSwitcher) holding(u string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.active[u].Name
+}
+
+func (s *fakeSwitcher) count() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.switches
+}
+
+// placedPool returns a pool of n workers on base weights with adapters
+// a, b, c, d declared, switches of 5 s, and the switcher.
+func placedPool(t *testing.T, n int) (*Pool, *fakeSwitcher) {
+	t.Helper()
+	p, clock := poolOf(t, n)
+	t.Cleanup(func() { _ = p.Close() })
+	sw := &fakeSwitcher{pool: p, clock: clock, took: 5 * time.Second, active: map[string]Adapter{}, broken: map[string]bool{}}
+	p.DeclareAdapters([]Adapter{{Name: "a", Path: "/l/a"}, {Name: "b", Path: "/l/b"}, {Name: "c", Path: "/l/c"}, {Name: "d", Path: "/l/d"}},
+		PlacementConfig{SwitchPrior: 5 * time.Second, MaxSwitches: DefaultMaxSwitches, Turn: DefaultTurn})
+	p.UseSwitcher(sw)
+	waitFor(t, "every worker's adapter read back", func() bool { return allStates(p, "ready") })
+	return p, sw
+}
+
+// allStates reports whether every worker's adapter is in state.
+func allStates(p *Pool, state string) bool {
+	for _, w := range p.Snapshot() {
+		if w.AdapterState != state {
+			return false
+		}
+	}
+	return true
+}
+
+// holders counts the ready workers holding each adapter.
+func holders(p *Pool) map[string]int {
+	out := map[string]int{}
+	for _, w := range p.Snapshot() {
+		if w.AdapterState == "ready" {
+			out[w.Adapter]++
+		}
+	}
+	return out
+}
+
+// waitFor waits, within a generous bound, until cond holds.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// adapterJob starts acquiring a worker for a job of adapter name.
+func adapterJob(t *testing.T, p *Pool, cfg *Config, name string) (*Ticket, chan error) {
+	t.Helper()
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	if err := p.ResolveAdapter(tk, name); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- p.Acquire(context.Background(), tk) }()
+	return tk, done
+}
+
+// served waits for a job's worker and returns the adapter that worker
+// holds by the fake fleet's account.
+func servedWith(t *testing.T, sw *fakeSwitcher, tk *Ticket, done chan error) string {
+	t.Helper()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		for _, w := range sw.pool.Snapshot() {
+			t.Logf("%s: %q %s inflight %d", w.URL, w.Adapter, w.AdapterState, w.Inflight)
+		}
+		t.Fatal("the job got no worker")
+	}
+	sw.mu.Lock()
+	defer sw.mu.Unlock()
+	return sw.active[tk.servedBy].Name
+}
+
+func TestEachJobRunsOnAWorkerHoldingItsAdapter(t *testing.T) {
+	p, sw := placedPool(t, 2)
+	cfg := config(LeastWork{}, 1)
+	for _, name := range []string{"a", "b", "a", "b", ""} {
+		tk, done := adapterJob(t, p, cfg, name)
+		if got := servedWith(t, sw, tk, done); got != name {
+			t.Fatalf("a job for adapter %q ran on a worker holding %q", name, got)
+		}
+		if name != "" && !strings.HasSuffix(tk.ServedVersion(), "+lora:"+name+"@0") {
+			t.Fatalf("weight version %q; want it to name adapter %s at publish 0", tk.ServedVersion(), name)
+		}
+		p.Release(tk, Succeeded)
+	}
+	if sw.count() < 2 {
+		t.Fatalf("%d switches; want at least one to each adapter", sw.count())
+	}
+}
+
+func TestAnUndeclaredAdapterIsRefusedNamingTheDeclaredOnes(t *testing.T) {
+	p, _ := placedPool(t, 1)
+	err := p.ResolveAdapter(&Ticket{}, "z")
+	if err == nil || err.Error() != `adapter "z" is not served here; declared adapters: a, b, c, d` {
+		t.Fatalf("err = %v", err)
+	}
+}
+
+func TestWorkersStayWhereTheyAreWhileDemandIsBalanced(t *testing.T) {
+	p, sw := placedPool(t, 2)
+	cfg := config(LeastWork{}, 1)
+	var running []*Ticket
+	for _, name := range []string{"a", "b"} {
+		tk, done := adapterJob(t, p, cfg, name)
+		servedWith(t, sw, tk, done)
+		running = append(running, tk)
+	}
+	switched := sw.count()
+	// Both adapters have as much work waiting as the other: nobody moves.
+	var waiting []chan error
+	for range 5 {
+		for _, name := range []string{"a", "b"} {
+			_, done := adapterJob(t, p, cfg, name)
+			waiting = append(waiting, done)
+		}
+	}
+	waitFor(t, "the jobs to wait", func() bool { return queued(p) >= 8 })
+	for range 30 {
+		tick(p, sw.clock, time.Second)
+	}
+	if sw.count() != switched {
+		t.Fatalf("%d switches while demand was balanced; want none", sw.count()-switched)
+	}
+	for _, tk := range running {
+		p.Release(tk, Succeeded)
+	}
+}
+
+// tick moves the pool's clock on by d and lets placement look again.
+func tick(p *Pool, clock *fakeClock, d time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	clock.advance(d)
+	p.dispatchLocked()
+}
+
+// holdEach gives each adapter named a worker of its own, through one job
+// each, released at once.
+func holdEach(t *testing.T, p *Pool, sw *fakeSwitcher, cfg *Config, names ...string) {
+	t.Helper()
+	var jobs []*Ticket
+	for _, name := range names {
+		tk, done := adapterJob(t, p, cfg, name)
+		servedWith(t, sw, tk, done)
+		jobs = append(jobs, tk)
+	}
+	for _, tk := range jobs {
+		p.Release(tk, Succeeded)
+	}
+}
+
+func TestDemandMovingToOneAdapterMovesTheWorkersToIt(t *testing.T) {
+	p, sw := placedPool(t, 4)
+	cfg := config(LeastWork{}, 1)
+	holdEach(t, p, sw, cfg, "a", "b", "c", "d")
+	if h := holders(p); h["a"] != 1 || h["b"] != 1 || h["c"] != 1 || h["d"] != 1 {
+		t.Fatalf("holders %v; want one worker on each adapter", h)
+	}
+	served := make(chan string, 40)
+	for range 40 {
+		tk, done := adapterJob(t, p, cfg, "a")
+		go func() {
+			if <-done == nil {
+				served <- sw.holding(tk.servedBy)
+			}
+		}()
+	}
+	waitFor(t, "three workers more to hold a", func() bool { return holders(p)["a"] == 4 })
+	deadline := time.After(10 * time.Second)
+	for range 40 {
+		select {
+		case got := <-served:
+			if got != "a" {
+				t.Fatalf("a job of a ran on a worker holding %q", got)
+			}
+		case <-deadline:
+			t.Fatal("jobs got no worker")
+		}
+		finishJobs(p)
+	}
+}
+
+func TestAdaptersWithWorkOutnumberingWorkersTakeTurns(t *testing.T) {
+	p, sw := placedPool(t, 1)
+	cfg := config(LeastWork{}, 1)
+	holdEach(t, p, sw, cfg, "a")
+	first, done := adapterJob(t, p, cfg, "a")
+	servedWith(t, sw, first, done)
+	adapterJob(t, p, cfg, "a")
+	waitFor(t, "a's job to wait", func() bool { return queued(p) == 1 })
+	bJob, bDone := adapterJob(t, p, cfg, "b")
+	waitFor(t, "b's job to wait", func() bool { return queued(p) == 2 })
+	for range 3 {
+		adapterJob(t, p, cfg, "a") // a's jobs keep coming, after b's
+	}
+	waitFor(t, "a's later jobs to wait", func() bool { return queued(p) == 5 })
+	finishJobs(p)
+	tick(p, sw.clock, DefaultTurn/2)
+	if w := p.Snapshot()[0]; w.Adapter != "a" || w.AdapterState != "ready" {
+		t.Fatalf("half a turn on the worker holds %q (%s); want a to keep it", w.Adapter, w.AdapterState)
+	}
+	tick(p, sw.clock, DefaultTurn/2)
+	finishJobs(p)
+	if got := servedWith(t, sw, bJob, bDone); got != "b" {
+		t.Fatalf("b's job ran on %q", got)
+	}
+}
+
+// finishJobs ends the jobs every worker of p runs.
+func finishJobs(p *Pool) {
+	p.mu.Lock()
+	var jobs []*Ticket
+	for _, w := range p.workers {
+		jobs = append(jobs, w.load.jobs...)
+	}
+	p.mu.Unlock()
+	for _, tk := range jobs {
+		p.Release(tk, Succeeded)
+	}
+}
+
+func TestAPublishReloadsTheHoldersAndNoJobRunsOnTheOldPath(t *testing.T) {
+	p, sw := placedPool(t, 2)
+	cfg := config(LeastWork{}, 1)
+	holdEach(t, p, sw, cfg, "a")
+	running, done := adapterJob(t, p, cfg, "a")
+	servedWith(t, sw, running, done)
+	holdersOfA, version, err := p.Publish("a", "/l/a2", 0)
+	if err != nil || len(holdersOfA) != 1 || !strings.HasSuffix(version, "+lora:a@1") {
+		t.Fatalf("publish: %v %v %v", holdersOfA, version, err)
+	}
+	if _, _, err := p.Publish("a", "/l/a2", 0); !errors.Is(err, ErrSamePath) {
+		t.Fatalf("publishing the same path again: %v", err)
+	}
+	next, nextDone := adapterJob(t, p, cfg, "a")
+	waitFor(t, "the next job to wait", func() bool { return queued(p) == 1 })
+	results := make(chan map[string]SwitchResult, 1)
+	go func() { results <- p.WaitSwitched(nil, holdersOfA, "a", 10*time.Second) }()
+	p.Release(running, Succeeded) // the old path's last job ends; its worker reloads
+	res := <-results
+	if r := res[holdersOfA[0]]; !r.OK || r.Publish != 1 {
+		t.Fatalf("switch result %+v", r)
+	}
+	servedWith(t, sw, next, nextDone)
+	sw.mu.Lock()
+	path := sw.active[next.servedBy].Path
+	sw.mu.Unlock()
+	if path != "/l/a2" || !strings.HasSuffix(next.ServedVersion(), "+lora:a@1") {
+		t.Fatalf("the job after the publish ran on %s as %q", path, next.ServedVersion())
+	}
+}
+
+func TestAWorkerWhoseAdapterCannotBeReadServesNothing(t *testing.T) {
+	p, clock := poolOf(t, 1)
+	t.Cleanup(func() { _ = p.Close() })
+	sw := &fakeSwitcher{pool: p, clock: clock, took: time.Second, active: map[string]Adapter{}, broken: map[string]bool{"http://a:1": true}}
+	p.DeclareAdapters([]Adapter{{Name: "a", Path: "/l/a"}}, PlacementConfig{SwitchPrior: time.Second, MaxSwitches: 4, Turn: time.Minute})
+	p.UseSwitcher(sw)
+	cfg := config(LeastWork{}, 1)
+	cfg.Timeout = 50 * time.Millisecond
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	if err := p.ResolveAdapter(tk, ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Acquire(context.Background(), tk); !errors.Is(err, ErrQueueTimeout) {
+		t.Fatalf("acquire on a worker whose adapter is unknown: %v", err)
+	}
+	if s := p.Snapshot()[0].AdapterState; s != "unknown" {
+		t.Fatalf("adapter state %q", s)
+	}
+}
