@@ -169,19 +169,15 @@ func TestAnUndeclaredAdapterIsRefusedNamingTheDeclaredOnes(t *testing.T) {
 func TestWorkersStayWhereTheyAreWhileDemandIsBalanced(t *testing.T) {
 	p, sw := placedPool(t, 2)
 	cfg := config(LeastWork{}, 1)
-	var running []*Ticket
 	for _, name := range []string{"a", "b"} {
 		tk, done := adapterJob(t, p, cfg, name)
 		servedWith(t, sw, tk, done)
-		running = append(running, tk)
 	}
 	switched := sw.count()
 	// Both adapters have as much work waiting as the other: nobody moves.
-	var waiting []chan error
 	for range 5 {
 		for _, name := range []string{"a", "b"} {
-			_, done := adapterJob(t, p, cfg, name)
-			waiting = append(waiting, done)
+			adapterJob(t, p, cfg, name)
 		}
 	}
 	waitFor(t, "the jobs to wait", func() bool { return queued(p) >= 8 })
@@ -191,9 +187,7 @@ func TestWorkersStayWhereTheyAreWhileDemandIsBalanced(t *testing.T) {
 	if sw.count() != switched {
 		t.Fatalf("%d switches while demand was balanced; want none", sw.count()-switched)
 	}
-	for _, tk := range running {
-		p.Release(tk, Succeeded)
-	}
+	finishJobs(p)
 }
 
 // tick moves the pool's clock on by d and lets placement look again.
