@@ -179,6 +179,13 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    tenant_max_queue <n>
 //	    max_tenants      <n>
 //
+//	    # LoRA policies and their placement (adapters, placement)
+//	    adapter          <name> <lora_path> [<strength>]
+//	    adapter_from     <placeholder>
+//	    adapter_switch_prior <duration>
+//	    adapter_max_switches <n>
+//	    adapter_turn     <duration>
+//
 //	    # the cost of a job (cost)
 //	    default_steps    <n>
 //	    default_size     <width>x<height>
@@ -228,7 +235,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	}
 //
 // workers, workers_dns, workers_srv, dns_resolvers, admin_allow,
-// weights_path_prefix, forward_paths, retry_on and tenant_weight may
+// weights_path_prefix, forward_paths, retry_on, tenant_weight and adapter may
 // repeat; each adds to the list. Sizes
 // read like Caddy's request_body max_size (64MiB, 10MB, 1048576).
 //
@@ -347,16 +354,21 @@ var handlerOptions = map[string]option{
 	"max_held_answer": one(func(h *Handler) *int64 { return &h.Answers.MaxHeld }, orWord("off", int64(-1), parseByteSize)),
 	"max_held_total":  one(func(h *Handler) *int64 { return &h.Answers.MaxHeldTotal }, parseByteSize),
 
-	"forward_paths":    several(func(h *Handler) *[]string { return &h.ForwardPaths }),
-	"max_workers":      one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),
-	"max_body":         one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
-	"upstream_timeout": one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),
-	"dashboard":        one(func(h *Handler) *bool { return &h.DashboardOff }, parseOff),
-	"persist":          one(func(h *Handler) *bool { return &h.PersistOff }, parseOff),
-	"retry_on":         {list: true, read: readRetryOn},
-	"max_attempts":     one(func(h *Handler) *int { return &h.LoadBalancing.MaxAttempts }, parseWhole),
-	"hedge_after":      one(func(h *Handler) *float64 { return &h.LoadBalancing.HedgeAfter }, parseHedgeAfter),
-	"initial_speed":    one(func(h *Handler) *float64 { return &h.LoadBalancing.InitialSpeed }, parseNumber),
+	"forward_paths":        several(func(h *Handler) *[]string { return &h.ForwardPaths }),
+	"max_workers":          one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),
+	"adapter":              {list: true, read: readAdapter},
+	"adapter_from":         one(func(h *Handler) *string { return &h.AdapterFrom }, parseText),
+	"adapter_switch_prior": one(func(h *Handler) *caddy.Duration { return &h.Placement.SwitchPrior }, parseDuration),
+	"adapter_max_switches": one(func(h *Handler) *int { return &h.Placement.MaxSwitches }, parseWhole),
+	"adapter_turn":         one(func(h *Handler) *caddy.Duration { return &h.Placement.Turn }, parseDuration),
+	"max_body":             one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
+	"upstream_timeout":     one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),
+	"dashboard":            one(func(h *Handler) *bool { return &h.DashboardOff }, parseOff),
+	"persist":              one(func(h *Handler) *bool { return &h.PersistOff }, parseOff),
+	"retry_on":             {list: true, read: readRetryOn},
+	"max_attempts":         one(func(h *Handler) *int { return &h.LoadBalancing.MaxAttempts }, parseWhole),
+	"hedge_after":          one(func(h *Handler) *float64 { return &h.LoadBalancing.HedgeAfter }, parseHedgeAfter),
+	"initial_speed":        one(func(h *Handler) *float64 { return &h.LoadBalancing.InitialSpeed }, parseNumber),
 }
 
 // one is an option of one value, read by parse into the field. parse
@@ -478,6 +490,22 @@ func readTenantWeight(h *Handler, d *caddyfile.Dispenser, name string, args []st
 		h.Queue.TenantWeights = map[string]float64{}
 	}
 	h.Queue.TenantWeights[args[0]] = w
+	return nil
+}
+
+// readAdapter reads an adapter: its name, path and, optionally, strength.
+func readAdapter(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
+	if len(args) != 2 && len(args) != 3 {
+		return d.Errf("%s takes a name, a path and optionally a strength: %s <name> <lora_path> [<strength>]", name, name)
+	}
+	a := Adapter{Name: args[0], Path: args[1]}
+	if len(args) == 3 {
+		var want string
+		if a.Strength, want = parseNumber(args[2]); want != "" {
+			return d.Errf("%s: strength %q is not %s", name, args[2], want)
+		}
+	}
+	h.Adapters = append(h.Adapters, a)
 	return nil
 }
 

@@ -104,6 +104,12 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		initial_speed 4.5
 		max_held_answer 48MiB
 		max_held_total 1GiB
+		adapter policy-a /ckpt/lora/a
+		adapter policy-b /ckpt/lora/b 0.8
+		adapter_from {http.request.header.X-Policy}
+		adapter_switch_prior 20s
+		adapter_max_switches 2
+		adapter_turn 45s
 		reverse_proxy {
 			transport http {
 				dial_timeout 3s
@@ -156,6 +162,9 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		Answers:         Answers{MaxHeld: 48 << 20, MaxHeldTotal: 1 << 30},
 		MaxBody:         8 << 20,
 		UpstreamTimeout: caddy.Duration(30 * time.Minute),
+		Adapters:        []Adapter{{Name: "policy-a", Path: "/ckpt/lora/a"}, {Name: "policy-b", Path: "/ckpt/lora/b", Strength: 0.8}},
+		AdapterFrom:     "{http.request.header.X-Policy}",
+		Placement:       Placement{SwitchPrior: caddy.Duration(20 * time.Second), MaxSwitches: 2, Turn: caddy.Duration(45 * time.Second)},
 	}
 	got, _ := json.Marshal(h)
 	exp, _ := json.Marshal(want)
@@ -309,6 +318,13 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"forward_paths v1", "forward_paths (forward_paths):"},
 		{"forward_paths /v1/*/x", "forward_paths (forward_paths):"},
 		{"max_workers -1", "max_workers (max_workers):"},
+		{"adapter a/b /l/a", "adapter (adapters): \"a/b\" is not an adapter name"},
+		{"adapter a /l/a\nadapter a /l/b", "adapter (adapters): \"a\" is declared twice"},
+		{"adapter a /l/a -1", "adapter (adapters): the strength of \"a\" must be a positive number"},
+		{"weights_path_prefix /ckpt/\nadapter a /tmp/a", "adapter (adapters): the path of \"a\":"},
+		{"adapter_switch_prior -1s", "adapter_switch_prior (placement.switch_prior):"},
+		{"adapter_max_switches -1", "adapter_max_switches (placement.max_switches):"},
+		{"adapter_turn -1s", "adapter_turn (placement.turn):"},
 		{"max_attempts -1", "max_attempts (load_balancing.max_attempts):"},
 		{"retry_on 200", "retry_on (load_balancing.retry_on): 200 is not an error status code"},
 		{"hedge_after 0.5", "hedge_after (load_balancing.hedge_after):"},
@@ -393,6 +409,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 		`"weights":{"mode":"drain","rolling_batch":1,"drain_timeout":600000000000,"timeout":600000000000}`,
 		`"max_body":67108864`,
 		`"answers":{"max_held":33554432,"max_held_total":268435456}`,
+		`"placement":{"switch_prior":30000000000,"max_switches":4,"turn":60000000000}`,
 	} {
 		if !strings.Contains(string(got), want) {
 			t.Errorf("provisioned handler lacks %s:\n%s", want, got)

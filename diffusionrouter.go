@@ -93,6 +93,20 @@ type Handler struct {
 	// beyond it gets 429. Default 4096.
 	MaxWorkers int `json:"max_workers,omitempty"`
 
+	// Adapters are the LoRA policies the pool serves, each on the workers
+	// that hold it (see docs/lora.md). Default: none, and every request
+	// runs on whatever a worker has.
+	Adapters []Adapter `json:"adapters,omitempty"`
+
+	// AdapterFrom is where a request names its adapter: a placeholder
+	// evaluated per request (a constant gives every request of the site
+	// one adapter). Default: the OpenAI "model" field of the body. No
+	// name, or the base model's id, runs on the base weights.
+	AdapterFrom string `json:"adapter_from,omitempty"`
+
+	// Placement is how the pool moves adapters between its workers.
+	Placement Placement `json:"placement,omitzero"`
+
 	// DashboardOff turns the status page at /dashboard off.
 	DashboardOff bool `json:"dashboard_off,omitempty"`
 
@@ -160,6 +174,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	p.store.Use(h, storage, fleet.Rules{MaxWorkers: h.MaxWorkers, Guard: h.guard, Weights: &h.weights})
 	h.pool.Declare(h.Workers)
+	p.DeclareAdapters(h.adapters(), h.placement())
 	if found != nil {
 		h.found = found
 		p.DeclareLookups(found.keys())
@@ -181,7 +196,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
-	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.Client(), logger: h.logger})
+	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.Client(), logger: h.logger, switcher: fleet.NewSwitcher(p.fleet, &h.weights)})
 	if found != nil {
 		app.(*HealthApp).discover(found)
 	}
@@ -196,6 +211,7 @@ func (h *Handler) Cleanup() error {
 	}
 	h.pool.store.Drop(h) // before undeclaring: Caddy stopping is not recorded as the config's workers leaving
 	h.pool.Undeclare(h.Workers)
+	h.pool.UndeclareAdapters(h.adapters())
 	if h.found != nil {
 		h.pool.UndeclareLookups(h.found.keys())
 	}

@@ -312,10 +312,23 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *scheduler.
 	if err == nil {
 		t.Cost, err = t.Route.Cost(h.costs, f)
 	}
+	if err == nil && (len(h.Adapters) > 0 || h.AdapterFrom != "") {
+		err = h.pool.ResolveAdapter(t, h.adapterOf(r, f))
+	}
 	if err != nil {
 		return http.StatusBadRequest, err.Error()
 	}
 	return 0, ""
+}
+
+// adapterOf is the adapter r's job names: adapter_from's placeholder, or
+// the body's model field.
+func (h *Handler) adapterOf(r *http.Request, f request.Fields) string {
+	if h.AdapterFrom == "" {
+		return f.Model()
+	}
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	return strings.TrimSpace(repl.ReplaceAll(h.AdapterFrom, ""))
 }
 
 // readAll reads a body whole. One that tells its length (which max_body has

@@ -97,6 +97,7 @@ func (a *HealthApp) Start() error {
 	a.cancel = cancel
 	for _, pr := range a.probers {
 		pr.pool.store.StartOnce()
+		pr.pool.UseSwitcher(pr.switcher)
 		scheduler.GoSafely(&a.finished, pr.logger, "health checks of pool "+pr.pool.Name(), func() { pr.run(ctx) })
 	}
 	for _, d := range a.discoveries {
@@ -121,10 +122,11 @@ func (a *HealthApp) Stop() error {
 // prober probes the workers of one pool, spreading the probes over the
 // interval so that a large fleet is not probed in lockstep.
 type prober struct {
-	pool   *pool
-	cfg    *scheduler.HealthConfig
-	client *http.Client
-	logger *zap.Logger
+	pool     *pool
+	cfg      *scheduler.HealthConfig
+	client   *http.Client
+	logger   *zap.Logger
+	switcher scheduler.Switcher // how the pool changes workers' adapters, from the start on
 }
 
 func (pr *prober) run(ctx context.Context) {

@@ -114,6 +114,13 @@ var (
 	descTenantQueue   = newDesc("tenant_queue_length", "Generation jobs of the tenant waiting in the pool's queue.", tenantLabels...)
 	descTenantRunning = newDesc("tenant_inflight_jobs", "Generation jobs of the tenant holding a worker.", tenantLabels...)
 	descTenantCost    = newDesc("tenant_cost_total", "Cost units of the tenant's jobs given workers (a hedged copy counts again, a re-run does not).", tenantLabels...)
+
+	adapterLabels          = []string{"pool", "adapter"} // "" for the base weights
+	descAdapterSwitches    = newDesc("adapter_switches_total", "Switches of a worker to the adapter that succeeded.", adapterLabels...)
+	descAdapterSwitchTime  = newDesc("adapter_switch_seconds_total", "Time workers spent switching to the adapter, in seconds.", adapterLabels...)
+	descAdapterSwitchFails = newDesc("adapter_switch_failures_total", "Switches of a worker to the adapter that failed.", adapterLabels...)
+	descAdapterWaiting     = newDesc("adapter_waiting_cost", "Cost units of the jobs waiting for the adapter.", adapterLabels...)
+	descAdapterHolders     = newDesc("adapter_workers", "Workers holding the adapter or switching to it.", adapterLabels...)
 )
 
 func newDesc(name, help string, labels ...string) *prometheus.Desc {
@@ -125,7 +132,8 @@ type poolCollector struct{}
 
 // Describe sends the descriptors of the per-worker series.
 func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descBacklog, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted} {
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descBacklog, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted,
+		descAdapterSwitches, descAdapterSwitchTime, descAdapterSwitchFails, descAdapterWaiting, descAdapterHolders} {
 		ch <- d
 	}
 }
@@ -145,6 +153,13 @@ func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.ServingCount()), p.Name())
 		ch <- prometheus.MustNewConstMetric(descBacklog, prometheus.GaugeValue, p.Backlog().Seconds(), p.Name())
 		collectAborts(ch, p.Name(), p.AbortStats())
+		for _, a := range p.Adapters() { // the declared ones: bounded labels
+			ch <- prometheus.MustNewConstMetric(descAdapterSwitches, prometheus.CounterValue, float64(a.Switches), p.Name(), a.Name)
+			ch <- prometheus.MustNewConstMetric(descAdapterSwitchTime, prometheus.CounterValue, a.SwitchSeconds, p.Name(), a.Name)
+			ch <- prometheus.MustNewConstMetric(descAdapterSwitchFails, prometheus.CounterValue, float64(a.Failures), p.Name(), a.Name)
+			ch <- prometheus.MustNewConstMetric(descAdapterWaiting, prometheus.GaugeValue, a.WaitingCost, p.Name(), a.Name)
+			ch <- prometheus.MustNewConstMetric(descAdapterHolders, prometheus.GaugeValue, float64(a.Holders), p.Name(), a.Name)
+		}
 		for _, tn := range p.Tenants() { // at most max_tenants and other: bounded labels
 			ch <- prometheus.MustNewConstMetric(descTenantBacklog, prometheus.GaugeValue, tn.Backlog, p.Name(), tn.Name)
 			ch <- prometheus.MustNewConstMetric(descTenantQueue, prometheus.GaugeValue, float64(tn.Waiting), p.Name(), tn.Name)

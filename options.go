@@ -336,7 +336,7 @@ func optionError(caddyfileName, jsonPath, format string, args ...any) error {
 // options into the values the handler works with.
 func (h *Handler) provisionOptions() error {
 	h.Pool = cmp.Or(h.Pool, defaultPoolName)
-	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers, h.provisionDiscovery, h.provisionForwardPaths, h.provisionAnswers}
+	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers, h.provisionDiscovery, h.provisionForwardPaths, h.provisionAnswers, h.provisionAdapters}
 	for _, step := range steps {
 		if err := step(); err != nil {
 			return err
@@ -731,3 +731,81 @@ const (
 	defaultDrainTimeout   = 10 * time.Minute
 	defaultWeightsTimeout = 10 * time.Minute
 )
+
+// Adapter is a LoRA policy a pool serves.
+type Adapter struct {
+	// Name is the adapter's lora_nickname, by which requests name it: at
+	// most 64 of A-Z a-z 0-9 . _ -.
+	Name string `json:"name"`
+
+	// Path is the lora_path its workers load it from, checked as a weight
+	// update's model_path is (weights.path_prefixes).
+	Path string `json:"path"`
+
+	// Strength is its LoRA strength. Default 1.
+	Strength float64 `json:"strength,omitempty"`
+}
+
+// Placement is how a pool moves adapters between its workers.
+type Placement struct {
+	// SwitchPrior is how long a worker is assumed to take to switch
+	// adapters before it has switched once; from then on its own
+	// switches' time is used. Default 30s.
+	SwitchPrior caddy.Duration `json:"switch_prior,omitempty"`
+
+	// MaxSwitches bounds how many times a worker switches adapters in any
+	// minute. Default 4.
+	MaxSwitches int `json:"max_switches,omitempty"`
+
+	// Turn is how long an adapter keeps its only worker while another
+	// adapter with jobs waiting has none. Default 1m.
+	Turn caddy.Duration `json:"turn,omitempty"`
+}
+
+// provisionAdapters reads the adapters and how they are placed.
+func (h *Handler) provisionAdapters() error {
+	seen := map[string]bool{}
+	for i := range h.Adapters {
+		a := &h.Adapters[i]
+		switch {
+		case !validTenant(a.Name):
+			return optionError("adapter", "adapters", "%q is not an adapter name: %s", a.Name, tenantRule)
+		case seen[a.Name]:
+			return optionError("adapter", "adapters", "%q is declared twice", a.Name)
+		case a.Strength < 0 || math.IsNaN(a.Strength) || math.IsInf(a.Strength, 0):
+			return optionError("adapter", "adapters", "the strength of %q must be a positive number, got %v", a.Name, a.Strength)
+		}
+		if err := h.weights.CheckPath(a.Path); err != nil {
+			return optionError("adapter", "adapters", "the path of %q: %v", a.Name, err)
+		}
+		seen[a.Name] = true
+	}
+	pl := &h.Placement
+	pl.SwitchPrior = cmp.Or(pl.SwitchPrior, caddy.Duration(scheduler.DefaultSwitchPrior))
+	pl.MaxSwitches = cmp.Or(pl.MaxSwitches, scheduler.DefaultMaxSwitches)
+	pl.Turn = cmp.Or(pl.Turn, caddy.Duration(scheduler.DefaultTurn))
+	switch {
+	case pl.SwitchPrior < 0:
+		return optionError("adapter_switch_prior", "placement.switch_prior", "must be positive, got %s", time.Duration(pl.SwitchPrior))
+	case pl.MaxSwitches < 0:
+		return optionError("adapter_max_switches", "placement.max_switches", "must be positive, got %d", pl.MaxSwitches)
+	case pl.Turn < 0:
+		return optionError("adapter_turn", "placement.turn", "must be positive, got %s", time.Duration(pl.Turn))
+	}
+	return nil
+}
+
+// adapters are the handler's adapters as the pool takes them.
+func (h *Handler) adapters() []scheduler.Adapter {
+	out := make([]scheduler.Adapter, len(h.Adapters))
+	for i, a := range h.Adapters {
+		out[i] = scheduler.Adapter{Name: a.Name, Path: a.Path, Strength: a.Strength}
+	}
+	return out
+}
+
+// placement is how the handler's pool places adapters.
+func (h *Handler) placement() scheduler.PlacementConfig {
+	pl := &h.Placement
+	return scheduler.PlacementConfig{SwitchPrior: time.Duration(pl.SwitchPrior), MaxSwitches: pl.MaxSwitches, Turn: time.Duration(pl.Turn)}
+}

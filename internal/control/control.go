@@ -145,6 +145,9 @@ type workerJSON struct {
 	SpeedLearned        bool     `json:"speed_learned"`
 	PredictedWork       float64  `json:"predicted_work_seconds"`
 	PredictionError     float64  `json:"prediction_error"`
+	Adapter             *string  `json:"adapter,omitempty"`       // while adapters are declared: the one it holds, "" for the base weights
+	AdapterState        string   `json:"adapter_state,omitempty"` // ready, unknown, stray or "switching to <adapter>"
+	SwitchSeconds       float64  `json:"switch_seconds,omitempty"`
 }
 
 func newWorkerJSON(w scheduler.WorkerInfo) workerJSON {
@@ -173,7 +176,18 @@ func newWorkerJSON(w scheduler.WorkerInfo) workerJSON {
 		SpeedLearned:        w.SpeedLearned,
 		PredictedWork:       w.WorkLeft / w.Speed,
 		PredictionError:     w.PredictionError,
+		Adapter:             heldAdapter(w),
+		AdapterState:        w.AdapterState,
+		SwitchSeconds:       w.SwitchTime,
 	}
+}
+
+// heldAdapter is the adapter w holds, nil while the pool places none.
+func heldAdapter(w scheduler.WorkerInfo) *string {
+	if w.AdapterState == "" {
+		return nil
+	}
+	return &w.Adapter
 }
 
 // timeJSON is t in RFC 3339, or nil for the zero time.
@@ -239,6 +253,9 @@ func (a *API) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 	resp := map[string]any{"workers": out, "queued_by_priority": priorityCounts(a.Pool.Stats().ByPriority), "aborted": a.Pool.AbortStats()}
 	if tenants := a.Pool.Tenants(); len(tenants) > 0 {
 		resp["tenants"] = tenants
+	}
+	if adapters := a.Pool.Adapters(); len(adapters) > 0 {
+		resp["adapters"] = adaptersJSON(adapters)
 	}
 	_ = WriteJSON(w, http.StatusOK, resp)
 }

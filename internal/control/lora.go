@@ -1,11 +1,14 @@
 package control
 
 import (
+	"context"
+	"errors"
 	"net/http"
 	"reflect"
 	"slices"
 	"strings"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
 )
@@ -25,6 +28,10 @@ const loraSuffix = "+lora:"
 // serveLora is POST /v1/set_lora, /v1/merge_lora_weights and
 // /v1/unmerge_lora_weights, sent to every worker.
 func (a *API) serveLora(w http.ResponseWriter, r *http.Request) {
+	if a.Pool.AdaptersOn() {
+		a.servePublish(w, r)
+		return
+	}
 	req, status, msg := a.readLoraRequest(r)
 	if status != 0 {
 		_ = WriteError(w, status, msg)
@@ -117,4 +124,121 @@ func stringOrList(v any) ([]string, bool) {
 		return out, true
 	}
 	return nil, false
+}
+
+// adapterJSON is an adapter as /workers shows it.
+type adapterJSON struct {
+	Name          string  `json:"name"` // "" for the base weights
+	Path          string  `json:"path,omitempty"`
+	WeightVersion string  `json:"weight_version"`
+	Publish       int     `json:"publish"`
+	Holders       int     `json:"holders"`
+	Waiting       int     `json:"waiting"`
+	WaitingCost   float64 `json:"waiting_cost"`
+	Switches      uint64  `json:"switches"`
+	SwitchSeconds float64 `json:"switch_seconds"`
+	Failures      uint64  `json:"switch_failures"`
+}
+
+func adaptersJSON(stats []scheduler.AdapterStats) []adapterJSON {
+	out := make([]adapterJSON, len(stats))
+	for i, s := range stats {
+		out[i] = adapterJSON{
+			Name: s.Name, Path: s.Path, WeightVersion: s.Version, Publish: s.Publish, Holders: s.Holders,
+			Waiting: s.Waiting, WaitingCost: s.WaitingCost, Switches: s.Switches, SwitchSeconds: s.SwitchSeconds, Failures: s.Failures,
+		}
+	}
+	return out
+}
+
+// servePublish is POST /v1/set_lora while the pool places adapters: a new
+// path for a declared adapter, which is how a trainer sends each step's
+// LoRA. Only that adapter's holders drain and load it; no job of it runs
+// on the old path once the call is made, and the call answers once every
+// holder has loaded the new one (or failed to). Merging and unmerging
+// are placement's, so those calls are refused.
+func (a *API) servePublish(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path != "/v1/set_lora" {
+		_ = WriteError(w, http.StatusBadRequest, "adapters are declared in this pool: the router merges and unmerges them as it places them; publish a new path with /v1/set_lora")
+		return
+	}
+	name, path, strength, status, msg := a.readPublish(r)
+	if status != 0 {
+		_ = WriteError(w, status, msg)
+		return
+	}
+	var version string
+	rep, ok := a.runOperation(w, r, "set_lora", name, func(ctx context.Context) ([]fleet.Result, error) {
+		holders, v, err := a.Pool.Publish(name, path, strength)
+		if err != nil {
+			return nil, err
+		}
+		version = v
+		switched := a.Pool.WaitSwitched(ctx.Done(), holders, name, a.Weights.DrainTimeout+a.Weights.Timeout)
+		results := publishResults(holders, switched)
+		a.count("set_lora", nil, results)
+		return results, nil
+	})
+	if !ok {
+		return
+	}
+	switch {
+	case errors.Is(rep.Err, scheduler.ErrSamePath):
+		_ = WriteError(w, http.StatusBadRequest, rep.Err.Error())
+	case rep.Err != nil:
+		_ = WriteError(w, http.StatusServiceUnavailable, rep.Err.Error())
+	default:
+		code := http.StatusOK
+		if slices.ContainsFunc(rep.Results, failed) {
+			code = http.StatusBadGateway
+		}
+		_ = WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": version, "results": rep.Results}))
+	}
+}
+
+// readPublish reads a publish: one declared nickname, a path that is not
+// its current one, and an optional strength.
+func (a *API) readPublish(r *http.Request) (name, path string, strength float64, status int, msg string) {
+	_, members, status, msg := readControlObject(r)
+	if status != 0 {
+		return "", "", 0, status, msg
+	}
+	names, ok := stringOrList(strictjson.Member(members, "lora_nickname"))
+	declared := a.Pool.AdapterNames()
+	if !ok || len(names) != 1 || !slices.Contains(declared, names[0]) {
+		return "", "", 0, http.StatusBadRequest, "lora_nickname must name one declared adapter: " + strings.Join(declared, ", ")
+	}
+	path, ok = strictjson.Member(members, "lora_path").(string)
+	if !ok || path == "" {
+		return "", "", 0, http.StatusBadRequest, "lora_path is required: the path of the adapter's new weights"
+	}
+	if status, msg := a.checkWeightsPath("lora_path", path); status != 0 {
+		return "", "", 0, status, msg
+	}
+	if a.Pool.AdapterPath(names[0]) == path {
+		return "", "", 0, http.StatusBadRequest, "adapter " + names[0] + " is loaded from " + path + " already: " + scheduler.ErrSamePath.Error()
+	}
+	switch s := strictjson.Member(members, "strength").(type) {
+	case nil:
+	case float64:
+		strength = s
+	default:
+		return "", "", 0, http.StatusBadRequest, "strength must be a number"
+	}
+	return names[0], path, strength, 0, ""
+}
+
+// publishResults is each holder's result of a publish: how its switch
+// went, or 504 while it still switches.
+func publishResults(holders []string, switched map[string]scheduler.SwitchResult) []fleet.Result {
+	results := make([]fleet.Result, len(holders))
+	for i, u := range holders {
+		res, done := switched[u]
+		r := fleet.Result{WorkerURL: u, StatusCode: res.Status, OK: res.OK, Body: map[string]any{"success": res.OK, "message": res.Message}}
+		if !done {
+			r.StatusCode, r.Body = http.StatusGatewayTimeout, map[string]any{"success": false, "message": "still loading the new path: its jobs had not ended, or its switch had not answered, within drain_timeout + weights_timeout; it serves the adapter once it has"}
+		}
+		results[i] = r
+	}
+	return results
 }

@@ -39,6 +39,7 @@ type storedRecord struct {
 	Workers       []json.RawMessage `json:"workers"`
 	WeightVersion string            `json:"weight_version"`
 	Updates       []json.RawMessage `json:"updates"`
+	Adapters      []json.RawMessage `json:"adapters"`
 }
 
 // readRecord reads data as a record under rules. An error means nothing
@@ -67,7 +68,33 @@ func readRecord(data []byte, rules Rules) (scheduler.Record, []dropped, error) {
 		return rec, append(out, dropped{"weight_version and updates", err}), nil
 	}
 	rec.WeightVersion, rec.Updates = stored.WeightVersion, updates
+	for i, raw := range stored.Adapters {
+		a, err := readAdapter(raw, rules)
+		if err != nil {
+			out = append(out, dropped{fmt.Sprintf("adapters[%d]", i), err})
+			continue
+		}
+		rec.Adapters = append(rec.Adapters, a)
+	}
 	return rec, out, nil
+}
+
+// readAdapter reads one adapter's publish: its path as a publish's is
+// checked.
+func readAdapter(raw json.RawMessage, rules Rules) (scheduler.AdapterRecord, error) {
+	var a scheduler.AdapterRecord
+	if err := json.Unmarshal(raw, &a); err != nil {
+		return a, err
+	}
+	if a.Name == "" || a.Path == "" || a.Publish <= 0 {
+		return a, errors.New("an adapter needs a name, a path and a publish count")
+	}
+	if rules.Weights != nil {
+		if err := rules.Weights.CheckPath(a.Path); err != nil {
+			return a, fmt.Errorf("path: %w", err)
+		}
+	}
+	return a, nil
 }
 
 // readWorker reads one worker entry.

@@ -41,11 +41,13 @@ type FieldError struct {
 
 func (e *FieldError) Error() string { return e.Field + ": " + e.Problem }
 
-// costFieldNames are the Fields the cost model reads, and a rollout's seed;
-// the rest of a body (the prompt, inline images) is left where it is.
+// costFieldNames are the Fields the cost model reads, a rollout's seed and
+// the OpenAI model field (which names a LoRA policy where adapters are
+// declared); the rest of a body (the prompt, inline images) is left where
+// it is.
 var costFieldNames = [...]string{
 	"size", "width", "height", "num_inference_steps", "n", "num_outputs_per_prompt",
-	"num_frames", "fps", "seconds", "guidance_scale", "true_cfg_scale", "seed",
+	"num_frames", "fps", "seconds", "guidance_scale", "true_cfg_scale", "seed", "model",
 }
 
 // overrideNames are the objects some sglang endpoints merge over a
@@ -173,6 +175,13 @@ func formPart(part *multipart.Part) (name string, file bool, err error) {
 		return "", false, fmt.Errorf(`malformed multipart body: form field %q is not named plainly, as name="..."`, name)
 	}
 	return name, false, nil
+}
+
+// Model is the request's OpenAI model field; "" when absent or not a
+// string.
+func (f Fields) Model() string {
+	s, _ := f["model"].(string)
+	return s
 }
 
 // isForm reports whether f was read from a multipart form.

@@ -263,11 +263,33 @@ func (p *Pool) adapterNamesLocked() []string {
 	return names
 }
 
+// restoreAdaptersLocked takes the publishes read back for the adapters
+// declared and not published since the pool was made; the workers'
+// adapters are read back from them before they serve.
+func (p *Pool) restoreAdaptersLocked(recs []AdapterRecord) {
+	for _, r := range recs {
+		if pol := p.placement.policies[r.Name]; pol != nil && pol.publish == 0 && r.Publish > 0 {
+			pol.Path, pol.Strength, pol.publish = r.Path, r.Strength, r.Publish
+		}
+	}
+}
+
 // AdaptersOn reports whether the pool places adapters.
 func (p *Pool) AdaptersOn() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.placement.on
+}
+
+// AdapterPath is the path adapter name's latest publish loads; "" for
+// an adapter not declared.
+func (p *Pool) AdapterPath(name string) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if pol := p.placement.policies[name]; pol != nil {
+		return pol.Path
+	}
+	return ""
 }
 
 // AdapterNames lists the declared adapters' names, in order of

@@ -31,7 +31,7 @@ func (p *Pool) backlogLocked(byTenant map[*tenant]float64) float64 {
 	longest := 0.0
 	for _, w := range p.workers {
 		speed := p.speedOfLocked(w)
-		left := p.workLeftLocked(w, now) / speed
+		left := p.workLeftLocked(w, now)/speed + p.switchLeftLocked(w, now) // a switch pending is time too
 		longest = max(longest, left)
 		if w.serving(now) {
 			free = append(free, freeAt{w, left})

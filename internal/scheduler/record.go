@@ -23,6 +23,19 @@ type Record struct {
 	// and the LoRA calls since, in order, as the fleet replays them to a
 	// worker that missed them.
 	Updates []UpdateRecord `json:"updates,omitempty"`
+
+	// Adapters are the declared adapters published since they were
+	// declared: a router that restarts serves their latest path, not the
+	// one its config names.
+	Adapters []AdapterRecord `json:"adapters,omitempty"`
+}
+
+// AdapterRecord is one adapter of a Record.
+type AdapterRecord struct {
+	Name     string  `json:"name"`
+	Path     string  `json:"path"`
+	Strength float64 `json:"strength,omitempty"`
+	Publish  int     `json:"publish"`
 }
 
 // WorkerRecord is one worker of a Record.
@@ -46,6 +59,11 @@ func (p *Pool) Record() Record {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	rec := Record{WeightVersion: p.fleet.version, Workers: make([]WorkerRecord, len(p.workers))}
+	for _, pol := range p.placement.order {
+		if pol.publish > 0 {
+			rec.Adapters = append(rec.Adapters, AdapterRecord{Name: pol.Name, Path: pol.Path, Strength: pol.Strength, Publish: pol.publish})
+		}
+	}
 	for i, w := range p.workers {
 		rec.Workers[i] = WorkerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version}
 	}
@@ -97,6 +115,7 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 	for _, w := range p.workers {
 		p.holdIfBehindLocked(w)
 	}
+	p.restoreAdaptersLocked(rec.Adapters)
 	p.dispatchLocked()
 	return joined, adopted
 }
