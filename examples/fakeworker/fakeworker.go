@@ -124,6 +124,9 @@ type Stats struct {
 	// JobsOn counts the completed jobs by the weights they ran on, as
 	// Weights names them: what no answer says, for tests to check.
 	JobsOn map[string]int
+	// JobsOnAdapter counts the completed jobs by the LoRA adapter they ran
+	// on, as AdapterHeader names it; "" counts those on the base weights.
+	JobsOnAdapter map[string]int
 	// LoraSwitches counts the LoRA calls that changed the weights jobs
 	// run on; LoraSwitchTime is the time they held the worker
 	// (LoraSwitches × Config.LoraSwitch).
@@ -335,6 +338,7 @@ func (w *Worker) Stats() Stats {
 	defer w.mu.Unlock()
 	s := w.stats
 	s.JobsOn = maps.Clone(s.JobsOn)
+	s.JobsOnAdapter = maps.Clone(s.JobsOnAdapter)
 	return s
 }
 

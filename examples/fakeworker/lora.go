@@ -10,6 +10,20 @@ import (
 	"time"
 )
 
+// AdapterHeader names, on every answer of a generation job that completed
+// (and on a video job's GET and content answers once it ran), the LoRA
+// adapter the job ran on: the nickname set_lora applied, "a,b" for
+// several; absent on the base weights. sglang says nothing of it: it is
+// for tests, like Stats.JobsOnAdapter.
+const AdapterHeader = "X-Fake-Adapter"
+
+// setAdapter names the adapter a job ran on in its answer.
+func setAdapter(rw http.ResponseWriter, adapter string) {
+	if adapter != "" {
+		rw.Header().Set(AdapterHeader, adapter)
+	}
+}
+
 // switchTime is how long a LoRA operation holds the worker: the switch
 // time if it changed the weights (base weights restored, adapters
 // merged), else nothing.

@@ -2,6 +2,7 @@ package fakeworker
 
 import (
 	"encoding/json"
+	"maps"
 	"slices"
 	"testing"
 	"time"
@@ -70,6 +71,9 @@ func TestMergeBeforeAnyAdapterIsInEffectWithNone(t *testing.T) {
 	call(t, w, "POST", "/v1/merge_lora_weights", "").expect(t, 200) // an hour if it switched
 	expectLoras(t, w, `{"loaded_adapters":[],
 		"active":{"transformer":[{"nickname":null,"path":null,"merged":true,"mode":"merged","strength":1.0}]}}`)
+	if r := call(t, w, "POST", "/v1/images/generations", imageBody(1)); r.header.Get(AdapterHeader) != "" {
+		t.Errorf("a job on no adapter names %q", r.header.Get(AdapterHeader))
+	}
 }
 
 func TestSetLoraSwitchesOnlyWhenTheAdapterChanges(t *testing.T) {
@@ -158,9 +162,56 @@ func TestSetLoraErrors(t *testing.T) {
 	}
 }
 
+// TestJobsRecordTheirAdapter checks AdapterHeader and Stats.JobsOnAdapter
+// on each generation endpoint.
+func TestJobsRecordTheirAdapter(t *testing.T) {
+	w := start(t, Config{ImageBytes: 32})
+	generate := func() []reply {
+		return []reply{
+			call(t, w, "POST", "/v1/images/generations", imageBody(1)),
+			call(t, w, "POST", "/v1/diffusion/generate", `{"prompt":"p","size":"64x64"}`),
+			call(t, w, "POST", "/rollout/generate", `{"prompt":"p","width":64,"height":64,"num_inference_steps":1,"seed":1}`),
+		}
+	}
+	expectAdapter := func(want string, replies []reply) {
+		t.Helper()
+		for i, r := range replies {
+			if r.status != 200 || r.header.Get(AdapterHeader) != want || len(r.header.Values(AdapterHeader)) != min(1, len(want)) {
+				t.Errorf("answer %d: %d, %s %q, want %q", i, r.status, AdapterHeader, r.header.Values(AdapterHeader), want)
+			}
+		}
+	}
+	expectAdapter("", generate())
+	setLora(t, w, `{"lora_nickname":"a","lora_path":"/loras/a"}`)
+	expectAdapter("a", generate())
+	setLora(t, w, `{"lora_nickname":["a","b"],"lora_path":[null,"/loras/b"]}`)
+	expectAdapter("a,b", generate())
+	call(t, w, "POST", "/v1/unmerge_lora_weights", "").expect(t, 200)
+	expectAdapter("", generate())
+	if got := w.Stats().JobsOnAdapter; !maps.Equal(got, map[string]int{"": 6, "a": 3, "a,b": 3}) {
+		t.Errorf("jobs by adapter %v", got)
+	}
+}
+
+func TestVideoJobRecordsItsAdapter(t *testing.T) {
+	w := start(t, Config{TaskType: "T2V", ImageBytes: 16})
+	setLora(t, w, `{"lora_nickname":"style","lora_path":"/loras/style"}`)
+	id := call(t, w, "POST", "/v1/videos", `{"prompt":"p","size":"64x64","num_frames":1}`).expect(t, 200)["id"].(string)
+	waitFor(t, "the video to start", func() bool {
+		return call(t, w, "GET", "/v1/videos/"+id, "").expect(t, 200)["status"] != "queued"
+	})
+	// Queued behind the video, this set_lora ends once the video has run.
+	setLora(t, w, `{"lora_nickname":"other","lora_path":"/loras/other"}`)
+	for _, path := range []string{"/v1/videos/" + id, "/v1/videos/" + id + "/content"} {
+		if r := call(t, w, "GET", path, ""); r.status != 200 || r.header.Get(AdapterHeader) != "style" {
+			t.Errorf("%s: %d, %s %q, want style", path, r.status, AdapterHeader, r.header.Get(AdapterHeader))
+		}
+	}
+}
+
 // TestLoraSwitchHoldsTheWorker checks that set_lora waits for the job
 // before it, as sglang's scheduler queue has it, and the job after waits
-// for the switch.
+// for the switch and runs on the new adapter.
 func TestLoraSwitchHoldsTheWorker(t *testing.T) {
 	w := start(t, Config{UnitMs: 10, LoraSwitch: 50 * time.Millisecond})
 	type result struct {
@@ -176,12 +227,15 @@ func TestLoraSwitchHoldsTheWorker(t *testing.T) {
 	submit("switch", "/v1/set_lora", `{"lora_nickname":"a","lora_path":"/loras/a"}`, 1)
 	submit("after", "/v1/images/generations", imageBody(1), 2)
 	var order []string
+	got := map[string]reply{}
 	for range 3 {
 		res := <-results
-		res.r.expect(t, 200)
-		order = append(order, res.name)
+		order, got[res.name] = append(order, res.name), res.r
 	}
 	if !slices.Equal(order, []string{"before", "switch", "after"}) {
 		t.Errorf("completion order %v", order)
+	}
+	if a, b := got["before"].header.Get(AdapterHeader), got["after"].header.Get(AdapterHeader); a != "" || b != "a" {
+		t.Errorf("job before the switch ran on %q, after on %q", a, b)
 	}
 }

@@ -66,6 +66,14 @@ type setLoraRequest struct {
 	mergeMode string
 }
 
+// inEffect names the adapter jobs run on: "" for the base weights.
+func (s *loraState) inEffect() string {
+	if s.layers && (s.merged || s.dynamic) {
+		return s.name
+	}
+	return ""
+}
+
 // set is LoRAPipeline.set_lora. It loads the adapters not loaded yet, or
 // loaded from another path, then applies them per target unless the
 // transformer runs exactly that configuration already (the early return:
