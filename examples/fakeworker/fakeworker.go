@@ -77,6 +77,12 @@ type Config struct {
 	// as on a worker without storage configured, so response_format "url"
 	// (the default of /v1/images/generations) answers 400.
 	CloudStorage string
+	// LoraSwitch is how long a LoRA call that changes the weights jobs run
+	// on holds the worker: a set_lora that applies an adapter (not one
+	// already in effect at that strength), a merge or an unmerge (the base
+	// weights restored, the adapter merged). Calls that change nothing take
+	// no time. Default 0.
+	LoraSwitch time.Duration
 	// PipelineName and PipelineClass are what the model card reports of
 	// the pipeline sglang's registry resolved; defaults depend on the task
 	// type.
@@ -118,6 +124,14 @@ type Stats struct {
 	// JobsOn counts the completed jobs by the weights they ran on, as
 	// Weights names them: what no answer says, for tests to check.
 	JobsOn map[string]int
+	// JobsOnAdapter counts the completed jobs by the LoRA adapter they ran
+	// on, as AdapterHeader names it; "" counts those on the base weights.
+	JobsOnAdapter map[string]int
+	// LoraSwitches counts the LoRA calls that changed the weights jobs
+	// run on; LoraSwitchTime is the time they held the worker
+	// (LoraSwitches × Config.LoraSwitch).
+	LoraSwitches   int
+	LoraSwitchTime time.Duration
 }
 
 // Worker is a fake sglang-diffusion server. Its methods are safe for
@@ -161,7 +175,7 @@ type Worker struct {
 	// weights names, per module, the weights loaded: the model path of the
 	// last update from disk, or a digest of the last tensors loaded.
 	weights map[string]string
-	loras   map[string]string // LoRA adapters loaded, nickname → path
+	lora    loraState // the LoRA adapters loaded and the one in effect
 	rng     *mrand.Rand
 	stats   Stats
 	videos  map[string]*videoJob
@@ -206,7 +220,6 @@ func New(cfg Config) *Worker {
 		life:       life,
 		stop:       stop,
 		weights:    make(map[string]string),
-		loras:      make(map[string]string),
 		rng:        mrand.New(mrand.NewPCG(uint64(cfg.Seed), 0)),
 		failRate:   cfg.FailRate,
 		updateHung: cfg.UpdateHang,
@@ -325,6 +338,7 @@ func (w *Worker) Stats() Stats {
 	defer w.mu.Unlock()
 	s := w.stats
 	s.JobsOn = maps.Clone(s.JobsOn)
+	s.JobsOnAdapter = maps.Clone(s.JobsOnAdapter)
 	return s
 }
 

@@ -1,12 +1,10 @@
 package fakeworker
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -17,7 +15,6 @@ import (
 const (
 	weightUpdateUnits = 5
 	memoryToggleUnits = 1
-	loraUnits         = 1
 )
 
 // serverVersion is what /server_info reports as the sglang version.
@@ -59,6 +56,7 @@ func (w *Worker) routes() http.Handler {
 	mux.HandleFunc("POST /v1/set_lora", w.handleSetLora)
 	mux.HandleFunc("POST /v1/merge_lora_weights", w.handleMergeLora)
 	mux.HandleFunc("POST /v1/unmerge_lora_weights", w.handleUnmergeLora)
+	mux.HandleFunc("GET /v1/list_loras", w.handleListLoras)
 
 	// The answers of the generation endpoints (wrapped in breakable) can
 	// be broken on purpose; the event stream of
@@ -397,173 +395,4 @@ func (w *Worker) handleMemory(sleep bool) http.HandlerFunc {
 		}
 		writeJSON(rw, http.StatusOK, map[string]any{"success": true, "sleeping": sleep, "message": message})
 	}
-}
-
-// stringOrList reads a LoRA field that takes a string or a list of
-// strings; def applies when it is absent.
-func stringOrList(raw json.RawMessage, field string, def []string) ([]string, error) {
-	if len(raw) == 0 {
-		return def, nil
-	}
-	var one string
-	if json.Unmarshal(raw, &one) == nil {
-		return []string{one}, nil
-	}
-	var list []string
-	if json.Unmarshal(raw, &list) == nil {
-		return list, nil
-	}
-	return nil, invalid(fieldError{Type: "string_type", Loc: []any{"body", field}, Msg: "Input should be a valid string"})
-}
-
-// strengths reads a LoRA strength: a number or a list of numbers.
-func strengths(raw json.RawMessage) ([]float64, error) {
-	if len(raw) == 0 {
-		return []float64{1}, nil
-	}
-	var one float64
-	if json.Unmarshal(raw, &one) == nil {
-		return []float64{one}, nil
-	}
-	var list []float64
-	if json.Unmarshal(raw, &list) == nil {
-		return list, nil
-	}
-	return nil, invalid(fieldError{Type: "float_type", Loc: []any{"body", "strength"}, Msg: "Input should be a valid number"})
-}
-
-// loraBody reads the embedded Body parameters of the LoRA endpoints; an
-// empty body leaves every parameter to its default.
-func loraBody(r *http.Request) (map[string]json.RawMessage, error) {
-	b, err := io.ReadAll(r.Body)
-	if err != nil {
-		return nil, badRequest("reading body: %v", err)
-	}
-	body := map[string]json.RawMessage{}
-	if len(bytes.TrimSpace(b)) == 0 {
-		return body, nil
-	}
-	if err := parseJSON(b, &body); err != nil {
-		return nil, err
-	}
-	return body, nil
-}
-
-// writeLoraOK answers a LoRA operation as _handle_lora_request does.
-func writeLoraOK(rw http.ResponseWriter, message string) {
-	writeJSON(rw, http.StatusOK, map[string]string{"status": "ok", "message": message})
-}
-
-// handleSetLora is common_api.py's /v1/set_lora: lora_nickname (a string
-// or a list), lora_path, target ("all"), strength (1.0). A nickname loads
-// from its lora_path; one loaded before may come without it.
-func (w *Worker) handleSetLora(rw http.ResponseWriter, r *http.Request) {
-	body, err := loraBody(r)
-	if err != nil {
-		w.fail(rw, err)
-		return
-	}
-	if _, ok := body["lora_nickname"]; !ok {
-		w.fail(rw, invalid(missing("body", "lora_nickname")))
-		return
-	}
-	nicks, err := stringOrList(body["lora_nickname"], "lora_nickname", nil)
-	if err == nil && string(body["lora_path"]) == "null" {
-		delete(body, "lora_path")
-	}
-	var paths []string
-	if err == nil {
-		paths, err = stringOrList(body["lora_path"], "lora_path", nil)
-	}
-	var targets []string
-	if err == nil {
-		targets, err = stringOrList(body["target"], "target", []string{"all"})
-	}
-	var strength []float64
-	if err == nil {
-		strength, err = strengths(body["strength"])
-	}
-	if err != nil {
-		w.fail(rw, err)
-		return
-	}
-	var failure string
-	err = w.runControl(r.Context(), func() time.Duration {
-		if paths != nil && len(paths) != len(nicks) {
-			failure = "lora_path must have as many entries as lora_nickname"
-			return 0
-		}
-		for i, nick := range nicks {
-			if paths == nil || paths[i] == "" {
-				if _, ok := w.loras[nick]; !ok {
-					failure = fmt.Sprintf("LoRA adapter '%s' is not loaded and no lora_path was given", nick)
-					return 0
-				}
-			}
-		}
-		return w.serviceTime(loraUnits)
-	}, func() {
-		if failure != "" {
-			return
-		}
-		for i, nick := range nicks {
-			if paths != nil && paths[i] != "" {
-				w.loras[nick] = paths[i]
-			}
-		}
-	})
-	if err == nil && failure != "" {
-		err = &httpError{http.StatusInternalServerError, "Failed to set LoRA adapter: " + failure}
-	}
-	if err != nil {
-		w.fail(rw, err)
-		return
-	}
-	nickStr := strings.Join(nicks, ", ")
-	targetStr := strings.Join(targets, ", ")
-	strs := make([]string, len(strength))
-	for i, s := range strength {
-		strs[i] = fmt.Sprintf("%.2f", s)
-	}
-	writeLoraOK(rw, fmt.Sprintf("Successfully set LoRA adapter(s): %s (target: %s, strength: %s)",
-		nickStr, targetStr, strings.Join(strs, ", ")))
-}
-
-// handleMergeLora is common_api.py's /v1/merge_lora_weights: target
-// ("all") and strength (1.0).
-func (w *Worker) handleMergeLora(rw http.ResponseWriter, r *http.Request) {
-	w.loraOp(rw, r, true)
-}
-
-// handleUnmergeLora is common_api.py's /v1/unmerge_lora_weights: target
-// ("all").
-func (w *Worker) handleUnmergeLora(rw http.ResponseWriter, r *http.Request) {
-	w.loraOp(rw, r, false)
-}
-
-func (w *Worker) loraOp(rw http.ResponseWriter, r *http.Request, merge bool) {
-	body, err := loraBody(r)
-	if err != nil {
-		w.fail(rw, err)
-		return
-	}
-	target := "all"
-	if raw := body["target"]; len(raw) > 0 && json.Unmarshal(raw, &target) != nil {
-		w.fail(rw, invalid(fieldError{Type: "string_type", Loc: []any{"body", "target"}, Msg: "Input should be a valid string"}))
-		return
-	}
-	strength := 1.0
-	if raw := body["strength"]; merge && len(raw) > 0 && json.Unmarshal(raw, &strength) != nil {
-		w.fail(rw, invalid(fieldError{Type: "float_type", Loc: []any{"body", "strength"}, Msg: "Input should be a valid number"}))
-		return
-	}
-	if err := w.runControl(r.Context(), func() time.Duration { return w.serviceTime(loraUnits) }, nil); err != nil {
-		w.fail(rw, err)
-		return
-	}
-	if merge {
-		writeLoraOK(rw, fmt.Sprintf("Successfully merged LoRA weights (target: %s, strength: %s)", target, pyFloat(strength)))
-		return
-	}
-	writeLoraOK(rw, fmt.Sprintf("Successfully unmerged LoRA weights (target: %s)", target))
 }

@@ -309,11 +309,12 @@ type imageJob struct {
 // are stored), so a request with a format it cannot serve still costs a
 // job.
 func (w *Worker) serveImages(rw http.ResponseWriter, r *http.Request, job imageJob) {
-	took, err := w.runJob(r.Context(), job.shape, nil)
+	run, err := w.runJob(r.Context(), job.shape, nil)
 	if err != nil {
 		w.failGeneration(rw, err)
 		return
 	}
+	setAdapter(rw, run.adapter)
 	id := newUUID()
 	files := imageFiles(id, job.ext, job.outputs)
 	cloudURL := w.upload(files[0])
@@ -322,7 +323,7 @@ func (w *Worker) serveImages(rw http.ResponseWriter, r *http.Request, job imageJ
 	if job.fallback {
 		fallback = "/v1/images/" + id + "/content"
 	}
-	body, err := w.imageResponse(id, job.prompt, job.format, files, cloudURL, fallback, took)
+	body, err := w.imageResponse(id, job.prompt, job.format, files, cloudURL, fallback, run.took)
 	if err != nil {
 		w.fail(rw, err)
 		return
@@ -464,7 +465,7 @@ func (w *Worker) handleImageStream(rw http.ResponseWriter, r *http.Request) {
 
 // runStream runs a streamed job and returns its terminal event.
 func (w *Worker) runStream(ctx context.Context, id string, job imageJob) streamEvent {
-	took, err := w.runJob(ctx, job.shape, nil)
+	run, err := w.runJob(ctx, job.shape, nil)
 	status := "completed"
 	ev := streamEvent{Type: "completed", ID: id}
 	switch {
@@ -482,7 +483,7 @@ func (w *Worker) runStream(ctx context.Context, id string, job imageJob) streamE
 		files := imageFiles(id, job.ext, job.outputs)
 		cloudURL := w.upload(files[0])
 		w.storeImages(id, job.ext, cloudURL)
-		body, err := w.imageResponse(id, job.prompt, job.format, files, cloudURL, "", took)
+		body, err := w.imageResponse(id, job.prompt, job.format, files, cloudURL, "", run.took)
 		var he *httpError
 		switch {
 		case errors.As(err, &he): // str(HTTPException)

@@ -72,15 +72,21 @@ func (q *slotQueue) handOff() {
 	q.waiters = q.waiters[1:]
 }
 
+// jobRun is what became of a job that completed.
+type jobRun struct {
+	took    time.Duration
+	adapter string // the LoRA adapter it ran on; "" for the base weights
+}
+
 // runJob queues a generation job of the given shape and waits for its end.
 // If ctx ends while the job waits, the job is dropped; once it runs, it
 // keeps the worker busy for its whole service time whether or not anyone
 // still waits for it, as a GPU kernel would. onStart, if not nil, learns
-// the planned service time (forever for a hung job) when the job starts.
-// runJob returns the time the job took.
-func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration)) (time.Duration, error) {
+// the planned service time (forever for a hung job) and the adapter when
+// the job starts.
+func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration, string)) (jobRun, error) {
 	if err := w.acquire(ctx); err != nil {
-		return 0, err
+		return jobRun{}, err
 	}
 	cost := s.cost()
 	v, err := w.admit(s)
@@ -89,7 +95,7 @@ func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration
 		if errors.Is(err, errCrashed) {
 			w.Crash()
 		}
-		return 0, err
+		return jobRun{}, err
 	}
 	d := w.serviceTime(cost)
 	switch {
@@ -103,25 +109,25 @@ func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration
 	}
 	failure := v.failure
 	if onStart != nil {
-		onStart(d)
+		onStart(d, v.adapter)
 	}
 
-	var took time.Duration
+	run := jobRun{adapter: v.adapter}
 	var completed bool
 	done := w.occupy(d, func(elapsed time.Duration, ok bool) {
-		took, completed = elapsed, ok
-		w.record(cost, elapsed, ok, failure != nil)
+		run.took, completed = elapsed, ok
+		w.record(cost, elapsed, ok, failure != nil, v.adapter)
 	})
 	if err := awaitDone(ctx, done); err != nil {
-		return 0, err
+		return jobRun{}, err
 	}
 	switch {
 	case !completed:
-		return 0, errClosed
+		return jobRun{}, errClosed
 	case failure != nil:
-		return 0, failure
+		return jobRun{}, failure
 	}
-	return took, nil
+	return run, nil
 }
 
 // verdict is what becomes of a job that got the slot.
@@ -129,6 +135,9 @@ type verdict struct {
 	hang    bool  // it holds the worker until the worker closes
 	failure error // the scheduler error it ends with, after running
 	oom     bool  // it runs out of GPU memory in its first step
+	// adapter is the LoRA adapter in effect: one job or LoRA call runs at
+	// a time, so the adapter a job starts on is the one it runs on.
+	adapter string
 }
 
 // admit decides, when a job of shape s gets the slot, what becomes of it,
@@ -138,22 +147,23 @@ func (w *Worker) admit(s shape) (verdict, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	finished := w.stats.Jobs + w.stats.Failed
+	v := verdict{adapter: w.lora.inEffect()}
 	switch {
 	case w.asleep:
 		return verdict{}, errAsleep
 	case w.cfg.CrashAfter > 0 && finished >= w.cfg.CrashAfter:
 		return verdict{}, errCrashed
 	case w.hung || w.cfg.HangAfter > 0 && finished >= w.cfg.HangAfter:
-		return verdict{hang: true}, nil
+		v.hang = true
 	case w.oomPixels > 0 && s.width*s.height >= w.oomPixels:
-		return verdict{failure: oomError(s), oom: true}, nil
+		v.failure, v.oom = oomError(s), true
 	case w.rng.Float64() < w.failRate:
-		return verdict{failure: errInjected}, nil
+		v.failure = errInjected
 	}
-	return verdict{}, nil
+	return v, nil
 }
 
-func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed bool) {
+func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed bool, adapter string) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.stats.Busy += elapsed
@@ -170,6 +180,10 @@ func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed b
 		// One job or engine operation runs at a time: the weights a job
 		// ends on are the ones it ran on.
 		w.stats.JobsOn[w.weights["transformer"]]++
+		if w.stats.JobsOnAdapter == nil {
+			w.stats.JobsOnAdapter = make(map[string]int)
+		}
+		w.stats.JobsOnAdapter[adapter]++
 	}
 }
 

@@ -46,11 +46,12 @@ func (w *Worker) handleDiffusionGenerate(rw http.ResponseWriter, r *http.Request
 		internalServerError(rw) // build_sampling_params raises, unhandled
 		return
 	}
-	took, err := w.runJob(r.Context(), s, nil)
+	run, err := w.runJob(r.Context(), s, nil)
 	if err != nil {
 		w.failGeneration(rw, err)
 		return
 	}
+	setAdapter(rw, run.adapter)
 	ext := "png"
 	if w.isVideoTask() {
 		ext = "mp4"
@@ -63,7 +64,7 @@ func (w *Worker) handleDiffusionGenerate(rw http.ResponseWriter, r *http.Request
 		"output_format":    ext,
 		"file_path":        filepath.Join(outputDir, id+"."+ext),
 		"peak_memory_mb":   nil,
-		"inference_time_s": took.Seconds(),
+		"inference_time_s": run.took.Seconds(),
 		"trajectory":       trajectory(s, req.GetLatents),
 	})
 }
@@ -188,7 +189,10 @@ func (w *Worker) handleRollout(rw http.ResponseWriter, r *http.Request) {
 		w.fail(rw, badRequest("Invalid sampling params: %v", err))
 		return
 	}
-	took, err := w.runJob(r.Context(), s, nil)
+	run, err := w.runJob(r.Context(), s, nil)
+	if err == nil {
+		setAdapter(rw, run.adapter)
+	}
 	var se schedulerError
 	switch {
 	case errors.As(err, &se) && !w.crashed.Load():
@@ -201,7 +205,7 @@ func (w *Worker) handleRollout(rw http.ResponseWriter, r *http.Request) {
 		internalServerError(rw)
 		return
 	}
-	samples := w.rolloutSamples(req, s, took)
+	samples := w.rolloutSamples(req, s, run.took)
 	if w.cfg.RolloutJSON {
 		w.writeMedia(rw, w.outputTensor(), samples)
 		return

@@ -41,6 +41,7 @@ type videoJob struct {
 	seq      uint64        // creation order, for listing
 	started  time.Time     // when the job got the worker
 	duration time.Duration // planned service time; forever if hung
+	adapter  string        // the LoRA adapter it runs on, once it started; see AdapterHeader
 }
 
 // snapshot copies the job with its progress brought up to date.
@@ -218,9 +219,9 @@ var videoSeq atomic.Uint64
 // runVideo runs a video job in the background; it outlives the request that
 // made it and ends only with the worker.
 func (w *Worker) runVideo(id string, s shape) {
-	took, err := w.runJob(w.life, s, func(d time.Duration) {
+	run, err := w.runJob(w.life, s, func(d time.Duration, adapter string) {
 		w.updateVideo(id, func(j *videoJob) {
-			j.Status, j.started, j.duration = "in_progress", time.Now(), d
+			j.Status, j.started, j.duration, j.adapter = "in_progress", time.Now(), d, adapter
 		})
 	})
 	url := w.upload(id + ".mp4")
@@ -234,7 +235,7 @@ func (w *Worker) runVideo(id string, s shape) {
 			j.Status, j.Error = "failed", map[string]string{"message": err.Error()}
 			return
 		}
-		completed, seconds := time.Now().Unix(), took.Seconds()
+		completed, seconds := time.Now().Unix(), run.took.Seconds()
 		j.Status, j.Progress = "completed", 100
 		j.CompletedAt, j.InferenceTimeS = &completed, &seconds
 		if url != "" {
@@ -269,6 +270,7 @@ func (w *Worker) handleGetVideo(rw http.ResponseWriter, r *http.Request) {
 		w.fail(rw, err)
 		return
 	}
+	setAdapter(rw, job.adapter)
 	writeJSON(rw, http.StatusOK, job)
 }
 
@@ -301,6 +303,7 @@ func (w *Worker) handleVideoContent(rw http.ResponseWriter, r *http.Request) {
 		return
 	}
 	media := w.media("mp4")
+	setAdapter(rw, job.adapter)
 	rw.Header().Set("Content-Type", "video/mp4")
 	rw.Header().Set("Content-Length", strconv.Itoa(len(media.data)))
 	rw.Header().Set("Content-Disposition", fmt.Sprintf(`attachment; filename="%s.mp4"`, job.ID))
