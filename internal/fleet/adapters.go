@@ -66,11 +66,11 @@ func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path str
 }
 
 // Switch makes a the worker's adapter, nil the base weights. With unmerge
-// it first takes off what the worker has: sglang-diffusion asks for that
-// before another adapter is set, and an adapter set again over new base
-// weights would otherwise be taken for the one merged already. An unmerge
-// that fails is no failure of the switch: the adapter read back after it
-// says whether the switch worked.
+// it first takes off what the worker has merged: the way back to the base
+// weights, and the way to merge an adapter again over new base weights,
+// which set_lora alone would take for merged already. An unmerge that
+// fails is no failure of the switch: the adapter read back after it says
+// whether the switch worked.
 func (s *Switcher) Switch(ctx context.Context, workerURL string, a *scheduler.Adapter, unmerge bool) (int, string, error) {
 	res := Result{StatusCode: http.StatusOK, OK: true}
 	if unmerge {

@@ -27,10 +27,9 @@ type Switcher interface {
 	// Active reads which adapter the worker has active: its nickname and
 	// path, both "" for the base weights.
 	Active(ctx context.Context, workerURL string) (name, path string, err error)
-	// Switch makes a the worker's adapter (nil: the base weights). With
-	// unmerge it first takes off whatever the worker has merged: anything
-	// but the base weights, or what the router does not know for sure.
-	// It returns the worker's status and message.
+	// Switch makes a the worker's adapter (nil: the base weights), first
+	// taking off what the worker has merged when unmerge is set. It
+	// returns the worker's status and message.
 	Switch(ctx context.Context, workerURL string, a *Adapter, unmerge bool) (status int, message string, err error)
 }
 
@@ -365,7 +364,11 @@ func (p *Pool) callLocked(w *worker, now int64) {
 		a = &Adapter{Name: target.Name, Path: target.Path, Strength: target.Strength}
 	}
 	publish := target.publish
-	unmerge := !wa.known || wa.holds != &p.placement.base
+	// sglang-diffusion's set_lora takes off the adapter merged before it
+	// merges another, or the same from a new path; only the base weights,
+	// and the same adapter again over new base weights (which set_lora
+	// would take for merged already), need an unmerge.
+	unmerge := a == nil || wa.holds == target && wa.publish == target.publish
 	p.bg.Go("adapter switch of "+w.url, func(ctx context.Context) {
 		status, msg, err := sw.Switch(ctx, w.url, a, unmerge)
 		var name, path string
