@@ -130,7 +130,22 @@ func TestDashboardShowsTenants(t *testing.T) {
 	rp := r.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"8x8"}`, "X-Tenant", "trainer-1")
 	testrouter.ExpectStatus(t, "job", rp, 200)
 	waitUntil(t, 20*time.Second, "a row for the tenant trainer-1", func() bool {
-		return tab.count(`#tenants tr[data-tenant="trainer-1"]`) == 1
+		return tab.count(`#tenants tr[data-name="trainer-1"]`) == 1
+	})
+}
+
+func TestDashboardShowsAdapters(t *testing.T) {
+	tab := startBrowser(t)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n adapter policy-a /ckpt/a\n}")
+	rp := r.Post("/v1/images/generations", `{"model":"policy-a","response_format":"b64_json","prompt":"x","size":"8x8"}`)
+	testrouter.ExpectStatus(t, "job", rp, 200)
+	tab.navigate(r.Base + "/dashboard")
+	waitUntil(t, 20*time.Second, "rows for the base weights and the adapter", func() bool {
+		return tab.count(`#adapters tr[data-name="base"]`) == 1 && tab.count(`#adapters tr[data-name="policy-a"]`) == 1
+	})
+	waitUntil(t, 20*time.Second, "the worker's row to name its adapter", func() bool {
+		return strings.Contains(tab.text("#workers"), "policy-a")
 	})
 }
 
