@@ -2,12 +2,14 @@ package diffusionrouter_test
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/memstore"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -63,15 +65,18 @@ func TestEveryAnswerComesFromItsOwnPolicy(t *testing.T) {
 	if switches < 4 || switches > 40 {
 		t.Fatalf("%d switches for 160 requests of 4 policies on 4 workers", switches)
 	}
-	held := map[string]int{}
-	for _, w := range r.Workers() {
-		held[w["adapter"].(string)]++
-		if w["adapter_state"] != "ready" {
-			t.Errorf("worker %v: adapter state %v", w["url"], w["adapter_state"])
+	testrouter.WaitFor(t, func() bool { // a switch decided as the last jobs ran ends
+		for _, w := range r.Workers() {
+			if w["adapter_state"] != "ready" {
+				return false
+			}
 		}
-	}
-	if len(held) == 0 {
-		t.Fatalf("/workers names no adapter: %v", r.Workers())
+		return true
+	})
+	for _, w := range r.Workers() {
+		if name := w["adapter"].(string); !slices.Contains(policies, name) {
+			t.Errorf("worker %v holds %q after serving only policies", w["url"], name)
+		}
 	}
 }
 
@@ -148,4 +153,50 @@ func TestAPublishReloadsOnlyThatPolicysWorkers(t *testing.T) {
 // workerURL is the URL of the worker namedWorkers named name.
 func workerURL(ws []*fakeworker.Worker, name string) string {
 	return ws[name[0]-'a'].URL()
+}
+
+func TestABaseUpdateMergesEachAdapterAgain(t *testing.T) {
+	ws := namedWorkers(t, 2, fakeworker.Config{})
+	r := testrouter.Start(t, policySite(ws, ""))
+	testrouter.ExpectStatus(t, "a job of a", r.Post("/v1/images/generations", policyImage("a")), 200)
+	switches := func() (n int) {
+		for _, w := range ws {
+			n += w.Stats().LoraSwitches
+		}
+		return n
+	}
+	before := switches()
+	testrouter.ExpectStatus(t, "the update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/base-2"}`), 200)
+	rp := r.Post("/v1/images/generations", policyImage("a"))
+	testrouter.ExpectStatus(t, "a job of a after the update", rp, 200)
+	if got, v := rp.Header.Get(fakeworker.AdapterHeader), rp.Header.Get(weightVersionHeader); got != "a" || v != "/ckpt/base-2+lora:a@0" {
+		t.Fatalf("after the base update a job of a ran on %q as %q", got, v)
+	}
+	if switches() < before+2 { // its holder unmerged a and merged it again, over the new weights
+		t.Fatalf("%d LoRA calls changed weights after the update; want a taken off and merged again", switches()-before)
+	}
+	rp = r.Post("/v1/images/generations", policyImage(""))
+	if got, v := rp.Header.Get(fakeworker.AdapterHeader), rp.Header.Get(weightVersionHeader); got != "" || v != "/ckpt/base-2" {
+		t.Fatalf("after the base update a base job ran on %q as %q", got, v)
+	}
+}
+
+func TestAPublishOutlivesARestart(t *testing.T) {
+	ws := namedWorkers(t, 1, fakeworker.Config{})
+	store := memstore.New()
+	store.Put(fleetKey, []byte(`{"workers":[],"adapters":[{"name":"a","path":"/ckpt/lora/a-step7","publish":7},{"name":"z","path":"/ckpt/z","publish":1},{"name":"b","path":"/elsewhere/b","publish":2}]}`))
+	r := testrouter.StartWith(t, testrouter.UseStorage(store), policySite(ws, ""))
+	rp := r.Post("/v1/images/generations", policyImage("a"))
+	testrouter.ExpectStatus(t, "a job of a", rp, 200)
+	if v := rp.Header.Get(weightVersionHeader); v != oldVersion+"+lora:a@7" {
+		t.Fatalf("a job of a after a restart was served as %q; want the publish read back", v)
+	}
+	active := testrouter.Do(t, "GET", ws[0].URL()+"/v1/list_loras", nil).JSON(t)["active"].(map[string]any)["transformer"].([]any)[0].(map[string]any)
+	if active["path"] != "/ckpt/lora/a-step7" {
+		t.Fatalf("the worker loaded %v; want the path published before the restart", active)
+	}
+	rp = r.Post("/v1/images/generations", policyImage("b"))
+	if v := rp.Header.Get(weightVersionHeader); v != oldVersion+"+lora:b@0" {
+		t.Fatalf("b, whose record names a path outside weights_path_prefix, was served as %q; want the config's path", v)
+	}
 }
