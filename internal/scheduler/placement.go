@@ -358,27 +358,43 @@ func (p *Pool) callLocked(w *worker, now int64) {
 		})
 		return
 	}
-	target := wa.target
+	sc := switchCall{target: wa.target, want: wa.target.Adapter, publish: wa.target.publish}
 	var a *Adapter
-	if target.Name != "" {
-		a = &Adapter{Name: target.Name, Path: target.Path, Strength: target.Strength}
+	if sc.want.Name != "" {
+		a = &sc.want
 	}
-	publish := target.publish
 	// sglang-diffusion's set_lora takes off the adapter merged before it
 	// merges another, or the same from a new path; only the base weights,
 	// and the same adapter again over new base weights (which set_lora
 	// would take for merged already), need an unmerge.
-	unmerge := a == nil || wa.holds == target && wa.publish == target.publish
+	unmerge := a == nil || wa.holds == sc.target && wa.publish == sc.publish
 	p.bg.Go("adapter switch of "+w.url, func(ctx context.Context) {
-		status, msg, err := sw.Switch(ctx, w.url, a, unmerge)
-		var name, path string
-		if err == nil {
-			name, path, err = sw.Active(ctx, w.url)
+		sc.status, sc.message, sc.err = sw.Switch(ctx, w.url, a, unmerge)
+		if sc.err == nil {
+			sc.name, sc.path, sc.err = sw.Active(ctx, w.url)
 		}
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		p.switchedLocked(w, target, publish, a, status, msg, name, path, err)
+		p.switchedLocked(w, &sc)
 	})
+}
+
+// switchCall is a switch of one worker: what it was to load, and what
+// came of it.
+type switchCall struct {
+	target  *policy
+	want    Adapter // target as it was when the call began
+	publish int     // target's publish then
+	status  int     // the worker's answer
+	message string
+	name    string // the adapter read back after it
+	path    string
+	err     error
+}
+
+// worked reports whether the worker reads back the adapter it was to load.
+func (sc *switchCall) worked() bool {
+	return sc.err == nil && sc.name == sc.want.Name && (sc.want.Name == "" || sc.path == sc.want.Path)
 }
 
 // checkedLocked records what w's /v1/list_loras said: it holds the base
@@ -413,38 +429,44 @@ func (p *Pool) matchLocked(name, path string) (*policy, int) {
 	return &pl.stray, 0
 }
 
-// switchedLocked records how w's switch to target's publish ended.
-func (p *Pool) switchedLocked(w *worker, target *policy, publish int, a *Adapter, status int, msg string, name, path string, err error) {
+// switchedLocked records how w's switch sc ended.
+func (p *Pool) switchedLocked(w *worker, sc *switchCall) {
 	wa := &w.adapter
 	now := p.now().UnixNano()
 	took := time.Duration(now - wa.called) // the switch and its check: what a job waits for
 	wa.calling = false
-	ok := err == nil && name == nameOf(a) && (a == nil || path == a.Path)
-	wa.last = SwitchResult{Adapter: target.Name, Publish: publish, OK: ok, Status: status, Message: msg, At: now}
-	if !ok {
-		target.failures++
-		wa.known, wa.retryAt = false, now+int64(switchRetry)
-		if err != nil {
-			wa.last.Message = err.Error()
-		} else {
-			wa.last.Message = "the worker reports adapter " + orBase(name) + " active after the switch"
-		}
-		p.logger.Warn("adapter switch failed; the worker serves nothing until its adapter is known",
-			zap.String("worker", w.url), zap.String("adapter", cmpName(target)), zap.String("error", wa.last.Message))
+	ok := sc.worked()
+	wa.last = SwitchResult{Adapter: sc.want.Name, Publish: sc.publish, OK: ok, Status: sc.status, Message: sc.message, At: now}
+	if ok {
+		wa.cost = learnSwitchCost(wa.cost, took.Seconds())
+		sc.target.switches++
+		sc.target.switching += took.Seconds()
+		wa.known, wa.since, wa.seen = true, now, sc.name
+		wa.holds, wa.publish = p.matchLocked(sc.name, sc.path)
 	} else {
-		secs := took.Seconds()
-		wa.cost = learnSwitchCost(wa.cost, secs)
-		target.switches++
-		target.switching += secs
-		wa.known, wa.since = true, now
-		wa.holds, wa.publish = p.matchLocked(name, path)
-		wa.seen = name
+		p.switchFailedLocked(w, sc, now)
 	}
-	if wa.target == target && target.publish == publish || !ok {
+	// A publish while it switched sends it to load the newer path too.
+	if !ok || wa.target == sc.target && sc.target.publish == sc.publish {
 		wa.switching, wa.target = false, nil
 	}
 	p.wakeWaitersLocked()
 	p.dispatchLocked()
+}
+
+// switchFailedLocked records a switch of w that failed: w serves nothing
+// until its adapter is read back, tried again after switchRetry.
+func (p *Pool) switchFailedLocked(w *worker, sc *switchCall, now int64) {
+	wa := &w.adapter
+	sc.target.failures++
+	wa.known, wa.retryAt = false, now+int64(switchRetry)
+	if sc.err != nil {
+		wa.last.Message = sc.err.Error()
+	} else {
+		wa.last.Message = "the worker reports adapter " + orBase(sc.name) + " active after the switch"
+	}
+	p.logger.Warn("adapter switch failed; the worker serves nothing until its adapter is known",
+		zap.String("worker", w.url), zap.String("adapter", cmpName(sc.target)), zap.String("error", wa.last.Message))
 }
 
 // learnSwitchCost folds a switch's seconds into a worker's learned switch
@@ -455,14 +477,6 @@ func learnSwitchCost(cost, secs float64) float64 {
 		return secs
 	}
 	return (cost + secs) / 2
-}
-
-// nameOf is a's nickname; "" for the base weights.
-func nameOf(a *Adapter) string {
-	if a == nil {
-		return ""
-	}
-	return a.Name
 }
 
 // orBase names an adapter nickname for people.

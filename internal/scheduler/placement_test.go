@@ -21,6 +21,7 @@ type fakeSwitcher struct {
 	active   map[string]Adapter // by worker URL
 	switches int
 	broken   map[string]bool // workers whose /v1/list_loras fails
+	failing  int             // switches to fail, the next ones first
 }
 
 func (s *fakeSwitcher) Active(_ context.Context, u string) (string, string, error) {
@@ -39,6 +40,10 @@ func (s *fakeSwitcher) Switch(_ context.Context, u string, a *Adapter, _ bool) (
 	s.pool.mu.Unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.failing > 0 {
+		s.failing--
+		return 500, "Failed to set LoRA adapter: no such file", errors.New("/v1/set_lora answered 500")
+	}
 	s.switches++
 	if a == nil {
 		delete(s.active, u)
@@ -331,5 +336,24 @@ func TestAWorkerWhoseAdapterCannotBeReadServesNothing(t *testing.T) {
 	}
 	if s := p.Snapshot()[0].AdapterState; s != "unknown" {
 		t.Fatalf("adapter state %q", s)
+	}
+}
+
+func TestAFailedSwitchIsTriedAgainAndServesNothingMeanwhile(t *testing.T) {
+	p, sw := placedPool(t, 1)
+	sw.mu.Lock()
+	sw.failing = 1
+	sw.mu.Unlock()
+	cfg := config(LeastWork{}, 1)
+	tk, done := adapterJob(t, p, cfg, "a")
+	waitFor(t, "the switch to fail", func() bool { return p.Adapters()[1].Failures == 1 })
+	if w := p.Snapshot()[0]; w.AdapterState != "unknown" || w.Inflight != 0 {
+		t.Fatalf("after a failed switch the worker is %s with %d jobs; want unknown and idle", w.AdapterState, w.Inflight)
+	}
+	for range 6 {
+		tick(p, sw.clock, time.Second) // past switchRetry: read back, then switched again
+	}
+	if got := servedWith(t, sw, tk, done); got != "a" {
+		t.Fatalf("the job ran on %q", got)
 	}
 }
