@@ -252,9 +252,7 @@ func TestDemandMovingToOneAdapterMovesTheWorkersToIt(t *testing.T) {
 func TestAdaptersWithWorkOutnumberingWorkersTakeTurns(t *testing.T) {
 	p, sw := placedPool(t, 1)
 	cfg := config(LeastWork{}, 1)
-	holdEach(t, p, sw, cfg, "a")
-	first, done := adapterJob(t, p, cfg, "a")
-	servedWith(t, sw, first, done)
+	runningJob(t, p, sw, cfg, "a")
 	adapterJob(t, p, cfg, "a")
 	waitFor(t, "a's job to wait", func() bool { return queued(p) == 1 })
 	bJob, bDone := adapterJob(t, p, cfg, "b")
@@ -275,6 +273,16 @@ func TestAdaptersWithWorkOutnumberingWorkersTakeTurns(t *testing.T) {
 	}
 }
 
+// runningJob gives adapter name a holder, and that holder a job of name
+// that runs until the test ends it.
+func runningJob(t *testing.T, p *Pool, sw *fakeSwitcher, cfg *Config, name string) *Ticket {
+	t.Helper()
+	holdEach(t, p, sw, cfg, name)
+	tk, done := adapterJob(t, p, cfg, name)
+	servedWith(t, sw, tk, done)
+	return tk
+}
+
 // finishJobs ends the jobs every worker of p runs.
 func finishJobs(p *Pool) {
 	p.mu.Lock()
@@ -291,9 +299,7 @@ func finishJobs(p *Pool) {
 func TestAPublishReloadsTheHoldersAndNoJobRunsOnTheOldPath(t *testing.T) {
 	p, sw := placedPool(t, 2)
 	cfg := config(LeastWork{}, 1)
-	holdEach(t, p, sw, cfg, "a")
-	running, done := adapterJob(t, p, cfg, "a")
-	servedWith(t, sw, running, done)
+	running := runningJob(t, p, sw, cfg, "a")
 	holdersOfA, version, err := p.Publish("a", "/l/a2", 0)
 	if err != nil || len(holdersOfA) != 1 || !strings.HasSuffix(version, "+lora:a@1") {
 		t.Fatalf("publish: %v %v %v", holdersOfA, version, err)
