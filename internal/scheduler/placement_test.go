@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -361,5 +362,23 @@ func TestAFailedSwitchIsTriedAgainAndServesNothingMeanwhile(t *testing.T) {
 	}
 	if got := servedWith(t, sw, tk, done); got != "a" {
 		t.Fatalf("the job ran on %q", got)
+	}
+}
+
+func TestASwitchIsChargedToTheTenantWhoseJobAskedForIt(t *testing.T) {
+	p, sw := placedPool(t, 1)
+	cfg := config(LeastWork{}, 1)
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Tenant: "trainer"}
+	if err := p.ResolveAdapter(tk, "a"); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- p.Acquire(context.Background(), tk) }()
+	servedWith(t, sw, tk, done)
+	// The job's cost, 1, and the switch's 5 s at the assumed speed of 1
+	// unit a second.
+	i := slices.IndexFunc(p.Tenants(), func(tn TenantStats) bool { return tn.Name == "trainer" })
+	if i < 0 || p.Tenants()[i].Service != 6 {
+		t.Fatalf("tenants %+v; want trainer charged its job and its switch, 6", p.Tenants())
 	}
 }
