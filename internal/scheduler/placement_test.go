@@ -23,6 +23,7 @@ type fakeSwitcher struct {
 	switches int
 	broken   map[string]bool // workers whose /v1/list_loras fails
 	failing  int             // switches to fail, the next ones first
+	gate     chan struct{}   // when set, a switch waits for it to close
 }
 
 func (s *fakeSwitcher) Active(_ context.Context, u string) (string, string, error) {
@@ -36,6 +37,9 @@ func (s *fakeSwitcher) Active(_ context.Context, u string) (string, string, erro
 }
 
 func (s *fakeSwitcher) Switch(_ context.Context, u string, a *Adapter, _ bool) (int, string, error) {
+	if s.gate != nil {
+		<-s.gate
+	}
 	s.pool.mu.Lock()
 	s.clock.advance(s.took)
 	s.pool.mu.Unlock()
@@ -381,4 +385,18 @@ func TestASwitchIsChargedToTheTenantWhoseJobAskedForIt(t *testing.T) {
 	if i < 0 || p.Tenants()[i].Service != 6 {
 		t.Fatalf("tenants %+v; want trainer charged its job and its switch, 6", p.Tenants())
 	}
+}
+
+func TestTheBacklogCountsASwitchUnderWay(t *testing.T) {
+	p, sw := placedPool(t, 1)
+	sw.gate = make(chan struct{})
+	cfg := config(LeastWork{}, 1)
+	tk, done := adapterJob(t, p, cfg, "a")
+	waitFor(t, "the switch to begin", func() bool { return strings.HasPrefix(p.Snapshot()[0].AdapterState, "switching") })
+	// The switch (5 s assumed) and then the job (1 s at 1 unit a second).
+	if b := p.Backlog(); b != 6*time.Second {
+		t.Fatalf("backlog %v while the only worker switches for the only job; want 6s", b)
+	}
+	close(sw.gate)
+	servedWith(t, sw, tk, done)
 }
