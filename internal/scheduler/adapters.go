@@ -127,9 +127,14 @@ type SwitchResult struct {
 // ready reports whether w holds what it holds for sure and keeps it.
 func (wa *workerAdapter) ready() bool { return wa.known && !wa.switching }
 
-// fitsAdapter reports whether w may run t's job as far as adapters go:
-// it holds t's adapter, at its latest publish, and keeps it.
-func (w *worker) fitsAdapter(t *Ticket) bool {
+// holdsAdapterLocked reports whether w may run t as far as adapters go:
+// while the pool places adapters, a job runs only on a worker that holds
+// its adapter, at its latest publish, and keeps it. Every choice of a
+// worker for a job asks this.
+func (p *Pool) holdsAdapterLocked(w *worker, t *Ticket) bool {
+	if !p.placement.on || !t.Job {
+		return true
+	}
 	wa := &w.adapter
 	return wa.ready() && wa.holds == t.policy && wa.publish == t.policy.publish
 }

@@ -15,7 +15,7 @@ func (p *Pool) HedgeCopy(t *Ticket) *Ticket {
 	now := p.now().UnixNano()
 	var idle *worker
 	for _, w := range p.workers {
-		if w != t.worker && w.load.inflight == 0 && w.serving(now) && t.mayServe(w, "") &&
+		if w != t.worker && w.load.inflight == 0 && w.serving(now) && t.mayServe(w, "") && p.holdsAdapterLocked(w, t) &&
 			(idle == nil || p.speedOfLocked(w) > p.speedOfLocked(idle)) {
 			idle = w
 		}
@@ -23,7 +23,7 @@ func (p *Pool) HedgeCopy(t *Ticket) *Ticket {
 	if idle == nil {
 		return nil
 	}
-	c := &Ticket{pool: p, cfg: t.cfg, Route: t.Route, Task: t.Task, Job: true, Cost: t.Cost, WantVersion: t.WantVersion, seq: t.seq, Body: t.Body, tenant: t.tenant}
+	c := &Ticket{pool: p, cfg: t.cfg, Route: t.Route, Task: t.Task, Job: true, Cost: t.Cost, WantVersion: t.WantVersion, seq: t.seq, Body: t.Body, tenant: t.tenant, policy: t.policy}
 	p.assignLocked(c, idle)
 	p.hedging++
 	return c

@@ -400,3 +400,14 @@ func TestTheBacklogCountsASwitchUnderWay(t *testing.T) {
 	close(sw.gate)
 	servedWith(t, sw, tk, done)
 }
+
+func TestAHedgedCopyGoesOnlyToAWorkerHoldingItsAdapter(t *testing.T) {
+	p, sw := placedPool(t, 2)
+	cfg := config(LeastWork{}, 1)
+	holdEach(t, p, sw, cfg, "a", "b")
+	tk, done := adapterJob(t, p, cfg, "a")
+	servedWith(t, sw, tk, done)
+	if c := p.HedgeCopy(tk); c != nil {
+		t.Fatalf("a copy of a job of a went to %s, which holds b", c.servedBy)
+	}
+}

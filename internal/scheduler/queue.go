@@ -315,7 +315,7 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 			return w, true
 		}
 		fitting := fits(t.Job, t.cfg.MaxInflight, w, now)
-		if !fitting || !w.serving(now) || p.placement.on && !w.fitsAdapter(t) {
+		if !fitting || !w.serving(now) || !p.holdsAdapterLocked(w, t) {
 			return nil, fitting
 		}
 		return w, true
@@ -325,13 +325,13 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 	}
 	cands, views := p.cands[:0], p.views[:0]
 	anyFree := false
-	job, limit, placed := t.Job, t.cfg.MaxInflight, p.placement.on && t.Job
+	job, limit := t.Job, t.cfg.MaxInflight
 	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
 		if !fits(job, limit, w, now) || !w.serving(now) {
 			continue
 		}
 		anyFree = true
-		if t.mayServe(w, "") && (!placed || w.fitsAdapter(t)) {
+		if t.mayServe(w, "") && p.holdsAdapterLocked(w, t) {
 			cands = append(cands, w)
 			views = append(views, p.viewLocked(w, now))
 		}
