@@ -312,7 +312,7 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *scheduler.
 	if err == nil {
 		t.Cost, err = t.Route.Cost(h.costs, f)
 	}
-	if err == nil && (len(h.Adapters) > 0 || h.AdapterFrom != "") {
+	if err == nil && (h.AdapterFrom != "" || h.pool.PlacesAdapters()) {
 		err = h.pool.ResolveAdapter(t, h.adapterOf(r, f))
 	}
 	if err != nil {

@@ -14,16 +14,15 @@ import (
 )
 
 // LoRA adapters are how many diffusion RL setups sync weights after each
-// step, so the LoRA calls are fleet operations with the same barrier as
-// update_weights_from_disk: drain, every worker, stale on failure, one
-// operation at a time. The adapter becomes part of the weight version:
-// "<base>+lora:<nickname>" while one is set.
+// step. Without adapters declared, the LoRA calls are fleet operations
+// with the same barrier as update_weights_from_disk: drain, every worker,
+// stale on failure, one operation at a time; the adapter becomes part of
+// the weight version, "<base>+lora:<nickname>" while one is set. With
+// adapters declared, the pool places them on workers, and set_lora
+// publishes a new path for one of them (servePublish).
 
 // loraTargets are the transformers a LoRA call may name.
 var loraTargets = []string{"all", "transformer", "transformer_2", "critic"}
-
-// loraSuffix starts the LoRA part of a weight version.
-const loraSuffix = "+lora:"
 
 // serveLora is POST /v1/set_lora, /v1/merge_lora_weights and
 // /v1/unmerge_lora_weights, sent to every worker.
@@ -51,7 +50,7 @@ func (a *API) readLoraRequest(r *http.Request) (scheduler.Update, int, string) {
 	if target, ok := stringField(strictjson.Member(members, "target"), "all"); !ok || !slices.Contains(loraTargets, target) {
 		return req, http.StatusBadRequest, "target must be one of " + strings.Join(loraTargets, ", ")
 	}
-	base, _, _ := strings.Cut(a.Pool.Version(), loraSuffix)
+	base, _, _ := strings.Cut(a.Pool.Version(), scheduler.LoraSuffix)
 	req.Version = base
 	switch r.URL.Path {
 	case "/v1/set_lora":
@@ -68,7 +67,7 @@ func (a *API) readLoraRequest(r *http.Request) (scheduler.Update, int, string) {
 				return req, status, msg
 			}
 		}
-		req.Version = base + loraSuffix + strings.Join(nicknames, ",")
+		req.Version = base + scheduler.LoraSuffix + strings.Join(nicknames, ",")
 		if status, msg := checkWeightVersion("lora_nickname", req.Version); status != 0 {
 			return req, status, msg
 		}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -35,9 +36,13 @@ type loraStatus struct {
 	} `json:"active"`
 }
 
+// activeTimeout bounds a read of a worker's adapter: an idle worker
+// answers list_loras at once (placement reads only workers without jobs).
+const activeTimeout = 30 * time.Second
+
 // Active reads the adapter active on the worker's transformer.
 func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path string, err error) {
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	ctx, cancel := context.WithTimeout(ctx, min(s.cfg.Timeout, activeTimeout))
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, workerURL+"/v1/list_loras", nil)
 	if err != nil {
@@ -68,13 +73,14 @@ func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path str
 // Switch makes a the worker's adapter, nil the base weights. With unmerge
 // it first takes off what the worker has merged: the way back to the base
 // weights, and the way to merge an adapter again over new base weights,
-// which set_lora alone would take for merged already. An unmerge that
-// fails is no failure of the switch: the adapter read back after it says
-// whether the switch worked.
+// which set_lora alone would take for merged already.
 func (s *Switcher) Switch(ctx context.Context, workerURL string, a *scheduler.Adapter, unmerge bool) (int, string, error) {
 	res := Result{StatusCode: http.StatusOK, OK: true}
 	if unmerge {
 		res = s.fleet.post(ctx, workerURL, "/v1/unmerge_lora_weights", []byte("{}"), s.cfg.Timeout)
+		if !res.OK {
+			return res.StatusCode, message(res), fmt.Errorf("/v1/unmerge_lora_weights answered %d: %s", res.StatusCode, message(res))
+		}
 	}
 	if a != nil {
 		body, err := json.Marshal(setLora{Nickname: a.Name, Path: a.Path, Strength: a.Strength})

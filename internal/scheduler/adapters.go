@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -72,9 +73,12 @@ type policy struct {
 	tally policyTally // what placement counts on each pass
 }
 
-// version is the weight version a worker on base version base serves
-// with p: "<base>+lora:<name>@<publish>"; base alone for the base weights.
-func (pol *policy) version(base string) string {
+// version is the weight version a worker on weight version v serves with
+// pol: "<base>+lora:<name>@<publish>", v's LoRA part (of a fleet-wide
+// set_lora before adapters were declared) replaced; the base alone for
+// the base weights.
+func (pol *policy) version(v string) string {
+	base, _, _ := strings.Cut(v, LoraSuffix)
 	if pol.Name == "" {
 		return base
 	}
@@ -94,7 +98,9 @@ type placement struct {
 	order    []*policy          // the same, in order of declaration
 	cfg      PlacementConfig
 	switcher Switcher
-	ticking  bool // the placement's clock runs
+	ticking  bool        // the placement's clock runs
+	needy    []*policy   // scratch space of a pass
+	placing  atomic.Bool // on, read without the lock by every request
 }
 
 // workerAdapter is what a worker holds and what placement does with it.
@@ -106,6 +112,7 @@ type workerAdapter struct {
 	target    *policy // what it switches to
 	seen      string  // the nickname its /v1/list_loras named last
 	calling   bool    // a call to it is under way
+	epoch     uint64  // bumped when its adapter is forgotten: a call begun before says nothing of it now
 	called    int64   // when the call began, Unix nanoseconds
 	since     int64   // when it began holding what it holds, Unix nanoseconds
 	retryAt   int64   // a failed call is not repeated before then, Unix nanoseconds
@@ -124,8 +131,9 @@ type SwitchResult struct {
 	At      int64  // when it ended, Unix nanoseconds
 }
 
-// ready reports whether w holds what it holds for sure and keeps it.
-func (wa *workerAdapter) ready() bool { return wa.known && !wa.switching }
+// ready reports whether w holds what it holds for sure and keeps it: no
+// call to it may change it meanwhile.
+func (wa *workerAdapter) ready() bool { return wa.known && !wa.switching && !wa.calling }
 
 // holdsAdapterLocked reports whether w may run t as far as adapters go:
 // while the pool places adapters, a job runs only on a worker that holds
@@ -172,8 +180,10 @@ func (p *Pool) DeclareAdapters(adapters []Adapter, cfg PlacementConfig) {
 	p.dispatchLocked()
 }
 
-// UndeclareAdapters withdraws a config's adapters; one no loaded config
-// declares leaves the pool, and its holders hold a stray adapter.
+// UndeclareAdapters withdraws a config's adapters. One no loaded config
+// declares leaves the pool: its holders hold a stray adapter, and its
+// waiting jobs end with an UnknownAdapterError. Once none is declared,
+// placement goes on until every worker is back on the base weights.
 func (p *Pool) UndeclareAdapters(adapters []Adapter) {
 	if len(adapters) == 0 {
 		return
@@ -191,19 +201,31 @@ func (p *Pool) UndeclareAdapters(adapters []Adapter) {
 		}
 		delete(pl.policies, a.Name)
 		pl.order = slices.DeleteFunc(pl.order, func(x *policy) bool { return x == pol })
-		for _, w := range p.workers {
-			if w.adapter.holds == pol {
-				w.adapter.holds = &pl.stray
-			}
-			if w.adapter.target == pol {
-				w.adapter.switching, w.adapter.target = false, nil
-			}
-		}
-	}
-	if len(pl.order) == 0 {
-		pl.on = false // as before any was declared: every worker serves every job
+		p.retirePolicyLocked(pol)
 	}
 	p.dispatchLocked()
+}
+
+// retirePolicyLocked lets go of pol, no longer declared: its holders hold
+// a stray adapter, a worker switching to it is read back (a call may be
+// loading it), and its waiting jobs end.
+func (p *Pool) retirePolicyLocked(pol *policy) {
+	for _, w := range p.workers {
+		wa := &w.adapter
+		if wa.holds == pol {
+			wa.holds = &p.placement.stray
+		}
+		if wa.target == pol {
+			wa.switching, wa.target = false, nil
+			p.forgetAdapterLocked(w)
+		}
+	}
+	gone := &UnknownAdapterError{Name: pol.Name, Declared: p.adapterNamesLocked()}
+	for _, wt := range p.queue {
+		if wt.t.policy == pol {
+			wt.t.Cancel(gone)
+		}
+	}
 }
 
 // startPlacementLocked turns placement on: every worker's adapter is
@@ -211,18 +233,36 @@ func (p *Pool) UndeclareAdapters(adapters []Adapter) {
 func (p *Pool) startPlacementLocked() {
 	pl := &p.placement
 	pl.on = true
+	pl.placing.Store(true)
 	for _, w := range p.workers {
 		p.forgetAdapterLocked(w)
 	}
+	p.tickLocked()
+}
+
+// stopPlacementLocked turns placement off once no adapter is declared and
+// every worker is known to be on the base weights: from then on every
+// worker serves every job, as before any adapter was declared.
+func (p *Pool) stopPlacementLocked() {
+	pl := &p.placement
+	if len(pl.order) > 0 || slices.ContainsFunc(p.workers, func(w *worker) bool {
+		return !w.adapter.ready() || w.adapter.holds != &pl.base
+	}) {
+		return
+	}
+	pl.on = false
+	pl.placing.Store(false)
 }
 
 // forgetAdapterLocked makes w's adapter unknown: it serves nothing until
-// its /v1/list_loras is read (it joined, restarted or was read back).
+// its /v1/list_loras is read (it joined, restarted, failed a job or was
+// read back), and a call under way says nothing of it.
 func (p *Pool) forgetAdapterLocked(w *worker) {
 	if !p.placement.on {
 		return
 	}
 	w.adapter.known = false
+	w.adapter.epoch++
 	if w.adapter.holds == nil {
 		w.adapter.holds = &p.placement.stray
 	}
@@ -239,8 +279,8 @@ func (p *Pool) ResolveAdapter(t *Ticket, name string) error {
 		return nil
 	}
 	t.policy = &pl.base
-	if name == "" || p.isBaseModelLocked(name) {
-		return nil
+	if name == "" || len(pl.order) == 0 || p.isBaseModelLocked(name) {
+		return nil // with none declared (placement ends), every name is the base weights
 	}
 	pol := pl.policies[name]
 	if pol == nil {
@@ -279,12 +319,18 @@ func (p *Pool) restoreAdaptersLocked(recs []AdapterRecord) {
 	}
 }
 
-// AdaptersOn reports whether the pool places adapters.
+// AdaptersOn reports whether the pool has adapters declared: LoRA calls
+// through the router are then publishes.
 func (p *Pool) AdaptersOn() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.placement.on
+	return len(p.placement.order) > 0
 }
+
+// PlacesAdapters reports whether the pool places adapters now, so that
+// every job must name its own. It takes no lock: it is asked on every
+// job.
+func (p *Pool) PlacesAdapters() bool { return p.placement.placing.Load() }
 
 // AdapterPath is the path adapter name's latest publish loads; "" for
 // an adapter not declared.
@@ -322,19 +368,24 @@ func (p *Pool) Publish(name, path string, strength float64) (holders []string, v
 	holders = p.publishLocked(pol, path, strength)
 	p.dispatchLocked()
 	p.Changed()
-	base, _, _ := strings.Cut(p.versionLocked(), LoraSuffix)
-	return holders, pol.version(base), nil
+	return holders, pol.version(p.versionLocked()), nil
 }
 
-// publishLocked moves pol to path and sends its holders to load it.
+// publishLocked moves pol to path and sends its holders to load it. It
+// returns those that serve now, which load it as soon as their jobs end;
+// the others (down, asleep, held back) load it when they are back.
 func (p *Pool) publishLocked(pol *policy, path string, strength float64) (holders []string) {
 	pol.Path, pol.Strength = path, strength
 	pol.publish++
+	now := p.now().UnixNano()
 	for _, w := range p.workers {
 		wa := &w.adapter
-		if wa.holds == pol || wa.switching && wa.target == pol {
+		leaving := wa.switching && wa.target != pol
+		if wa.holds == pol && !leaving || wa.switching && wa.target == pol {
 			wa.switching, wa.target = true, pol
-			holders = append(holders, w.url)
+			if w.serving(now) {
+				holders = append(holders, w.url)
+			}
 		}
 	}
 	return holders
@@ -409,7 +460,7 @@ func (p *Pool) Adapters() []AdapterStats {
 		return nil
 	}
 	p.tallyLocked(p.now().UnixNano())
-	base, _, _ := strings.Cut(p.versionLocked(), LoraSuffix)
+	base := p.versionLocked()
 	out := make([]AdapterStats, 0, len(pl.order)+1)
 	for _, pol := range append([]*policy{&pl.base}, pl.order...) {
 		out = append(out, AdapterStats{
@@ -436,7 +487,7 @@ func (p *Pool) adapterInfoLocked(w *worker) (name, state string) {
 	}
 	switch {
 	case wa.switching && wa.target != nil:
-		return name, "switching to " + cmpName(wa.target)
+		return name, "switching to " + adapterName(wa.target.Name)
 	case !wa.known:
 		return name, "unknown"
 	case wa.holds == &p.placement.stray || wa.publish != wa.holds.publish:
@@ -445,10 +496,10 @@ func (p *Pool) adapterInfoLocked(w *worker) (name, state string) {
 	return name, "ready"
 }
 
-// cmpName names a policy for people: the base weights are "base".
-func cmpName(pol *policy) string {
-	if pol.Name == "" {
+// adapterName names an adapter for people: the base weights are "base".
+func adapterName(name string) string {
+	if name == "" {
 		return "base"
 	}
-	return pol.Name
+	return name
 }

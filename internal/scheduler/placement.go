@@ -3,9 +3,12 @@ package scheduler
 import (
 	"context"
 	"math"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // Placement decides which workers hold which adapter. Its rule is the
@@ -33,33 +36,59 @@ type Switcher interface {
 	Switch(ctx context.Context, workerURL string, a *Adapter, unmerge bool) (status int, message string, err error)
 }
 
-// UseSwitcher sets how the pool changes workers' adapters, and starts
-// placement's clock in the pool's background: it is called as the router
-// starts, not as a config is provisioned.
+// UseSwitcher sets how the pool changes workers' adapters: it is called
+// as the router starts, not as a config is provisioned, so that
+// provisioning calls no worker.
 func (p *Pool) UseSwitcher(s Switcher) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.placement.switcher = s
+	p.tickLocked()
+	p.dispatchLocked()
+}
+
+// tickLocked starts placement's clock in the pool's background, once the
+// pool places adapters and can switch them.
+func (p *Pool) tickLocked() {
 	pl := &p.placement
-	pl.switcher = s
-	if !pl.ticking {
+	if pl.on && pl.switcher != nil && !pl.ticking {
 		pl.ticking = true
 		p.bg.Go("adapter placement", p.tickPlacement)
 	}
-	p.dispatchLocked()
 }
 
 // policyTally is what placement counts of a policy on each pass.
 type policyTally struct {
-	waiting int     // jobs waiting
-	queued  float64 // their cost
-	head    *Ticket // the first of them in the queue's order
-	holders int     // workers holding it or switching to it
-	speed   float64 // their speeds' sum
-	work    float64 // the work they have before the waiting jobs, in cost units
+	waiting int            // jobs waiting
+	queued  float64        // their cost
+	head    *Ticket        // the first of them in the queue's order
+	tasks   []request.Task // what they need a worker to make
+	holders int            // workers holding it or switching to it
+	speed   float64        // their speeds' sum
+	work    float64        // the work they have before the waiting jobs, in cost units
 }
 
-// wait is how long the jobs waiting for pol would take its holders, in
-// seconds: +Inf with none.
+// join counts w, of the speed and work given, among the holders.
+func (t *policyTally) join(speed, work float64) {
+	t.holders++
+	t.speed += speed
+	t.work += work
+}
+
+// leave takes w, of the speed and work given, out of the holders.
+func (t *policyTally) leave(speed, work float64) {
+	t.holders--
+	t.speed -= speed
+	t.work -= work
+}
+
+// servableBy reports whether w can make what a waiting job needs.
+func (t *policyTally) servableBy(w *worker) bool {
+	return slices.ContainsFunc(t.tasks, w.can)
+}
+
+// wait is how long the jobs waiting would take the holders, in seconds:
+// 0 with none waiting, +Inf with no holder.
 func (t *policyTally) wait() float64 {
 	if t.queued == 0 {
 		return 0
@@ -112,6 +141,7 @@ func (p *Pool) placeLocked() {
 			p.callLocked(w, now)
 		}
 	}
+	p.stopPlacementLocked()
 }
 
 // tallyLocked counts, for each policy, the jobs waiting for it and its
@@ -130,14 +160,15 @@ func (p *Pool) tallyLocked(now int64) {
 			}
 			tl.waiting++
 			tl.queued += wt.t.Cost
+			if !slices.Contains(tl.tasks, wt.t.Task) {
+				tl.tasks = append(tl.tasks, wt.t.Task)
+			}
 		}
 	}
 	for _, w := range p.workers {
 		if pol := p.placedOnLocked(w, now); pol != nil {
-			tl := &pol.tally
-			tl.holders++
-			tl.speed += p.speedOfLocked(w)
-			tl.work += p.workLeftLocked(w, now) + p.switchLeftLocked(w, now)*p.speedOfLocked(w)
+			speed := p.speedOfLocked(w)
+			pol.tally.join(speed, p.workLeftLocked(w, now)+p.switchLeftLocked(w, now)*speed)
 		}
 	}
 }
@@ -181,25 +212,30 @@ func (p *Pool) switchCostLocked(w *worker) float64 {
 	return p.placement.cfg.SwitchPrior.Seconds()
 }
 
-// switchOneLocked decides one switch, the neediest policy's, and reports
-// whether it made one.
+// switchOneLocked decides one switch, for the neediest policy that some
+// worker should switch to, and reports whether it made one.
 func (p *Pool) switchOneLocked(now int64) bool {
 	pl := &p.placement
-	var needy *policy
+	needy := pl.needy[:0]
 	for _, pol := range append([]*policy{&pl.base}, pl.order...) {
-		if pol.tally.waiting > 0 && (needy == nil || p.needierLocked(pol, needy)) {
-			needy = pol
+		if pol.tally.waiting > 0 {
+			needy = append(needy, pol)
 		}
 	}
-	if needy == nil {
-		return false
+	pl.needy = needy
+	slices.SortFunc(needy, func(a, b *policy) int {
+		if p.needierLocked(a, b) {
+			return -1
+		}
+		return 1
+	})
+	for _, pol := range needy {
+		if w := p.donorLocked(pol, now); w != nil {
+			p.startSwitchLocked(w, pol, now)
+			return true
+		}
 	}
-	w := p.donorLocked(needy, now)
-	if w == nil {
-		return false
-	}
-	p.startSwitchLocked(w, needy, now)
-	return true
+	return false
 }
 
 // needierLocked reports whether policy a's waiting jobs come before b's:
@@ -251,31 +287,33 @@ func (p *Pool) donorLocked(pol *policy, now int64) *worker {
 func (p *Pool) switchLossLocked(w *worker, pol *policy, now int64) (float64, bool) {
 	wa := &w.adapter
 	from := p.placedOnLocked(w, now)
-	if !w.serving(now) || wa.switching || !wa.known || from == pol || !p.switchBudgetLocked(w, now) ||
-		!w.can(pol.tally.head.Task) {
+	if !w.serving(now) || wa.switching || wa.calling || !wa.known || from == pol || !p.switchBudgetLocked(w, now) ||
+		!pol.tally.servableBy(w) {
 		return 0, false
 	}
 	speed := p.speedOfLocked(w)
-	delay := p.workLeftLocked(w, now)/speed + p.switchCostLocked(w)
+	cost := p.switchCostLocked(w)
+	delay := p.workLeftLocked(w, now)/speed + cost
 	need := pol.tally.wait()
-	if need <= delay || pol.tally.holders >= pol.tally.waiting {
-		return 0, false // its holders finish the waiting jobs before w could start one of them
+	// A policy with holders gets another only when it gains more than a
+	// switch: so jobs arriving one by one do not draw every idle worker to
+	// the first policies they name.
+	if need <= delay || pol.tally.holders > 0 && need-delay <= cost {
+		return 0, false
 	}
 	if from == nil || from.tally.waiting == 0 {
 		return delay, true // it holds what nobody waits for
 	}
-	if float64(now-wa.since)/float64(time.Second) < p.switchCostLocked(w) {
+	if float64(now-wa.since)/float64(time.Second) < cost {
 		return 0, false // it has not yet served as long as its switch took
 	}
 	rest := from.tally
-	rest.holders--
-	rest.speed -= speed
-	rest.work -= p.workLeftLocked(w, now)
+	rest.leave(speed, p.workLeftLocked(w, now))
 	left := rest.wait()
 	if rest.holders == 0 {
 		return delay + left, p.takesTurnLocked(w, pol, from, now)
 	}
-	return delay + left, need > left+p.switchCostLocked(w)
+	return delay + left, need > left+cost
 }
 
 // takesTurnLocked reports whether pol, which has jobs waiting and no
@@ -314,22 +352,16 @@ func (p *Pool) startSwitchLocked(w *worker, pol *policy, now int64) {
 	from := p.placedOnLocked(w, now)
 	wa.switching, wa.target = true, pol
 	wa.recent = append(wa.recent, now)
-	speed := p.speedOfLocked(w)
+	speed, work, cost := p.speedOfLocked(w), p.workLeftLocked(w, now), p.switchCostLocked(w)
 	if from != nil {
-		tl := &from.tally
-		tl.holders--
-		tl.speed -= speed
-		tl.work -= p.workLeftLocked(w, now)
+		from.tally.leave(speed, work)
 	}
-	tl := &pol.tally
-	tl.holders++
-	tl.speed += speed
-	tl.work += p.workLeftLocked(w, now) + p.switchCostLocked(w)*speed
+	pol.tally.join(speed, work+cost*speed)
 	if tn := pol.tally.head.tenant; tn != nil {
-		tn.served += p.switchCostLocked(w) * speed / pol.tally.head.cfg.weight(tn.name)
+		tn.served += cost * speed / pol.tally.head.cfg.weight(tn.name)
 	}
 	if ce := p.logger.Check(zap.DebugLevel, "adapter switch decided"); ce != nil {
-		ce.Write(zap.String("worker", w.url), zap.String("to", cmpName(pol)), zap.Int("waiting", pol.tally.waiting))
+		ce.Write(zap.String("worker", w.url), zap.String("to", adapterName(pol.Name)), zap.Int("waiting", pol.tally.waiting))
 	}
 }
 
@@ -337,8 +369,8 @@ func (p *Pool) startSwitchLocked(w *worker, pol *policy, now int64) {
 // its adapter is unknown, and it runs no job and no other call.
 func (p *Pool) callDueLocked(w *worker, now int64) bool {
 	wa := &w.adapter
-	if wa.calling || (wa.known && !wa.switching) || w.load.inflight > 0 || now < wa.retryAt {
-		return false
+	if wa.calling || (wa.known && !wa.switching) || w.load.inflight > 0 || now < wa.retryAt || p.fleet.target != "" {
+		return false // not while a fleet operation changes the weights
 	}
 	return !w.life.dead && !w.life.removed && w.life.state == Serving && !w.health.down
 }
@@ -348,13 +380,15 @@ func (p *Pool) callDueLocked(w *worker, now int64) bool {
 func (p *Pool) callLocked(w *worker, now int64) {
 	wa := &w.adapter
 	wa.calling, wa.called = true, now
-	sw := p.placement.switcher
+	sw, epoch := p.placement.switcher, wa.epoch
 	if !wa.switching {
 		p.bg.Go("adapter check of "+w.url, func(ctx context.Context) {
 			name, path, err := sw.Active(ctx, w.url)
 			p.mu.Lock()
 			defer p.mu.Unlock()
-			p.checkedLocked(w, name, path, err)
+			if p.callCurrentLocked(w, epoch) {
+				p.checkedLocked(w, name, path, err)
+			}
 		})
 		return
 	}
@@ -375,8 +409,23 @@ func (p *Pool) callLocked(w *worker, now int64) {
 		}
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		p.switchedLocked(w, &sc)
+		if p.callCurrentLocked(w, epoch) {
+			p.switchedLocked(w, &sc)
+		}
 	})
+}
+
+// callCurrentLocked ends w's call begun at epoch, and reports whether what
+// it found still holds: no restart or failure made w's adapter unknown
+// meanwhile. If one did, w is read back anew.
+func (p *Pool) callCurrentLocked(w *worker, epoch uint64) bool {
+	w.adapter.calling = false
+	if w.adapter.epoch == epoch {
+		return true
+	}
+	p.wakeWaitersLocked()
+	p.dispatchLocked()
+	return false
 }
 
 // switchCall is a switch of one worker: what it was to load, and what
@@ -402,7 +451,6 @@ func (sc *switchCall) worked() bool {
 // placement will switch.
 func (p *Pool) checkedLocked(w *worker, name, path string, err error) {
 	wa := &w.adapter
-	wa.calling = false
 	now := p.now().UnixNano()
 	if err != nil {
 		wa.retryAt = now + int64(switchRetry)
@@ -434,7 +482,6 @@ func (p *Pool) switchedLocked(w *worker, sc *switchCall) {
 	wa := &w.adapter
 	now := p.now().UnixNano()
 	took := time.Duration(now - wa.called) // the switch and its check: what a job waits for
-	wa.calling = false
 	ok := sc.worked()
 	wa.last = SwitchResult{Adapter: sc.want.Name, Publish: sc.publish, OK: ok, Status: sc.status, Message: sc.message, At: now}
 	if ok {
@@ -463,28 +510,20 @@ func (p *Pool) switchFailedLocked(w *worker, sc *switchCall, now int64) {
 	if sc.err != nil {
 		wa.last.Message = sc.err.Error()
 	} else {
-		wa.last.Message = "the worker reports adapter " + orBase(sc.name) + " active after the switch"
+		wa.last.Message = "the worker reports adapter " + adapterName(sc.name) + " active after the switch"
 	}
 	p.logger.Warn("adapter switch failed; the worker serves nothing until its adapter is known",
-		zap.String("worker", w.url), zap.String("adapter", cmpName(sc.target)), zap.String("error", wa.last.Message))
+		zap.String("worker", w.url), zap.String("adapter", adapterName(sc.target.Name)), zap.String("error", wa.last.Message))
 }
 
 // learnSwitchCost folds a switch's seconds into a worker's learned switch
-// time: the mean of the last and the ones before, so that one slow switch
-// (a cold page cache) moves it only halfway.
+// time, a moving average that weighs the last switch by half: one slow
+// switch (a cold page cache) moves it only halfway.
 func learnSwitchCost(cost, secs float64) float64 {
 	if cost == 0 {
 		return secs
 	}
 	return (cost + secs) / 2
-}
-
-// orBase names an adapter nickname for people.
-func orBase(name string) string {
-	if name == "" {
-		return "none (the base weights)"
-	}
-	return name
 }
 
 // wakeWaitersLocked wakes what waits for a worker to change: drains and

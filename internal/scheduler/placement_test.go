@@ -3,11 +3,14 @@ package scheduler
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // fakeSwitcher is a fleet of sglang-diffusion workers as placement sees
@@ -65,6 +68,15 @@ func (s *fakeSwitcher) holding(u string) string {
 	return s.active[u].Name
 }
 
+// holdSwitches makes s's switches wait until the function returned is
+// called, as it is at the latest when the test ends.
+func holdSwitches(t *testing.T, s *fakeSwitcher) (release func()) {
+	s.gate = make(chan struct{})
+	release = sync.OnceFunc(func() { close(s.gate) })
+	t.Cleanup(release) // before the pool closes, which waits for the switches
+	return release
+}
+
 func (s *fakeSwitcher) count() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -78,6 +90,9 @@ func placedPool(t *testing.T, n int) (*Pool, *fakeSwitcher) {
 	p, clock := poolOf(t, n)
 	t.Cleanup(func() { _ = p.Close() })
 	sw := &fakeSwitcher{pool: p, clock: clock, took: 5 * time.Second, active: map[string]Adapter{}, broken: map[string]bool{}}
+	for _, u := range workerURLs(p) {
+		p.SetCapabilities(u, []string{"T2I"}, "m") // the base weights' version: m
+	}
 	p.DeclareAdapters([]Adapter{{Name: "a", Path: "/l/a"}, {Name: "b", Path: "/l/b"}, {Name: "c", Path: "/l/c"}, {Name: "d", Path: "/l/d"}},
 		PlacementConfig{SwitchPrior: 5 * time.Second, MaxSwitches: DefaultMaxSwitches, Turn: DefaultTurn})
 	p.UseSwitcher(sw)
@@ -125,8 +140,9 @@ func adapterJob(t *testing.T, p *Pool, cfg *Config, name string) (*Ticket, chan 
 	if err := p.ResolveAdapter(tk, name); err != nil {
 		t.Fatal(err)
 	}
+	ctx := tk.WithCancel(context.Background()) // as the router's jobs are
 	done := make(chan error, 1)
-	go func() { done <- p.Acquire(context.Background(), tk) }()
+	go func() { done <- p.Acquire(ctx, tk) }()
 	return tk, done
 }
 
@@ -389,7 +405,7 @@ func TestASwitchIsChargedToTheTenantWhoseJobAskedForIt(t *testing.T) {
 
 func TestTheBacklogCountsASwitchUnderWay(t *testing.T) {
 	p, sw := placedPool(t, 1)
-	sw.gate = make(chan struct{})
+	release := holdSwitches(t, sw)
 	cfg := config(LeastWork{}, 1)
 	tk, done := adapterJob(t, p, cfg, "a")
 	waitFor(t, "the switch to begin", func() bool { return strings.HasPrefix(p.Snapshot()[0].AdapterState, "switching") })
@@ -397,7 +413,7 @@ func TestTheBacklogCountsASwitchUnderWay(t *testing.T) {
 	if b := p.Backlog(); b != 6*time.Second {
 		t.Fatalf("backlog %v while the only worker switches for the only job; want 6s", b)
 	}
-	close(sw.gate)
+	release()
 	servedWith(t, sw, tk, done)
 }
 
@@ -410,4 +426,117 @@ func TestAHedgedCopyGoesOnlyToAWorkerHoldingItsAdapter(t *testing.T) {
 	if c := p.HedgeCopy(tk); c != nil {
 		t.Fatalf("a copy of a job of a went to %s, which holds b", c.servedBy)
 	}
+}
+
+func TestAWorkerServesNothingWhileACallToItRuns(t *testing.T) {
+	p, sw := placedPool(t, 1)
+	release := holdSwitches(t, sw)
+	cfg := config(LeastWork{}, 1)
+	adapterJob(t, p, cfg, "a")
+	waitFor(t, "the switch to a to begin", func() bool { return strings.HasPrefix(p.Snapshot()[0].AdapterState, "switching") })
+	// A reload drops a while set_lora(a) runs: the worker may have a merged.
+	p.UndeclareAdapters([]Adapter{{Name: "a", Path: "/l/a"}})
+	base, baseDone := adapterJob(t, p, cfg, "")
+	waitFor(t, "the base job to wait", func() bool { return queued(p) == 1 })
+	release()
+	if got := servedWith(t, sw, base, baseDone); got != "" {
+		t.Fatalf("the base job ran on adapter %q", got)
+	}
+}
+
+func TestWaitingJobsOfAnAdapterNoLongerDeclaredEnd(t *testing.T) {
+	p, sw := placedPool(t, 1)
+	cfg := config(LeastWork{}, 1)
+	runningJob(t, p, sw, cfg, "b")
+	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	if err := p.ResolveAdapter(tk, "a"); err != nil {
+		t.Fatal(err)
+	}
+	ctx := tk.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Acquire(ctx, tk) }()
+	waitFor(t, "a's job to wait", func() bool { return queued(p) == 1 })
+	p.UndeclareAdapters([]Adapter{{Name: "a", Path: "/l/a"}})
+	<-done
+	if _, ok := errors.AsType[*UnknownAdapterError](tk.Cancelled()); !ok {
+		t.Fatalf("the job ended with %v; want it told its adapter is not served", tk.Cancelled())
+	}
+	finishJobs(p)
+}
+
+func TestEveryNeedyAdapterIsConsideredNotOnlyTheNeediest(t *testing.T) {
+	p, sw := placedPool(t, 3)
+	cfg := config(LeastWork{}, 1)
+	holdEach(t, p, sw, cfg, "a", "b")
+	// a's holder, the one worker that makes videos, runs a long job, and a
+	// video of a waits: no worker may switch to a, the neediest, while b,
+	// with ten jobs waiting, may take the idle one.
+	long := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 60}
+	_ = p.ResolveAdapter(long, "a")
+	if err := p.Acquire(context.Background(), long); err != nil {
+		t.Fatal(err)
+	}
+	p.SetCapabilities(long.servedBy, []string{"T2V", "T2I"}, "m")
+	video := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Task: request.VideoTask}
+	_ = p.ResolveAdapter(video, "a")
+	go func() { _ = p.Acquire(context.Background(), video) }()
+	waitFor(t, "the video to wait", func() bool { return queued(p) == 1 })
+	runningJob(t, p, sw, cfg, "b")
+	for range 10 {
+		adapterJob(t, p, cfg, "b")
+	}
+	waitFor(t, "a second worker to hold b", func() bool { return holders(p)["b"] == 2 })
+	finishJobs(p)
+}
+
+func TestAJobBehindALongOneGetsAnotherWorker(t *testing.T) {
+	p, sw := placedPool(t, 2)
+	cfg := config(LeastWork{}, 1)
+	holdEach(t, p, sw, cfg, "a")
+	long := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 600}
+	_ = p.ResolveAdapter(long, "a")
+	if err := p.Acquire(context.Background(), long); err != nil {
+		t.Fatal(err)
+	}
+	tk, done := adapterJob(t, p, cfg, "a")
+	if got := servedWith(t, sw, tk, done); got != "a" || tk.servedBy == long.servedBy {
+		t.Fatalf("the job ran on %s holding %q; want the other worker, switched to a", tk.servedBy, got)
+	}
+	finishJobs(p)
+}
+
+func TestAPublishDoesNotWaitForAHolderThatIsDown(t *testing.T) {
+	p, sw := placedPool(t, 2)
+	cfg := config(LeastWork{}, 1)
+	holdEach(t, p, sw, cfg, "a")
+	p.mu.Lock()
+	for _, w := range p.workers {
+		w.health.down = w.adapter.holds.Name == "a"
+	}
+	p.mu.Unlock()
+	holdersOfA, _, err := p.Publish("a", "/l/a2", 0)
+	if err != nil || len(holdersOfA) != 0 {
+		t.Fatalf("publish waits for %v (%v); want none: a's only holder is down", holdersOfA, err)
+	}
+}
+
+func TestJobsArrivingOneByOneGiveEachAdapterAWorker(t *testing.T) {
+	p, sw := placedPool(t, 4)
+	release := holdSwitches(t, sw)
+	cfg := config(LeastWork{}, 1)
+	names := []string{"a", "b", "c", "d"}
+	rng := rand.New(rand.NewPCG(1, 0))
+	for i := range 40 {
+		adapterJob(t, p, cfg, names[rng.IntN(4)])
+		waitFor(t, "the job to wait", func() bool { return queued(p) == i+1 })
+	}
+	targets := map[string]int{}
+	for _, w := range p.Snapshot() {
+		targets[w.AdapterState]++
+	}
+	release()
+	if len(targets) != 4 {
+		t.Fatalf("switches %v; want one worker to each adapter", targets)
+	}
+	finishJobs(p)
 }

@@ -479,6 +479,9 @@ func (p *Pool) SetDead(url string, dead bool) (WorkerInfo, bool) {
 		return WorkerInfo{}, false
 	}
 	w.life.dead = dead
+	if !dead {
+		p.forgetAdapterLocked(w) // held back, perhaps to be restarted
+	}
 	p.holdIfBehindLocked(w) // back after an update it was held out of
 	p.dispatchLocked()
 	p.Changed()

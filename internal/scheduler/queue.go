@@ -393,7 +393,17 @@ func (p *Pool) updateEndsLocked(w *worker) {
 // or will once an update to upcoming ends.
 func (t *Ticket) mayServe(w *worker, upcoming string) bool {
 	return w.can(t.Task) && (t.Pin == "" || w.url == t.Pin) && !slices.Contains(t.tried, w) &&
-		(t.WantVersion == "" || w.life.version == t.WantVersion || upcoming == t.WantVersion)
+		(t.WantVersion == "" || t.versionOn(w.life.version) == t.WantVersion || upcoming == t.WantVersion)
+}
+
+// versionOn is the weight version t's job is served with by a worker on
+// weight version v: with its adapter, while adapters are placed; "" while
+// v is not known.
+func (t *Ticket) versionOn(v string) string {
+	if t.policy == nil || !t.Job || v == "" {
+		return v
+	}
+	return t.policy.version(v)
 }
 
 // waitErrorLocked says why t may not wait in the queue for a worker, or
@@ -422,10 +432,7 @@ func (p *Pool) waitErrorLocked(t *Ticket) error {
 }
 
 func (p *Pool) assignLocked(t *Ticket, w *worker) {
-	t.worker, t.servedBy, t.servedVersion = w, w.url, w.life.version
-	if t.policy != nil && t.Job {
-		t.servedVersion = t.policy.version(w.life.version)
-	}
+	t.worker, t.servedBy, t.servedVersion = w, w.url, t.versionOn(w.life.version)
 	if !t.Job {
 		return
 	}
@@ -478,6 +485,7 @@ func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 	case Failed, Overtaken:
 		w.stats.failures++
 		w.evidence.consecFails++
+		p.forgetAdapterLocked(w) // it may have restarted: read its adapter back before its next job
 	}
 	ejected = p.noteOutcomeLocked(w, o, t.cfg.Health)
 	if !t.Job {
@@ -752,7 +760,7 @@ func (t *Ticket) VersionServed() string {
 	if t.servedVersion != "" || t.pool == nil {
 		return t.servedVersion
 	}
-	return t.pool.Version()
+	return t.versionOn(t.pool.Version())
 }
 
 // OutcomeOf tells how the exchange with the worker ended, as evidence of

@@ -256,6 +256,8 @@ func (p *Pool) drainedLocked(urls []string, health *HealthConfig) (hung []string
 			// A job of it overran: one a copy overtook may still hold
 			// its GPU, and a call would wait behind it.
 			hung = append(hung, u)
+		case w.adapter.calling: // a LoRA call under way: an update must not overlap it
+			busy = true
 		case w.load.inflight == 0:
 		case health == nil || w.load.jobs[0].held: // a held video job ends when its polls say so; it never hangs
 			busy = true
