@@ -284,13 +284,13 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 	t.Sent = true
 	t.Attempts++
 	t.Lookups = 0
-	ctx, endSpan := traceAttempt(ctx, rec.tracer, t, race != nil && t != race.primary)
+	ctx, end := traceAttempt(ctx, rec.tracer, t, race != nil && t != race.primary)
 	err := serve(next, rec, r.WithContext(ctx))
 	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil {
 		err = fmt.Errorf("%w: %w", errUpstreamTimeout, err)
 	}
 	err = h.settle(rec, r, s, err, ctx.Err() != nil)
-	endSpan(err, attribute.Int("http.response.status_code", heldStatus(rec)))
+	end(err, attribute.Int("http.response.status_code", heldStatus(rec)))
 	if rec.held != nil && h.rerunCause(r, rec, t, err) != noRerun {
 		return err // pool.retry releases the worker
 	}
