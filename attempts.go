@@ -250,7 +250,8 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
 		defer cancel()
 	}
-	s := &slot{h: h, t: t, race: race}
+	rec.slot = slot{h: h, t: t, r: r, race: race}
+	s := &rec.slot
 	defer func() {
 		// An answer that broke off after it began to reach the client
 		// aborts the client's, by http.ErrAbortHandler (see serve). The
@@ -271,6 +272,7 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		}
 	}()
 	rec.ticket, rec.answers = t, h.answersFor(r)
+	rec.freeEarly = false
 	switch {
 	case readsVideoJob(r, t.Route):
 		rec.peekLimit = maxVideoResponsePeek
@@ -278,7 +280,7 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		// The worker generates while it sends events: its slot is taken
 		// until the stream ends.
 	default:
-		rec.onHeader = func(status int) { s.release(outcomeOf(r, t, nil, status)) }
+		rec.freeEarly = true
 	}
 	h.learnImageJobs(rec, r, t)
 	t.Sent = true
@@ -323,7 +325,8 @@ func (h *Handler) settle(rec *recorder, r *http.Request, s *slot, err error, end
 type slot struct {
 	h        *Handler
 	t        *scheduler.Ticket
-	race     *hedge // when t's job may get a copy
+	r        *http.Request // the attempt's request
+	race     *hedge        // when t's job may get a copy
 	released bool
 }
 

@@ -41,9 +41,13 @@ const weightVersionHeader = "X-Weight-Version"
 type recorder struct {
 	// A value, not a pointer: one allocation per request rather than two.
 	caddyhttp.ResponseWriterWrapper
-	ticket    *scheduler.Ticket
-	onHeader  func(status int) // called once the final status is known
-	status    int              // the status the client got; 0 until then
+	ticket *scheduler.Ticket
+	// slot is the claim of the attempt under way on its worker, kept here
+	// by value: a recorder serves one attempt at a time, and the slot
+	// costs no allocation of its own.
+	slot      slot
+	freeEarly bool // release slot as the answer begins (see send)
+	status    int  // the status the client got; 0 until then
 	peekLimit int
 	peek      []byte
 	held      *heldAnswer // the answer of an attempt, until it is known to be the client's
@@ -149,11 +153,13 @@ func (rec *recorder) WriteHeader(status int) {
 	rec.ResponseWriterWrapper.WriteHeader(status)
 }
 
-// answered tells onHeader, once, that the worker's answer has begun.
+// answered releases the attempt's worker, once, as its answer begins,
+// when the attempt frees it early.
 func (rec *recorder) answered(status int) {
-	if rec.onHeader != nil {
-		rec.onHeader(status)
-		rec.onHeader = nil
+	if rec.freeEarly {
+		rec.freeEarly = false
+		s := &rec.slot
+		s.release(outcomeOf(s.r, s.t, nil, status))
 	}
 }
 
