@@ -74,10 +74,11 @@ type heldAnswers struct {
 type heldAnswer struct {
 	header http.Header
 	judge  func(status int) verdict // nil: every answer is the client's
-	// claim, when set, makes the answer the client's unless another
-	// copy's already is (a hedge's race); it is asked as the answer is
-	// let through.
-	claim     func() bool
+	// race, when set, is the hedge's race the answer is in, as racer's:
+	// it becomes the client's only if no other copy's already is. It is
+	// claimed as the answer is let through.
+	race      *hedge
+	racer     *scheduler.Ticket
 	rerun     bool // the job may run again after this answer
 	state     verdict
 	status    int    // the worker's status; 0 until it answered
@@ -222,7 +223,7 @@ func (rec *recorder) checkStream(a *heldAnswer) {
 // copy's: the held header becomes the client's.
 func (rec *recorder) letThrough() bool {
 	a := rec.held
-	if a.claim != nil && !a.claim() {
+	if a.race != nil && !a.race.claim(a.racer) {
 		a.state = lost
 		return false
 	}
