@@ -26,14 +26,9 @@ const maxImageAnswerPeek = 1 << 10
 // whether the image job it deleted is gone (then forgotten). A client can
 // thus use an id as soon as it reads it, even while the rest of the answer,
 // or of the stream, is on its way.
-func (h *Handler) learnImageJobs(rec *recorder, r *http.Request, t *scheduler.Ticket) {
-	learn := imageLearningOf(r, t)
-	if learn == learnNothing {
-		return
-	}
-	rec.peekLimit = maxImageAnswerPeek
-	rec.onPeek = func(peek []byte) bool {
-		return rec.status < 200 || rec.status > 299 || h.learnImage(learn, peek, t)
+func learnImageJobs(rec *recorder, r *http.Request, t *scheduler.Ticket) {
+	if rec.learn = imageLearningOf(r, t); rec.learn != learnNothing {
+		rec.peekLimit = maxImageAnswerPeek
 	}
 }
 
