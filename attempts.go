@@ -53,16 +53,16 @@ var asleepMessage = []byte("Server is sleeping. Call resume_memory_occupation fi
 // client until it is known to be the one the client gets.
 func (h *Handler) proxy(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler) error {
 	for {
-		var judge func(int) verdict // nil: every answer is the client's
+		var j judge // the zero judge: every answer is the client's
 		rerun := h.mayRunAgain(r, t)
 		if rerun {
-			judge = h.judge(t)
+			j = judge{h: h, t: t}
 		}
 		var err error
 		if h.hedges(t) {
-			err = h.sendHedged(rec, r, t, next, judge, rerun)
+			err = h.sendHedged(rec, r, t, next, j, rerun)
 		} else {
-			rec.hold(judge, rerun)
+			rec.hold(j, rerun)
 			err = h.send(rec, r, r.Context(), t, next, nil)
 		}
 		cause := h.rerunCause(r, rec, t, err)
@@ -142,21 +142,31 @@ func (h *Handler) mayRunAgain(r *http.Request, t *scheduler.Ticket) bool {
 	return t.Job || t.Pin == "" && (r.Method == http.MethodGet || r.Method == http.MethodHead)
 }
 
-// judge says which of a worker's answers to r the client must not get
-// while r may still run elsewhere.
-func (h *Handler) judge(t *scheduler.Ticket) func(status int) verdict {
-	mayRerunAnswer := answerMayRunAgain(t)
-	return func(status int) verdict {
-		switch {
-		case !mayRerunAnswer:
-			return pass
-		case status == http.StatusInternalServerError:
-			return read // it may say the worker is asleep
-		case status >= 500 || slices.Contains(h.LoadBalancing.RetryOn, status):
-			return drop
-		}
-		return pass
+// judge says which of a worker's answers to t the client must not get
+// while t may still run elsewhere. The zero judge lets every answer
+// through. A value, not a closure: one allocation per job fewer.
+type judge struct {
+	h *Handler
+	t *scheduler.Ticket
+	// copy judges a hedge's copy, whose failure is no answer and never
+	// runs the job again: an answer not let through is lost.
+	copy bool
+}
+
+// verdict is what becomes of an answer of status.
+func (j judge) verdict(status int) verdict {
+	v := pass
+	switch {
+	case j.h == nil || !answerMayRunAgain(j.t):
+	case status == http.StatusInternalServerError:
+		v = read // it may say the worker is asleep
+	case status >= 500 || slices.Contains(j.h.LoadBalancing.RetryOn, status):
+		v = drop
 	}
+	if j.copy && v != pass {
+		return lost
+	}
+	return v
 }
 
 // answerMayRunAgain reports whether t may run again after its worker
@@ -250,7 +260,8 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
 		defer cancel()
 	}
-	s := &slot{h: h, t: t, race: race}
+	rec.slot = slot{h: h, t: t, r: r, race: race}
+	s := &rec.slot
 	defer func() {
 		// An answer that broke off after it began to reach the client
 		// aborts the client's, by http.ErrAbortHandler (see serve). The
@@ -271,6 +282,7 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		}
 	}()
 	rec.ticket, rec.answers = t, h.answersFor(r)
+	rec.freeEarly = false
 	switch {
 	case readsVideoJob(r, t.Route):
 		rec.peekLimit = maxVideoResponsePeek
@@ -278,19 +290,19 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		// The worker generates while it sends events: its slot is taken
 		// until the stream ends.
 	default:
-		rec.onHeader = func(status int) { s.release(outcomeOf(r, t, nil, status)) }
+		rec.freeEarly = true
 	}
-	h.learnImageJobs(rec, r, t)
+	learnImageJobs(rec, r, t)
 	t.Sent = true
 	t.Attempts++
 	t.Lookups = 0
-	ctx, endSpan := traceAttempt(ctx, rec.tracer, t, race != nil && t != race.primary)
+	ctx, end := traceAttempt(ctx, rec.tracer, t, race != nil && t != race.primary)
 	err := serve(next, rec, r.WithContext(ctx))
 	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil {
 		err = fmt.Errorf("%w: %w", errUpstreamTimeout, err)
 	}
 	err = h.settle(rec, r, s, err, ctx.Err() != nil)
-	endSpan(err, attribute.Int("http.response.status_code", heldStatus(rec)))
+	end(err, attribute.Int("http.response.status_code", heldStatus(rec)))
 	if rec.held != nil && h.rerunCause(r, rec, t, err) != noRerun {
 		return err // pool.retry releases the worker
 	}
@@ -323,7 +335,8 @@ func (h *Handler) settle(rec *recorder, r *http.Request, s *slot, err error, end
 type slot struct {
 	h        *Handler
 	t        *scheduler.Ticket
-	race     *hedge // when t's job may get a copy
+	r        *http.Request // the attempt's request
+	race     *hedge        // when t's job may get a copy
 	released bool
 }
 

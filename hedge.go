@@ -70,10 +70,10 @@ func (h *Handler) hedges(t *scheduler.Ticket) bool {
 }
 
 // sendHedged is send with copies of the job launched on idle workers
-// while the attempt, and then each copy, overruns. judge is the attempt's
-// own rule for answers (nil: every answer is the client's), rerun whether
+// while the attempt, and then each copy, overruns. j is the attempt's
+// own rule for answers, rerun whether
 // the job may run again after it.
-func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler, judge func(int) verdict, rerun bool) error {
+func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler, j judge, rerun bool) error {
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
@@ -83,7 +83,7 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	// allocated apart from the hedge until a copy is launched.
 	hd.live = append(hd.liveBuf[:0], liveAttempt{t, cancel})
 	hd.copyOver.L = &hd.mu
-	rec.hold(judge, rerun).claim = func() bool { return hd.claim(t) }
+	hd.enter(rec.hold(j, rerun), t)
 	hd.mu.Lock()
 	hd.timer = time.AfterFunc(hd.wait(), hd.fire)
 	hd.mu.Unlock()
@@ -154,6 +154,11 @@ func (hd *hedge) wait() time.Duration {
 	floor := t.Config().Health.Timeout
 	due := max(time.Duration(float64(t.Due())*t.Config().HedgeAfter), floor)
 	return min(due-time.Since(hd.lastSince), floor)
+}
+
+// enter enters a, the answer held for t's attempt, in the race.
+func (hd *hedge) enter(a *heldAnswer, t *scheduler.Ticket) {
+	a.race, a.racer = hd, t
 }
 
 // claim makes t's answer the client's unless another's already is, and
@@ -258,13 +263,7 @@ func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
 	}()
 	// A copy's failure is no answer, and never runs the job again: the
 	// attempt goes on.
-	judge := hd.h.judge(c)
-	rec.hold(func(status int) verdict {
-		if judge(status) != pass {
-			return lost
-		}
-		return pass
-	}, false).claim = func() bool { return hd.claim(c) }
+	hd.enter(rec.hold(judge{h: hd.h, t: c, copy: true}, false), c)
 	r := *hd.r // reverse_proxy copies what it changes of a request
 	r.Body = io.NopCloser(bytes.NewReader(c.Body))
 	hd.h.send(rec, &r, ctx, c, hd.next, hd)

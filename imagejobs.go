@@ -26,29 +26,49 @@ const maxImageAnswerPeek = 1 << 10
 // whether the image job it deleted is gone (then forgotten). A client can
 // thus use an id as soon as it reads it, even while the rest of the answer,
 // or of the stream, is on its way.
-func (h *Handler) learnImageJobs(rec *recorder, r *http.Request, t *scheduler.Ticket) {
-	var learn func(answer []byte) bool
+func learnImageJobs(rec *recorder, r *http.Request, t *scheduler.Ticket) {
+	if rec.learn = imageLearningOf(r, t); rec.learn != learnNothing {
+		rec.peekLimit = maxImageAnswerPeek
+	}
+}
+
+// imageLearning is what an answer tells of the worker's image jobs.
+type imageLearning uint8
+
+const (
+	learnNothing  imageLearning = iota
+	learnMade                   // the answer names the image job it made
+	learnStreamed               // the stream's first event names it
+	learnDeleted                // the answer says whether the job it deleted is gone
+)
+
+// imageLearningOf is what the answer to r, with ticket t, tells.
+func imageLearningOf(r *http.Request, t *scheduler.Ticket) imageLearning {
 	switch {
 	case r.Method == http.MethodPost && t.Route.Kind == request.ImageStream:
-		learn = func(answer []byte) bool { return h.rememberImage(firstEventData(answer), t) }
+		return learnStreamed
 	case r.Method == http.MethodPost && t.Route.LearnsImageID:
-		learn = func(answer []byte) bool { return h.rememberImage(answer, t) }
+		return learnMade
 	case r.Method == http.MethodDelete && t.Pin != "" && t.Route.Kind == request.ImagePoll:
-		id := t.Route.JobID
-		learn = func(answer []byte) bool {
-			status, ok := leadingString(answer, "status")
-			if status == "deleted" { // not "cancelling": a stream still running is still there
-				h.pool.Images().Forget(id)
-			}
-			return ok
-		}
-	default:
-		return
+		return learnDeleted
 	}
-	rec.peekLimit = maxImageAnswerPeek
-	rec.onPeek = func(peek []byte) bool {
-		return rec.status < 200 || rec.status > 299 || learn(peek)
+	return learnNothing
+}
+
+// learnImage learns what answer, the start of a 2xx answer to t, tells,
+// and reports whether it had what it needed.
+func (h *Handler) learnImage(learn imageLearning, answer []byte, t *scheduler.Ticket) bool {
+	switch learn {
+	case learnStreamed:
+		return h.rememberImage(firstEventData(answer), t)
+	case learnMade:
+		return h.rememberImage(answer, t)
 	}
+	status, ok := leadingString(answer, "status")
+	if status == "deleted" { // not "cancelling": a stream still running is still there
+		h.pool.Images().Forget(t.Route.JobID)
+	}
+	return ok
 }
 
 // rememberImage remembers the image job that answer, a JSON object, names

@@ -41,19 +41,27 @@ const weightVersionHeader = "X-Weight-Version"
 type recorder struct {
 	// A value, not a pointer: one allocation per request rather than two.
 	caddyhttp.ResponseWriterWrapper
-	ticket    *scheduler.Ticket
-	onHeader  func(status int) // called once the final status is known
-	status    int              // the status the client got; 0 until then
+	ticket *scheduler.Ticket
+	// slot is the claim of the attempt under way on its worker, kept here
+	// by value: a recorder serves one attempt at a time, and the slot
+	// costs no allocation of its own.
+	slot      slot
+	freeEarly bool // release slot as the answer begins (see send)
+	status    int  // the status the client got; 0 until then
 	peekLimit int
 	peek      []byte
 	held      *heldAnswer // the answer of an attempt, until it is known to be the client's
+	// heldBuf is where held points while an answer is held: a recorder
+	// holds one answer at a time, which thus costs no allocation of its own.
+	heldBuf heldAnswer
 	// answers, when set, are the answers held back until they are whole
 	// (a worker's, not the router's own); nil holds and checks nothing.
 	answers *heldAnswers
 	stream  *answer.Stream // the check of a 2xx answer streaming to the client
-	// onPeek, when set, reads the peek each time it grows, before the
-	// bytes that grew it go out, until it reports it has what it needs.
-	onPeek func(peek []byte) (done bool)
+	// learn, when set, is what the peek tells of the worker's image jobs:
+	// it is read each time it grows, before the bytes that grew it go out,
+	// until it had what it needs (see learnImageJobs).
+	learn  imageLearning
 	tracer trace.Tracer // the job's, when its site traces requests; nil: not traced
 }
 
@@ -69,11 +77,12 @@ type heldAnswers struct {
 // while a 2xx answer has not all come and been checked.
 type heldAnswer struct {
 	header http.Header
-	judge  func(status int) verdict // nil: every answer is the client's
-	// claim, when set, makes the answer the client's unless another
-	// copy's already is (a hedge's race); it is asked as the answer is
-	// let through.
-	claim     func() bool
+	judge  judge
+	// race, when set, is the hedge's race the answer is in, as racer's:
+	// it becomes the client's only if no other copy's already is. It is
+	// claimed as the answer is let through.
+	race      *hedge
+	racer     *scheduler.Ticket
 	rerun     bool // the job may run again after this answer
 	state     verdict
 	status    int    // the worker's status; 0 until it answered
@@ -102,11 +111,11 @@ const (
 // are short; one being read that outgrows this is passed on.
 const heldBodyLimit = 16 << 10
 
-// hold makes rec keep the next answer from the client until judge (nil:
-// any answer) lets it through; rerun says whether the job may run again
-// after it.
-func (rec *recorder) hold(judge func(status int) verdict, rerun bool) *heldAnswer {
-	rec.held = &heldAnswer{header: make(http.Header), judge: judge, rerun: rerun}
+// hold makes rec keep the next answer from the client until j lets it
+// through; rerun says whether the job may run again after it.
+func (rec *recorder) hold(j judge, rerun bool) *heldAnswer {
+	rec.heldBuf = heldAnswer{header: make(http.Header), judge: j, rerun: rerun}
+	rec.held = &rec.heldBuf
 	return rec.held
 }
 
@@ -126,10 +135,7 @@ func (rec *recorder) WriteHeader(status int) {
 		if status < 200 || a.state != undecided {
 			return
 		}
-		a.status, a.state = status, pass
-		if a.judge != nil {
-			a.state = a.judge(status)
-		}
+		a.status, a.state = status, a.judge.verdict(status)
 		if a.state != pass || rec.keep(a) || !rec.letThrough() {
 			return
 		}
@@ -149,11 +155,13 @@ func (rec *recorder) WriteHeader(status int) {
 	rec.ResponseWriterWrapper.WriteHeader(status)
 }
 
-// answered tells onHeader, once, that the worker's answer has begun.
+// answered releases the attempt's worker, once, as its answer begins,
+// when the attempt frees it early.
 func (rec *recorder) answered(status int) {
-	if rec.onHeader != nil {
-		rec.onHeader(status)
-		rec.onHeader = nil
+	if rec.freeEarly {
+		rec.freeEarly = false
+		s := &rec.slot
+		s.release(outcomeOf(s.r, s.t, nil, status))
 	}
 }
 
@@ -216,7 +224,7 @@ func (rec *recorder) checkStream(a *heldAnswer) {
 // copy's: the held header becomes the client's.
 func (rec *recorder) letThrough() bool {
 	a := rec.held
-	if a.claim != nil && !a.claim() {
+	if a.race != nil && !a.race.claim(a.racer) {
 		a.state = lost
 		return false
 	}
@@ -334,17 +342,28 @@ func (rec *recorder) Write(b []byte) (int, error) {
 }
 
 // observe keeps b, the next bytes of the answer within peekLimit, or
-// hands them to onPeek. What onPeek reads from the first write alone (an
+// learns from them. What is learned from the first write alone (an
 // answer's start usually comes whole) is not copied.
 func (rec *recorder) observe(b []byte) {
-	if len(rec.peek) == 0 && rec.onPeek != nil && rec.onPeek(b) {
-		rec.onPeek, rec.peekLimit = nil, 0
+	if len(rec.peek) == 0 && rec.learned(b) {
+		rec.learn, rec.peekLimit = learnNothing, 0
 		return
 	}
 	rec.peek = append(rec.peek, b...)
-	if rec.onPeek != nil && rec.onPeek(rec.peek) {
-		rec.onPeek, rec.peekLimit = nil, len(rec.peek)
+	if rec.learned(rec.peek) {
+		rec.learn, rec.peekLimit = learnNothing, len(rec.peek)
 	}
+}
+
+// learned learns what peek, the start of the attempt's answer, tells of
+// the worker's image jobs, and reports whether it had all it needed:
+// an answer that is no 2xx tells nothing.
+func (rec *recorder) learned(peek []byte) bool {
+	if rec.learn == learnNothing {
+		return false
+	}
+	s := &rec.slot
+	return rec.status < 200 || rec.status > 299 || s.h.learnImage(rec.learn, peek, s.t)
 }
 
 // holdBytes keeps b, the next bytes of a held answer.

@@ -160,6 +160,11 @@ func (s *Store) markReady() { s.setReady.Do(func() { close(s.ready) }) }
 func (s *Store) AwaitReady(ctx context.Context) {
 	select {
 	case <-s.ready:
+		return // as for every request once the pool has started: no select over ctx too
+	default:
+	}
+	select {
+	case <-s.ready:
 	case <-ctx.Done():
 	}
 }

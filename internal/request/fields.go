@@ -55,6 +55,10 @@ var costFieldNames = [...]string{
 // for it) on /v1/videos, extra_sampling_params on /rollout/generate.
 var overrideNames = [...]string{"extra_body", "extra_json", "extra_sampling_params"}
 
+// bodyNames are the members of a JSON body the router reads: the cost
+// fields, then the override objects.
+var bodyNames = slices.Concat(costFieldNames[:], overrideNames[:])
+
 // maxFieldBytes bounds a plain form field the router keeps; extra_body,
 // JSON text that must be read whole, is read whole.
 const maxFieldBytes = 4 << 10
@@ -77,40 +81,39 @@ func ReadFields(body []byte, contentType string) (Fields, error) {
 // jsonFields reads a JSON object body by exact key, as the workers do: its
 // cost fields, and its override objects.
 func jsonFields(body []byte) (Fields, error) {
-	members, err := strictjson.Object(body)
+	values, err := strictjson.Pick(body, bodyNames)
 	if err != nil {
 		return nil, err
 	}
-	f := costFields(members, false)
-	for _, name := range overrideNames {
-		raw, ok := members[name]
-		switch {
-		case !ok || string(raw) == "null": // None: nothing to merge
+	f := costFields(values[:len(costFieldNames)], false)
+	for i, name := range overrideNames {
+		switch raw := values[len(costFieldNames)+i]; {
+		case raw == nil || string(raw) == "null": // None: nothing to merge
 		case raw[0] == '{':
-			object, _ := strictjson.Object(raw) // checked with the body
+			object, _ := strictjson.Pick(raw, costFieldNames[:]) // checked with the body
 			f[name] = costFields(object, true)
 		default:
-			f[name] = strictjson.Member(members, name)
+			f[name] = strictjson.Value(raw)
 		}
 	}
 	return f, nil
 }
 
-// costFields are the cost fields of members. A null is no value at the top
-// level (pydantic's None, the default); in an override object it is
+// costFields are the cost fields of an object, whose members values gives
+// in the order of costFieldNames (nil: absent). A null is no value at the
+// top level (pydantic's None, the default); in an override object it is
 // cleared, which undoes the top level's value.
-func costFields(members map[string]json.RawMessage, keepNulls bool) Fields {
+func costFields(values []json.RawMessage, keepNulls bool) Fields {
 	f := Fields{}
-	for _, name := range costFieldNames {
-		raw, ok := members[name]
-		switch {
-		case !ok:
+	for i, name := range costFieldNames {
+		switch raw := values[i]; {
+		case raw == nil:
 		case string(raw) == "null":
 			if keepNulls {
 				f[name] = cleared{}
 			}
 		default:
-			f[name] = strictjson.Member(members, name)
+			f[name] = strictjson.Value(raw)
 		}
 	}
 	return f
@@ -208,14 +211,14 @@ func (f Fields) object(name string) (Fields, error) {
 	case Fields:
 		return v, nil
 	case string:
-		members, err := strictjson.Object([]byte(v))
+		values, err := strictjson.Pick([]byte(v), costFieldNames[:])
 		switch {
 		case errors.Is(err, strictjson.ErrNotObject):
 			return nil, nil
 		case err != nil:
 			return nil, &FieldError{name, "is not valid JSON: " + err.Error()}
 		}
-		return costFields(members, true), nil
+		return costFields(values, true), nil
 	}
 	return nil, nil
 }

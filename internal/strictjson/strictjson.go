@@ -71,11 +71,8 @@ func Object(body []byte) (map[string]json.RawMessage, error) {
 // follows can take the body to be well formed: it runs on every
 // generation, and allocates only for the keys it keeps.
 func Scan(body []byte) (map[string]json.RawMessage, error) {
-	if !json.Valid(body) {
-		if nestedBeyond(body, MaxDepth) {
-			return nil, ErrTooDeep
-		}
-		return nil, ErrInvalid
+	if err := checkSyntax(body); err != nil {
+		return nil, err
 	}
 	s := keyScan{body: body}
 	s.space()
@@ -86,17 +83,51 @@ func Scan(body []byte) (map[string]json.RawMessage, error) {
 	return members, s.object(members)
 }
 
+// Pick reads body as Object does, and returns the members named in
+// names, in their order: nil where body has none. Unlike Object, it
+// keeps nothing else of the body and allocates nothing for its keys.
+func Pick(body []byte, names []string) ([]json.RawMessage, error) {
+	if err := checkSyntax(body); err != nil {
+		return nil, err
+	}
+	s := keyScan{body: body, pick: names, picked: make([]json.RawMessage, len(names))}
+	s.space()
+	if s.body[s.i] != '{' {
+		if err := s.value(); err != nil {
+			return nil, err
+		}
+		return nil, ErrNotObject
+	}
+	return s.picked, s.object(nil)
+}
+
+// checkSyntax checks that body is one well-formed JSON value, with
+// encoding/json, before the walk over its keys.
+func checkSyntax(body []byte) error {
+	if json.Valid(body) {
+		return nil
+	}
+	if nestedBeyond(body, MaxDepth) {
+		return ErrTooDeep
+	}
+	return ErrInvalid
+}
+
 // keyScan walks well-formed JSON, checking the keys of every object.
 type keyScan struct {
 	body []byte
 	i    int
 	path []jsonFrame // the objects and arrays the walk is in, for messages
+	// pick names the members of the top-level object that go to picked,
+	// by their index in pick (see Pick).
+	pick   []string
+	picked []json.RawMessage
 }
 
 // jsonFrame is where in its parent an object or array is: a member's key,
-// or an element's index (key "" and index >= 0).
+// or an element's index (key nil and index >= 0).
 type jsonFrame struct {
-	key   string
+	key   []byte
 	index int
 }
 
@@ -141,8 +172,9 @@ func (s *keyScan) skipString() (hasEscape bool) {
 // object walks the object at s.i; its members go to members when that is
 // not nil.
 func (s *keyScan) object(members map[string]json.RawMessage) error {
-	s.i++                       // {
-	seen := map[string]string{} // folded key -> key as written
+	s.i++ // {
+	top := len(s.path) == 0
+	var seen keySet
 	for {
 		s.space()
 		switch s.body[s.i] {
@@ -154,11 +186,9 @@ func (s *keyScan) object(members map[string]json.RawMessage) error {
 			s.space()
 		}
 		key := s.key()
-		folded := foldKey(key)
-		if other, dup := seen[folded]; dup {
-			return &KeyError{Key: keyPath(s.path, key), Other: other, Name: key}
+		if other, dup := seen.add(key); dup {
+			return &KeyError{Key: keyPath(s.path, key), Other: other, Name: string(key)}
 		}
-		seen[folded] = key
 		s.space()
 		s.i++ // :
 		s.space()
@@ -169,21 +199,74 @@ func (s *keyScan) object(members map[string]json.RawMessage) error {
 		}
 		s.path = s.path[:len(s.path)-1]
 		if members != nil {
-			members[key] = s.body[start:s.i]
+			members[string(key)] = s.body[start:s.i]
+		}
+		if top {
+			s.keep(key, s.body[start:s.i])
 		}
 	}
 }
 
-// key reads the key at s.i.
-func (s *keyScan) key() string {
+// keep puts value in picked when key is one of pick.
+func (s *keyScan) keep(key []byte, value json.RawMessage) {
+	for i, name := range s.pick {
+		if name == string(key) {
+			s.picked[i] = value
+		}
+	}
+}
+
+// key reads the key at s.i: a slice of the body, unless it has escapes
+// or invalid UTF-8 to decode.
+func (s *keyScan) key() []byte {
 	start := s.i
 	escaped := s.skipString()
 	if raw := s.body[start+1 : s.i-1]; !escaped && utf8.Valid(raw) {
-		return string(raw)
+		return raw
 	}
 	var key string
 	_ = json.Unmarshal(s.body[start:s.i], &key) // well formed: it decodes, as encoding/json reads it
-	return key
+	return []byte(key)
+}
+
+// fewKeys is how many keys an object may have before keySet folds them
+// into a map: request bodies have a dozen at most.
+const fewKeys = 16
+
+// keySet is the keys of one object read so far, to find a key given
+// twice, in any case. The first few are compared one by one, with no
+// copy nor allocation; beyond them, folded into a map.
+type keySet struct {
+	few  [fewKeys][]byte
+	n    int
+	many map[string]string // folded key -> key as written
+}
+
+// add adds key, unless the set has it already in some case: then it
+// returns that key as written.
+func (ks *keySet) add(key []byte) (other string, dup bool) {
+	if ks.many == nil {
+		for _, k := range ks.few[:ks.n] {
+			if bytes.EqualFold(k, key) {
+				return string(k), true
+			}
+		}
+		if ks.n < fewKeys {
+			ks.few[ks.n] = key
+			ks.n++
+			return "", false
+		}
+		ks.many = make(map[string]string)
+		for _, k := range ks.few {
+			ks.many[foldKey(string(k))] = string(k)
+		}
+	}
+	folded := foldKey(string(key))
+	if other, dup := ks.many[folded]; dup {
+		return other, true
+	}
+	ks.many[folded] = string(key)
+	return "", false
 }
 
 // array walks the array at s.i.
@@ -229,7 +312,7 @@ func nestedBeyond(body []byte, depth int) bool {
 }
 
 // keyPath names key for a message, with the objects and arrays it is in.
-func keyPath(path []jsonFrame, key string) string {
+func keyPath(path []jsonFrame, key []byte) string {
 	var b strings.Builder
 	for _, f := range path {
 		if f.index >= 0 {
@@ -239,12 +322,12 @@ func keyPath(path []jsonFrame, key string) string {
 		if b.Len() > 0 {
 			b.WriteByte('.')
 		}
-		b.WriteString(f.key)
+		b.Write(f.key)
 	}
 	if b.Len() > 0 {
 		b.WriteByte('.')
 	}
-	b.WriteString(key)
+	b.Write(key)
 	return b.String()
 }
 
@@ -282,6 +365,12 @@ func Member(members map[string]json.RawMessage, name string) any {
 	if !ok {
 		return nil
 	}
+	return Value(raw)
+}
+
+// Value decodes raw, a member read by Object or Pick: nil when null,
+// numbers as json.Number.
+func Value(raw json.RawMessage) any {
 	// The scalars the router reads most, read without a decoder: raw is
 	// one well-formed JSON value.
 	switch c := raw[0]; {

@@ -3,6 +3,7 @@ package strictjson
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 )
@@ -94,5 +95,52 @@ func TestFoldKeyIsEqualFold(t *testing.T) {
 				t.Errorf("foldKey(%q)=%q, foldKey(%q)=%q; EqualFold says %v", a, foldKey(a), b, foldKey(b), strings.EqualFold(a, b))
 			}
 		}
+	}
+}
+
+// An object with more keys than keySet compares one by one folds them into
+// a map: a key given twice is found among the first keys or the last.
+func TestStrictObjectRefusesKeysTwiceInLargeObjects(t *testing.T) {
+	var keys []string
+	for i := range 3 * fewKeys {
+		keys = append(keys, fmt.Sprintf(`"k%d":%d`, i, i))
+	}
+	many := strings.Join(keys, ",")
+	for body, want := range map[string]string{
+		`{` + many + `,"K0":1}`:                  `JSON key "K0" differs from "k0" only in case`,
+		`{` + many + `,"k47":1}`:                 `JSON key "k47" appears twice`,
+		`{"\u212a1":0,` + many + `}`:             "JSON key \"k1\" differs from \"\u212a1\"",
+		`{"a":{` + many + `,"\u212a` + `40":1}}`: "JSON key \"a.\u212a40\" differs from \"k40\"",
+	} {
+		_, err := Scan([]byte(body))
+		if _, ok := errors.AsType[*KeyError](err); !ok || !strings.Contains(err.Error(), want) {
+			t.Errorf("%.40s...: error %v; want a key error containing %s", body, err, want)
+		}
+	}
+	if _, err := Scan([]byte(`{` + many + `}`)); err != nil {
+		t.Errorf("distinct keys refused: %v", err)
+	}
+}
+
+func TestPickReadsTheNamedMembersOfTheTopLevel(t *testing.T) {
+	body := ` { "size" : "64x64" ,"Width":5, "extra_body": {"n": 2, "size":"8x8"} , "p\u0061th":"x","z":null} `
+	got, err := Pick([]byte(body), []string{"n", "size", "width", "extra_body", "path", "z"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"", `"64x64"`, "", `{"n": 2, "size":"8x8"}`, `"x"`, "null"}
+	for i := range want {
+		if string(got[i]) != want[i] || (want[i] == "") != (got[i] == nil) {
+			t.Errorf("member %d = %q; want %q", i, got[i], want[i])
+		}
+	}
+	if _, err := Pick([]byte(`[1]`), []string{"a"}); !errors.Is(err, ErrNotObject) {
+		t.Errorf("an array: error %v; want %v", err, ErrNotObject)
+	}
+	if _, err := Pick([]byte(`{"a":`), []string{"a"}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("a body cut short: error %v; want %v", err, ErrInvalid)
+	}
+	if _, err := Pick([]byte(`{"a":1,"A":2}`), []string{"a"}); err == nil {
+		t.Error("a key given twice: no error")
 	}
 }
