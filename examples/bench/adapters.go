@@ -97,18 +97,7 @@ func benchAdapters(ctx context.Context, o options, out io.Writer) panel {
 	runs := make(map[string]adapterRun)
 	var rows []row
 	for _, s := range adapterStrategies {
-		fmt.Fprintf(os.Stderr, "bench: %-26s", s.name)
-		var run adapterRun
-		res := timed(func() runResult {
-			var err error
-			run, err = runAdapters(ctx, o, s, need)
-			return runResult{name: s.name, err: err}
-		})
-		if res.err != nil {
-			fmt.Fprintf(os.Stderr, " failed (%.70s...)\n", res.err)
-		} else {
-			fmt.Fprintf(os.Stderr, " done in %s\n", res.took.Round(100*time.Millisecond))
-		}
+		res, run := timedAdapters(ctx, o, s, need)
 		runs[s.name] = run
 		rows = append(rows, adapterRow(res, run))
 	}
@@ -124,6 +113,24 @@ func benchAdapters(ctx context.Context, o options, out io.Writer) panel {
 		xLabel: "time from the release of the batch to the answer (s)",
 		series: rowSeries(rows, 1),
 	}
+}
+
+// timedAdapters runs strategy s, saying on standard error how long it
+// took, as runStrategies does.
+func timedAdapters(ctx context.Context, o options, s adapterStrategy, need int) (runResult, adapterRun) {
+	fmt.Fprintf(os.Stderr, "bench: %-26s", s.name)
+	var run adapterRun
+	res := timed(func() runResult {
+		var err error
+		run, err = runAdapters(ctx, o, s, need)
+		return runResult{name: s.name, err: err}
+	})
+	if res.err != nil {
+		fmt.Fprintf(os.Stderr, " not run (%.70s...)\n", res.err)
+	} else {
+		fmt.Fprintf(os.Stderr, " done in %s\n", res.took.Round(100*time.Millisecond))
+	}
+	return res, run
 }
 
 // adapterRow is a strategy's row: both phases' requests and failures,
@@ -187,28 +194,31 @@ func runAdapters(ctx context.Context, o options, s adapterStrategy, need int) (a
 		return run, err
 	}
 	defer front.close() // before the fleet closes
-	conns := o.adapters * o.adapterJobs
-	c := newClient(front.urls(), conns)
+	perPhase := o.adapters * o.adapterJobs
+	c := newClient(front.urls(), perPhase)
 	defer c.close()
 	poll := pollHoldings(ctx, front, pollEvery(o))
 
 	j := adapterJob(o)
 	names := phase1Adapters(o.adapters, o.adapterJobs, o.seed)
 	want1, want2 := func(i int) string { return names[i] }, func(int) string { return phase2Adapter }
-	c.models = want1
-	switches := loraSwitches(f)
-	run.phase1, run.makespan1 = measureBatch(slices.Repeat([]job{j}, len(names)))(ctx, c)
-	run.switches1 = loraSwitches(f) - switches
-
-	c.models = want2
-	switches = loraSwitches(f)
+	run.phase1, run.makespan1, run.switches1 = runPhase(ctx, c, f, want1, measureBatch(slices.Repeat([]job{j}, perPhase)))
 	run.phase2At = poll.since()
-	run.phase2, run.makespan2 = measureOpen(slices.Repeat([]job{j}, conns), steadyArrivals(conns, sum(o.speeds)/o.jobTime.Seconds()))(ctx, c)
-	run.switches2 = loraSwitches(f) - switches
+	stream := steadyArrivals(perPhase, sum(o.speeds)/o.jobTime.Seconds())
+	run.phase2, run.makespan2, run.switches2 = runPhase(ctx, c, f, want2, measureOpen(slices.Repeat([]job{j}, perPhase), stream))
 	run.log = poll.stop()
 	run.holders = run.log.reached(run.phase2At, phase2Adapter, need)
 	run.wrong = wrongAdapters(run.phase1, want1) + wrongAdapters(run.phase2, want2)
 	return run, nil
+}
+
+// runPhase sends measure's requests, request i naming adapter models(i),
+// and counts the switches the fleet made meanwhile.
+func runPhase(ctx context.Context, c *client, f testrouter.Fleet, models func(int) string, measure measureFunc) ([]outcome, time.Duration, int) {
+	c.models = models
+	before := loraSwitches(f)
+	outs, wall := measure(ctx, c)
+	return outs, wall, loraSwitches(f) - before
 }
 
 // pollEvery is how often the holders are read: every 100 ms, or a tenth

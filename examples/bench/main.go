@@ -385,7 +385,6 @@ func printHeader(out io.Writer, o options) {
 			len(o.speeds), fmtSpeeds(o.speeds), o.loraSwitch)
 		fmt.Fprintf(out, "jobs:     %s at %gms per cost unit: %s each at speed 1; seed %d\n",
 			adapterJob(o), o.unitMs, fmtSeconds(adapterJob(o).cost()*o.unitMs/1000), o.seed)
-		return
 	case o.router != "":
 		fmt.Fprintf(out, "router:   %s (external: measured as it runs; --speeds and --unit-ms are taken to describe its fleet)\n", o.router)
 	default:
@@ -397,7 +396,9 @@ func printHeader(out io.Writer, o options) {
 		fmt.Fprintf(out, "steps:    %d back to back, each needing %d groups of %d images; the filter drops %.0f%% of groups; oversample %gx; router %s\n",
 			o.steps, o.n, o.group, 100*o.filterRate, o.oversample, o.strategies[0].name)
 	}
-	fmt.Fprintf(out, "mix:      %s: %s\n", o.mix, describeMix(mixes[o.mix]))
+	if o.mode != "adapters" { // its jobs are all alike
+		fmt.Fprintf(out, "mix:      %s: %s\n", o.mix, describeMix(mixes[o.mix]))
+	}
 	fmt.Fprintf(out, "machine:  %s, %d CPUs, GOMAXPROCS %d, %s\n",
 		runtime.Version(), runtime.NumCPU(), runtime.GOMAXPROCS(0), time.Now().Format(time.RFC3339))
 }
