@@ -60,6 +60,13 @@
 //	          once and the rest aborted (POST /abort_request with the step's
 //	          id prefix) once enough have passed. It runs on the first of
 //	          --strategies and reports the step times; not part of all.
+//	adapters  LoRA placement against switching per request and a static
+//	          split, on --adapters adapters and one worker of speed 1 per
+//	          adapter (unless --speeds says otherwise) whose set_lora takes
+//	          --lora-switch to change the adapter, jobs of --job-time:
+//	          phase 1 sends --adapter-jobs jobs of each adapter at once,
+//	          phase 2 moves all demand to adapter a (see adapters.go); not
+//	          part of all.
 //
 // The soak runs the router as a process of its own, Caddy built from
 // ./cmd/caddy (or --caddy), so that the memory, goroutines and open files
@@ -135,6 +142,7 @@
 //	go run ./examples/bench --mode overhead --strategies least_work/fifo,caddy/least_conn
 //	go run ./examples/bench --mode soak --n 100000 --clients 6 --unit-ms 0.5
 //	go run ./examples/bench --mode oversample --n 32 --group 4 --steps 5 --mix uniform --speeds 1,1,1,1
+//	go run ./examples/bench --mode adapters --adapter-jobs 15 --lora-switch 5s --job-time 1s
 //
 // --router URL drives a router that is already running instead: it is
 // measured as it is (its own workers, strategy and learned state), once
@@ -191,6 +199,10 @@ type options struct {
 	filterRate  float64       // oversample: share of groups the filter drops
 	oversample  float64       // oversample: groups sent per group needed
 	rounds      int           // soak: rounds of the schedule after which the load ends; 0: no such end
+	adapters    int           // adapters: LoRA adapters served
+	adapterJobs int           // adapters: phase 1's jobs per adapter
+	loraSwitch  time.Duration // adapters: how long a set_lora that changes the adapter takes
+	jobTime     time.Duration // adapters: how long a job takes at speed 1
 }
 
 func main() {
@@ -211,9 +223,9 @@ func main() {
 func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample")
+	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample|adapters")
 	fs.StringVar(&o.mix, "mix", "heavy", "the jobs: "+mixNames())
-	speeds := fs.String("speeds", "1,1,1,2", "one fake worker per value, its relative speed")
+	speeds := fs.String("speeds", "1,1,1,2", "one fake worker per value, its relative speed (adapters mode: one of speed 1 per adapter)")
 	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open); soak: requests in all; oversample: groups a step needs")
 	fs.Float64Var(&o.util, "util", 0.7, "open mode: offered load as a share of the fleet's capacity")
 	fs.Float64Var(&o.unitMs, "unit-ms", 10, "fake worker milliseconds per cost unit (one 1024x1024 step) at speed 1")
@@ -233,11 +245,21 @@ func parseFlags(args []string) (options, error) {
 	fs.Float64Var(&o.filterRate, "filter-rate", 0.3, "oversample: share of the groups the filter drops, drawn with --seed")
 	fs.Float64Var(&o.oversample, "oversample", 1.5, "oversample: groups sent at a step's start per group needed")
 	fs.IntVar(&o.rounds, "rounds", 0, "soak: end the load once the schedule of faults has gone round this many times (0: --n or --duration decides)")
+	fs.IntVar(&o.adapters, "adapters", 4, "adapters mode: LoRA adapters, named a, b, c, ...")
+	fs.IntVar(&o.adapterJobs, "adapter-jobs", 15, "adapters mode: phase 1's jobs per adapter (phase 2 sends as many in all, of adapter a)")
+	fs.DurationVar(&o.loraSwitch, "lora-switch", 5*time.Second, "adapters mode: how long a fake worker's set_lora takes when it changes the adapter")
+	fs.DurationVar(&o.jobTime, "job-time", time.Second, "adapters mode: how long a job takes at speed 1 (rounded to whole steps of --unit-ms)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	given := make(map[string]bool)
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	o.durationSet = given["duration"]
+	if o.mode == "adapters" && !given["speeds"] {
+		*speeds = strings.Repeat("1,", o.adapters-1) + "1"
 	}
 	var err error
 	if o.speeds, err = parseSpeeds(*speeds); err != nil {
@@ -246,7 +268,6 @@ func parseFlags(args []string) (options, error) {
 	if o.strategies, err = parseStrategies(*list); err != nil {
 		return o, err
 	}
-	fs.Visit(func(f *flag.Flag) { o.durationSet = o.durationSet || f.Name == "duration" })
 	switch {
 	case o.warmup >= 0:
 	case o.mode == "soak":
@@ -260,8 +281,8 @@ func parseFlags(args []string) (options, error) {
 
 func (o options) check() error {
 	switch {
-	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample"}, o.mode):
-		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak or oversample", o.mode)
+	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample", "adapters"}, o.mode):
+		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak, oversample or adapters", o.mode)
 	case mixes[o.mix] == nil:
 		return fmt.Errorf("--mix %q: want %s", o.mix, mixNames())
 	case o.n <= 0, o.unitMs <= 0, o.util <= 0, o.clients <= 0, o.duration <= 0, o.timeout <= 0, o.faultEvery <= 0:
@@ -270,6 +291,10 @@ func (o options) check() error {
 		return errors.New("--group and --steps must be positive, --filter-rate from 0 to below 1, --oversample at least 1")
 	case o.rounds < 0:
 		return errors.New("--rounds must not be negative")
+	case o.adapters < 1, o.adapters > 26, o.adapterJobs < 1, o.loraSwitch <= 0, o.jobTime <= 0:
+		return errors.New("--adapters must be from 1 to 26, --adapter-jobs, --lora-switch and --job-time positive")
+	case o.mode == "adapters" && o.router != "":
+		return errors.New("--router: the adapters mode starts its own workers, whose switch time it sets")
 	case o.mode == "soak" && o.router != "":
 		return errors.New("--router: the soak starts and reloads its own router")
 	case o.router != "" && !strings.HasPrefix(o.router, "http://") && !strings.HasPrefix(o.router, "https://"):
@@ -317,6 +342,8 @@ func run(ctx context.Context, o options, out io.Writer) error {
 			panels = append(panels, benchOverhead(ctx, o, out))
 		case "oversample":
 			panels = append(panels, benchOversample(ctx, o, out))
+		case "adapters":
+			panels = append(panels, benchAdapters(ctx, o, out))
 		}
 	}
 	if o.svg == "" {
@@ -353,6 +380,11 @@ func printHeader(out io.Writer, o options) {
 	case o.mode == "soak":
 		fmt.Fprintf(out, "fleet:    %d fake image workers on 127.0.0.1, speeds %s, a blackhole until the schedule's first round is over, and one video worker of its own pool, %gms per cost unit at speed 1; faults every %s\n",
 			len(o.speeds), fmtSpeeds(o.speeds), o.unitMs, o.faultEvery)
+	case o.mode == "adapters":
+		fmt.Fprintf(out, "fleet:    %d fake workers on 127.0.0.1, speeds %s, a set_lora that changes the adapter taking %s, fresh for every strategy\n",
+			len(o.speeds), fmtSpeeds(o.speeds), o.loraSwitch)
+		fmt.Fprintf(out, "jobs:     %s at %gms per cost unit: %s each at speed 1; seed %d\n",
+			adapterJob(o), o.unitMs, fmtSeconds(adapterJob(o).cost()*o.unitMs/1000), o.seed)
 	case o.router != "":
 		fmt.Fprintf(out, "router:   %s (external: measured as it runs; --speeds and --unit-ms are taken to describe its fleet)\n", o.router)
 	default:
@@ -364,7 +396,9 @@ func printHeader(out io.Writer, o options) {
 		fmt.Fprintf(out, "steps:    %d back to back, each needing %d groups of %d images; the filter drops %.0f%% of groups; oversample %gx; router %s\n",
 			o.steps, o.n, o.group, 100*o.filterRate, o.oversample, o.strategies[0].name)
 	}
-	fmt.Fprintf(out, "mix:      %s: %s\n", o.mix, describeMix(mixes[o.mix]))
+	if o.mode != "adapters" { // its jobs are all alike
+		fmt.Fprintf(out, "mix:      %s: %s\n", o.mix, describeMix(mixes[o.mix]))
+	}
 	fmt.Fprintf(out, "machine:  %s, %d CPUs, GOMAXPROCS %d, %s\n",
 		runtime.Version(), runtime.NumCPU(), runtime.GOMAXPROCS(0), time.Now().Format(time.RFC3339))
 }

@@ -16,12 +16,13 @@ import (
 // reverse_proxy with one of Caddy's lb_policy values; run by one router or
 // by several replicas, as behind one Kubernetes Service.
 type strategy struct {
-	name    string // as written in --strategies
-	caddy   string // Caddy's lb_policy; set for the baselines only
-	policy  string // diffusion_router policy
-	order   string // diffusion_router queue_order; empty for the router's default
-	routers int    // replicas, each with a pool of its own; the client sends to each in turn
-	split   bool   // each replica owns a share of the workers rather than all of them
+	name    string   // as written in --strategies
+	caddy   string   // Caddy's lb_policy; set for the baselines only
+	policy  string   // diffusion_router policy
+	order   string   // diffusion_router queue_order; empty for the router's default
+	routers int      // replicas, each with a pool of its own; the client sends to each in turn
+	split   bool     // each replica owns a share of the workers rather than all of them
+	options []string // more diffusion_router options, one a line, such as adapters
 }
 
 // defaultStrategies is what --strategies runs when not given.
@@ -111,6 +112,9 @@ func (s strategy) writeSite(b *strings.Builder, port int, pool string, workers [
 	}
 	if maxInflight > 0 && s.policy == "least_work" {
 		fmt.Fprintf(b, "\t\tmax_inflight %d\n", maxInflight)
+	}
+	for _, line := range s.options {
+		fmt.Fprintf(b, "\t\t%s\n", line)
 	}
 	b.WriteString("\t}\n}\n")
 }

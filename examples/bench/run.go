@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -25,6 +26,7 @@ type outcome struct {
 	job     job
 	latency time.Duration // request sent (or batch fired) → response body read
 	worker  string        // the answer's X-Fake-Worker header
+	adapter string        // the answer's X-Fake-Adapter header: the LoRA adapter the job ran on
 	err     error         // nil for a 200 answer read to the end
 }
 
@@ -87,18 +89,8 @@ func runStrategy(ctx context.Context, o options, s strategy, measure measureFunc
 		return res
 	}
 	defer f.Close()
-	ports := make([]int, s.routers)
-	urls := make([]string, s.routers)
-	for i := range ports {
-		if ports[i], err = testrouter.FreePort(); err != nil {
-			res.err = err
-			return res
-		}
-		urls[i] = fmt.Sprintf("http://127.0.0.1:%d", ports[i])
-	}
-	poolSeq++
-	cfg := s.caddyfile(ports, fmt.Sprintf("bench%d", poolSeq), f.URLs(), o.maxInflight)
-	if err := startCaddy(ctx, cfg, urls); err != nil {
+	urls, err := startRouters(ctx, s, f.URLs(), o.maxInflight)
+	if err != nil {
 		res.err = err
 		return res
 	}
@@ -114,6 +106,23 @@ func runStrategy(ctx context.Context, o options, s strategy, measure measureFunc
 		res.workers = append(res.workers, f[i].Name)
 	}
 	return res
+}
+
+// startRouters loads the config of s in front of workers, each router on
+// a new port with a new pool name, and returns the routers' URLs. Stop
+// them with stopCaddy.
+func startRouters(ctx context.Context, s strategy, workers []string, maxInflight int) ([]string, error) {
+	ports := make([]int, s.routers)
+	urls := make([]string, s.routers)
+	for i := range ports {
+		var err error
+		if ports[i], err = testrouter.FreePort(); err != nil {
+			return nil, err
+		}
+		urls[i] = fmt.Sprintf("http://127.0.0.1:%d", ports[i])
+	}
+	poolSeq++
+	return urls, startCaddy(ctx, s.caddyfile(ports, fmt.Sprintf("bench%d", poolSeq), workers, maxInflight), urls)
 }
 
 // runExternal measures the router at --router as it is: its workers and
@@ -237,6 +246,9 @@ type client struct {
 	// ids, when set, names request i's X-Request-Id; otherwise it is
 	// bench-<i>.
 	ids func(i int) string
+	// models, when set, names request i's model field: the LoRA adapter
+	// it asks for. Otherwise it has none.
+	models func(i int) string
 }
 
 // newClient keeps up to conns idle connections per router, so that a batch
@@ -266,14 +278,14 @@ func (c *client) generate(ctx context.Context, i int, j job, from time.Time) out
 		from = time.Now()
 	}
 	oc := outcome{job: j}
-	oc.worker, oc.err = c.post(ctx, i, j)
-	oc.latency = time.Since(from)
+	body := j.request(i)
+	if c.models != nil {
+		body["model"] = c.models(i)
+	}
+	_, header, err := c.call(ctx, "", http.MethodPost, "/v1/images/generations", i, body)
+	oc.latency, oc.err = time.Since(from), err
+	oc.worker, oc.adapter = header.Get("X-Fake-Worker"), header.Get(fakeworker.AdapterHeader)
 	return oc
-}
-
-func (c *client) post(ctx context.Context, i int, j job) (worker string, err error) {
-	_, header, err := c.call(ctx, "", http.MethodPost, "/v1/images/generations", i, j.request(i))
-	return header.Get("X-Fake-Worker"), err
 }
 
 // statusError is an answer other than 2xx.
