@@ -64,20 +64,27 @@ type policyTally struct {
 	head    *Ticket        // the first of them in the queue's order
 	tasks   []request.Task // what they need a worker to make
 	holders int            // workers holding it or switching to it
+	arrived int            // those of them holding it already
 	speed   float64        // their speeds' sum
 	work    float64        // the work they have before the waiting jobs, in cost units
 }
 
-// join counts w, of the speed and work given, among the holders.
-func (t *policyTally) join(speed, work float64) {
+// join counts a worker of the speed and work given among the holders;
+// arrived: it holds the policy already, rather than switching to it.
+func (t *policyTally) join(speed, work float64, arrived bool) {
 	t.holders++
 	t.speed += speed
 	t.work += work
+	if arrived {
+		t.arrived++
+	}
 }
 
-// leave takes w, of the speed and work given, out of the holders.
+// leave takes a worker of the speed and work given, which holds the
+// policy, out of the holders.
 func (t *policyTally) leave(speed, work float64) {
 	t.holders--
+	t.arrived--
 	t.speed -= speed
 	t.work -= work
 }
@@ -168,7 +175,7 @@ func (p *Pool) tallyLocked(now int64) {
 	for _, w := range p.workers {
 		if pol := p.placedOnLocked(w, now); pol != nil {
 			speed := p.speedOfLocked(w)
-			pol.tally.join(speed, p.workLeftLocked(w, now)+p.switchLeftLocked(w, now)*speed)
+			pol.tally.join(speed, p.workLeftLocked(w, now)+p.switchLeftLocked(w, now)*speed, !w.adapter.switching)
 		}
 	}
 }
@@ -295,10 +302,11 @@ func (p *Pool) switchLossLocked(w *worker, pol *policy, now int64) (float64, boo
 	cost := p.switchCostLocked(w)
 	delay := p.workLeftLocked(w, now)/speed + cost
 	need := pol.tally.wait()
-	// A policy with holders gets another only when it gains more than a
-	// switch: so jobs arriving one by one do not draw every idle worker to
-	// the first policies they name.
-	if need <= delay || pol.tally.holders > 0 && need-delay <= cost {
+	// A policy with holders gets another only once one of them holds it:
+	// the first jobs of a batch to arrive, a few milliseconds before the
+	// others, must not draw the idle workers to the policies they happen
+	// to name.
+	if need <= delay || pol.tally.holders > 0 && pol.tally.arrived == 0 {
 		return 0, false
 	}
 	if from == nil || from.tally.waiting == 0 {
@@ -356,7 +364,7 @@ func (p *Pool) startSwitchLocked(w *worker, pol *policy, now int64) {
 	if from != nil {
 		from.tally.leave(speed, work)
 	}
-	pol.tally.join(speed, work+cost*speed)
+	pol.tally.join(speed, work+cost*speed, false)
 	if tn := pol.tally.head.tenant; tn != nil {
 		tn.served += cost * speed / pol.tally.head.cfg.weight(tn.name)
 	}
