@@ -136,6 +136,7 @@ func TestAPublishReloadsOnlyThatPolicysWorkers(t *testing.T) {
 		{"/v1/set_lora", `{"lora_nickname":"a","lora_path":"/ckpt/lora/a-step2"}`, "is loaded from /ckpt/lora/a-step2 already"},
 		{"/v1/set_lora", `{"lora_nickname":"z","lora_path":"/ckpt/lora/z"}`, "lora_nickname must name one declared adapter: a, b, c, d"},
 		{"/v1/set_lora", `{"lora_nickname":"a"}`, "lora_path is required"},
+		{"/v1/set_lora", `{"lora_nickname":"a","lora_path":"/ckpt/lora/a-3","strength":"high"}`, "strength must be a number"},
 		{"/v1/merge_lora_weights", `{}`, "the router merges and unmerges them as it places them"},
 		{"/v1/unmerge_lora_weights", `{}`, "the router merges and unmerges them as it places them"},
 	} {
@@ -148,6 +149,9 @@ func TestAPublishReloadsOnlyThatPolicysWorkers(t *testing.T) {
 	rp = r.Post("/v1/set_lora", `{"lora_nickname":"a","lora_path":"/tmp/elsewhere"}`)
 	testrouter.ExpectStatus(t, "a path outside weights_path_prefix", rp, 403)
 	testrouter.ExpectStatus(t, "b after it all", r.Post("/v1/images/generations", policyImage("b")), 200)
+	if v := r.Post("/v1/images/generations", policyImage("a")).Header.Get(weightVersionHeader); v != oldVersion+"+lora:a@1" {
+		t.Fatalf("after the refused calls a is served as %q; want them to have changed nothing", v)
+	}
 }
 
 // workerURL is the URL of the worker namedWorkers named name.

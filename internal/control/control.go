@@ -255,7 +255,7 @@ func (a *API) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 		resp["tenants"] = tenants
 	}
 	if adapters := a.Pool.Adapters(); len(adapters) > 0 {
-		resp["adapters"] = adaptersJSON(adapters)
+		resp["adapters"] = adapters
 	}
 	_ = WriteJSON(w, http.StatusOK, resp)
 }

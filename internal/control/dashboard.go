@@ -47,7 +47,7 @@ func (a *API) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 	stats := a.Pool.Stats()
 	_ = WriteJSON(w, http.StatusOK, map[string]any{
 		"tenants":            a.Pool.Tenants(),
-		"adapters":           adaptersJSON(a.Pool.Adapters()),
+		"adapters":           a.Pool.Adapters(),
 		"pool":               a.Pool.Name(),
 		"policy":             a.Policy,
 		"time":               time.Now().UnixMilli(),

@@ -125,31 +125,6 @@ func stringOrList(v any) ([]string, bool) {
 	return nil, false
 }
 
-// adapterJSON is an adapter as /workers shows it.
-type adapterJSON struct {
-	Name          string  `json:"name"` // "" for the base weights
-	Path          string  `json:"path,omitempty"`
-	WeightVersion string  `json:"weight_version"`
-	Publish       int     `json:"publish"`
-	Holders       int     `json:"holders"`
-	Waiting       int     `json:"waiting"`
-	WaitingCost   float64 `json:"waiting_cost"`
-	Switches      uint64  `json:"switches"`
-	SwitchSeconds float64 `json:"switch_seconds"`
-	Failures      uint64  `json:"switch_failures"`
-}
-
-func adaptersJSON(stats []scheduler.AdapterStats) []adapterJSON {
-	out := make([]adapterJSON, len(stats))
-	for i, s := range stats {
-		out[i] = adapterJSON{
-			Name: s.Name, Path: s.Path, WeightVersion: s.Version, Publish: s.Publish, Holders: s.Holders,
-			Waiting: s.Waiting, WaitingCost: s.WaitingCost, Switches: s.Switches, SwitchSeconds: s.SwitchSeconds, Failures: s.Failures,
-		}
-	}
-	return out
-}
-
 // servePublish is POST /v1/set_lora while the pool places adapters: a new
 // path for a declared adapter, which is how a trainer sends each step's
 // LoRA. Only that adapter's holders drain and load it; no job of it runs

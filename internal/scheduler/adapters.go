@@ -440,14 +440,14 @@ func (p *Pool) switchResultsLocked(urls []string, name string) (map[string]Switc
 // AdapterStats are one adapter's figures, for /workers and the metrics.
 type AdapterStats struct {
 	Adapter
-	Version       string  // its weight version on the pool's base weights
-	Publish       int     // publishes since it was declared
-	Holders       int     // workers holding it, ready or not
-	Waiting       int     // jobs waiting for it
-	WaitingCost   float64 // their cost
-	Switches      uint64  // switches to it that succeeded
-	SwitchSeconds float64 // their time in all
-	Failures      uint64  // switches to it that failed
+	Version       string  `json:"weight_version"` // its weight version on the pool's base weights
+	Publish       int     `json:"publish"`        // publishes since it was declared
+	Holders       int     `json:"holders"`        // workers holding it, ready or not
+	Waiting       int     `json:"waiting"`        // jobs waiting for it
+	WaitingCost   float64 `json:"waiting_cost"`   // their cost
+	Switches      uint64  `json:"switches"`       // switches to it that succeeded
+	SwitchSeconds float64 `json:"switch_seconds"` // their time in all
+	Failures      uint64  `json:"switch_failures"`
 }
 
 // Adapters returns the figures of the declared adapters and, first, of
