@@ -254,7 +254,10 @@ func (c rerunCause) outcome(rec *recorder) scheduler.Outcome {
 // the client's. race, when t's job may get a copy, says what the attempt's
 // end tells of its worker.
 func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *scheduler.Ticket, next caddyhttp.Handler, race *hedge) error {
-	ctx := withTicket(base, t)
+	ctx := base
+	if ticketFrom(base) != t {
+		ctx = withTicket(base, t)
+	}
 	if h.UpstreamTimeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
@@ -297,7 +300,11 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 	t.Attempts++
 	t.Lookups = 0
 	ctx, end := traceAttempt(ctx, rec.tracer, t, race != nil && t != race.primary)
-	err := serve(next, rec, r.WithContext(ctx))
+	attempt := r
+	if ctx != r.Context() {
+		attempt = r.WithContext(ctx)
+	}
+	err := serve(next, rec, attempt)
 	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil {
 		err = fmt.Errorf("%w: %w", errUpstreamTimeout, err)
 	}

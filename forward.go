@@ -96,7 +96,7 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*s
 		return nil, r, status, msg
 	}
 	if t.Job {
-		r = r.WithContext(t.WithCancel(r.Context()))
+		r = r.WithContext(withTicket(t.WithCancel(r.Context()), t))
 		t.RID = r.Header.Get(requestIDHeader)
 		if err := h.pool.Track(t); err != nil {
 			return nil, r, http.StatusConflict, err.Error()

@@ -74,21 +74,19 @@ func (h *Handler) hedges(t *scheduler.Ticket) bool {
 // own rule for answers, rerun whether
 // the job may run again after it.
 func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler, j judge, rerun bool) error {
-	ctx, cancel := context.WithCancel(r.Context())
-	defer cancel()
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
 	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), primary: t, last: t, lastSince: time.Now(),
 		budget: t.Config().MaxAttempts - t.Attempts - 1}
 	// Every job that may be hedged sets a race up: none of it is
 	// allocated apart from the hedge until a copy is launched.
-	hd.live = append(hd.liveBuf[:0], liveAttempt{t, cancel})
+	hd.live = append(hd.liveBuf[:0], liveAttempt{t: t})
 	hd.copyOver.L = &hd.mu
 	hd.enter(rec.hold(j, rerun), t)
 	hd.mu.Lock()
 	hd.timer = time.AfterFunc(hd.wait(), hd.fire)
 	hd.mu.Unlock()
 
-	err := h.send(rec, r, ctx, t, next, hd)
+	err := h.send(rec, r, r.Context(), t, next, hd)
 
 	copies := hd.finish(rec, r, t, err)
 	if copies == 0 {
@@ -172,23 +170,34 @@ func (hd *hedge) claim(t *scheduler.Ticket) bool {
 	hd.winner = t
 	for _, other := range hd.live {
 		if other.t != t {
-			other.cancel()
+			other.stop()
 		}
 	}
 	return true
 }
 
 // liveAttempt is the attempt or a copy of a hedged job while it runs,
-// with what ends it.
+// with what ends a copy. The attempt runs in its job's context, which
+// goes on after it, and which Overtake ends.
 type liveAttempt struct {
 	t      *scheduler.Ticket
-	cancel context.CancelFunc
+	cancel context.CancelFunc // nil for the attempt
 }
 
-// endAttempt ends t's context and forgets t: it runs no more.
+// stop ends a, whose job another attempt or copy answered.
+func (a liveAttempt) stop() {
+	if a.cancel == nil {
+		a.t.Overtake()
+		return
+	}
+	a.cancel()
+}
+
+// endAttempt forgets t, which runs no more, and ends its context if it
+// is a copy's.
 func (hd *hedge) endAttempt(t *scheduler.Ticket) {
 	hd.live = slices.DeleteFunc(hd.live, func(a liveAttempt) bool {
-		if a.t == t {
+		if a.t == t && a.cancel != nil {
 			a.cancel()
 		}
 		return a.t == t
@@ -228,7 +237,8 @@ func (hd *hedge) fire() {
 		hd.timer.Reset(min(max(hd.primary.Predicted()/4, 10*time.Millisecond), time.Second))
 		return
 	}
-	ctx, cancel := context.WithCancel(context.WithValue(hd.r.Context(), caddyhttp.VarsCtxKey, maps.Clone(hd.vars)))
+	ctx, cancel := hd.primary.CopyContext()
+	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, maps.Clone(hd.vars))
 	hd.live = append(hd.live, liveAttempt{c, cancel})
 	hd.last, hd.lastSince = c, time.Now()
 	hd.copies++
@@ -264,7 +274,7 @@ func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
 	// A copy's failure is no answer, and never runs the job again: the
 	// attempt goes on.
 	hd.enter(rec.hold(judge{h: hd.h, t: c, copy: true}, false), c)
-	r := *hd.r // reverse_proxy copies what it changes of a request
+	r := hd.r.WithContext(ctx) // reverse_proxy copies what it changes of a request
 	r.Body = io.NopCloser(bytes.NewReader(c.Body))
-	hd.h.send(rec, &r, ctx, c, hd.next, hd)
+	hd.h.send(rec, r, ctx, c, hd.next, hd)
 }

@@ -320,3 +320,28 @@ func expectAnsweredByGood(t *testing.T, answer <-chan testrouter.Reply, stuck st
 		t.Fatal(stuck)
 	}
 }
+
+// Aborting a job ends its copies too: here the job's worker and its
+// copy's both hang, and the abort answers the client with 409 at once
+// instead of waiting for a copy that never ends.
+func TestAbortEndsTheCopiesOfAJob(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "hung"}, fakeworker.Config{Name: "hung too"})
+	hung, hungToo := ws[0], ws[1]
+	hung.Hang()
+	hungToo.Hang()
+	r := testrouter.Start(t, metricsSite("diffusion_router abort-pool {\n workers "+hung.URL()+"\n health_timeout 1s\n}"))
+	answer := postJob(t.Context(), r, "/v1/images/generations", smallImage, "step-9-a")
+	active := func(w *fakeworker.Worker) float64 { return r.Workers()[w.URL()]["active_requests"].(float64) }
+	testrouter.WaitFor(t, func() bool { return active(hung) == 1 })
+	testrouter.ExpectStatus(t, "registering a worker", r.Post("/workers?url="+hungToo.URL(), ""), 200)
+	testrouter.WaitFor(t, func() bool { return active(hungToo) == 1 }) // the copy
+
+	abort(t, r, `{"rid": "step-9-a"}`, 0, 1)
+	select {
+	case a := <-answer:
+		expectAborted(t, "the job aborted while its copy ran", a, "step-9-a", `{"rid": "step-9-a"}`)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the aborted job got no answer: its copy kept it")
+	}
+	testrouter.WaitFor(t, func() bool { return active(hung) == 0 && active(hungToo) == 0 })
+}

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"time"
 
@@ -99,6 +100,7 @@ type Ticket struct {
 	policy    *policy                 // the adapter t's job runs with, while adapters are declared
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
 	ctx       context.Context         // the job's context, which cancel ends
+	parent    context.Context         // the client's context, which ctx is a child of
 
 	RID     string  // the request's id (X-Request-Id), by which it can be aborted
 	tracked bool    // in the pool's registry of jobs by id; guarded by the registry's lock
@@ -115,9 +117,40 @@ func (e *errCancelled) Unwrap() error { return e.cause }
 // WithCancel makes t cancellable: its job waits for a worker and runs on
 // it in the context returned, a child of ctx.
 func (t *Ticket) WithCancel(ctx context.Context) context.Context {
-	ctx, t.cancel = context.WithCancelCause(ctx)
-	t.ctx = ctx
-	return ctx
+	t.parent = ctx
+	t.ctx, t.cancel = context.WithCancelCause(ctx)
+	return t.ctx
+}
+
+// errOvertaken is the cause of a ticket's context that Overtake ended. It
+// is a cancellation, as the client's leaving is: the attempt's answer is
+// nobody's.
+var errOvertaken = fmt.Errorf("a copy of the job on another worker answered first: %w", context.Canceled)
+
+// Overtake ends the context of t's attempt, which a copy of its job (see
+// CopyContext) overtook, with no cause an abort would give: the client
+// gets the copy's answer. A job's one context serves its attempt too, so
+// that a job that is never copied, nearly all of them, costs no context
+// of its own for the chance.
+func (t *Ticket) Overtake() {
+	if t.cancel != nil {
+		t.cancel(errOvertaken)
+	}
+}
+
+// CopyContext returns the context of a copy of t's job running beside
+// t's attempt, and what ends it: it ends when the client leaves or t's
+// job is cancelled (Cancel), but not when the copy overtakes t's attempt
+// (Overtake). A cancelled job whose attempt a copy overtook already has
+// its answer: its copy runs on. t must have been made cancellable.
+func (t *Ticket) CopyContext() (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancelCause(t.parent)
+	stop := context.AfterFunc(t.ctx, func() {
+		if CancelledBy(t.ctx) != nil {
+			cancel(context.Cause(t.ctx))
+		}
+	})
+	return ctx, func() { stop(); cancel(nil) }
 }
 
 // Cancelled returns the cause Cancel gave t's job, or nil: whatever error

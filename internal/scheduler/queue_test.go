@@ -399,3 +399,47 @@ func TestCancelledRunningJobKeepsItsSlotUntilItWouldEnd(t *testing.T) {
 		t.Fatalf("at its predicted end the cancelled job still holds its worker: %d in flight", info.Inflight)
 	}
 }
+
+// A copy of a job runs beside its attempt: it ends when the client
+// leaves or the job is cancelled, with the cancel's cause, but not when it
+// overtakes the attempt, whose context then ends with no cause of an
+// abort.
+func TestACopyEndsWithItsJobNotWithTheAttemptItOvertook(t *testing.T) {
+	newTicket := func(parent context.Context) *Ticket {
+		tk := &Ticket{Job: true}
+		tk.WithCancel(parent)
+		return tk
+	}
+	tk := newTicket(context.Background())
+	copyCtx, endCopy := tk.CopyContext()
+	tk.Overtake()
+	if tk.ctx.Err() == nil || tk.Cancelled() != nil {
+		t.Fatalf("overtaken attempt: context %v, cancelled by %v; want ended, by no abort", tk.ctx.Err(), tk.Cancelled())
+	}
+	if copyCtx.Err() != nil {
+		t.Fatal("the copy that overtook the attempt was ended with it")
+	}
+	endCopy()
+	if copyCtx.Err() == nil {
+		t.Fatal("the copy's own end did not end its context")
+	}
+
+	tk = newTicket(context.Background())
+	copyCtx, endCopy = tk.CopyContext()
+	defer endCopy()
+	cause := errors.New("step 12 aborted")
+	tk.Cancel(cause)
+	waitFor(t, "the cancelled job's copy to end", func() bool { return copyCtx.Err() != nil })
+	if got := CancelledBy(copyCtx); got != cause {
+		t.Fatalf("the cancelled job's copy ended by %v; want the cancel's cause", got)
+	}
+
+	client, leave := context.WithCancel(context.Background())
+	tk = newTicket(client)
+	copyCtx, endCopy = tk.CopyContext()
+	defer endCopy()
+	leave()
+	if copyCtx.Err() == nil {
+		t.Fatal("the copy outlived its client")
+	}
+}
