@@ -59,6 +59,9 @@ var overrideNames = [...]string{"extra_body", "extra_json", "extra_sampling_para
 // fields, then the override objects.
 var bodyNames = slices.Concat(costFieldNames[:], overrideNames[:])
 
+// bodyValues holds the values of bodyNames in one body.
+type bodyValues [len(costFieldNames) + len(overrideNames)]json.RawMessage
+
 // maxFieldBytes bounds a plain form field the router keeps; extra_body,
 // JSON text that must be read whole, is read whole.
 const maxFieldBytes = 4 << 10
@@ -81,8 +84,8 @@ func ReadFields(body []byte, contentType string) (Fields, error) {
 // jsonFields reads a JSON object body by exact key, as the workers do: its
 // cost fields, and its override objects.
 func jsonFields(body []byte) (Fields, error) {
-	values, err := strictjson.Pick(body, bodyNames)
-	if err != nil {
+	var values bodyValues
+	if err := strictjson.Pick(body, bodyNames, values[:]); err != nil {
 		return nil, err
 	}
 	f := costFields(values[:len(costFieldNames)], false)
@@ -90,8 +93,9 @@ func jsonFields(body []byte) (Fields, error) {
 		switch raw := values[len(costFieldNames)+i]; {
 		case raw == nil || string(raw) == "null": // None: nothing to merge
 		case raw[0] == '{':
-			object, _ := strictjson.Pick(raw, costFieldNames[:]) // checked with the body
-			f[name] = costFields(object, true)
+			var object bodyValues
+			_ = strictjson.Pick(raw, costFieldNames[:], object[:]) // checked with the body
+			f[name] = costFields(object[:], true)
 		default:
 			f[name] = strictjson.Value(raw)
 		}
@@ -211,14 +215,15 @@ func (f Fields) object(name string) (Fields, error) {
 	case Fields:
 		return v, nil
 	case string:
-		values, err := strictjson.Pick([]byte(v), costFieldNames[:])
+		var values bodyValues
+		err := strictjson.Pick([]byte(v), costFieldNames[:], values[:])
 		switch {
 		case errors.Is(err, strictjson.ErrNotObject):
 			return nil, nil
 		case err != nil:
 			return nil, &FieldError{name, "is not valid JSON: " + err.Error()}
 		}
-		return costFields(values, true), nil
+		return costFields(values[:len(costFieldNames)], true), nil
 	}
 	return nil, nil
 }

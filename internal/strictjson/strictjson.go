@@ -80,25 +80,44 @@ func Scan(body []byte) (map[string]json.RawMessage, error) {
 		return nil, s.value()
 	}
 	members := map[string]json.RawMessage{}
-	return members, s.object(members)
+	return members, s.object(members, nil)
 }
 
-// Pick reads body as Object does, and returns the members named in
-// names, in their order: nil where body has none. Unlike Object, it
-// keeps nothing else of the body and allocates nothing for its keys.
-func Pick(body []byte, names []string) ([]json.RawMessage, error) {
+// Pick reads body as Object does, and puts the members named in names
+// in picked, in their order: nil where body has none. Unlike Object, it
+// keeps nothing else of the body and allocates nothing for its keys, nor
+// for picked, which the caller gives, as long as names.
+func Pick(body []byte, names []string, picked []json.RawMessage) error {
 	if err := checkSyntax(body); err != nil {
-		return nil, err
+		return err
 	}
-	s := keyScan{body: body, pick: names, picked: make([]json.RawMessage, len(names))}
+	clear(picked)
+	s := keyScan{body: body}
 	s.space()
 	if s.body[s.i] != '{' {
 		if err := s.value(); err != nil {
-			return nil, err
+			return err
 		}
-		return nil, ErrNotObject
+		return ErrNotObject
 	}
-	return s.picked, s.object(nil)
+	return s.object(nil, &picks{names, picked[:len(names)]})
+}
+
+// picks are the members of an object that Pick keeps: those named in
+// names go to values, by their index in names. They are no part of
+// keyScan so that the compiler can keep the caller's values on its stack.
+type picks struct {
+	names  []string
+	values []json.RawMessage
+}
+
+// keep puts value in values when key is one of names.
+func (p *picks) keep(key []byte, value json.RawMessage) {
+	for i, name := range p.names {
+		if name == string(key) {
+			p.values[i] = value
+		}
+	}
 }
 
 // checkSyntax checks that body is one well-formed JSON value, with
@@ -118,10 +137,6 @@ type keyScan struct {
 	body []byte
 	i    int
 	path []jsonFrame // the objects and arrays the walk is in, for messages
-	// pick names the members of the top-level object that go to picked,
-	// by their index in pick (see Pick).
-	pick   []string
-	picked []json.RawMessage
 }
 
 // jsonFrame is where in its parent an object or array is: a member's key,
@@ -142,7 +157,7 @@ func (s *keyScan) value() error {
 	s.space()
 	switch s.body[s.i] {
 	case '{':
-		return s.object(nil)
+		return s.object(nil, nil)
 	case '[':
 		return s.array()
 	case '"':
@@ -169,11 +184,10 @@ func (s *keyScan) skipString() (hasEscape bool) {
 	return hasEscape
 }
 
-// object walks the object at s.i; its members go to members when that is
-// not nil.
-func (s *keyScan) object(members map[string]json.RawMessage) error {
+// object walks the object at s.i; its members go to members, and those
+// named in p to p, when they are not nil.
+func (s *keyScan) object(members map[string]json.RawMessage, p *picks) error {
 	s.i++ // {
-	top := len(s.path) == 0
 	var seen keySet
 	for {
 		s.space()
@@ -201,17 +215,8 @@ func (s *keyScan) object(members map[string]json.RawMessage) error {
 		if members != nil {
 			members[string(key)] = s.body[start:s.i]
 		}
-		if top {
-			s.keep(key, s.body[start:s.i])
-		}
-	}
-}
-
-// keep puts value in picked when key is one of pick.
-func (s *keyScan) keep(key []byte, value json.RawMessage) {
-	for i, name := range s.pick {
-		if name == string(key) {
-			s.picked[i] = value
+		if p != nil {
+			p.keep(key, s.body[start:s.i])
 		}
 	}
 }

@@ -124,8 +124,9 @@ func TestStrictObjectRefusesKeysTwiceInLargeObjects(t *testing.T) {
 
 func TestPickReadsTheNamedMembersOfTheTopLevel(t *testing.T) {
 	body := ` { "size" : "64x64" ,"Width":5, "extra_body": {"n": 2, "size":"8x8"} , "p\u0061th":"x","z":null} `
-	got, err := Pick([]byte(body), []string{"n", "size", "width", "extra_body", "path", "z"})
-	if err != nil {
+	got := make([]json.RawMessage, 6)
+	got[0] = json.RawMessage("left from an earlier body")
+	if err := Pick([]byte(body), []string{"n", "size", "width", "extra_body", "path", "z"}, got); err != nil {
 		t.Fatal(err)
 	}
 	want := []string{"", `"64x64"`, "", `{"n": 2, "size":"8x8"}`, `"x"`, "null"}
@@ -134,13 +135,14 @@ func TestPickReadsTheNamedMembersOfTheTopLevel(t *testing.T) {
 			t.Errorf("member %d = %q; want %q", i, got[i], want[i])
 		}
 	}
-	if _, err := Pick([]byte(`[1]`), []string{"a"}); !errors.Is(err, ErrNotObject) {
+	one := make([]json.RawMessage, 1)
+	if err := Pick([]byte(`[1]`), []string{"a"}, one); !errors.Is(err, ErrNotObject) {
 		t.Errorf("an array: error %v; want %v", err, ErrNotObject)
 	}
-	if _, err := Pick([]byte(`{"a":`), []string{"a"}); !errors.Is(err, ErrInvalid) {
+	if err := Pick([]byte(`{"a":`), []string{"a"}, one); !errors.Is(err, ErrInvalid) {
 		t.Errorf("a body cut short: error %v; want %v", err, ErrInvalid)
 	}
-	if _, err := Pick([]byte(`{"a":1,"A":2}`), []string{"a"}); err == nil {
+	if err := Pick([]byte(`{"a":1,"A":2}`), []string{"a"}, one); err == nil {
 		t.Error("a key given twice: no error")
 	}
 }
