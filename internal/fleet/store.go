@@ -202,6 +202,9 @@ func (s *Store) retry(ctx context.Context, what string, op func(context.Context)
 			}
 			return true
 		}
+		if ctx.Err() != nil {
+			return false // the pool ended, as at every reload: nothing failed, nothing is retried
+		}
 		wait = min(max(2*wait, s.retryMin), storeRetryMax)
 		s.logger.Error("could not "+what+" the fleet's record in storage; retrying",
 			zap.String("key", s.key), zap.Error(err), zap.Duration("retry_in", wait))

@@ -1,6 +1,7 @@
 package fleet
 
 import (
+	"context"
 	"encoding/json"
 	"slices"
 	"strings"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
@@ -55,5 +57,24 @@ func TestFleetRecordReadBeforeAnyWrite(t *testing.T) {
 		if !strings.Contains(string(v), "http://r:1") || !strings.Contains(string(v), "http://n:1") {
 			t.Fatalf("a write lost part of the fleet: %s", v)
 		}
+	}
+}
+
+// A pool that ends while its record waits to be written, as at every
+// reload, logs no error: nothing failed, and nothing is retried.
+func TestAnEndedPoolLogsNoFailedWrite(t *testing.T) {
+	p := scheduler.New(t.Name(), zap.NewNop())
+	t.Cleanup(func() { _ = p.Close() })
+	core, logs := observer.New(zap.InfoLevel)
+	s := NewStore(p, New(p, zap.NewNop()), zap.New(core))
+	s.Use(nil, memstore.New(), Rules{})
+	s.writing <- struct{}{} // a write under way, as a control call's Persist makes
+	ended, end := context.WithCancel(context.Background())
+	end()
+	if s.retry(ended, "write", s.write) {
+		t.Fatal("the write of an ended pool reported success")
+	}
+	if n := logs.Len(); n != 0 {
+		t.Fatalf("the ended pool logged %d lines, first %q; want none", n, logs.All()[0].Message)
 	}
 }
