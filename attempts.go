@@ -67,6 +67,7 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *scheduler.Ticket, nex
 		}
 		cause := h.rerunCause(r, rec, t, err)
 		if cause == noRerun {
+			rec.slot.releaseKept() // the client left, or a copy answered, after the attempt kept its worker
 			if jobsFault(t, heldStatus(rec)) {
 				h.pool.Forgive(t.Blamed) // its 5xx was the job's fault too
 			}
@@ -310,8 +311,11 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 	}
 	err = h.settle(rec, r, s, err, ctx.Err() != nil)
 	end(err, attribute.Int("http.response.status_code", heldStatus(rec)))
-	if rec.held != nil && h.rerunCause(r, rec, t, err) != noRerun {
-		return err // pool.retry releases the worker
+	if rec.held != nil {
+		if cause := h.rerunCause(r, rec, t, err); cause != noRerun {
+			s.kept, s.keptAs = true, cause.outcome(rec)
+			return err // the re-run frees the worker: see slot.kept
+		}
 	}
 	if !h.trackVideoJob(r, t, rec, err) {
 		s.release(outcomeOf(r, t, err, heldStatus(rec)))
@@ -345,6 +349,23 @@ type slot struct {
 	r        *http.Request // the attempt's request
 	race     *hedge        // when t's job may get a copy
 	released bool
+	// kept says the attempt ended in a way its job may run again after,
+	// keeping its worker for the re-run, which frees it (pool.Retry);
+	// keptAs is what the attempt said of that worker. The client may
+	// leave, or a copy answer, before the re-run: then releaseKept frees
+	// the worker. The decision is the attempt's, made once: asked again
+	// later, a context that ended since would say no re-run, and nothing
+	// would free the worker.
+	kept   bool
+	keptAs scheduler.Outcome
+}
+
+// releaseKept frees the worker s's attempt kept for a re-run that is not
+// to come.
+func (s *slot) releaseKept() {
+	if s.kept {
+		s.release(s.keptAs)
+	}
 }
 
 // release ends the claim with outcome o, which a race turns into what the

@@ -10,7 +10,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"go.uber.org/zap"
 )
 
 // BenchmarkServeHTTP measures the router's own work on a zero-cost job,
@@ -29,21 +28,9 @@ func BenchmarkServeHTTP(b *testing.B) {
 }
 
 func benchmarkServeHTTP(b *testing.B, maxHeld int64) {
-	ctx, err := caddy.ProvisionContext(&caddy.Config{})
-	if err != nil {
-		b.Fatal(err)
-	}
 	urls := []string{"http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000", "http://10.0.0.4:30000"}
-	h := &Handler{Pool: "bench-serve", Workers: urls, PersistOff: true, Answers: Answers{MaxHeld: maxHeld}}
-	if err := h.Provision(ctx); err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { _ = h.Cleanup() })
-	h.pool.store.StartOnce() // as the health app's start does
-	h.logger = zap.NewNop()  // as at the level WARN that examples/bench/wrk runs at
-	for _, u := range urls {
-		h.pool.SetCapabilities(u, []string{"T2I"}, "fake/diffusion-model")
-	}
+	// Its logger a Nop, as at the level WARN that examples/bench/wrk runs at.
+	h := provision(b, &Handler{Pool: "bench-serve", Workers: urls, Answers: Answers{MaxHeld: maxHeld}})
 	answer := []byte(`{"id":"3f1c2f9e-6a0b-4c1e-9d3a-2b7e8f0a1c5d","created":1,"data":[{"b64_json":"iVBORw0KGgo="}]}`)
 	worker := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		w.Header().Set("Content-Type", "application/json")

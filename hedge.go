@@ -88,7 +88,7 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 
 	err := h.send(rec, r, r.Context(), t, next, hd)
 
-	copies := hd.finish(rec, r, t, err)
+	copies := hd.finish(rec, t)
 	if copies == 0 {
 		return err
 	}
@@ -122,14 +122,12 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 // the job may run again after kept its worker for that re-run to free
 // (see send); once copies ran, frees it now: the copies may answer, or
 // use up max_attempts, and then no re-run comes.
-func (hd *hedge) finish(rec *recorder, r *http.Request, t *scheduler.Ticket, err error) int {
+func (hd *hedge) finish(rec *recorder, t *scheduler.Ticket) int {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
 	hd.endAttempt(t)
-	if hd.copies > 0 && hd.winner != t {
-		if cause := hd.h.rerunCause(r, rec, t, err); cause != noRerun {
-			hd.h.pool.Leave(t, cause.outcome(rec))
-		}
+	if hd.copies > 0 && hd.winner != t && rec.slot.kept {
+		hd.h.pool.Leave(t, rec.slot.keptAs)
 	}
 	for hd.running > 0 {
 		hd.copyOver.Wait()
