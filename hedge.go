@@ -128,6 +128,7 @@ func (hd *hedge) finish(rec *recorder, t *scheduler.Ticket) int {
 	hd.endAttempt(t)
 	if hd.copies > 0 && hd.winner != t && rec.slot.kept {
 		hd.h.pool.Leave(t, rec.slot.keptAs)
+		rec.slot.kept = false // free now; a re-run that follows gets a worker of its own
 	}
 	for hd.running > 0 {
 		hd.copyOver.Wait()
