@@ -325,12 +325,12 @@ func (m Model) size(f Fields, widthHeight bool) (w, h float64, err error) {
 // workerSize reads "WIDTHxHEIGHT" as sglang's _parse_size does: lower
 // case, spaces removed, split at "x" into exactly two Python ints.
 func workerSize(s string) (w, h float64, ok bool) {
-	parts := strings.Split(strings.ReplaceAll(strings.ToLower(s), " ", ""), "x")
-	if len(parts) != 2 {
+	width, height, ok := strings.Cut(strings.ReplaceAll(strings.ToLower(s), " ", ""), "x")
+	if !ok || strings.Contains(height, "x") {
 		return 0, 0, false
 	}
-	w, okW := pythonInt(parts[0])
-	h, okH := pythonInt(parts[1])
+	w, okW := pythonInt(width)
+	h, okH := pythonInt(height)
 	return w, h, okW && okH
 }
 
