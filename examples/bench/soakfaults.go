@@ -81,6 +81,14 @@ func (s *soak) runSchedule(ctx context.Context, done <-chan struct{}, stopLoad f
 			return s.endFaults(ctx)
 		case <-tick.C:
 		}
+		// A fault that took longer than a tick finds both ready, and
+		// select picks either: none starts once the load has ended, when
+		// a check that jobs were answered meanwhile cannot hold.
+		select {
+		case <-done:
+			return s.endFaults(ctx)
+		default:
+		}
 		f := blackholeLeaves
 		if s.blackhole == nil || step < len(schedule) {
 			s.round, s.place = step/len(schedule), step%len(schedule)
