@@ -16,3 +16,10 @@ func clientIP(r *http.Request) string {
 	host, _, _ := strings.Cut(r.RemoteAddr, ":")
 	return host
 }
+
+// throughProxy reports whether r came from one of the server's
+// trusted_proxies, which then names the client.
+func throughProxy(r *http.Request) bool {
+	trusted, _ := caddyhttp.GetVar(r.Context(), caddyhttp.TrustedProxyVarKey).(bool)
+	return trusted
+}

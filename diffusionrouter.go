@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
+	"net/url"
 	"strings"
 	"time"
 
@@ -181,7 +182,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.api = &control.API{
 		Pool: p.Pool, Fleet: p.fleet, Weights: &h.weights, Store: p.store, Logger: h.logger, Allow: h.allow, Token: h.token,
-		ClientIP: clientIP, Guard: h.guard, MaxWorkers: h.MaxWorkers, MinReady: h.HealthChecks.MinReady,
+		AllowIsDefault: len(h.Admin.Allow) == 0, Proxied: throughProxy, ClientIP: clientIP, Guard: h.guard, MaxWorkers: h.MaxWorkers, MinReady: h.HealthChecks.MinReady,
 		Policy: h.LoadBalancing.Policy, Dashboard: !h.DashboardOff,
 		Models: &p.models, EngineMetrics: &p.metrics, Operations: weightUpdates,
 		AbortMemory: time.Duration(h.Queue.AbortMemory),
@@ -234,9 +235,12 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	switch {
 	case dotted:
 		err = control.WriteError(rec, http.StatusBadRequest, "the path must not have . or .. segments")
+	case !answered && hasEscapedSeparator(r.URL):
+		err = control.WriteError(rec, http.StatusBadRequest, "the path must not hold %2F, %5C or \\: a worker decodes them and would read another path")
 	case !answered && !h.forwards.has(r.URL.Path):
 		err = control.WriteError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
 	case !answered:
+		r.URL.RawPath = "" // the worker gets the path as the router read it
 		h.pool.fleet.StartCatchUps(&h.weights)
 		err = h.forward(rec, r, route, next)
 	case r.ContentLength > control.MaxBody:
@@ -259,6 +263,16 @@ func hasDotSegment(path string) bool {
 		}
 	}
 	return false
+}
+
+// hasEscapedSeparator reports whether u's path holds an escaped / or \, or
+// a \ at all. Workers decode the path before they route it (uvicorn
+// does), so /v1%2Fset_lora, one segment to the router's endpoints, reaches
+// a worker's /v1/set_lora. Only the router's own
+// endpoints take such a path: /workers/{id} names a worker by its escaped
+// URL.
+func hasEscapedSeparator(u *url.URL) bool {
+	return strings.Contains(u.Path, `\`) || strings.Contains(strings.ToLower(u.RawPath), "%2f")
 }
 
 // isControl reports whether the router answers r itself. Paths of the

@@ -26,7 +26,7 @@ func TestMilesExampleAdapts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`"trusted_proxies":{"ranges":["192.168.0.0/16"`, `"admin":{"allow":["private_ranges"]}`, `"forward_paths":["sglang"]`} {
+	for _, want := range []string{`"trusted_proxies":{"ranges":["192.168.0.0/16"`, `"trusted_proxies_strict":1`, `"admin":{"allow":["private_ranges"]}`, `"forward_paths":["sglang"]`} {
 		if !strings.Contains(string(raw), want) {
 			t.Errorf("adapted example lacks %s:\n%s", want, raw)
 		}
@@ -113,10 +113,10 @@ func jobsOn(engines []*fakeworker.Worker, weights string) int {
 // from X-Forwarded-For.
 func TestMilesDiffusionRun(t *testing.T) {
 	engines := namedWorkers(t, 3, fakeworker.Config{UnitMs: 2})
-	r := testrouter.StartWith(t, "servers {\n trusted_proxies static private_ranges\n}",
+	r := testrouter.StartWith(t, "servers {\n trusted_proxies static private_ranges\n trusted_proxies_strict\n}",
 		"diffusion_router {\n admin_allow private_ranges\n forward_paths sglang\n weights_path_prefix /ckpt\n}")
 	fromCluster := []string{"X-Forwarded-For", "10.0.3.7"}
-	fromPublic := []string{"X-Forwarded-For", "203.0.113.9"}
+	fromPublic := []string{"X-Forwarded-For", "10.0.3.7, 203.0.113.9"} // a cluster address forged before its own
 	listed := func() []any { return r.Get("/list_workers").JSON(t)["urls"].([]any) }
 
 	// Start-up: two engines register from their nodes; any non-2xx would

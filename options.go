@@ -265,7 +265,10 @@ type Admin struct {
 	// Allow lists the client networks (CIDR or single address) that may;
 	// private_ranges stands for the private and loopback ranges, as in
 	// Caddy's trusted_proxies. The client address is Caddy's, so
-	// trusted_proxies is honoured. Default: loopback.
+	// trusted_proxies is honoured. Default: loopback, but not for a call
+	// that came through one of the server's trusted_proxies: a proxy or
+	// sidecar on the same machine brings every client from loopback, so
+	// such a call needs the token or an explicit list.
 	Allow []string `json:"allow,omitempty"`
 
 	// Token, when set, also admits a call that carries

@@ -369,3 +369,46 @@ func TestRequestIDIsBounded(t *testing.T) {
 		t.Fatalf("request id echoed as %q", rp.Header.Get(requestIDHeader))
 	}
 }
+
+// Behind a proxy or sidecar on the same machine every client arrives from
+// loopback, which the default admin_allow admits: once the server trusts
+// proxies, the default admits no address, and only the token or an
+// explicit admin_allow lets a control call in.
+func TestBehindTrustedProxiesLoopbackIsNoAdmin(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{}, fakeworker.Config{})
+	register := func(r *testrouter.Router, header ...string) testrouter.Reply {
+		return r.Post("/add_worker?url="+ws[1].URL(), "", header...)
+	}
+	r := testrouter.StartWith(t, "servers {\n trusted_proxies static private_ranges\n trusted_proxies_strict\n}",
+		"diffusion_router {\n workers "+ws[0].URL()+"\n admin_token secret\n}")
+	rp := register(r)
+	testrouter.ExpectStatus(t, "a tokenless registration through a trusted proxy from 127.0.0.1", rp, http.StatusForbidden)
+	if !strings.Contains(rp.ErrorText(t), "admin_allow") {
+		t.Errorf("the 403 %q does not say what admits a call", rp.ErrorText(t))
+	}
+	testrouter.ExpectStatus(t, "a tokenless registration naming a loopback client", register(r, "X-Forwarded-For", "127.0.0.1"), http.StatusForbidden)
+	if n := len(r.Workers()); n != 1 {
+		t.Fatalf("the refused registrations left %d workers; want 1", n)
+	}
+	testrouter.ExpectStatus(t, "a generation through the proxy",
+		r.Post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
+	testrouter.ExpectStatus(t, "the same registration with the token", register(r, "Authorization", "Bearer secret"), http.StatusOK)
+
+	// An explicit admin_allow still admits loopback.
+	r.Load("diffusion_router {\n workers " + ws[0].URL() + "\n admin_allow 127.0.0.1/32\n}")
+	testrouter.ExpectStatus(t, "a tokenless call from loopback listed in admin_allow", r.Post("/remove_worker?url="+ws[1].URL(), ""), http.StatusOK)
+}
+
+// With trusted_proxies_strict, as the examples set it, a client cannot
+// put a cluster address in front of its own in X-Forwarded-For.
+func TestAForgedForwardedForIsNoClusterAddress(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.StartWith(t, "servers {\n trusted_proxies static private_ranges\n trusted_proxies_strict\n}",
+		"diffusion_router {\n admin_allow private_ranges\n}")
+	rp := r.Post("/add_worker?url="+ws[0].URL(), "", "X-Forwarded-For", "10.0.0.5, 203.0.113.9")
+	testrouter.ExpectStatus(t, "a registration with a forged cluster address before the real one", rp, http.StatusForbidden)
+	if n := len(r.Workers()); n != 0 {
+		t.Fatalf("the forged registration left %d workers", n)
+	}
+	testrouter.ExpectStatus(t, "a registration from the cluster", r.Post("/add_worker?url="+ws[0].URL(), "", "X-Forwarded-For", "10.0.0.5"), http.StatusOK)
+}

@@ -37,6 +37,14 @@ type API struct {
 	Allow []netip.Prefix
 	Token string
 
+	// AllowIsDefault says Allow is the default, the machine the router
+	// runs on, and Proxied reports whether a request came through one of
+	// the server's trusted_proxies. Behind a proxy or sidecar on the same
+	// machine every client arrives from loopback, so the default Allow
+	// admits no call that came through a proxy.
+	AllowIsDefault bool
+	Proxied        func(*http.Request) bool
+
 	// ClientIP is a request's client address, as the server determined it
 	// (behind trusted proxies, the one they name).
 	ClientIP func(*http.Request) string

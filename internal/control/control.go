@@ -106,6 +106,9 @@ func (a *API) trusted(r *http.Request) bool {
 			return true
 		}
 	}
+	if a.AllowIsDefault && a.Proxied(r) {
+		return false
+	}
 	addr, err := netip.ParseAddr(a.ClientIP(r))
 	if err != nil {
 		return false
