@@ -258,12 +258,18 @@ func validTenant(name string) bool {
 }
 
 // tenantOf is r's tenant, as the tenant option's placeholder gives it; ""
-// (the tenant other) when it gives nothing.
+// (the tenant other) when it gives nothing, or a name tenants does not
+// list.
 func (h *Handler) tenantOf(r *http.Request) (string, error) {
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	v := strings.TrimSpace(repl.ReplaceAll(h.Queue.Tenant, ""))
-	if v != "" && !validTenant(v) {
+	switch {
+	case v == "":
+		return "", nil
+	case !validTenant(v):
 		return "", fmt.Errorf("tenant %.64q is not a tenant name: %s (it comes from %s)", v, tenantRule, h.Queue.Tenant)
+	case h.tenants != nil && !h.tenants[v]:
+		return "", nil
 	}
 	return v, nil
 }
