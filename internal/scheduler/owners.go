@@ -59,9 +59,13 @@ func (o *JobOwners) Worker(id, tenant string) (string, bool) {
 
 // ownerOf is the owner an entry records for tenant. A job's tenant comes
 // with its request, a string of its own; interned, the up to
-// DefaultOwnerLimit entries share one copy of each name.
+// DefaultOwnerLimit entries share one copy of each name, and hold no
+// object each for the garbage collector to trace.
 func ownerOf(tenant string) string {
-	return unique.Make(cmp.Or(tenant, OtherTenant)).Value()
+	if tenant == "" {
+		return OtherTenant
+	}
+	return unique.Make(tenant).Value()
 }
 
 // Forget drops job id, after it was deleted on its worker.
