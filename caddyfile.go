@@ -175,6 +175,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    priority_max_wait <duration>|off
 //	    abort_memory     <duration>|off
 //	    tenant           <placeholder>
+//	    tenants          <name...>
 //	    tenant_weight    <name> <weight>
 //	    tenant_max_queue <n>
 //	    max_tenants      <n>
@@ -235,9 +236,9 @@ func workerHost(rp *reverseproxy.Handler) {
 //	}
 //
 // workers, workers_dns, workers_srv, dns_resolvers, admin_allow,
-// weights_path_prefix, forward_paths, retry_on, tenant_weight and adapter may
-// repeat; each adds to the list. Sizes
-// read like Caddy's request_body max_size (64MiB, 10MB, 1048576).
+// weights_path_prefix, forward_paths, retry_on, tenants, tenant_weight and
+// adapter may repeat; each adds to the list. Sizes read like Caddy's
+// request_body max_size (64MiB, 10MB, 1048576).
 //
 // Parsing checks the syntax only: the option is known, its value is a
 // number, duration or size where one is needed, and not zero (which the
@@ -317,6 +318,7 @@ var handlerOptions = map[string]option{
 	"priority_max_wait": one(func(h *Handler) *caddy.Duration { return &h.Queue.PriorityMaxWait }, orWord("off", caddy.Duration(-1), parseDuration)),
 	"abort_memory":      one(func(h *Handler) *caddy.Duration { return &h.Queue.AbortMemory }, orWord("off", caddy.Duration(-1), parseDuration)),
 	"tenant":            one(func(h *Handler) *string { return &h.Queue.Tenant }, parseText),
+	"tenants":           several(func(h *Handler) *[]string { return &h.Queue.Tenants }),
 	"tenant_weight":     {list: true, read: readTenantWeight},
 	"tenant_max_queue":  one(func(h *Handler) *int { return &h.Queue.TenantMaxQueue }, parseWhole),
 	"max_tenants":       one(func(h *Handler) *int { return &h.Queue.MaxTenants }, parseWhole),

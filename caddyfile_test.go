@@ -2,6 +2,7 @@ package diffusionrouter
 
 import (
 	"encoding/json"
+	"fmt"
 	"math"
 	"strings"
 	"testing"
@@ -62,6 +63,8 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		priority_max_wait 30s
 		abort_memory 10m
 		tenant {http.request.header.X-Tenant}
+		tenants trainer eval
+		tenants ci
 		tenant_weight trainer 2
 		tenant_weight eval 0.5
 		tenant_max_queue 100
@@ -139,7 +142,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 			Order: "largest_first", Timeout: caddy.Duration(90 * time.Second), MaxJobs: 500,
 			Priority: "{http.request.header.X-Priority}", MaxPriority: 5, PriorityMaxWait: caddy.Duration(30 * time.Second),
 			AbortMemory: caddy.Duration(10 * time.Minute),
-			Tenant:      "{http.request.header.X-Tenant}", TenantWeights: map[string]float64{"trainer": 2, "eval": 0.5},
+			Tenant:      "{http.request.header.X-Tenant}", Tenants: []string{"trainer", "eval", "ci"}, TenantWeights: map[string]float64{"trainer": 2, "eval": 0.5},
 			TenantMaxQueue: 100, MaxTenants: 16,
 		},
 		Cost: CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
@@ -291,6 +294,10 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"tenant_weight trainer -1", "tenant_weight (queue.tenant_weights): the weight of \"trainer\" must be a positive number"},
 		{"tenant_max_queue -1", "tenant_max_queue (queue.tenant_max_queue):"},
 		{"max_tenants -1", "max_tenants (queue.max_tenants):"},
+		{"tenant x\ntenants a a/b", "tenants (queue.tenants): \"a/b\" is not a tenant name"},
+		{"tenants a b", "tenants (queue.tenants): lists tenants, but no tenant option says where"},
+		{"tenant x\ntenants a\ntenant_weight b 2", "tenant_weight (queue.tenant_weights): \"b\" is not on tenants"},
+		{"tenant x\ntenants a b c\nmax_tenants 2", "max_tenants (queue.max_tenants): is 2, fewer than the 3 tenants listed"},
 		{"default_steps -3", "default_steps (cost.default_steps):"},
 		{"default_size big", "default_size (cost.default_size):"},
 		{"default_size 0x1024", "default_size (cost.default_size):"},
@@ -494,5 +501,20 @@ func TestMaxInflightDefaultsByPolicy(t *testing.T) {
 		if err := tc.h.provisionOptions(); err != nil || tc.h.dispatch.MaxInflight != tc.want {
 			t.Errorf("%s/%d: max_inflight %d (%v); want %d", lb.Policy, lb.MaxInflight, tc.h.dispatch.MaxInflight, err, tc.want)
 		}
+	}
+}
+
+// Every tenant listed is tracked: a list longer than max_tenants' default
+// raises it, so that no listed tenant shares other.
+func TestTenantListRaisesMaxTenants(t *testing.T) {
+	h := Handler{Queue: Queue{Tenant: "{http.auth.user.id}"}}
+	for i := range 100 {
+		h.Queue.Tenants = append(h.Queue.Tenants, fmt.Sprint("team-", i))
+	}
+	if err := h.provisionOptions(); err != nil {
+		t.Fatal(err)
+	}
+	if h.dispatch.MaxTenants != 100 {
+		t.Fatalf("max_tenants with 100 tenants listed: %d; want 100", h.dispatch.MaxTenants)
 	}
 }

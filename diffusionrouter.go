@@ -125,6 +125,7 @@ type Handler struct {
 	health   scheduler.HealthConfig
 	answers  heldAnswers
 	metrics  poolMetrics
+	tenants  map[string]bool // the tenants listed; nil: every name is one
 	allow    []netip.Prefix
 	token    string
 	api      *control.API

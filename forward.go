@@ -72,7 +72,11 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 		ce.Write(zap.String("request_id", id), zap.String("worker", t.ServedBy()), zap.Float64("cost", t.Cost),
 			zap.String("strategy", h.LoadBalancing.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
 	}
-	err = h.proxy(rec, r, t, next)
+	if list := h.filterVideoList(rec, r, t); list != nil {
+		err = list.finish(h.proxy(rec, r, t, next))
+	} else {
+		err = h.proxy(rec, r, t, next)
+	}
 	if cause := scheduler.CancelledBy(r.Context()); cause != nil && rec.status == 0 {
 		err = control.WriteError(rec, http.StatusConflict, cause.Error())
 	}
@@ -189,7 +193,7 @@ func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ti
 			return nil, http.StatusBadRequest, err.Error()
 		}
 	}
-	if t.Job && h.Queue.Tenant != "" {
+	if h.Queue.Tenant != "" && (t.Job || route.Poll || listsVideos(r, route)) {
 		var err error
 		if t.Tenant, err = h.tenantOf(r); err != nil {
 			return nil, http.StatusBadRequest, err.Error()
@@ -254,24 +258,31 @@ func validTenant(name string) bool {
 }
 
 // tenantOf is r's tenant, as the tenant option's placeholder gives it; ""
-// (the tenant other) when it gives nothing.
+// (the tenant other) when it gives nothing, or a name tenants does not
+// list.
 func (h *Handler) tenantOf(r *http.Request) (string, error) {
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	v := strings.TrimSpace(repl.ReplaceAll(h.Queue.Tenant, ""))
-	if v != "" && !validTenant(v) {
+	switch {
+	case v == "":
+		return "", nil
+	case !validTenant(v):
 		return "", fmt.Errorf("tenant %.64q is not a tenant name: %s (it comes from %s)", v, tenantRule, h.Queue.Tenant)
+	case h.tenants != nil && !h.tenants[v]:
+		return "", nil
 	}
 	return v, nil
 }
 
 // pinToJob pins t to the worker that made the job its route names. A
-// non-zero status refuses the request with that status and message.
+// non-zero status refuses the request with that status and message: a job
+// of another tenant's is as unknown as one never made.
 func (h *Handler) pinToJob(t *scheduler.Ticket) (*scheduler.Ticket, int, string) {
 	owners, unknown := h.pool.Videos(), "Unknown video_id"
 	if t.Route.Kind == request.ImagePoll {
 		owners, unknown = h.pool.Images(), "Unknown image_id"
 	}
-	worker, ok := owners.Worker(t.Route.JobID)
+	worker, ok := owners.Worker(t.Route.JobID, t.Tenant)
 	if !ok {
 		return nil, http.StatusNotFound, unknown
 	}

@@ -76,7 +76,7 @@ func (h *Handler) learnImage(learn imageLearning, answer []byte, t *scheduler.Ti
 func (h *Handler) rememberImage(answer []byte, t *scheduler.Ticket) bool {
 	id, ok := leadingString(answer, "id")
 	if ok && request.ValidJobID(id) {
-		h.pool.Images().Remember(id, t.ServedBy())
+		h.pool.Images().Remember(id, t.ServedBy(), t.Tenant)
 	}
 	return ok
 }

@@ -115,6 +115,12 @@ type Queue struct {
 	// no tenants.
 	Tenant string `json:"tenant,omitempty"`
 
+	// Tenants, when set, are the only tenant names the pool tells apart:
+	// a job naming any other is the tenant "other"'s, as one naming none
+	// is, so that a client splitting its jobs over invented names gets no
+	// more than one share. Default: every valid name is a tenant.
+	Tenants []string `json:"tenants,omitempty"`
+
 	// TenantWeights is each tenant's weight, by name. Default 1.
 	TenantWeights map[string]float64 `json:"tenant_weights,omitempty"`
 
@@ -124,7 +130,8 @@ type Queue struct {
 
 	// MaxTenants is how many tenants the pool tracks (and shows in the
 	// metrics); a new one beyond them takes an idle one's place, or
-	// shares the tenant "other" while all are active. Default 64.
+	// shares the tenant "other" while all are active. Default 64, or the
+	// number of Tenants when more; it may not be less than that.
 	MaxTenants int `json:"max_tenants,omitempty"`
 }
 
@@ -429,9 +436,15 @@ func (h *Handler) provisionPriority() error {
 // provisionTenants reads the tenant options.
 func (h *Handler) provisionTenants() error {
 	q, d := &h.Queue, &h.dispatch
+	if err := h.provisionTenantList(); err != nil {
+		return err
+	}
 	for name, w := range q.TenantWeights {
 		if !validTenant(name) {
 			return optionError("tenant_weight", "queue.tenant_weights", "%q is not a tenant name: %s", name, tenantRule)
+		}
+		if h.tenants != nil && !h.tenants[name] && name != scheduler.OtherTenant {
+			return optionError("tenant_weight", "queue.tenant_weights", "%q is not on tenants, so no job is ever its: list it, or weigh %q", name, scheduler.OtherTenant)
 		}
 		if !(w > 0) || math.IsInf(w, 0) {
 			return optionError("tenant_weight", "queue.tenant_weights", "the weight of %q must be a positive number, got %v", name, w)
@@ -440,11 +453,32 @@ func (h *Handler) provisionTenants() error {
 	if q.TenantMaxQueue < 0 {
 		return optionError("tenant_max_queue", "queue.tenant_max_queue", "must be positive, got %d", q.TenantMaxQueue)
 	}
-	q.MaxTenants = cmp.Or(q.MaxTenants, scheduler.DefaultMaxTenants)
+	if q.MaxTenants != 0 && q.MaxTenants < len(h.tenants) {
+		return optionError("max_tenants", "queue.max_tenants", "is %d, fewer than the %d tenants listed: some would share the tenant %q", q.MaxTenants, len(h.tenants), scheduler.OtherTenant)
+	}
+	q.MaxTenants = cmp.Or(q.MaxTenants, max(scheduler.DefaultMaxTenants, len(h.tenants)))
 	if q.MaxTenants < 0 {
 		return optionError("max_tenants", "queue.max_tenants", "must be positive, got %d", q.MaxTenants)
 	}
 	d.TenantWeights, d.TenantMaxQueue, d.MaxTenants = q.TenantWeights, q.TenantMaxQueue, q.MaxTenants
+	return nil
+}
+
+// provisionTenantList reads the tenants the pool tells apart, if listed.
+func (h *Handler) provisionTenantList() error {
+	if len(h.Queue.Tenants) == 0 {
+		return nil
+	}
+	if h.Queue.Tenant == "" {
+		return optionError("tenants", "queue.tenants", "lists tenants, but no tenant option says where a job's tenant comes from")
+	}
+	h.tenants = make(map[string]bool, len(h.Queue.Tenants))
+	for _, name := range h.Queue.Tenants {
+		if !validTenant(name) {
+			return optionError("tenants", "queue.tenants", "%q is not a tenant name: %s", name, tenantRule)
+		}
+		h.tenants[name] = true
+	}
 	return nil
 }
 

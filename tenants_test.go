@@ -2,6 +2,7 @@ package diffusionrouter_test
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -143,5 +144,45 @@ func TestTenantsBeyondMaxTenantsShareOther(t *testing.T) {
 		if a := <-done; a.status != 200 {
 			t.Fatalf("%s's job got %d %s", a.tenant, a.status, a.body)
 		}
+	}
+}
+
+// A client that splits its jobs over invented tenant names, to take 63 of
+// 64 shares, gets one share with tenants listed: every name off the list
+// is the tenant other.
+func TestInventedTenantNamesShareOneShare(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{UnitMs: 20})
+	r := testrouter.Start(t, tenantSite(ws, "tenants team-a team-b\n"))
+	pool := map[string]string{"pool": "tenant-pool"}
+	done := make(chan tenantAnswer, 128)
+	go sendTenantJob(r, "team-b", 100, done) // holds the worker for 2 s while the others queue
+	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
+	for i := range 63 {
+		go sendTenantJob(r, fmt.Sprint("mallory-", i), 1, done)
+	}
+	for range 20 {
+		go sendTenantJob(r, "team-a", 1, done)
+	}
+	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 83 })
+	var names []string
+	for _, tn := range r.Get("/workers").JSON(t)["tenants"].([]any) {
+		names = append(names, tn.(map[string]any)["name"].(string))
+	}
+	if !slices.Equal(names, []string{"other", "team-b", "team-a"}) {
+		t.Errorf("/workers shows tenants %v; want other, team-b and team-a: the invented names are other", names)
+	}
+	served := map[bool]int{} // of the first 40 jobs after the warm-up: team-a's, and the others'
+	for range 84 {
+		a := <-done
+		if a.status != 200 {
+			t.Fatalf("%s's job: %d %s", a.tenant, a.status, a.body)
+		}
+		if a.tenant != "team-b" && served[true]+served[false] < 40 {
+			served[a.tenant == "team-a"]++
+		}
+	}
+	t.Logf("of the first 40 jobs, team-a had %d and 63 invented names %d", served[true], served[false])
+	if served[true] < 15 {
+		t.Fatalf("of the first 40 jobs team-a had %d; want about half, 20: 63 invented names take one share, not 63 of 64", served[true])
 	}
 }

@@ -58,7 +58,7 @@ func (h *Handler) trackVideoJob(r *http.Request, t *scheduler.Ticket, rec *recor
 	}
 	switch {
 	case r.Method == http.MethodPost && t.Job && request.ValidJobID(job.ID):
-		h.pool.Videos().Remember(job.ID, t.ServedBy())
+		h.pool.Videos().Remember(job.ID, t.ServedBy(), t.Tenant)
 		return h.pool.HoldVideo(t, job.ID)
 	case r.Method == http.MethodDelete && t.Pin != "":
 		id := t.Route.JobID

@@ -173,13 +173,13 @@ func (a *aborts) take(ab Abort) []*Ticket {
 	}
 	switch {
 	case ab.Prefix != "":
-		a.prefixes.put(ab.Prefix, ab.By, ab.Memory)
+		a.prefixes.put(memoEntry{id: ab.Prefix, value: ab.By}, ab.Memory)
 	case ab.RID != "":
-		a.ids.put(ab.RID, ab.By, ab.Memory)
+		a.ids.put(memoEntry{id: ab.RID, value: ab.By}, ab.Memory)
 	}
 	if ab.All {
 		for _, t := range victims {
-			a.ids.put(t.RID, ab.By, ab.Memory)
+			a.ids.put(memoEntry{id: t.RID, value: ab.By}, ab.Memory)
 		}
 	}
 	return victims

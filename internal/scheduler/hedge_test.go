@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"context"
 	"testing"
 	"time"
 )
@@ -39,5 +40,22 @@ func TestDuePredictedAnewOnceSpeedsAreLearned(t *testing.T) {
 	p.Release(hung, Overtaken)
 	if got := hung.Due(); got != 0 {
 		t.Fatalf("due once released: %v; want 0", got)
+	}
+}
+
+// A hedged copy's answer may be the one whose image id the router
+// remembers: the copy is its tenant's job as much as the original.
+func TestAHedgedCopyIsItsTenantsJob(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	tk := &Ticket{pool: p, cfg: config(LeastWork{}, 1), Job: true, Cost: 20, Tenant: "team-a"}
+	if err := p.Acquire(context.Background(), tk); err != nil {
+		t.Fatal(err)
+	}
+	c := p.HedgeCopy(tk)
+	if c == nil {
+		t.Fatal("no copy on the idle worker")
+	}
+	if c.Tenant != "team-a" {
+		t.Fatalf("the copy's tenant is %q; want team-a", c.Tenant)
 	}
 }

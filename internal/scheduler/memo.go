@@ -22,23 +22,25 @@ type memo struct {
 type memoEntry struct {
 	id      string // empty once forgotten
 	value   string
-	expires int64 // Unix nanoseconds
+	owner   string // who may see the entry, where its memo tells
+	expires int64  // Unix nanoseconds
 }
 
 func newMemo(limit int) memo {
 	return memo{limit: limit, now: time.Now, byID: make(map[string]uint64)}
 }
 
-// put remembers value under id for ttl, in place of what id had.
-func (m *memo) put(id, value string, ttl time.Duration) {
+// put remembers e under its id for ttl, in place of what the id had.
+func (m *memo) put(e memoEntry, ttl time.Duration) {
 	now := m.now().UnixNano()
+	id := e.id
 	if s, ok := m.byID[id]; ok {
 		m.at(s).id = ""
 	}
 	if m.next-m.oldest == uint64(m.limit) {
 		m.dropOldest()
 	}
-	e := memoEntry{id: id, value: value, expires: now + int64(ttl)}
+	e.expires = now + int64(ttl)
 	if m.next < uint64(m.limit) {
 		m.ring = append(m.ring, e)
 	} else {

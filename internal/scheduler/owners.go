@@ -5,8 +5,10 @@
 package scheduler
 
 import (
+	"cmp"
 	"sync"
 	"time"
+	"unique"
 )
 
 // Only the worker that created a video or image job knows its id, so the
@@ -19,8 +21,11 @@ const (
 	DefaultOwnerTTL   = 24 * time.Hour
 )
 
-// JobOwners maps job ids to the URL of the worker that made them,
-// forgetting the oldest entries first.
+// JobOwners maps job ids to the URL of the worker that made them, and to
+// the tenant they belong to, forgetting the oldest entries first. A job is
+// known only to its own tenant: to any other, its id is unknown, so that
+// no tenant lists, fetches or deletes another's job. Without tenants every
+// job is the tenant OtherTenant's, known to all.
 type JobOwners struct {
 	ttl time.Duration
 	mu  sync.Mutex
@@ -32,19 +37,35 @@ func NewJobOwners(limit int, ttl time.Duration) *JobOwners {
 	return &JobOwners{ttl: ttl, memo: newMemo(limit)}
 }
 
-// Remember records that worker made the job id.
-func (o *JobOwners) Remember(id, worker string) {
+// Remember records that worker made the job id for tenant (a Ticket's
+// Tenant: "" is OtherTenant).
+func (o *JobOwners) Remember(id, worker, tenant string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	o.put(id, worker, o.ttl)
+	o.put(memoEntry{id: id, value: worker, owner: ownerOf(tenant)}, o.ttl)
 }
 
-// Worker returns the URL of the worker that made job id.
-func (o *JobOwners) Worker(id string) (string, bool) {
+// Worker returns the URL of the worker that made job id, when the job is
+// tenant's; another tenant's job is unknown.
+func (o *JobOwners) Worker(id, tenant string) (string, bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	e, ok := o.get(id)
-	return e.value, ok
+	if !ok || e.owner != cmp.Or(tenant, OtherTenant) {
+		return "", false
+	}
+	return e.value, true
+}
+
+// ownerOf is the owner an entry records for tenant. A job's tenant comes
+// with its request, a string of its own; interned, the up to
+// DefaultOwnerLimit entries share one copy of each name, and hold no
+// object each for the garbage collector to trace.
+func ownerOf(tenant string) string {
+	if tenant == "" {
+		return OtherTenant
+	}
+	return unique.Make(tenant).Value()
 }
 
 // Forget drops job id, after it was deleted on its worker.
