@@ -186,6 +186,8 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    adapter_switch_prior <duration>
 //	    adapter_max_switches <n>
 //	    adapter_turn     <duration>
+//	    adapter_switch_timeout <duration>
+//	    adapter_retry    <duration>
 //
 //	    # the cost of a job (cost)
 //	    default_steps    <n>
@@ -356,21 +358,23 @@ var handlerOptions = map[string]option{
 	"max_held_answer": one(func(h *Handler) *int64 { return &h.Answers.MaxHeld }, orWord("off", int64(-1), parseByteSize)),
 	"max_held_total":  one(func(h *Handler) *int64 { return &h.Answers.MaxHeldTotal }, parseByteSize),
 
-	"forward_paths":        several(func(h *Handler) *[]string { return &h.ForwardPaths }),
-	"max_workers":          one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),
-	"adapter":              {list: true, read: readAdapter},
-	"adapter_from":         one(func(h *Handler) *string { return &h.AdapterFrom }, parseText),
-	"adapter_switch_prior": one(func(h *Handler) *caddy.Duration { return &h.Placement.SwitchPrior }, parseDuration),
-	"adapter_max_switches": one(func(h *Handler) *int { return &h.Placement.MaxSwitches }, parseWhole),
-	"adapter_turn":         one(func(h *Handler) *caddy.Duration { return &h.Placement.Turn }, parseDuration),
-	"max_body":             one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
-	"upstream_timeout":     one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),
-	"dashboard":            one(func(h *Handler) *bool { return &h.DashboardOff }, parseOff),
-	"persist":              one(func(h *Handler) *bool { return &h.PersistOff }, parseOff),
-	"retry_on":             {list: true, read: readRetryOn},
-	"max_attempts":         one(func(h *Handler) *int { return &h.LoadBalancing.MaxAttempts }, parseWhole),
-	"hedge_after":          one(func(h *Handler) *float64 { return &h.LoadBalancing.HedgeAfter }, parseHedgeAfter),
-	"initial_speed":        one(func(h *Handler) *float64 { return &h.LoadBalancing.InitialSpeed }, parseNumber),
+	"forward_paths":          several(func(h *Handler) *[]string { return &h.ForwardPaths }),
+	"max_workers":            one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),
+	"adapter":                {list: true, read: readAdapter},
+	"adapter_from":           one(func(h *Handler) *string { return &h.AdapterFrom }, parseText),
+	"adapter_switch_prior":   one(func(h *Handler) *caddy.Duration { return &h.Placement.SwitchPrior }, parseDuration),
+	"adapter_max_switches":   one(func(h *Handler) *int { return &h.Placement.MaxSwitches }, parseWhole),
+	"adapter_turn":           one(func(h *Handler) *caddy.Duration { return &h.Placement.Turn }, parseDuration),
+	"adapter_switch_timeout": one(func(h *Handler) *caddy.Duration { return &h.Placement.SwitchTimeout }, parseDuration),
+	"adapter_retry":          one(func(h *Handler) *caddy.Duration { return &h.Placement.Retry }, parseDuration),
+	"max_body":               one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
+	"upstream_timeout":       one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),
+	"dashboard":              one(func(h *Handler) *bool { return &h.DashboardOff }, parseOff),
+	"persist":                one(func(h *Handler) *bool { return &h.PersistOff }, parseOff),
+	"retry_on":               {list: true, read: readRetryOn},
+	"max_attempts":           one(func(h *Handler) *int { return &h.LoadBalancing.MaxAttempts }, parseWhole),
+	"hedge_after":            one(func(h *Handler) *float64 { return &h.LoadBalancing.HedgeAfter }, parseHedgeAfter),
+	"initial_speed":          one(func(h *Handler) *float64 { return &h.LoadBalancing.InitialSpeed }, parseNumber),
 }
 
 // one is an option of one value, read by parse into the field. parse

@@ -113,6 +113,8 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		adapter_switch_prior 20s
 		adapter_max_switches 2
 		adapter_turn 45s
+		adapter_switch_timeout 2m
+		adapter_retry 10s
 		reverse_proxy {
 			transport http {
 				dial_timeout 3s
@@ -167,7 +169,10 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		UpstreamTimeout: caddy.Duration(30 * time.Minute),
 		Adapters:        []Adapter{{Name: "policy-a", Path: "/ckpt/lora/a"}, {Name: "policy-b", Path: "/ckpt/lora/b", Strength: 0.8}},
 		AdapterFrom:     "{http.request.header.X-Policy}",
-		Placement:       Placement{SwitchPrior: caddy.Duration(20 * time.Second), MaxSwitches: 2, Turn: caddy.Duration(45 * time.Second)},
+		Placement: Placement{
+			SwitchPrior: caddy.Duration(20 * time.Second), MaxSwitches: 2, Turn: caddy.Duration(45 * time.Second),
+			SwitchTimeout: caddy.Duration(2 * time.Minute), Retry: caddy.Duration(10 * time.Second),
+		},
 	}
 	got, _ := json.Marshal(h)
 	exp, _ := json.Marshal(want)
@@ -332,6 +337,8 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"adapter_switch_prior -1s", "adapter_switch_prior (placement.switch_prior):"},
 		{"adapter_max_switches -1", "adapter_max_switches (placement.max_switches):"},
 		{"adapter_turn -1s", "adapter_turn (placement.turn):"},
+		{"adapter_switch_timeout -1s", "adapter_switch_timeout (placement.switch_timeout):"},
+		{"adapter_retry -1s", "adapter_retry (placement.retry):"},
 		{"max_attempts -1", "max_attempts (load_balancing.max_attempts):"},
 		{"retry_on 200", "retry_on (load_balancing.retry_on): 200 is not an error status code"},
 		{"hedge_after 0.5", "hedge_after (load_balancing.hedge_after):"},
@@ -416,7 +423,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 		`"weights":{"mode":"drain","rolling_batch":1,"drain_timeout":600000000000,"timeout":600000000000}`,
 		`"max_body":67108864`,
 		`"answers":{"max_held":33554432,"max_held_total":268435456}`,
-		`"placement":{"switch_prior":30000000000,"max_switches":4,"turn":60000000000}`,
+		`"placement":{"switch_prior":30000000000,"max_switches":4,"turn":60000000000,"switch_timeout":60000000000,"retry":5000000000}`,
 	} {
 		if !strings.Contains(string(got), want) {
 			t.Errorf("provisioned handler lacks %s:\n%s", want, got)

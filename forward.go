@@ -78,7 +78,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 		err = h.proxy(rec, r, t, next)
 	}
 	if cause := scheduler.CancelledBy(r.Context()); cause != nil && rec.status == 0 {
-		err = control.WriteError(rec, http.StatusConflict, cause.Error())
+		err = control.WriteError(rec, cancelStatus(cause), cause.Error())
 	}
 	if t.Job {
 		h.logJob(id, r, t, rec.status, dispatched.Sub(arrived), time.Since(dispatched))
@@ -109,7 +109,7 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*s
 	if err := h.acquire(rec, r, t); err != nil {
 		h.pool.Untrack(t)
 		if cause := scheduler.CancelledBy(r.Context()); cause != nil {
-			return nil, r, http.StatusConflict, cause.Error()
+			return nil, r, cancelStatus(cause), cause.Error()
 		}
 		if r.Context().Err() != nil {
 			return nil, r, 0, ""

@@ -101,7 +101,7 @@ var (
 	descVersion   = newDesc("worker_weight_version_info", "The weight version the worker serves, as a label.", "pool", "worker", "version")
 	descJobs      = newDesc("worker_jobs_total", "Generation jobs the worker completed.", workerLabels...)
 	descCost      = newDesc("worker_cost_total", "Cost units of the jobs the worker completed.", workerLabels...)
-	descFailures  = newDesc("worker_failures_total", "Failed requests to the worker (connection errors, 5xx answers, answers cut short).", workerLabels...)
+	descFailures  = newDesc("worker_failures_total", "Failed requests to the worker (connection errors, 5xx answers, answers cut short), and failed LoRA calls of placement.", workerLabels...)
 	descEjections = newDesc("worker_ejections_total", "Times the worker was ejected for failed requests.", workerLabels...)
 	descQueue     = newDesc("queue_length", "Generation jobs waiting in the pool's queue.", "pool")
 	descQueueBy   = newDesc("priority_queue_length", "Generation jobs waiting in the pool's queue, by priority.", "pool", "priority")

@@ -797,6 +797,15 @@ type Placement struct {
 	// Turn is how long an adapter keeps its only worker while another
 	// adapter with jobs waiting has none. Default 1m.
 	Turn caddy.Duration `json:"turn,omitempty"`
+
+	// SwitchTimeout bounds each call that switches a worker's adapter
+	// (/v1/set_lora, /v1/unmerge_lora_weights); a read of it
+	// (/v1/list_loras) takes at most 5s, or this when shorter. Default 1m.
+	SwitchTimeout caddy.Duration `json:"switch_timeout,omitempty"`
+
+	// Retry is how long a worker whose LoRA call failed waits before it
+	// is called again. Default 5s.
+	Retry caddy.Duration `json:"retry,omitempty"`
 }
 
 // provisionAdapters reads the adapters and how they are placed.
@@ -821,6 +830,8 @@ func (h *Handler) provisionAdapters() error {
 	pl.SwitchPrior = cmp.Or(pl.SwitchPrior, caddy.Duration(scheduler.DefaultSwitchPrior))
 	pl.MaxSwitches = cmp.Or(pl.MaxSwitches, scheduler.DefaultMaxSwitches)
 	pl.Turn = cmp.Or(pl.Turn, caddy.Duration(scheduler.DefaultTurn))
+	pl.SwitchTimeout = cmp.Or(pl.SwitchTimeout, caddy.Duration(scheduler.DefaultSwitchTimeout))
+	pl.Retry = cmp.Or(pl.Retry, caddy.Duration(scheduler.DefaultRetry))
 	switch {
 	case pl.SwitchPrior < 0:
 		return optionError("adapter_switch_prior", "placement.switch_prior", "must be positive, got %s", time.Duration(pl.SwitchPrior))
@@ -828,6 +839,10 @@ func (h *Handler) provisionAdapters() error {
 		return optionError("adapter_max_switches", "placement.max_switches", "must be positive, got %d", pl.MaxSwitches)
 	case pl.Turn < 0:
 		return optionError("adapter_turn", "placement.turn", "must be positive, got %s", time.Duration(pl.Turn))
+	case pl.SwitchTimeout < 0:
+		return optionError("adapter_switch_timeout", "placement.switch_timeout", "must be positive, got %s", time.Duration(pl.SwitchTimeout))
+	case pl.Retry < 0:
+		return optionError("adapter_retry", "placement.retry", "must be positive, got %s", time.Duration(pl.Retry))
 	}
 	return nil
 }
@@ -844,5 +859,6 @@ func (h *Handler) adapters() []scheduler.Adapter {
 // placement is how the handler's pool places adapters.
 func (h *Handler) placement() scheduler.PlacementConfig {
 	pl := &h.Placement
-	return scheduler.PlacementConfig{SwitchPrior: time.Duration(pl.SwitchPrior), MaxSwitches: pl.MaxSwitches, Turn: time.Duration(pl.Turn)}
+	return scheduler.PlacementConfig{SwitchPrior: time.Duration(pl.SwitchPrior), MaxSwitches: pl.MaxSwitches, Turn: time.Duration(pl.Turn),
+		SwitchTimeout: time.Duration(pl.SwitchTimeout), Retry: time.Duration(pl.Retry)}
 }

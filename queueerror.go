@@ -25,3 +25,13 @@ func queueError(p *pool, t *scheduler.Ticket, err error) (int, string) {
 	}
 	return 503, scheduler.ErrNoWorker.Error()
 }
+
+// cancelStatus is the status of a job the pool ended for cause: 503 when
+// no worker can serve its adapter now (their LoRA calls fail), 409 when
+// what it asked for changed under it (an abort, an adapter withdrawn).
+func cancelStatus(cause error) int {
+	if _, ok := errors.AsType[*scheduler.UnservableAdapterError](cause); ok {
+		return 503
+	}
+	return 409
+}

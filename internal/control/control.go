@@ -151,6 +151,9 @@ type workerJSON struct {
 	Adapter             *string  `json:"adapter,omitempty"`       // while adapters are declared: the one it holds, "" for the base weights
 	AdapterState        string   `json:"adapter_state,omitempty"` // ready, unknown, stray or "switching to <adapter>"
 	SwitchSeconds       float64  `json:"switch_seconds,omitempty"`
+	AdapterFailures     int      `json:"adapter_failures,omitempty"` // its LoRA calls that failed in a row
+	AdapterError        string   `json:"adapter_error,omitempty"`    // why the last of them failed
+	AdapterOut          string   `json:"adapter_out,omitempty"`      // why placement leaves it out after them: unreadable, switches failing
 }
 
 func newWorkerJSON(w scheduler.WorkerInfo) workerJSON {
@@ -182,6 +185,9 @@ func newWorkerJSON(w scheduler.WorkerInfo) workerJSON {
 		Adapter:             heldAdapter(w),
 		AdapterState:        w.AdapterState,
 		SwitchSeconds:       w.SwitchTime,
+		AdapterFailures:     w.AdapterFailures,
+		AdapterError:        w.AdapterError,
+		AdapterOut:          w.AdapterOut,
 	}
 }
 
@@ -205,29 +211,38 @@ func timeJSON(t time.Time) *string {
 func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 	workers := a.Pool.Snapshot()
 	var inState [scheduler.StateCount]int
+	adapterOut, unreadable := 0, 0
 	for _, wk := range workers {
 		inState[wk.State]++
+		if wk.AdapterOut != "" {
+			adapterOut++
+		}
+		if wk.State == scheduler.Serving && wk.AdapterOut == scheduler.OutUnreadable {
+			unreadable++ // it passes its probes, yet serves nothing
+		}
 	}
+	healthy := inState[scheduler.Serving] - unreadable
 	status, code := "healthy", http.StatusOK
-	if inState[scheduler.Serving] == 0 {
+	if healthy == 0 {
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
 	stats := a.Pool.Stats()
 	_ = WriteJSON(w, code, map[string]any{
-		"status":             status,
-		"healthy_workers":    inState[scheduler.Serving],
-		"total_workers":      len(workers),
-		"dead_workers":       inState[scheduler.Dead],
-		"sleeping_workers":   inState[scheduler.Sleeping],
-		"stale_workers":      inState[scheduler.Stale],
-		"unhealthy_workers":  inState[scheduler.Unhealthy],
-		"ejected_workers":    inState[scheduler.Ejected],
-		"suspect_workers":    inState[scheduler.Suspect],
-		"queued_requests":    stats.Queued,
-		"queued_by_priority": priorityCounts(stats.ByPriority),
-		"aborted":            a.Pool.AbortStats(),
-		"weight_version":     stats.Version,
-		"updating_to":        stats.UpdatingTo,
+		"status":                 status,
+		"healthy_workers":        healthy,
+		"total_workers":          len(workers),
+		"dead_workers":           inState[scheduler.Dead],
+		"sleeping_workers":       inState[scheduler.Sleeping],
+		"stale_workers":          inState[scheduler.Stale],
+		"unhealthy_workers":      inState[scheduler.Unhealthy],
+		"ejected_workers":        inState[scheduler.Ejected],
+		"suspect_workers":        inState[scheduler.Suspect],
+		"adapter_failed_workers": adapterOut,
+		"queued_requests":        stats.Queued,
+		"queued_by_priority":     priorityCounts(stats.ByPriority),
+		"aborted":                a.Pool.AbortStats(),
+		"weight_version":         stats.Version,
+		"updating_to":            stats.UpdatingTo,
 	})
 }
 

@@ -6,24 +6,22 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // Switcher makes the calls by which a pool's placement changes one
 // worker's LoRA adapter, and reads back the adapter a worker has active.
+// Placement bounds each call by its context (adapter_switch_timeout).
 type Switcher struct {
 	fleet *Fleet
-	cfg   *Config
 }
 
 var _ scheduler.Switcher = (*Switcher)(nil)
 
-// NewSwitcher returns the switcher of f's pool, whose calls are bounded by
-// cfg.Timeout each.
-func NewSwitcher(f *Fleet, cfg *Config) *Switcher {
-	return &Switcher{fleet: f, cfg: cfg}
+// NewSwitcher returns the switcher of f's pool.
+func NewSwitcher(f *Fleet) *Switcher {
+	return &Switcher{fleet: f}
 }
 
 // loraStatus is sglang-diffusion's answer to GET /v1/list_loras (its
@@ -36,14 +34,8 @@ type loraStatus struct {
 	} `json:"active"`
 }
 
-// activeTimeout bounds a read of a worker's adapter: an idle worker
-// answers list_loras at once (placement reads only workers without jobs).
-const activeTimeout = 30 * time.Second
-
 // Active reads the adapter active on the worker's transformer.
 func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path string, err error) {
-	ctx, cancel := context.WithTimeout(ctx, min(s.cfg.Timeout, activeTimeout))
-	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, workerURL+"/v1/list_loras", nil)
 	if err != nil {
 		return "", "", err
@@ -77,7 +69,7 @@ func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path str
 func (s *Switcher) Switch(ctx context.Context, workerURL string, a *scheduler.Adapter, unmerge bool) (int, string, error) {
 	res := Result{StatusCode: http.StatusOK, OK: true}
 	if unmerge {
-		res = s.fleet.post(ctx, workerURL, "/v1/unmerge_lora_weights", []byte("{}"), s.cfg.Timeout)
+		res = s.fleet.post(ctx, workerURL, "/v1/unmerge_lora_weights", []byte("{}"), 0)
 		if !res.OK {
 			return res.StatusCode, message(res), fmt.Errorf("/v1/unmerge_lora_weights answered %d: %s", res.StatusCode, message(res))
 		}
@@ -87,7 +79,7 @@ func (s *Switcher) Switch(ctx context.Context, workerURL string, a *scheduler.Ad
 		if err != nil {
 			return 0, "", err
 		}
-		res = s.fleet.post(ctx, workerURL, "/v1/set_lora", body, s.cfg.Timeout)
+		res = s.fleet.post(ctx, workerURL, "/v1/set_lora", body, 0)
 		if !res.OK {
 			return res.StatusCode, message(res), fmt.Errorf("/v1/set_lora answered %d: %s", res.StatusCode, message(res))
 		}

@@ -279,12 +279,16 @@ func (f *Fleet) broadcastEach(ctx context.Context, urls []string, path string, b
 // of a few fields.
 const maxAnswer = 1 << 20
 
-// post sends one call to a worker and reads its JSON answer. A 2xx answer
-// that says "success": false is a failure.
+// post sends one call to a worker and reads its JSON answer, within
+// timeout (0: ctx alone bounds it). A 2xx answer that says "success":
+// false is a failure.
 func (f *Fleet) post(ctx context.Context, workerURL, path string, body []byte, timeout time.Duration) Result {
 	res := Result{WorkerURL: workerURL, StatusCode: http.StatusBadGateway}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, workerURL+path, bytes.NewReader(body))
 	if err != nil {
 		res.Body = map[string]string{"error": err.Error()}

@@ -34,14 +34,31 @@ type PlacementConfig struct {
 	// Turn is how long an adapter keeps its only worker while another
 	// adapter with jobs waiting has none.
 	Turn time.Duration
+	// SwitchTimeout bounds each call that switches a worker's adapter
+	// (/v1/set_lora, /v1/unmerge_lora_weights), and a read of it
+	// (/v1/list_loras) when shorter than ReadTimeout.
+	SwitchTimeout time.Duration
+	// Retry is how long a worker whose adapter call failed waits before
+	// it is called again.
+	Retry time.Duration
 }
 
 // Placement defaults.
 const (
-	DefaultSwitchPrior = 30 * time.Second
-	DefaultMaxSwitches = 4
-	DefaultTurn        = time.Minute
+	DefaultSwitchPrior   = 30 * time.Second
+	DefaultMaxSwitches   = 4
+	DefaultTurn          = time.Minute
+	DefaultSwitchTimeout = time.Minute
+	DefaultRetry         = 5 * time.Second
 )
+
+// ReadTimeout bounds a read of a worker's adapter: an idle worker answers
+// /v1/list_loras at once (placement reads only workers without jobs), and
+// every job that waits for the worker waits for the read.
+const ReadTimeout = 5 * time.Second
+
+// readTimeout is how long a read of a worker's adapter may take.
+func (c *PlacementConfig) readTimeout() time.Duration { return min(ReadTimeout, c.SwitchTimeout) }
 
 // Errors of adapters and their publishes.
 var (
@@ -57,6 +74,24 @@ type UnknownAdapterError struct {
 
 func (e *UnknownAdapterError) Error() string {
 	return "adapter " + strconv.Quote(e.Name) + " is not served here; declared adapters: " + strings.Join(e.Declared, ", ")
+}
+
+// UnservableAdapterError ends the jobs of an adapter (or of the base
+// weights) that no worker can serve: every worker that could is out of
+// placement after its LoRA calls failed FailuresOut times in a row.
+type UnservableAdapterError struct {
+	Name   string // "" for the base weights
+	Worker string // one of the workers out
+	Last   string // why its last call failed
+}
+
+func (e *UnservableAdapterError) Error() string {
+	what := "the base weights"
+	if e.Name != "" {
+		what = "adapter " + strconv.Quote(e.Name)
+	}
+	return "no worker can serve " + what + " now: every worker that could failed " + strconv.Itoa(FailuresOut) +
+		" LoRA calls in a row (" + e.Worker + ": " + e.Last + ")"
 }
 
 // policy is a declared adapter as the pool serves it; the pool's base
@@ -119,6 +154,54 @@ type workerAdapter struct {
 	cost      float64 // its switches' learned time in seconds; 0: none yet
 	recent    []int64 // when its switches of the last minute began, Unix nanoseconds
 	last      SwitchResult
+	unread    int    // reads of its adapter that failed in a row
+	failed    int    // switches of it that failed in a row
+	outUntil  int64  // after FailuresOut failed switches, placement switches it no more before then
+	failure   string // why its last call failed
+}
+
+// FailuresOut is how many calls of one kind (reads, switches) to a
+// worker's adapter fail in a row before placement takes the worker out:
+// one failure may be a restart between probes, three are a worker whose
+// LoRA endpoints are broken.
+const FailuresOut = 3
+
+// switchOutTime is how long a worker out for failed switches gets no
+// switch; then it is tried once more.
+const switchOutTime = time.Minute
+
+// Why placement leaves a worker out after its LoRA calls failed.
+const (
+	// OutUnreadable: its adapter cannot be read, so it serves nothing.
+	OutUnreadable = "unreadable"
+	// OutSwitches: its switches fail, so it serves only what it holds.
+	OutSwitches = "switches failing"
+)
+
+// out is why placement leaves the worker out after its LoRA calls
+// failed, "" when it does not.
+func (wa *workerAdapter) out(now int64) string {
+	switch {
+	case !wa.known && wa.unread >= FailuresOut:
+		return OutUnreadable
+	case wa.failed >= FailuresOut && now < wa.outUntil:
+		return OutSwitches
+	}
+	return ""
+}
+
+// outFor reports whether the worker, out after failed LoRA calls, cannot
+// serve pol's jobs: its adapter cannot be read, or it is read and is not
+// pol, which it may not switch to. Until it is read after a failed
+// switch, it may yet hold pol.
+func (wa *workerAdapter) outFor(pol *policy, now int64) bool {
+	switch wa.out(now) {
+	case OutUnreadable:
+		return true
+	case OutSwitches:
+		return wa.known && !wa.switching && (wa.holds != pol || wa.publish != pol.publish)
+	}
+	return false
 }
 
 // SwitchResult is how a worker's last switch went.
@@ -494,6 +577,15 @@ func (p *Pool) adapterInfoLocked(w *worker) (name, state string) {
 		return name, "stray"
 	}
 	return name, "ready"
+}
+
+// adapterOutLocked is why placement leaves w out after its LoRA calls
+// failed, "" when it does not or places nothing.
+func (p *Pool) adapterOutLocked(w *worker, now int64) string {
+	if !p.placement.on {
+		return ""
+	}
+	return w.adapter.out(now)
 }
 
 // adapterName names an adapter for people: the base weights are "base".

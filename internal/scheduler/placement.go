@@ -110,10 +110,6 @@ func (t *policyTally) wait() float64 {
 // turns and switch budgets end with time.
 const placementTick = time.Second
 
-// switchRetry is how long a worker whose adapter call failed waits before
-// it is tried again.
-const switchRetry = 5 * time.Second
-
 // tickPlacement runs placement once a tick while the pool lives.
 func (p *Pool) tickPlacement(ctx context.Context) {
 	tick := time.NewTicker(placementTick)
@@ -148,7 +144,43 @@ func (p *Pool) placeLocked() {
 			p.callLocked(w, now)
 		}
 	}
+	p.refuseUnservableLocked(now)
 	p.stopPlacementLocked()
+}
+
+// refuseUnservableLocked ends the waiting jobs that no worker can serve:
+// every worker that could is out after failed LoRA calls. They would
+// otherwise wait until their clients give up.
+func (p *Pool) refuseUnservableLocked(now int64) {
+	if !slices.ContainsFunc(p.workers, func(w *worker) bool { return w.adapter.out(now) != "" }) {
+		return
+	}
+	for _, wt := range p.queue {
+		if wt.t.policy != nil && wt.t.Cancelled() == nil {
+			if err := p.unservableLocked(wt.t, now); err != nil {
+				wt.t.Cancel(err)
+			}
+		}
+	}
+}
+
+// unservableLocked says why no worker can serve t, or nil when some
+// worker that may serve it is not out for failed LoRA calls.
+func (p *Pool) unservableLocked(t *Ticket, now int64) error {
+	var err *UnservableAdapterError
+	for _, w := range p.workers {
+		if !t.mayServe(w, p.fleet.target) {
+			continue
+		}
+		if !w.adapter.outFor(t.policy, now) {
+			return nil
+		}
+		err = &UnservableAdapterError{Name: t.policy.Name, Worker: w.url, Last: w.adapter.failure}
+	}
+	if err == nil {
+		return nil // no worker at all: the queue's own errors say so
+	}
+	return err
 }
 
 // tallyLocked counts, for each policy, the jobs waiting for it and its
@@ -294,8 +326,8 @@ func (p *Pool) donorLocked(pol *policy, now int64) *worker {
 func (p *Pool) switchLossLocked(w *worker, pol *policy, now int64) (float64, bool) {
 	wa := &w.adapter
 	from := p.placedOnLocked(w, now)
-	if !w.serving(now) || wa.switching || wa.calling || !wa.known || from == pol || !p.switchBudgetLocked(w, now) ||
-		!pol.tally.servableBy(w) {
+	if !w.serving(now) || wa.switching || wa.calling || !wa.known || from == pol || wa.out(now) != "" ||
+		!p.switchBudgetLocked(w, now) || !pol.tally.servableBy(w) {
 		return 0, false
 	}
 	speed := p.speedOfLocked(w)
@@ -384,14 +416,20 @@ func (p *Pool) callDueLocked(w *worker, now int64) bool {
 }
 
 // callLocked starts w's call in the pool's background: a switch, or a
-// read of the adapter it has.
+// read of the adapter it has. Each call is bounded, so that a worker whose
+// LoRA endpoints hang fails its calls rather than holds its jobs.
 func (p *Pool) callLocked(w *worker, now int64) {
 	wa := &w.adapter
 	wa.calling, wa.called = true, now
-	sw, epoch := p.placement.switcher, wa.epoch
+	sw, epoch, cfg := p.placement.switcher, wa.epoch, p.placement.cfg
+	read := func(ctx context.Context) (name, path string, err error) {
+		ctx, cancel := context.WithTimeout(ctx, cfg.readTimeout())
+		defer cancel()
+		return sw.Active(ctx, w.url)
+	}
 	if !wa.switching {
 		p.bg.Go("adapter check of "+w.url, func(ctx context.Context) {
-			name, path, err := sw.Active(ctx, w.url)
+			name, path, err := read(ctx)
 			p.mu.Lock()
 			defer p.mu.Unlock()
 			if p.callCurrentLocked(w, epoch) {
@@ -411,9 +449,11 @@ func (p *Pool) callLocked(w *worker, now int64) {
 	// would take for merged already), need an unmerge.
 	unmerge := a == nil || wa.holds == sc.target && wa.publish == sc.publish
 	p.bg.Go("adapter switch of "+w.url, func(ctx context.Context) {
-		sc.status, sc.message, sc.err = sw.Switch(ctx, w.url, a, unmerge)
+		switchCtx, cancel := context.WithTimeout(ctx, cfg.SwitchTimeout)
+		sc.status, sc.message, sc.err = sw.Switch(switchCtx, w.url, a, unmerge)
+		cancel()
 		if sc.err == nil {
-			sc.name, sc.path, sc.err = sw.Active(ctx, w.url)
+			sc.name, sc.path, sc.err = read(ctx)
 		}
 		p.mu.Lock()
 		defer p.mu.Unlock()
@@ -461,15 +501,65 @@ func (p *Pool) checkedLocked(w *worker, name, path string, err error) {
 	wa := &w.adapter
 	now := p.now().UnixNano()
 	if err != nil {
-		wa.retryAt = now + int64(switchRetry)
-		p.logger.Warn("could not read the worker's LoRA adapter; it serves nothing until it can be read", zap.String("worker", w.url), zap.Error(err))
+		wa.unread++
+		p.adapterCallFailedLocked(w, &readCalls, wa.unread, err.Error(), now)
 		p.dispatchLocked()
 		return
 	}
+	p.adapterCallWorkedLocked(w)
 	wa.known, wa.since, wa.seen = true, now, name
 	wa.holds, wa.publish = p.matchLocked(name, path)
 	p.wakeWaitersLocked()
 	p.dispatchLocked()
+}
+
+// loraCalls is a kind of LoRA call placement makes, and what the log says
+// when its failures change what a worker does.
+type loraCalls struct {
+	first string // at the first failure in a row
+	out   string // at the one that takes the worker out
+}
+
+// The kinds of LoRA calls.
+var (
+	readCalls = loraCalls{
+		first: "could not read the worker's LoRA adapter; it serves nothing until it can be read",
+		out:   "the worker's LoRA adapter could not be read 3 times in a row; it is out of placement, and jobs no other worker can serve are answered 503",
+	}
+	switchCalls = loraCalls{
+		first: "adapter switch failed; the worker serves nothing until its adapter is known",
+		out:   "3 adapter switches of the worker failed in a row; placement switches it no more for a minute, and it serves only what it holds",
+	}
+)
+
+// adapterCallFailedLocked counts a failed LoRA call of w, the streak'th
+// of its kind in a row, as the worker's failure: it is not called again
+// for a while. It is logged when it changes what w does (the first of a
+// streak, and the one that takes w out), not on every retry.
+func (p *Pool) adapterCallFailedLocked(w *worker, kind *loraCalls, streak int, why string, now int64) {
+	wa := &w.adapter
+	wa.failure, wa.retryAt = why, now+int64(p.placement.cfg.Retry)
+	w.stats.failures++
+	level, msg := zap.DebugLevel, "LoRA call of the worker failed again"
+	switch streak {
+	case 1:
+		level, msg = zap.WarnLevel, kind.first
+	case FailuresOut:
+		level, msg = zap.WarnLevel, kind.out
+	}
+	if ce := p.logger.Check(level, msg); ce != nil {
+		ce.Write(zap.String("worker", w.url), zap.Int("in_a_row", streak), zap.String("error", why))
+	}
+}
+
+// adapterCallWorkedLocked notes that a LoRA call of w worked: its
+// adapter can be read (and, after a switch, switched) again.
+func (p *Pool) adapterCallWorkedLocked(w *worker) {
+	wa := &w.adapter
+	if wa.unread > 0 {
+		p.logger.Info("the worker's LoRA adapter can be read again", zap.String("worker", w.url), zap.Int("failed_reads", wa.unread))
+	}
+	wa.unread = 0
 }
 
 // matchLocked is the policy a worker that has adapter name at path active
@@ -493,6 +583,10 @@ func (p *Pool) switchedLocked(w *worker, sc *switchCall) {
 	ok := sc.worked()
 	wa.last = SwitchResult{Adapter: sc.want.Name, Publish: sc.publish, OK: ok, Status: sc.status, Message: sc.message, At: now}
 	if ok {
+		if wa.failed > 0 {
+			p.logger.Info("adapter switch of the worker worked again", zap.String("worker", w.url), zap.Int("failed_switches", wa.failed))
+		}
+		wa.failed, wa.unread = 0, 0
 		wa.cost = learnSwitchCost(wa.cost, took.Seconds())
 		sc.target.switches++
 		sc.target.switching += took.Seconds()
@@ -510,18 +604,22 @@ func (p *Pool) switchedLocked(w *worker, sc *switchCall) {
 }
 
 // switchFailedLocked records a switch of w that failed: w serves nothing
-// until its adapter is read back, tried again after switchRetry.
+// until its adapter is read back, tried again after the retry time; after
+// FailuresOut failed switches in a row it is switched no more for
+// switchOutTime, and serves only what it holds.
 func (p *Pool) switchFailedLocked(w *worker, sc *switchCall, now int64) {
 	wa := &w.adapter
 	sc.target.failures++
-	wa.known, wa.retryAt = false, now+int64(switchRetry)
+	wa.known = false
 	if sc.err != nil {
 		wa.last.Message = sc.err.Error()
 	} else {
 		wa.last.Message = "the worker reports adapter " + adapterName(sc.name) + " active after the switch"
 	}
-	p.logger.Warn("adapter switch failed; the worker serves nothing until its adapter is known",
-		zap.String("worker", w.url), zap.String("adapter", adapterName(sc.target.Name)), zap.String("error", wa.last.Message))
+	if wa.failed++; wa.failed >= FailuresOut {
+		wa.outUntil = now + int64(switchOutTime)
+	}
+	p.adapterCallFailedLocked(w, &switchCalls, wa.failed, "switch to "+adapterName(sc.target.Name)+": "+wa.last.Message, now)
 }
 
 // learnSwitchCost folds a switch's seconds into a worker's learned switch

@@ -94,10 +94,17 @@ func placedPool(t *testing.T, n int) (*Pool, *fakeSwitcher) {
 		p.SetCapabilities(u, []string{"T2I"}, "m") // the base weights' version: m
 	}
 	p.DeclareAdapters([]Adapter{{Name: "a", Path: "/l/a"}, {Name: "b", Path: "/l/b"}, {Name: "c", Path: "/l/c"}, {Name: "d", Path: "/l/d"}},
-		PlacementConfig{SwitchPrior: 5 * time.Second, MaxSwitches: DefaultMaxSwitches, Turn: DefaultTurn})
+		placementConfig(5*time.Second))
 	p.UseSwitcher(sw)
 	waitFor(t, "every worker's adapter read back", func() bool { return allStates(p, "ready") })
 	return p, sw
+}
+
+// placementConfig is the default placement with switches assumed to take
+// switchPrior.
+func placementConfig(switchPrior time.Duration) PlacementConfig {
+	return PlacementConfig{SwitchPrior: switchPrior, MaxSwitches: DefaultMaxSwitches, Turn: DefaultTurn,
+		SwitchTimeout: DefaultSwitchTimeout, Retry: DefaultRetry}
 }
 
 // allStates reports whether every worker's adapter is in state.
@@ -350,7 +357,7 @@ func TestAWorkerWhoseAdapterCannotBeReadServesNothing(t *testing.T) {
 	p, clock := poolOf(t, 1)
 	t.Cleanup(func() { _ = p.Close() })
 	sw := &fakeSwitcher{pool: p, clock: clock, took: time.Second, active: map[string]Adapter{}, broken: map[string]bool{"http://a:1": true}}
-	p.DeclareAdapters([]Adapter{{Name: "a", Path: "/l/a"}}, PlacementConfig{SwitchPrior: time.Second, MaxSwitches: 4, Turn: time.Minute})
+	p.DeclareAdapters([]Adapter{{Name: "a", Path: "/l/a"}}, placementConfig(time.Second))
 	p.UseSwitcher(sw)
 	cfg := config(LeastWork{}, 1)
 	cfg.Timeout = 50 * time.Millisecond
@@ -378,7 +385,7 @@ func TestAFailedSwitchIsTriedAgainAndServesNothingMeanwhile(t *testing.T) {
 		t.Fatalf("after a failed switch the worker is %s with %d jobs; want unknown and idle", w.AdapterState, w.Inflight)
 	}
 	for range 6 {
-		tick(p, sw.clock, time.Second) // past switchRetry: read back, then switched again
+		tick(p, sw.clock, time.Second) // past the retry time: read back, then switched again
 	}
 	if got := servedWith(t, sw, tk, done); got != "a" {
 		t.Fatalf("the job ran on %q", got)

@@ -312,6 +312,13 @@ type WorkerInfo struct {
 	Adapter      string
 	AdapterState string
 	SwitchTime   float64 // its switches' learned time, seconds; 0: none yet
+	// AdapterFailures counts its LoRA calls (reads, switches) that failed
+	// in a row, and AdapterError says why the last one did; AdapterOut
+	// says why placement leaves it out after FailuresOut of them
+	// (OutUnreadable, OutSwitches), "" while it does not.
+	AdapterFailures int
+	AdapterError    string
+	AdapterOut      string
 }
 
 func (p *Pool) infoLocked(w *worker) WorkerInfo {
@@ -326,7 +333,10 @@ func (p *Pool) infoLocked(w *worker) WorkerInfo {
 		WorkLeft: p.workLeftLocked(w, now), PredictionError: w.load.speed.RelErr(),
 		ProbeFails: w.evidence.probeFails, LastError: w.evidence.lastError,
 		Jobs: w.stats.jobsDone, Cost: w.stats.costDone, Ejections: w.stats.ejected,
-		SwitchTime: w.adapter.cost,
+		SwitchTime: w.adapter.cost, AdapterOut: p.adapterOutLocked(w, now),
+	}
+	if n := max(w.adapter.unread, w.adapter.failed); n > 0 {
+		info.AdapterFailures, info.AdapterError = n, w.adapter.failure
 	}
 	info.Adapter, info.AdapterState = p.adapterInfoLocked(w)
 	if now < w.health.ejectedUntil {
@@ -510,13 +520,14 @@ func (p *Pool) Snapshot() []WorkerInfo {
 	return out
 }
 
-// ServingCount is how many workers may take new jobs now.
+// ServingCount is how many workers may take new jobs now: serving, and
+// not out because their LoRA adapter cannot be read.
 func (p *Pool) ServingCount() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	n, now := 0, p.now().UnixNano()
 	for _, w := range p.workers {
-		if w.serving(now) {
+		if w.serving(now) && p.adapterOutLocked(w, now) != OutUnreadable {
 			n++
 		}
 	}
