@@ -212,8 +212,10 @@ func (p *Pool) Awake() []string {
 // health takes for stalled (it overran its prediction by the stall factor,
 // and at least the probe timeout, on a worker whose /health still
 // answers), or is suspect since a job of it overran. A drain must not wait
-// on one sick worker. It returns the workers taken for hung, which the
-// caller leaves out.
+// on one sick worker; but it waits for a job nobody waits on a connection
+// for (see headUnwatched), such as one an abort ended, which the pool lets
+// go of at its predicted end. It returns the workers taken for hung, which
+// the caller leaves out.
 func (p *Pool) WaitIdle(ctx context.Context, urls []string, timeout time.Duration, health *HealthConfig) (hung []string, err error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -259,7 +261,7 @@ func (p *Pool) drainedLocked(urls []string, health *HealthConfig) (hung []string
 		case w.adapter.calling: // a LoRA call under way: an update must not overlap it
 			busy = true
 		case w.load.inflight == 0:
-		case health == nil || w.load.jobs[0].held: // a held video job ends when its polls say so; it never hangs
+		case health == nil || w.headUnwatched(): // it never hangs: the drain waits for its end
 			busy = true
 		default:
 			busy = true
