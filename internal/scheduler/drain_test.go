@@ -73,3 +73,45 @@ func TestDrainWaitsForAJobWhoseClientLeft(t *testing.T) {
 		t.Fatalf("a drain once the job ended: hung %v, %v; want none", hung, err)
 	}
 }
+
+// A worker that gave no answer to an update and is found again waits for
+// its catch-up as stale: it shows updating only while the catch-up calls
+// it (it showed updating from the probe on, for as long as no request came
+// to start its catch-up), and an update that starts meanwhile leaves it to
+// its catch-up, which replays that update too.
+func TestWorkerWaitingForItsCatchUpIsStale(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	up := Update{Path: DiskUpdatePath, Version: "step-1", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/1"}`)}
+	p.BeginUpdate(up.Version, true)
+	p.FinishUpdate("http://a:1", up.Version, true, true)
+	p.FinishUpdate("http://b:1", up.Version, false, false) // down
+	p.EndUpdate(up, true)
+
+	p.RecordProbe("http://b:1", nil, testHealth) // back, on its old weights
+	if st := infoOf(t, p, "http://b:1").State; st != Stale || !p.AnyBehind() {
+		t.Fatalf("a worker found again after it missed an update is %v, waiting to catch up: %v; want stale, waiting", st, p.AnyBehind())
+	}
+	if got := p.TakeBehind(); !slices.Equal(got, []string{"http://b:1"}) {
+		t.Fatalf("workers to catch up: %v", got)
+	}
+	if targets := p.BeginUpdate("step-2", true); !slices.Equal(targets, []string{"http://a:1"}) {
+		t.Fatalf("an update beside a worker waiting for its catch-up goes to %v; want a alone", targets)
+	}
+	p.EndUpdate(Update{}, false)
+	if st := infoOf(t, p, "http://b:1").State; st != Stale {
+		t.Fatalf("a worker whose catch-up waits for its turn is %v; want stale", st)
+	}
+	if !p.BeginCatchUp("http://b:1") {
+		t.Fatal("the catch-up found nothing to do")
+	}
+	if st := infoOf(t, p, "http://b:1").State; st != Updating {
+		t.Fatalf("a worker whose catch-up calls it is %v; want updating", st)
+	}
+	p.FinishUpdate("http://b:1", up.Version, true, true)
+	if info := infoOf(t, p, "http://b:1"); info.State != Serving || info.Version != "step-1" {
+		t.Fatalf("the worker caught up is %v on %q", info.State, info.Version)
+	}
+	if p.BeginCatchUp("http://b:1") {
+		t.Fatal("a second catch-up of a worker up to date found something to do")
+	}
+}
