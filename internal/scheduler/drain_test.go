@@ -77,8 +77,9 @@ func TestDrainWaitsForAJobWhoseClientLeft(t *testing.T) {
 // A worker that gave no answer to an update and is found again waits for
 // its catch-up as stale: it shows updating only while the catch-up calls
 // it (it showed updating from the probe on, for as long as no request came
-// to start its catch-up), and an update that starts meanwhile leaves it to
-// its catch-up, which replays that update too.
+// to start its catch-up). An update that starts meanwhile leaves it to its
+// catch-up, which replays that update too, and a wake does not make it
+// serve on its old weights.
 func TestWorkerWaitingForItsCatchUpIsStale(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	up := Update{Path: DiskUpdatePath, Version: "step-1", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/1"}`)}
@@ -98,8 +99,9 @@ func TestWorkerWaitingForItsCatchUpIsStale(t *testing.T) {
 		t.Fatalf("an update beside a worker waiting for its catch-up goes to %v; want a alone", targets)
 	}
 	p.EndUpdate(Update{}, false)
+	p.Moved([]string{"http://b:1"}, Serving) // a wake, which every worker not held back is sent
 	if st := infoOf(t, p, "http://b:1").State; st != Stale {
-		t.Fatalf("a worker whose catch-up waits for its turn is %v; want stale", st)
+		t.Fatalf("a worker whose catch-up waits for its turn is %v after a wake; want stale", st)
 	}
 	if !p.BeginCatchUp("http://b:1") {
 		t.Fatal("the catch-up found nothing to do")
