@@ -198,7 +198,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
-	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.Client(), logger: h.logger, switcher: fleet.NewSwitcher(p.fleet)})
+	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.Client(), logger: h.logger, switcher: fleet.NewSwitcher(p.fleet), weights: &h.weights})
 	if found != nil {
 		app.(*HealthApp).discover(found)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
@@ -127,6 +128,7 @@ type prober struct {
 	client   *http.Client
 	logger   *zap.Logger
 	switcher scheduler.Switcher // how the pool changes workers' adapters, from the start on
+	weights  *fleet.Config      // how a worker found again after it missed an update catches up
 }
 
 func (pr *prober) run(ctx context.Context) {
@@ -162,7 +164,11 @@ func (pr *prober) probe(ctx context.Context, workerURL string) {
 	if ctx.Err() != nil {
 		return // shutting down: says nothing of the worker
 	}
-	switch pr.pool.RecordProbe(workerURL, err, pr.cfg) {
+	change := pr.pool.RecordProbe(workerURL, err, pr.cfg)
+	if err == nil {
+		pr.pool.fleet.StartCatchUps(pr.weights) // a worker found again may have missed an update meanwhile
+	}
+	switch change {
 	case scheduler.BecameUnhealthy:
 		pr.logger.Warn("worker failed its health checks; it gets no jobs until it passes again",
 			zap.String("worker", workerURL), zap.Error(err))

@@ -67,3 +67,38 @@ func TestDrainLeavesOutAWorkerWithAHungJob(t *testing.T) {
 		}
 	}
 }
+
+// An aborted job is not a hung one. sglang-diffusion computes a job to its
+// end whatever its client does, so the worker of a job aborted while it
+// ran counts as busy until the job's predicted end, at the speed the pool
+// has learned by then; an update waits for that and answers 200 with both
+// workers on the new weights. It answered 502, leaving that worker out as
+// hung and showing it updating afterwards: the job's end was priced at
+// initial_speed (50 s for 50 steps), the stall check at the speed learned
+// from the other worker's first answer.
+func TestUpdateWaitsForAnAbortedJob(t *testing.T) {
+	const fiftySteps = `{"response_format":"b64_json","prompt":"a fox","size":"1024x1024","num_inference_steps":50}`
+	const fourSteps = `{"response_format":"b64_json","prompt":"a fox","size":"1024x1024","num_inference_steps":4}`
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "x", UnitMs: 10}, fakeworker.Config{Name: "y", UnitMs: 10}) // 0.5 s for 50 steps
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_timeout 1s\n max_inflight 1\n}")
+	aborted := postJob(t.Context(), r, "/v1/images/generations", fiftySteps, "step-1-a")
+	testrouter.WaitFor(t, func() bool {
+		workers := r.Workers()
+		return workers[ws[0].URL()]["active_requests"] == 1.0 || workers[ws[1].URL()]["active_requests"] == 1.0
+	})
+	abort(t, r, `{"rid": "step-1-a"}`, 0, 1)
+	expectAborted(t, "the running job aborted", <-aborted, "step-1-a", `{"rid": "step-1-a"}`)
+	testrouter.ExpectStatus(t, "a job on the other worker", r.Post("/v1/images/generations", fourSteps), 200) // the pool learns a speed
+
+	start := time.Now()
+	rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"step-2"}`)
+	testrouter.ExpectStatus(t, "an update beside an aborted job", rp, 200)
+	if took := time.Since(start); took > 10*time.Second {
+		t.Fatalf("the update took %s, as if the aborted job ran at initial_speed", took)
+	}
+	for _, w := range ws {
+		if st := r.Workers()[w.URL()]; st["state"] != "serving" || st["weight_version"] != "step-2" {
+			t.Fatalf("worker %s after the update: %v", w.URL(), st)
+		}
+	}
+}

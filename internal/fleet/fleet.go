@@ -191,9 +191,10 @@ func succeededOn(results []Result) []string {
 	return urls
 }
 
-// StartCatchUps starts bringing the workers that joined after an update to
-// the pool's version, in the pool's background. It runs on requests
-// rather than at provisioning, which must not dial out.
+// StartCatchUps starts bringing the workers that missed an update to the
+// pool's version, in the pool's background. It runs on requests and on
+// passed health probes, rather than at provisioning, which must not dial
+// out: a worker found again catches up whether or not jobs come.
 func (f *Fleet) StartCatchUps(cfg *Config) {
 	if !f.pool.AnyBehind() {
 		return
@@ -205,15 +206,17 @@ func (f *Fleet) StartCatchUps(cfg *Config) {
 
 // catchUp brings a worker that missed updates to the pool's version
 // before it gets a job, replaying the last update and the LoRA calls
-// since; it is stale if one fails.
+// since; it stays stale if one fails.
 func (f *Fleet) catchUp(ctx context.Context, workerURL string, cfg *Config) {
 	p := f.pool
 	unlock, err := f.Lock(ctx, true) // not while another operation runs
 	if err != nil {
-		p.SetStates([]string{workerURL}, scheduler.Stale) // the pool is closing; never leave it updating
-		return
+		return // the pool is closing; the worker stays stale
 	}
 	defer unlock()
+	if !p.BeginCatchUp(workerURL) {
+		return
+	}
 	history, version := p.History()
 	res := Result{OK: true}
 	for _, req := range history {

@@ -124,7 +124,7 @@ func TestRecordOlderThanAnUpdateLeavesTheWeights(t *testing.T) {
 	if v := after.Stats().Version; v != "step-8" {
 		t.Fatalf("weight version %q; want step-8", v)
 	}
-	if info := infoOf(t, after, "http://r:1"); info.Lifecycle != Updating || info.Version == "step-8" {
-		t.Fatalf("worker read back is %s on %q; want updating (to catch up with step-8)", info.Lifecycle, info.Version)
+	if info := infoOf(t, after, "http://r:1"); info.Lifecycle != Stale || info.Version == "step-8" {
+		t.Fatalf("worker read back is %s on %q; want stale (until it catches up with step-8)", info.Lifecycle, info.Version)
 	}
 }

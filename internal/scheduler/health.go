@@ -118,14 +118,22 @@ func (p *Pool) predictedHeadLocked(w *worker) float64 {
 }
 
 // overrunningLocked reports whether w's running job has overrun its prediction
-// by the stall factor (and at least the probe timeout). A held video job
-// never does: nobody waits on its connection, and its worker answers its
-// polls.
+// by the stall factor (and at least the probe timeout).
 func (p *Pool) overrunningLocked(w *worker, now int64, cfg *HealthConfig) bool {
-	if w.load.inflight == 0 || w.load.jobs[0].held {
+	if w.load.inflight == 0 || w.headUnwatched() {
 		return false
 	}
 	return float64(now-w.load.headSince) > p.stallLimitLocked(w, cfg)
+}
+
+// headUnwatched reports whether w's running job is one whose end nobody
+// waits for on a connection, so that it cannot hang: a held video job,
+// which ends when its polls say so, or a job whose client left or that
+// an abort ended, which the pool lets go of at its predicted end
+// (keepGhostLocked). w must have a job in flight.
+func (w *worker) headUnwatched() bool {
+	head := w.load.jobs[0]
+	return head.held || head.ghost
 }
 
 // stallLimitLocked is how long w's running job may run before it is taken

@@ -206,7 +206,7 @@ type workerLife struct {
 	dead    bool   // held back by an operator (PUT /workers/{id})
 	removed bool   // left the pool while jobs of it still ran
 	state   State  // serving, draining, updating, stale or sleeping
-	behind  bool   // joined after an update; must load its weights first
+	behind  lag    // missed an update: stale until a catch-up brings it to the pool's weights
 	missed  bool   // stale because its last update got no answer: caught up once a probe passes
 	version string // weight version the worker serves; "" until known
 }

@@ -443,3 +443,23 @@ func TestACopyEndsWithItsJobNotWithTheAttemptItOvertook(t *testing.T) {
 		t.Fatal("the copy outlived its client")
 	}
 }
+
+// A job whose client left holds its worker until its predicted end at the
+// speed the pool knows now, not at the one it knew when the job started:
+// in a cold pool, a 50-unit job started at the initial speed of 1 a second
+// would hold its worker 50 s though the worker beside it has shown, a
+// moment later, that the fleet runs 100 units a second.
+func TestAbandonedJobEndsAtTheSpeedLearnedSince(t *testing.T) {
+	p, clock := poolOf(t, 2)
+	t.Cleanup(func() { _ = p.Close() })
+	cfg := config(LeastWork{}, 1)
+	left, _ := choose(t, p, cfg, 50)
+	left.Sent = true
+	p.Release(left, Abandoned)
+	quick, _ := choose(t, p, cfg, 1)
+	clock.advance(10 * time.Millisecond)
+	p.Release(quick, Succeeded) // 100 units a second: the job left ends 0.5 s after it started
+	waitFor(t, "the job whose client left to end at its predicted end", func() bool {
+		return infoOf(t, p, left.ServedBy()).Inflight == 0
+	})
+}

@@ -22,8 +22,20 @@ type fleetState struct {
 	history []Update // the last update and the LoRA calls since: what brings a worker to version
 	target  string   // version an update in progress moves to
 
-	behind atomic.Int32 // workers that joined after an update and wait to catch up; read without mu
+	behind atomic.Int32 // workers that wait for a catch-up to be started; read without mu
 }
+
+// lag is how far a worker is in being brought to the pool's weights after
+// it missed updates (it joined later, slept through them, was held back by
+// an operator, or was down). It is stale all along but while the catch-up
+// calls it: /workers shows updating only while a call runs.
+type lag uint8
+
+const (
+	upToDate   lag = iota // nothing to catch up, or its catch-up calls it now
+	lagging               // waits for a catch-up to be started (StartCatchUps, on a request or a passed probe)
+	catchingUp            // its catch-up was started and waits for the fleet, busy with another operation
+)
 
 // Update is a call that changes the workers' weights, as the fleet sent
 // it and replays it to a worker that missed it.
@@ -71,7 +83,9 @@ func (p *Pool) BeginUpdate(version string, pause bool) []string {
 	defer p.mu.Unlock()
 	var targets []string
 	for _, w := range p.workers {
-		if !w.life.dead && (w.life.state == Serving || w.life.state == Stale) {
+		// One that waits for its catch-up is left to it: the catch-up
+		// replays this update after those it missed.
+		if !w.life.dead && w.life.behind == upToDate && (w.life.state == Serving || w.life.state == Stale) {
 			targets = append(targets, w.url)
 		}
 	}
@@ -212,8 +226,10 @@ func (p *Pool) Awake() []string {
 // health takes for stalled (it overran its prediction by the stall factor,
 // and at least the probe timeout, on a worker whose /health still
 // answers), or is suspect since a job of it overran. A drain must not wait
-// on one sick worker. It returns the workers taken for hung, which the
-// caller leaves out.
+// on one sick worker; but it waits for a job nobody waits on a connection
+// for (see headUnwatched), such as one an abort ended, which the pool lets
+// go of at its predicted end. It returns the workers taken for hung, which
+// the caller leaves out.
 func (p *Pool) WaitIdle(ctx context.Context, urls []string, timeout time.Duration, health *HealthConfig) (hung []string, err error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -259,7 +275,7 @@ func (p *Pool) drainedLocked(urls []string, health *HealthConfig) (hung []string
 		case w.adapter.calling: // a LoRA call under way: an update must not overlap it
 			busy = true
 		case w.load.inflight == 0:
-		case health == nil || w.load.jobs[0].held: // a held video job ends when its polls say so; it never hangs
+		case health == nil || w.headUnwatched(): // it never hangs: the drain waits for its end
 			busy = true
 		default:
 			busy = true
@@ -298,43 +314,63 @@ func (p *Pool) recoveredLocked(w *worker) {
 }
 
 // holdIfBehindLocked holds a worker that missed an update (it joined
-// later, slept through it, or was held back by an operator) out of
-// serving until it has caught up with the pool's version.
+// later, slept through it, was held back by an operator, or was down)
+// out of serving, stale, until it has caught up with the pool's version.
+// One whose catch-up is under way already (woken meanwhile) waits for it.
 func (p *Pool) holdIfBehindLocked(w *worker) {
 	f := &p.fleet
-	if len(f.history) == 0 || w.life.version == f.version || w.life.behind || w.life.dead || w.life.state != Serving {
+	if len(f.history) == 0 || w.life.version == f.version || w.life.dead || w.life.state != Serving {
 		return
 	}
-	w.life.state, w.life.behind = Updating, true
-	f.behind.Add(1)
+	w.life.state = Stale
+	if w.life.behind == upToDate {
+		w.life.behind = lagging
+		f.behind.Add(1)
+	}
 }
 
 // leaveLocked forgets a worker that leaves before it caught up.
 func (p *Pool) leaveLocked(w *worker) {
-	if w.life.behind {
-		w.life.behind = false
+	if w.life.behind == lagging {
 		p.fleet.behind.Add(-1)
 	}
+	w.life.behind = upToDate
 }
 
-// AnyBehind reports whether workers wait to catch up with the pool's
-// weights. It takes no lock: it is asked on every job.
+// AnyBehind reports whether workers wait for a catch-up to be started. It
+// takes no lock: it is asked on every job and every passed probe.
 func (p *Pool) AnyBehind() bool { return p.fleet.behind.Load() > 0 }
 
-// TakeBehind returns the workers waiting to catch up, which the caller
-// now brings to the pool's weights.
+// TakeBehind returns the workers waiting for a catch-up to be started,
+// which the caller now starts: each calls BeginCatchUp once it has the
+// fleet.
 func (p *Pool) TakeBehind() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var out []string
 	for _, w := range p.workers {
-		if w.life.behind {
-			w.life.behind = false
+		if w.life.behind == lagging {
+			w.life.behind = catchingUp
 			out = append(out, w.url)
 		}
 	}
 	p.fleet.behind.Add(-int32(len(out)))
 	return out
+}
+
+// BeginCatchUp moves the worker at url, whose catch-up now has the fleet,
+// to updating while the catch-up calls it; FinishUpdate ends that. It
+// reports false when there is nothing to call: the worker left, or came
+// back anew with a catch-up of its own.
+func (p *Pool) BeginCatchUp(url string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.findLocked(url)
+	if w == nil || w.life.behind != catchingUp {
+		return false
+	}
+	w.life.state, w.life.behind = Updating, upToDate
+	return true
 }
 
 // History returns the pool's weight version and the calls that bring a
