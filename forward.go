@@ -258,8 +258,8 @@ func validTenant(name string) bool {
 }
 
 // tenantOf is r's tenant, as the tenant option's placeholder gives it; ""
-// (the tenant other) when it gives nothing, or a name tenants does not
-// list.
+// (the tenant other) when it gives nothing, or a name the tenants option
+// does not list.
 func (h *Handler) tenantOf(r *http.Request) (string, error) {
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	v := strings.TrimSpace(repl.ReplaceAll(h.Queue.Tenant, ""))
