@@ -237,7 +237,9 @@ func workerHost(rp *reverseproxy.Handler) {
 // workers, workers_dns, workers_srv, dns_resolvers, admin_allow,
 // weights_path_prefix, forward_paths, retry_on, tenant_weight and adapter may
 // repeat; each adds to the list. Sizes
-// read like Caddy's request_body max_size (64MiB, 10MB, 1048576).
+// read like Caddy's request_body max_size (64MiB, 10MB, 1048576). Factors,
+// weights and strengths are plain decimals (2, 0.8): not NaN, Inf, hex or
+// digits split by underscores.
 //
 // Parsing checks the syntax only: the option is known, its value is a
 // number, duration or size where one is needed, and not zero (which the
@@ -406,12 +408,30 @@ func parseWhole(v string) (int, string) {
 }
 
 func parseNumber(v string) (float64, string) {
+	const want = "a plain decimal number other than 0, like 0.8"
+	if !plainDecimal(v) {
+		return 0, want
+	}
 	f, err := strconv.ParseFloat(v, 64)
 	if err != nil || f == 0 {
-		return 0, "a number other than 0"
+		return 0, want
 	}
 	return f, ""
 }
+
+// plainDecimal says v is digits with at most one point and an optional
+// sign. ParseFloat alone also takes NaN, Inf, hex and digits split by
+// underscores ("1_0" reads as 10), none of which an operator means: NaN
+// and Inf cannot even be written into the JSON config.
+func plainDecimal(v string) bool {
+	if v != "" && (v[0] == '+' || v[0] == '-') {
+		v = v[1:]
+	}
+	whole, frac, _ := strings.Cut(v, ".")
+	return whole+frac != "" && onlyDigits(whole) && onlyDigits(frac)
+}
+
+func onlyDigits(s string) bool { return strings.Trim(s, "0123456789") == "" }
 
 func parseDuration(v string) (caddy.Duration, string) {
 	dur, err := caddy.ParseDuration(v)

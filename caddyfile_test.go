@@ -272,6 +272,29 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 	}
 }
 
+// TestNumbersArePlainDecimals: strconv alone reads NaN and Inf (which
+// then cannot be written as JSON, so the handler adapted to null) and
+// reads "1_0" as 10. Each is an error naming the option and its line.
+func TestNumbersArePlainDecimals(t *testing.T) {
+	for _, line := range []string{
+		"adapter a /ckpt/x NaN", "adapter a /ckpt/x Inf", "adapter a /ckpt/x -Inf", "adapter a /ckpt/x 1_0",
+		"adapter a /ckpt/x 0x1p-2", "cfg_factor infinity", "tenant_weight trainer 1_0", "hedge_after NaN",
+	} {
+		_, err := adapt(t, "diffusion_router {\n"+line+"\n}")
+		option := strings.Fields(line)[0]
+		if err == nil || !strings.Contains(err.Error(), "Caddyfile:3") || !strings.Contains(err.Error(), option) {
+			t.Errorf("%q: adapting said %v; want an error naming %s on Caddyfile line 3", line, err, option)
+		}
+	}
+	cfg, err := adapt(t, "diffusion_router {\nadapter a /ckpt/x 0.8\ncfg_factor 2\n}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := handlerFrom(t, cfg); h.Adapters[0].Strength != 0.8 || h.Cost.CFGFactor != 2 {
+		t.Fatalf("plain decimals adapted to strength %v, cfg_factor %v", h.Adapters[0].Strength, h.Cost.CFGFactor)
+	}
+}
+
 // TestBadValuesNameTheOption adapts options whose syntax is right but
 // whose values are not, and provisions them: the error names the option
 // as the Caddyfile and as the JSON config spell it.
