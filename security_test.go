@@ -53,6 +53,13 @@ func TestHostileWorkerURLsAreRefused(t *testing.T) {
 		// The same URL, unescaped, as miles sends it.
 		testrouter.ExpectStatus(t, "add_worker unescaped "+raw, r.Post("/add_worker?url="+raw, ""), http.StatusBadRequest)
 	}
+	for _, raw := range []string{"http://10.0.0.1:30000/#", "http://10.0.0.1:30000#x"} {
+		rp := r.Post("/workers", `{"url":"`+raw+`"}`)
+		testrouter.ExpectStatus(t, "register "+raw, rp, http.StatusBadRequest)
+		if msg := rp.ErrorText(t); !strings.Contains(msg, "fragment") {
+			t.Errorf("register %s: error %q does not name the fragment", raw, msg)
+		}
+	}
 	if workers := statusEndpointsAnswer(t, r); len(workers) != 1 {
 		t.Fatalf("after the refusals the pool has %d workers; want the 1 it had", len(workers))
 	}
