@@ -16,10 +16,15 @@ import (
 )
 
 // A worker that answers 200 and then breaks its answer, each way the fake
-// worker breaks one: the connection closed or reset short of the promised
-// Content-Length, or a complete HTTP answer whose JSON or msgpack is cut
-// in half.
-var breaks = []fakeworker.Break{fakeworker.BreakClose, fakeworker.BreakReset, fakeworker.BreakTruncate}
+// worker breaks one: cuts (the connection closed or reset short of the
+// promised Content-Length, or a complete HTTP answer whose JSON or msgpack
+// is cut in half), or a 200 page of HTML, labelled text/html, in place of
+// the endpoint's answer: a small page, held whole whatever the answer's
+// size would have been.
+var (
+	cuts   = []fakeworker.Break{fakeworker.BreakClose, fakeworker.BreakReset, fakeworker.BreakTruncate}
+	breaks = append(cuts, fakeworker.BreakHTML)
+)
 
 // generation is a job and the check that its answer is whole, as its
 // client would decode it.
@@ -118,6 +123,28 @@ func TestAnswerBrokenOnEveryAttemptIsAnError(t *testing.T) {
 	}
 }
 
+// TestHTMLPageIsNoAnswer: a 200 page of HTML from a JSON or msgpack
+// endpoint passed as a success because the worker labelled it text/html.
+// It is checked as what the endpoint answers: with no other worker to run
+// the job, the client gets a 502 JSON error.
+func TestHTMLPageIsNoAnswer(t *testing.T) {
+	for _, g := range []generation{imageJob, rolloutJob} {
+		t.Run(g.path, func(t *testing.T) {
+			ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "proxied", HTMLRate: 1})
+			r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_fails 100\n}")
+			a := post(t, r, g)
+			rp := testrouter.Reply{Status: a.status, Body: a.body}
+			testrouter.ExpectStatus(t, g.path+" answered by a page of HTML", rp, http.StatusBadGateway)
+			if msg := rp.ErrorText(t); !strings.Contains(msg, "Worker request failed: its 200 answer is not the") {
+				t.Fatalf("error %q does not say the worker's answer is not the endpoint's", msg)
+			}
+			if got := r.Workers()[ws[0].URL()]["failures"]; got != float64(ws[0].Stats().Broken) {
+				t.Errorf("the worker shows %v failures after %d pages of HTML", got, ws[0].Stats().Broken)
+			}
+		})
+	}
+}
+
 func TestBrokenVideoJobAnswerDoesNotRunAgain(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks", TaskType: "T2V"}, fakeworker.Config{Name: "good", TaskType: "T2V"})
 	ws[0].SetBreakRate(fakeworker.BreakTruncate, 1)
@@ -153,7 +180,7 @@ func connectionReset(err error) bool {
 }
 
 func TestBrokenAnswerTooLargeToHoldResetsTheClient(t *testing.T) {
-	for _, b := range breaks {
+	for _, b := range cuts {
 		t.Run(b.String(), func(t *testing.T) {
 			ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks", ImageBytes: 256 << 10})
 			pool := "streamed-" + b.String() // counters of its own

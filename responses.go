@@ -176,7 +176,7 @@ func (rec *recorder) keep(a *heldAnswer) bool {
 	if strings.HasPrefix(contentType, "text/event-stream") {
 		return false
 	}
-	a.format, a.length = answer.FormatOf(contentType), contentLength(a.header)
+	a.format, a.length = rec.formatOf(contentType), contentLength(a.header)
 	whole, err := rec.answers.budget.Hold(a.length)
 	if err != nil {
 		rec.answers.streamedFor(err)
@@ -216,8 +216,18 @@ func contentLength(h http.Header) int64 {
 // passes, when it is a worker's 2xx whose format has a structure.
 func (rec *recorder) checkStream(a *heldAnswer) {
 	if rec.answers != nil && checked(a.status) {
-		rec.stream = answer.NewStream(answer.FormatOf(a.header.Get("Content-Type")), contentLength(a.header))
+		rec.stream = answer.NewStream(rec.formatOf(a.header.Get("Content-Type")), contentLength(a.header))
 	}
+}
+
+// formatOf is the format a 2xx answer labelled contentType is checked for:
+// a job's, what its endpoint answers (see request.Endpoint.Answers), so
+// that the worker's label alone cannot make a success of a page of HTML.
+func (rec *recorder) formatOf(contentType string) answer.Format {
+	if t := rec.ticket; t != nil && t.Job {
+		return t.Route.Answers.Expect(contentType)
+	}
+	return answer.FormatOf(contentType)
 }
 
 // letThrough ends the hold, unless the answer lost its race to another
@@ -248,7 +258,11 @@ func (rec *recorder) passHeld() error {
 		return nil
 	case a.state == broken:
 		rec.dropHeld()
-		return control.WriteError(rec, http.StatusBadGateway, fmt.Sprintf("Worker request failed: its %d answer was cut short (%v)", a.status, a.broken))
+		what := "was cut short"
+		if !answer.CutShort(a.broken) {
+			what = "is not the " + a.format.String() + " its endpoint answers"
+		}
+		return control.WriteError(rec, http.StatusBadGateway, fmt.Sprintf("Worker request failed: its %d answer %s (%v)", a.status, what, a.broken))
 	case a.status == 0 || a.state == lost || a.state == kept:
 		rec.dropHeld()
 		return nil
