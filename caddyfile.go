@@ -191,6 +191,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    default_size     <width>x<height>
 //	    default_frames   <n>
 //	    cfg_factor       <factor>
+//	    max_pixels       <n>
 //
 //	    # active health checks (health_checks.active)
 //	    health_uri       <path>
@@ -327,6 +328,7 @@ var handlerOptions = map[string]option{
 	"default_size":   one(func(h *Handler) *string { return &h.Cost.DefaultSize }, parseText),
 	"default_frames": one(func(h *Handler) *int { return &h.Cost.DefaultFrames }, parseWhole),
 	"cfg_factor":     one(func(h *Handler) *float64 { return &h.Cost.CFGFactor }, parseNumber),
+	"max_pixels":     one(func(h *Handler) *int { return &h.Cost.MaxPixels }, parseWhole),
 
 	"health_uri":      one(func(h *Handler) *string { return &h.HealthChecks.Active.URI }, parseText),
 	"health_interval": one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Active.Interval }, parseDuration),

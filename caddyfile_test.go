@@ -70,6 +70,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		default_size 768x1344
 		default_frames 33
 		cfg_factor 1.5
+		max_pixels 4194304
 		max_body 8MiB
 		admin_allow 10.0.0.0/8 192.168.1.7
 		admin_token {env.ROUTER_TOKEN}
@@ -142,7 +143,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 			Tenant:      "{http.request.header.X-Tenant}", TenantWeights: map[string]float64{"trainer": 2, "eval": 0.5},
 			TenantMaxQueue: 100, MaxTenants: 16,
 		},
-		Cost: CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
+		Cost: CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5, MaxPixels: 4194304},
 		HealthChecks: HealthChecks{
 			Active: ActiveHealthChecks{
 				URI: "/health_generate", Interval: caddy.Duration(30 * time.Second), Timeout: caddy.Duration(2 * time.Minute),
@@ -234,6 +235,7 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 		"zero default_steps":        "default_steps 0",
 		"bad default_frames":        "default_frames 1.5",
 		"bad cfg_factor":            "cfg_factor double",
+		"zero max_pixels":           "max_pixels 0",
 		"zero rolling_batch":        "rolling_batch 0",
 		"bad drain_timeout":         "drain_timeout never",
 		"zero weights_timeout":      "weights_timeout 0s",
@@ -319,6 +321,8 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"default_size 0x1024", "default_size (cost.default_size):"},
 		{"default_frames -1", "default_frames (cost.default_frames):"},
 		{"cfg_factor 0.5", "cfg_factor (cost.cfg_factor):"},
+		{"max_pixels -1", "max_pixels (cost.max_pixels):"},
+		{"max_pixels 4096", "default_size (cost.default_size): 1024x1024 is more pixels than max_pixels (4096)"},
 		{"admin_allow 10.0.0.0/99", "admin_allow (admin.allow):"},
 		{"admin_token {env.DIFFUSION_ROUTER_UNSET_VAR}", "admin_token (admin.token):"},
 		{"upstream_timeout -5s", "upstream_timeout (upstream_timeout):"},
@@ -426,7 +430,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 		`"pool":"default"`,
 		`"load_balancing":{"policy":"least_work","max_attempts":3,"hedge_after":5,"initial_speed":1}`,
 		`"queue":{"order":"fifo","max_jobs":10000,"max_priority":10,"priority_max_wait":60000000000,"abort_memory":300000000000,"max_tenants":64}`,
-		`"cost":{"default_steps":20,"default_size":"1024x1024","default_frames":96,"cfg_factor":2}`,
+		`"cost":{"default_steps":20,"default_size":"1024x1024","default_frames":96,"cfg_factor":2,"max_pixels":16777216}`,
 		`"active":{"uri":"/health","interval":10000000000,"timeout":5000000000,"fails":3,"passes":2}`,
 		`"min_ready":1`,
 		`"weights":{"mode":"drain","rolling_batch":1,"drain_timeout":600000000000,"timeout":600000000000}`,

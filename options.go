@@ -146,6 +146,12 @@ type CostModel struct {
 	// CFGFactor multiplies the cost of a job that asks for classifier-free
 	// guidance (guidance_scale or true_cfg_scale above 1). Default 2.
 	CFGFactor float64 `json:"cfg_factor,omitempty"`
+
+	// MaxPixels is the most width × height (of one image or video frame)
+	// a job may ask for; larger ones are refused with 400 before any
+	// worker is used, as sglang-diffusion itself refuses none. Default
+	// 16777216 (4096x4096).
+	MaxPixels int `json:"max_pixels,omitempty"`
 }
 
 // HealthChecks is how the router tells which workers may get jobs.
@@ -480,6 +486,7 @@ func (h *Handler) provisionCosts() error {
 	o.DefaultSteps = cmp.Or(o.DefaultSteps, request.DefaultSteps)
 	o.DefaultFrames = cmp.Or(o.DefaultFrames, request.DefaultFrames)
 	o.CFGFactor = cmp.Or(o.CFGFactor, request.DefaultCFGFactor)
+	o.MaxPixels = cmp.Or(o.MaxPixels, request.DefaultMaxPixels)
 	switch {
 	case o.DefaultSteps < 0:
 		return optionError("default_steps", "cost.default_steps", "must be positive, got %d", o.DefaultSteps)
@@ -487,8 +494,12 @@ func (h *Handler) provisionCosts() error {
 		return optionError("default_frames", "cost.default_frames", "must be positive, got %d", o.DefaultFrames)
 	case !atLeastOne(o.CFGFactor):
 		return optionError("cfg_factor", "cost.cfg_factor", "must be a number of at least 1, got %g", o.CFGFactor)
+	case o.MaxPixels < 0:
+		return optionError("max_pixels", "cost.max_pixels", "must be positive, got %d", o.MaxPixels)
+	case c.Width*c.Height > o.MaxPixels:
+		return optionError("default_size", "cost.default_size", "%s is more pixels than max_pixels (%d)", o.DefaultSize, o.MaxPixels)
 	}
-	c.Steps, c.Frames, c.CFGFactor = o.DefaultSteps, o.DefaultFrames, o.CFGFactor
+	c.Steps, c.Frames, c.CFGFactor, c.MaxPixels = o.DefaultSteps, o.DefaultFrames, o.CFGFactor, float64(o.MaxPixels)
 	return nil
 }
 
