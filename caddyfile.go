@@ -225,6 +225,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    # answers held back until they are whole (answers)
 //	    max_held_answer  <size>|off
 //	    max_held_total   <size>
+//	    answer_stall_timeout <duration>
 //
 //	    # requests
 //	    forward_paths    <path|prefix*|sglang...>
@@ -355,8 +356,9 @@ var handlerOptions = map[string]option{
 	"admin_allow": several(func(h *Handler) *[]string { return &h.Admin.Allow }),
 	"admin_token": one(func(h *Handler) *string { return &h.Admin.Token }, parseText),
 
-	"max_held_answer": one(func(h *Handler) *int64 { return &h.Answers.MaxHeld }, orWord("off", int64(-1), parseByteSize)),
-	"max_held_total":  one(func(h *Handler) *int64 { return &h.Answers.MaxHeldTotal }, parseByteSize),
+	"max_held_answer":      one(func(h *Handler) *int64 { return &h.Answers.MaxHeld }, orWord("off", int64(-1), parseByteSize)),
+	"max_held_total":       one(func(h *Handler) *int64 { return &h.Answers.MaxHeldTotal }, parseByteSize),
+	"answer_stall_timeout": one(func(h *Handler) *caddy.Duration { return &h.Answers.StallTimeout }, parseDuration),
 
 	"forward_paths":        several(func(h *Handler) *[]string { return &h.ForwardPaths }),
 	"max_workers":          one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),

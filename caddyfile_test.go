@@ -435,7 +435,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 		`"min_ready":1`,
 		`"weights":{"mode":"drain","rolling_batch":1,"drain_timeout":600000000000,"timeout":600000000000}`,
 		`"max_body":67108864`,
-		`"answers":{"max_held":33554432,"max_held_total":268435456}`,
+		`"answers":{"max_held":33554432,"max_held_total":268435456,"stall_timeout":30000000000}`,
 		`"placement":{"switch_prior":30000000000,"max_switches":4,"turn":60000000000}`,
 	} {
 		if !strings.Contains(string(got), want) {

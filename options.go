@@ -264,6 +264,13 @@ type Answers struct {
 	// client has taken it, so a slow client holds it longer. Default
 	// 256 MiB.
 	MaxHeldTotal int64 `json:"max_held_total,omitempty"`
+
+	// StallTimeout is how long an answer held back may go without a byte
+	// before its attempt fails as stalled: the job runs again on another
+	// worker, never on this one, or the client gets 504. A held answer is
+	// copied into memory as it comes, so a pause is the worker's, never a
+	// slow client's. Default 30s.
+	StallTimeout caddy.Duration `json:"stall_timeout,omitempty"`
 }
 
 // Admin is who may call the endpoints that change the fleet.
@@ -327,6 +334,7 @@ const (
 	defaultDNSRefresh = 10 * time.Second
 	defaultMaxHeld    = 32 << 20
 	defaultHeldTotal  = 256 << 20
+	defaultStall      = 30 * time.Second
 )
 
 // defaultAdminAllow trusts only the machine the router runs on.
@@ -705,13 +713,16 @@ func (h *Handler) provisionAnswers() error {
 	o := &h.Answers
 	o.MaxHeld = cmp.Or(o.MaxHeld, defaultMaxHeld)
 	o.MaxHeldTotal = cmp.Or(o.MaxHeldTotal, defaultHeldTotal)
+	o.StallTimeout = cmp.Or(o.StallTimeout, caddy.Duration(defaultStall))
 	switch {
 	case o.MaxHeld < -1:
 		return optionError("max_held_answer", "answers.max_held", "must be a size, or -1 (off), got %d", o.MaxHeld)
 	case o.MaxHeldTotal < 0:
 		return optionError("max_held_total", "answers.max_held_total", "must be a size, got %d", o.MaxHeldTotal)
+	case o.StallTimeout < 0:
+		return optionError("answer_stall_timeout", "answers.stall_timeout", "must be positive, got %s", time.Duration(o.StallTimeout))
 	}
-	h.answers.budget = answer.NewBudget(o.MaxHeld, o.MaxHeldTotal)
+	h.answers.budget, h.answers.stallTimeout = answer.NewBudget(o.MaxHeld, o.MaxHeldTotal), time.Duration(o.StallTimeout)
 	return nil
 }
 

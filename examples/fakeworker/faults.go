@@ -2,6 +2,7 @@ package fakeworker
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"net"
 	"net/http"
@@ -30,6 +31,11 @@ const (
 	// instead of the endpoint's JSON or msgpack, as a proxy or load
 	// balancer in front of a worker may when it, not the worker, answers.
 	BreakHTML
+	// BreakStall sends the status, the headers with the whole body's
+	// Content-Length and half the body, then nothing: the connection stays
+	// open and silent until the client leaves or the worker closes, as a
+	// worker wedged mid-answer.
+	BreakStall
 )
 
 func (b Break) String() string {
@@ -42,17 +48,20 @@ func (b Break) String() string {
 		return "truncate"
 	case BreakHTML:
 		return "html"
+	case BreakStall:
+		return "stall"
 	}
 	return "none"
 }
 
 // SetBreakRate makes that fraction of the successful generation answers
 // from now on break the way b says (1: every one), as Config's CloseRate,
-// ResetRate, TruncateRate and HTMLRate do from the start; 0 ends it.
+// ResetRate, TruncateRate, HTMLRate and StallRate do from the start; 0
+// ends it.
 func (w *Worker) SetBreakRate(b Break, rate float64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if b >= BreakClose && b <= BreakHTML {
+	if b >= BreakClose && b <= BreakStall {
 		w.breakRates[b-BreakClose] = rate
 	}
 }
@@ -97,7 +106,7 @@ func (w *Worker) breakable(h http.HandlerFunc) http.HandlerFunc {
 	return func(rw http.ResponseWriter, r *http.Request) {
 		bw := &breakWriter{ResponseWriter: rw, w: w}
 		h(bw, r)
-		bw.finish()
+		bw.finish(r.Context())
 	}
 }
 
@@ -150,7 +159,7 @@ func (b *breakWriter) Flush() {
 // Content-Length, and the first half of the body; then, by its kind, ends
 // the answer there or cuts the connection. Write errors mean the client
 // left; there is nothing more to break.
-func (b *breakWriter) finish() {
+func (b *breakWriter) finish(ctx context.Context) {
 	if b.kind == 0 {
 		return
 	}
@@ -175,6 +184,13 @@ func (b *breakWriter) finish() {
 	rw.Write(cut)
 	rc := http.NewResponseController(rw)
 	rc.Flush() // the headers and the half body go out before the connection ends
+	if b.kind == BreakStall {
+		select {
+		case <-ctx.Done():
+		case <-b.w.life.Done():
+		}
+		return
+	}
 	conn, _, err := rc.Hijack()
 	if err != nil {
 		// Not a connection of its own (HTTP/2, a recorder): ending the
