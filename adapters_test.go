@@ -136,7 +136,8 @@ func TestAPublishReloadsOnlyThatPolicysWorkers(t *testing.T) {
 		{"/v1/set_lora", `{"lora_nickname":"a","lora_path":"/ckpt/lora/a-step2"}`, "is loaded from /ckpt/lora/a-step2 already"},
 		{"/v1/set_lora", `{"lora_nickname":"z","lora_path":"/ckpt/lora/z"}`, "lora_nickname must name one declared adapter: a, b, c, d"},
 		{"/v1/set_lora", `{"lora_nickname":"a"}`, "lora_path is required"},
-		{"/v1/set_lora", `{"lora_nickname":"a","lora_path":"/ckpt/lora/a-3","strength":"high"}`, "strength must be a number"},
+		{"/v1/set_lora", `{"lora_nickname":"a","lora_path":"/ckpt/lora/a-3","strength":"high"}`, "strength must be a positive number"},
+		{"/v1/set_lora", `{"lora_nickname":"a","lora_path":"/ckpt/lora/a-3","strength":-1}`, "strength must be a positive number"},
 		{"/v1/merge_lora_weights", `{}`, "the router merges and unmerges them as it places them"},
 		{"/v1/unmerge_lora_weights", `{}`, "the router merges and unmerges them as it places them"},
 	} {

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/msgpack"
@@ -16,10 +17,15 @@ import (
 )
 
 // A worker that answers 200 and then breaks its answer, each way the fake
-// worker breaks one: the connection closed or reset short of the promised
-// Content-Length, or a complete HTTP answer whose JSON or msgpack is cut
-// in half.
-var breaks = []fakeworker.Break{fakeworker.BreakClose, fakeworker.BreakReset, fakeworker.BreakTruncate}
+// worker breaks one: cuts (the connection closed or reset short of the
+// promised Content-Length, or a complete HTTP answer whose JSON or msgpack
+// is cut in half), or a 200 page of HTML, labelled text/html, in place of
+// the endpoint's answer: a small page, held whole whatever the answer's
+// size would have been.
+var (
+	cuts   = []fakeworker.Break{fakeworker.BreakClose, fakeworker.BreakReset, fakeworker.BreakTruncate}
+	breaks = append(cuts, fakeworker.BreakHTML)
+)
 
 // generation is a job and the check that its answer is whole, as its
 // client would decode it.
@@ -118,6 +124,67 @@ func TestAnswerBrokenOnEveryAttemptIsAnError(t *testing.T) {
 	}
 }
 
+// TestHTMLPageIsNoAnswer: a 200 page of HTML from a JSON or msgpack
+// endpoint passed as a success because the worker labelled it text/html.
+// It is checked as what the endpoint answers: with no other worker to run
+// the job, the client gets a 502 JSON error.
+func TestHTMLPageIsNoAnswer(t *testing.T) {
+	for _, g := range []generation{imageJob, rolloutJob} {
+		t.Run(g.path, func(t *testing.T) {
+			ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "proxied", HTMLRate: 1})
+			r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_fails 100\n}")
+			a := post(t, r, g)
+			rp := testrouter.Reply{Status: a.status, Body: a.body}
+			testrouter.ExpectStatus(t, g.path+" answered by a page of HTML", rp, http.StatusBadGateway)
+			if msg := rp.ErrorText(t); !strings.Contains(msg, "Worker request failed: its 200 answer is not the") {
+				t.Fatalf("error %q does not say the worker's answer is not the endpoint's", msg)
+			}
+			if got := r.Workers()[ws[0].URL()]["failures"]; got != float64(ws[0].Stats().Broken) {
+				t.Errorf("the worker shows %v failures after %d pages of HTML", got, ws[0].Stats().Broken)
+			}
+		})
+	}
+}
+
+// TestStalledAnswerNeverRunsAgainOnItsWorker: a worker that sent the
+// header and half its answer, then nothing, held its client for minutes
+// while it got the job again and again. An answer held back that stalls
+// for answer_stall_timeout fails its attempt, and the job never goes back
+// to that worker: it runs on another, or the client gets a 504.
+func TestStalledAnswerNeverRunsAgainOnItsWorker(t *testing.T) {
+	const bound = "1s"
+	t.Run("alone", func(t *testing.T) {
+		ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "stalls", StallRate: 1})
+		r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n answer_stall_timeout "+bound+"\n max_fails 100\n}")
+		began := time.Now()
+		a := post(t, r, imageJob)
+		rp := testrouter.Reply{Status: a.status, Body: a.body}
+		testrouter.ExpectStatus(t, "a job whose only worker stalls", rp, http.StatusGatewayTimeout)
+		if msg := rp.ErrorText(t); !strings.Contains(msg, "stalled") {
+			t.Fatalf("error %q does not say the answer stalled", msg)
+		}
+		if took := time.Since(began); took > 20*time.Second {
+			t.Errorf("the client waited %s for a worker that stalls within %s", took, bound)
+		}
+		if n := ws[0].Stats().Broken; n != 1 {
+			t.Errorf("the stalling worker got the job %d times; want once", n)
+		}
+	})
+	t.Run("beside a good worker", func(t *testing.T) {
+		ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "stalls", StallRate: 1}, fakeworker.Config{Name: "good"})
+		r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n answer_stall_timeout "+bound+"\n max_fails 100\n}")
+		for i := range 4 {
+			a := post(t, r, imageJob)
+			if a.status != http.StatusOK || a.worker != "good" || imageJob.decode(a.body) != nil {
+				t.Fatalf("job %d: status %d from %q; want a whole answer from the good worker", i, a.status, a.worker)
+			}
+		}
+		if n := ws[0].Stats().Broken; n == 0 || n > 4 {
+			t.Errorf("the stalling worker got %d of the 4 jobs; want at least one, and none twice", n)
+		}
+	})
+}
+
 func TestBrokenVideoJobAnswerDoesNotRunAgain(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks", TaskType: "T2V"}, fakeworker.Config{Name: "good", TaskType: "T2V"})
 	ws[0].SetBreakRate(fakeworker.BreakTruncate, 1)
@@ -153,7 +220,7 @@ func connectionReset(err error) bool {
 }
 
 func TestBrokenAnswerTooLargeToHoldResetsTheClient(t *testing.T) {
-	for _, b := range breaks {
+	for _, b := range cuts {
 		t.Run(b.String(), func(t *testing.T) {
 			ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks", ImageBytes: 256 << 10})
 			pool := "streamed-" + b.String() // counters of its own

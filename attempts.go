@@ -35,9 +35,10 @@ const (
 	badGateway             // it answered a 5xx or a status in retry_on
 	fellAsleep             // it answered that it is asleep: put to sleep behind the router's back
 	cutShort               // its 2xx answer broke off, or its JSON or msgpack is not whole
+	stalled                // its 2xx answer stopped coming (answer_stall_timeout): never sent back to it
 )
 
-var rerunCauseNames = [...]string{"", "connection", "status", "asleep", "cut_short"}
+var rerunCauseNames = [...]string{"", "connection", "status", "asleep", "cut_short", "stalled"}
 
 func (c rerunCause) String() string { return rerunCauseNames[c] }
 
@@ -80,7 +81,11 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *scheduler.Ticket, nex
 		if cause == badGateway && rec.held.status >= 500 {
 			t.Blamed = from
 		}
-		if retryErr := h.pool.Retry(r.Context(), t, cause.outcome(rec)); retryErr != nil {
+		retry := h.pool.Retry
+		if cause == stalled {
+			retry = h.pool.RetryElsewhere
+		}
+		if retryErr := retry(r.Context(), t, cause.outcome(rec)); retryErr != nil {
 			return h.lastAnswer(rec, t, cause, err, retryErr)
 		}
 		h.metrics.reruns.WithLabelValues(cause.String()).Inc()
@@ -191,6 +196,8 @@ func (h *Handler) rerunCause(r *http.Request, rec *recorder, t *scheduler.Ticket
 			return noRerun
 		}
 		return badGateway
+	case a.state == broken && a.broken == errStalled && answerMayRunAgain(t):
+		return stalled
 	case a.state == broken && answerMayRunAgain(t):
 		return cutShort
 	case a.state == undecided && err != nil && workerDropped(err) && (t.Route.Rerun != request.RerunUnsent || neverSent(err)):
@@ -264,6 +271,10 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(h.UpstreamTimeout))
 		defer cancel()
 	}
+	ctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	rec.stall = watchStalls(h.answers.stallTimeout, stop)
+	defer rec.stall.disarm()
 	rec.slot = slot{h: h, t: t, r: r, race: race}
 	s := &rec.slot
 	defer func() {
@@ -306,10 +317,13 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		attempt = r.WithContext(ctx)
 	}
 	err := serve(next, rec, attempt)
-	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil {
+	switch {
+	case rec.stall.stalled():
+		err = errStalled
+	case err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) && r.Context().Err() == nil:
 		err = fmt.Errorf("%w: %w", errUpstreamTimeout, err)
 	}
-	err = h.settle(rec, r, s, err, ctx.Err() != nil)
+	err = h.settle(rec, r, s, err, ctx.Err() != nil && err != errStalled)
 	end(err, attribute.Int("http.response.status_code", heldStatus(rec)))
 	if rec.held != nil {
 		if cause := h.rerunCause(r, rec, t, err); cause != noRerun {

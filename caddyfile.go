@@ -194,6 +194,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    default_size     <width>x<height>
 //	    default_frames   <n>
 //	    cfg_factor       <factor>
+//	    max_pixels       <n>
 //
 //	    # active health checks (health_checks.active)
 //	    health_uri       <path>
@@ -227,6 +228,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    # answers held back until they are whole (answers)
 //	    max_held_answer  <size>|off
 //	    max_held_total   <size>
+//	    answer_stall_timeout <duration>
 //
 //	    # requests
 //	    forward_paths    <path|prefix*|sglang...>
@@ -240,7 +242,9 @@ func workerHost(rp *reverseproxy.Handler) {
 // workers, workers_dns, workers_srv, dns_resolvers, admin_allow,
 // weights_path_prefix, forward_paths, retry_on, tenants, tenant_weight and
 // adapter may repeat; each adds to the list. Sizes read like Caddy's
-// request_body max_size (64MiB, 10MB, 1048576).
+// request_body max_size (64MiB, 10MB, 1048576). Factors, weights and
+// strengths are plain decimals (2, 0.8): not NaN, Inf, hex or digits split
+// by underscores.
 //
 // Parsing checks the syntax only: the option is known, its value is a
 // number, duration or size where one is needed, and not zero (which the
@@ -329,6 +333,7 @@ var handlerOptions = map[string]option{
 	"default_size":   one(func(h *Handler) *string { return &h.Cost.DefaultSize }, parseText),
 	"default_frames": one(func(h *Handler) *int { return &h.Cost.DefaultFrames }, parseWhole),
 	"cfg_factor":     one(func(h *Handler) *float64 { return &h.Cost.CFGFactor }, parseNumber),
+	"max_pixels":     one(func(h *Handler) *int { return &h.Cost.MaxPixels }, parseWhole),
 
 	"health_uri":      one(func(h *Handler) *string { return &h.HealthChecks.Active.URI }, parseText),
 	"health_interval": one(func(h *Handler) *caddy.Duration { return &h.HealthChecks.Active.Interval }, parseDuration),
@@ -355,8 +360,9 @@ var handlerOptions = map[string]option{
 	"admin_allow": several(func(h *Handler) *[]string { return &h.Admin.Allow }),
 	"admin_token": one(func(h *Handler) *string { return &h.Admin.Token }, parseText),
 
-	"max_held_answer": one(func(h *Handler) *int64 { return &h.Answers.MaxHeld }, orWord("off", int64(-1), parseByteSize)),
-	"max_held_total":  one(func(h *Handler) *int64 { return &h.Answers.MaxHeldTotal }, parseByteSize),
+	"max_held_answer":      one(func(h *Handler) *int64 { return &h.Answers.MaxHeld }, orWord("off", int64(-1), parseByteSize)),
+	"max_held_total":       one(func(h *Handler) *int64 { return &h.Answers.MaxHeldTotal }, parseByteSize),
+	"answer_stall_timeout": one(func(h *Handler) *caddy.Duration { return &h.Answers.StallTimeout }, parseDuration),
 
 	"forward_paths":          several(func(h *Handler) *[]string { return &h.ForwardPaths }),
 	"max_workers":            one(func(h *Handler) *int { return &h.MaxWorkers }, parseWhole),
@@ -412,12 +418,30 @@ func parseWhole(v string) (int, string) {
 }
 
 func parseNumber(v string) (float64, string) {
+	const want = "a plain decimal number other than 0, like 0.8"
+	if !plainDecimal(v) {
+		return 0, want
+	}
 	f, err := strconv.ParseFloat(v, 64)
 	if err != nil || f == 0 {
-		return 0, "a number other than 0"
+		return 0, want
 	}
 	return f, ""
 }
+
+// plainDecimal says v is digits with at most one point and an optional
+// sign. ParseFloat alone also takes NaN, Inf, hex and digits split by
+// underscores ("1_0" reads as 10), none of which an operator means: NaN
+// and Inf cannot even be written into the JSON config.
+func plainDecimal(v string) bool {
+	if v != "" && (v[0] == '+' || v[0] == '-') {
+		v = v[1:]
+	}
+	whole, frac, _ := strings.Cut(v, ".")
+	return whole+frac != "" && onlyDigits(whole) && onlyDigits(frac)
+}
+
+func onlyDigits(s string) bool { return strings.Trim(s, "0123456789") == "" }
 
 func parseDuration(v string) (caddy.Duration, string) {
 	dur, err := caddy.ParseDuration(v)

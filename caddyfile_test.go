@@ -73,6 +73,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		default_size 768x1344
 		default_frames 33
 		cfg_factor 1.5
+		max_pixels 4194304
 		max_body 8MiB
 		admin_allow 10.0.0.0/8 192.168.1.7
 		admin_token {env.ROUTER_TOKEN}
@@ -147,7 +148,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 			Tenant:      "{http.request.header.X-Tenant}", Tenants: []string{"trainer", "eval", "ci"}, TenantWeights: map[string]float64{"trainer": 2, "eval": 0.5},
 			TenantMaxQueue: 100, MaxTenants: 16,
 		},
-		Cost: CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5},
+		Cost: CostModel{DefaultSteps: 30, DefaultSize: "768x1344", DefaultFrames: 33, CFGFactor: 1.5, MaxPixels: 4194304},
 		HealthChecks: HealthChecks{
 			Active: ActiveHealthChecks{
 				URI: "/health_generate", Interval: caddy.Duration(30 * time.Second), Timeout: caddy.Duration(2 * time.Minute),
@@ -242,6 +243,7 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 		"zero default_steps":        "default_steps 0",
 		"bad default_frames":        "default_frames 1.5",
 		"bad cfg_factor":            "cfg_factor double",
+		"zero max_pixels":           "max_pixels 0",
 		"zero rolling_batch":        "rolling_batch 0",
 		"bad drain_timeout":         "drain_timeout never",
 		"zero weights_timeout":      "weights_timeout 0s",
@@ -280,6 +282,29 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 	}
 }
 
+// TestNumbersArePlainDecimals: strconv alone reads NaN and Inf (which
+// then cannot be written as JSON, so the handler adapted to null) and
+// reads "1_0" as 10. Each is an error naming the option and its line.
+func TestNumbersArePlainDecimals(t *testing.T) {
+	for _, line := range []string{
+		"adapter a /ckpt/x NaN", "adapter a /ckpt/x Inf", "adapter a /ckpt/x -Inf", "adapter a /ckpt/x 1_0",
+		"adapter a /ckpt/x 0x1p-2", "cfg_factor infinity", "tenant_weight trainer 1_0", "hedge_after NaN",
+	} {
+		_, err := adapt(t, "diffusion_router {\n"+line+"\n}")
+		option := strings.Fields(line)[0]
+		if err == nil || !strings.Contains(err.Error(), "Caddyfile:3") || !strings.Contains(err.Error(), option) {
+			t.Errorf("%q: adapting said %v; want an error naming %s on Caddyfile line 3", line, err, option)
+		}
+	}
+	cfg, err := adapt(t, "diffusion_router {\nadapter a /ckpt/x 0.8\ncfg_factor 2\n}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := handlerFrom(t, cfg); h.Adapters[0].Strength != 0.8 || h.Cost.CFGFactor != 2 {
+		t.Fatalf("plain decimals adapted to strength %v, cfg_factor %v", h.Adapters[0].Strength, h.Cost.CFGFactor)
+	}
+}
+
 // TestBadValuesNameTheOption adapts options whose syntax is right but
 // whose values are not, and provisions them: the error names the option
 // as the Caddyfile and as the JSON config spell it.
@@ -308,6 +333,8 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"default_size 0x1024", "default_size (cost.default_size):"},
 		{"default_frames -1", "default_frames (cost.default_frames):"},
 		{"cfg_factor 0.5", "cfg_factor (cost.cfg_factor):"},
+		{"max_pixels -1", "max_pixels (cost.max_pixels):"},
+		{"max_pixels 4096", "default_size (cost.default_size): 1024x1024 is more pixels than max_pixels (4096)"},
 		{"admin_allow 10.0.0.0/99", "admin_allow (admin.allow):"},
 		{"admin_token {env.DIFFUSION_ROUTER_UNSET_VAR}", "admin_token (admin.token):"},
 		{"upstream_timeout -5s", "upstream_timeout (upstream_timeout):"},
@@ -417,12 +444,12 @@ func TestProvisionFillsDefaults(t *testing.T) {
 		`"pool":"default"`,
 		`"load_balancing":{"policy":"least_work","max_attempts":3,"hedge_after":5,"initial_speed":1}`,
 		`"queue":{"order":"fifo","max_jobs":10000,"max_priority":10,"priority_max_wait":60000000000,"abort_memory":300000000000,"max_tenants":64}`,
-		`"cost":{"default_steps":20,"default_size":"1024x1024","default_frames":96,"cfg_factor":2}`,
+		`"cost":{"default_steps":20,"default_size":"1024x1024","default_frames":96,"cfg_factor":2,"max_pixels":16777216}`,
 		`"active":{"uri":"/health","interval":10000000000,"timeout":5000000000,"fails":3,"passes":2}`,
 		`"min_ready":1`,
 		`"weights":{"mode":"drain","rolling_batch":1,"drain_timeout":600000000000,"timeout":600000000000}`,
 		`"max_body":67108864`,
-		`"answers":{"max_held":33554432,"max_held_total":268435456}`,
+		`"answers":{"max_held":33554432,"max_held_total":268435456,"stall_timeout":30000000000}`,
 		`"placement":{"switch_prior":30000000000,"max_switches":4,"turn":60000000000,"switch_timeout":60000000000,"retry":5000000000}`,
 	} {
 		if !strings.Contains(string(got), want) {

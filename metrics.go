@@ -52,7 +52,7 @@ var (
 	}, []string{"pool", "endpoint", "code"})
 	reruns = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "job_reruns_total",
-		Help: "Jobs sent again to another worker, by why the last one failed them (connection, status, asleep, cut_short).",
+		Help: "Jobs sent again to another worker, by why the last one failed them (connection, status, asleep, cut_short, stalled).",
 	}, []string{"pool", "cause"})
 	brokenAnswers = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "broken_answers_total",

@@ -153,6 +153,12 @@ type CostModel struct {
 	// CFGFactor multiplies the cost of a job that asks for classifier-free
 	// guidance (guidance_scale or true_cfg_scale above 1). Default 2.
 	CFGFactor float64 `json:"cfg_factor,omitempty"`
+
+	// MaxPixels is the most width × height (of one image or video frame)
+	// a job may ask for; larger ones are refused with 400 before any
+	// worker is used, as sglang-diffusion itself refuses none. Default
+	// 16777216 (4096x4096).
+	MaxPixels int `json:"max_pixels,omitempty"`
 }
 
 // HealthChecks is how the router tells which workers may get jobs.
@@ -265,6 +271,13 @@ type Answers struct {
 	// client has taken it, so a slow client holds it longer. Default
 	// 256 MiB.
 	MaxHeldTotal int64 `json:"max_held_total,omitempty"`
+
+	// StallTimeout is how long an answer held back may go without a byte
+	// before its attempt fails as stalled: the job runs again on another
+	// worker, never on this one, or the client gets 504. A held answer is
+	// copied into memory as it comes, so a pause is the worker's, never a
+	// slow client's. Default 30s.
+	StallTimeout caddy.Duration `json:"stall_timeout,omitempty"`
 }
 
 // Admin is who may call the endpoints that change the fleet.
@@ -331,6 +344,7 @@ const (
 	defaultDNSRefresh = 10 * time.Second
 	defaultMaxHeld    = 32 << 20
 	defaultHeldTotal  = 256 << 20
+	defaultStall      = 30 * time.Second
 )
 
 // defaultAdminAllow trusts only the machine the router runs on.
@@ -517,6 +531,7 @@ func (h *Handler) provisionCosts() error {
 	o.DefaultSteps = cmp.Or(o.DefaultSteps, request.DefaultSteps)
 	o.DefaultFrames = cmp.Or(o.DefaultFrames, request.DefaultFrames)
 	o.CFGFactor = cmp.Or(o.CFGFactor, request.DefaultCFGFactor)
+	o.MaxPixels = cmp.Or(o.MaxPixels, request.DefaultMaxPixels)
 	switch {
 	case o.DefaultSteps < 0:
 		return optionError("default_steps", "cost.default_steps", "must be positive, got %d", o.DefaultSteps)
@@ -524,8 +539,12 @@ func (h *Handler) provisionCosts() error {
 		return optionError("default_frames", "cost.default_frames", "must be positive, got %d", o.DefaultFrames)
 	case !atLeastOne(o.CFGFactor):
 		return optionError("cfg_factor", "cost.cfg_factor", "must be a number of at least 1, got %g", o.CFGFactor)
+	case o.MaxPixels < 0:
+		return optionError("max_pixels", "cost.max_pixels", "must be positive, got %d", o.MaxPixels)
+	case c.Width*c.Height > o.MaxPixels:
+		return optionError("default_size", "cost.default_size", "%s is more pixels than max_pixels (%d)", o.DefaultSize, o.MaxPixels)
 	}
-	c.Steps, c.Frames, c.CFGFactor = o.DefaultSteps, o.DefaultFrames, o.CFGFactor
+	c.Steps, c.Frames, c.CFGFactor, c.MaxPixels = o.DefaultSteps, o.DefaultFrames, o.CFGFactor, float64(o.MaxPixels)
 	return nil
 }
 
@@ -731,13 +750,16 @@ func (h *Handler) provisionAnswers() error {
 	o := &h.Answers
 	o.MaxHeld = cmp.Or(o.MaxHeld, defaultMaxHeld)
 	o.MaxHeldTotal = cmp.Or(o.MaxHeldTotal, defaultHeldTotal)
+	o.StallTimeout = cmp.Or(o.StallTimeout, caddy.Duration(defaultStall))
 	switch {
 	case o.MaxHeld < -1:
 		return optionError("max_held_answer", "answers.max_held", "must be a size, or -1 (off), got %d", o.MaxHeld)
 	case o.MaxHeldTotal < 0:
 		return optionError("max_held_total", "answers.max_held_total", "must be a size, got %d", o.MaxHeldTotal)
+	case o.StallTimeout < 0:
+		return optionError("answer_stall_timeout", "answers.stall_timeout", "must be positive, got %s", time.Duration(o.StallTimeout))
 	}
-	h.answers.budget = answer.NewBudget(o.MaxHeld, o.MaxHeldTotal)
+	h.answers.budget, h.answers.stallTimeout = answer.NewBudget(o.MaxHeld, o.MaxHeldTotal), time.Duration(o.StallTimeout)
 	return nil
 }
 

@@ -2,12 +2,15 @@ package diffusionrouter
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -63,13 +66,16 @@ type recorder struct {
 	// until it had what it needs (see learnImageJobs).
 	learn  imageLearning
 	tracer trace.Tracer // the job's, when its site traces requests; nil: not traced
+	// stall ends the attempt under way if its held answer stops coming.
+	stall *stallWatch
 }
 
 // heldAnswers are a handler's rules for holding answers back: its budget,
 // and the count of answers that stream instead.
 type heldAnswers struct {
-	budget   *answer.Budget
-	streamed *prometheus.CounterVec // by reason: size, budget
+	budget       *answer.Budget
+	streamed     *prometheus.CounterVec // by reason: size, budget
+	stallTimeout time.Duration          // answers.stall_timeout
 }
 
 // heldAnswer is a worker's answer kept from the client until it is judged
@@ -137,6 +143,7 @@ func (rec *recorder) WriteHeader(status int) {
 		}
 		a.status, a.state = status, a.judge.verdict(status)
 		if a.state != pass || rec.keep(a) || !rec.letThrough() {
+			rec.stall.arm()
 			return
 		}
 		rec.checkStream(a)
@@ -176,7 +183,7 @@ func (rec *recorder) keep(a *heldAnswer) bool {
 	if strings.HasPrefix(contentType, "text/event-stream") {
 		return false
 	}
-	a.format, a.length = answer.FormatOf(contentType), contentLength(a.header)
+	a.format, a.length = rec.formatOf(contentType), contentLength(a.header)
 	whole, err := rec.answers.budget.Hold(a.length)
 	if err != nil {
 		rec.answers.streamedFor(err)
@@ -216,8 +223,18 @@ func contentLength(h http.Header) int64 {
 // passes, when it is a worker's 2xx whose format has a structure.
 func (rec *recorder) checkStream(a *heldAnswer) {
 	if rec.answers != nil && checked(a.status) {
-		rec.stream = answer.NewStream(answer.FormatOf(a.header.Get("Content-Type")), contentLength(a.header))
+		rec.stream = answer.NewStream(rec.formatOf(a.header.Get("Content-Type")), contentLength(a.header))
 	}
+}
+
+// formatOf is the format a 2xx answer labelled contentType is checked for:
+// a job's, what its endpoint answers (see request.Endpoint.Answers), so
+// that the worker's label alone cannot make a success of a page of HTML.
+func (rec *recorder) formatOf(contentType string) answer.Format {
+	if t := rec.ticket; t != nil && t.Job {
+		return t.Route.Answers.Expect(contentType)
+	}
+	return answer.FormatOf(contentType)
 }
 
 // letThrough ends the hold, unless the answer lost its race to another
@@ -229,6 +246,7 @@ func (rec *recorder) letThrough() bool {
 		return false
 	}
 	rec.held = nil
+	rec.stall.disarm() // from now on the client's pace sets the answer's
 	h := rec.ResponseWriterWrapper.Header()
 	for k, v := range a.header {
 		h[k] = v
@@ -248,7 +266,14 @@ func (rec *recorder) passHeld() error {
 		return nil
 	case a.state == broken:
 		rec.dropHeld()
-		return control.WriteError(rec, http.StatusBadGateway, fmt.Sprintf("Worker request failed: its %d answer was cut short (%v)", a.status, a.broken))
+		status, what := http.StatusBadGateway, "was cut short"
+		switch {
+		case a.broken == errStalled:
+			status, what = http.StatusGatewayTimeout, "stalled"
+		case !answer.CutShort(a.broken):
+			what = "is not the " + a.format.String() + " its endpoint answers"
+		}
+		return control.WriteError(rec, status, fmt.Sprintf("Worker request failed: its %d answer %s (%v)", a.status, what, a.broken))
 	case a.status == 0 || a.state == lost || a.state == kept:
 		rec.dropHeld()
 		return nil
@@ -368,6 +393,7 @@ func (rec *recorder) learned(peek []byte) bool {
 
 // holdBytes keeps b, the next bytes of a held answer.
 func (rec *recorder) holdBytes(a *heldAnswer, b []byte) (int, error) {
+	rec.stall.arm()
 	switch {
 	case a.state == kept:
 		err := a.whole.Add(b)
@@ -445,3 +471,48 @@ func (rec *recorder) FlushError() error {
 
 // writerOnly hides ReadFrom so io.Copy goes through Write.
 type writerOnly struct{ io.Writer }
+
+// errStalled ends an attempt whose held answer went answers.stall_timeout
+// without a byte.
+var errStalled = errors.New("no byte of it came within answer_stall_timeout")
+
+// stallWatch ends an attempt whose answer, held back, stops coming: no
+// byte for its bound. It watches only while the answer is held: bytes
+// held are copied into memory as they come, so a pause is the worker's;
+// once the answer streams, a slow client may pause it too. One watch
+// serves one attempt: a timer that fires late cancels nothing after it.
+type stallWatch struct {
+	bound  time.Duration
+	cancel context.CancelCauseFunc // the attempt's
+	timer  *time.Timer             // made at the first arm
+	fired  atomic.Bool
+}
+
+// watchStalls watches the attempt that cancel ends, within bound.
+func watchStalls(bound time.Duration, cancel context.CancelCauseFunc) *stallWatch {
+	return &stallWatch{bound: bound, cancel: cancel}
+}
+
+// arm starts the bound again: the answer is held, and a byte just came.
+func (s *stallWatch) arm() {
+	switch {
+	case s == nil:
+	case s.timer == nil:
+		s.timer = time.AfterFunc(s.bound, func() {
+			s.fired.Store(true)
+			s.cancel(errStalled)
+		})
+	default:
+		s.timer.Reset(s.bound)
+	}
+}
+
+// disarm stops watching: the answer streams, or the attempt ended.
+func (s *stallWatch) disarm() {
+	if s != nil && s.timer != nil {
+		s.timer.Stop()
+	}
+}
+
+// stalled reports whether the watch ended its attempt.
+func (s *stallWatch) stalled() bool { return s != nil && s.fired.Load() }

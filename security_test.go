@@ -53,6 +53,13 @@ func TestHostileWorkerURLsAreRefused(t *testing.T) {
 		// The same URL, unescaped, as miles sends it.
 		testrouter.ExpectStatus(t, "add_worker unescaped "+raw, r.Post("/add_worker?url="+raw, ""), http.StatusBadRequest)
 	}
+	for _, raw := range []string{"http://10.0.0.1:30000/#", "http://10.0.0.1:30000#x"} {
+		rp := r.Post("/workers", `{"url":"`+raw+`"}`)
+		testrouter.ExpectStatus(t, "register "+raw, rp, http.StatusBadRequest)
+		if msg := rp.ErrorText(t); !strings.Contains(msg, "fragment") {
+			t.Errorf("register %s: error %q does not name the fragment", raw, msg)
+		}
+	}
 	if workers := statusEndpointsAnswer(t, r); len(workers) != 1 {
 		t.Fatalf("after the refusals the pool has %d workers; want the 1 it had", len(workers))
 	}
@@ -227,13 +234,35 @@ func TestAbsurdCostIsRefused(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	for _, body := range []string{
-		`{"prompt":"a","size":"999999999x999999999"}`,
-		`{"prompt":"a","width":100000,"height":100000,"num_inference_steps":100000}`,
+		`{"prompt":"a","size":"4096x4096","num_inference_steps":10000000}`,
+		`{"prompt":"a","n":10,"num_inference_steps":100000000}`,
 	} {
 		rp := r.Post("/v1/images/generations", body)
 		testrouter.ExpectStatus(t, body, rp, http.StatusBadRequest)
 		if !strings.Contains(rp.ErrorText(t), "more than any GPU could run") {
 			t.Errorf("%s: error %q", body, rp.ErrorText(t))
+		}
+	}
+	if ws[0].Stats().Jobs != 0 {
+		t.Fatal("a refused job reached the worker")
+	}
+	testrouter.ExpectStatus(t, "a sane job after them", r.Post("/v1/images/generations", `{"prompt":"a","size":"64x64","response_format":"b64_json"}`), http.StatusOK)
+}
+
+// TestOversizedImagesAreRefused: a 99999x99999 image passed the cost cap
+// and held a worker for minutes, as sglang-diffusion takes any positive
+// size. Beyond max_pixels it is a 400 naming the option, before any worker.
+func TestOversizedImagesAreRefused(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	for _, body := range []string{
+		`{"prompt":"a","size":"99999x99999","response_format":"b64_json"}`,
+		`{"prompt":"a","width":8192,"height":8192,"response_format":"b64_json"}`,
+	} {
+		rp := r.Post("/v1/images/generations", body)
+		testrouter.ExpectStatus(t, body, rp, http.StatusBadRequest)
+		if msg := rp.ErrorText(t); !strings.Contains(msg, "max_pixels") {
+			t.Errorf("%s: error %q does not name max_pixels", body, msg)
 		}
 	}
 	if ws[0].Stats().Jobs != 0 {

@@ -328,7 +328,8 @@ func TestWeightVersionIsTheRouters(t *testing.T) {
 		switch req.URL.Path {
 		case "/v1/models":
 			http.Error(w, "no model card", http.StatusInternalServerError)
-		default:
+		default: // JSON, as the rollout API's older form answered
+			w.Header().Set("Content-Type", "application/json")
 			_, _ = io.WriteString(w, `{"status":"ok"}`)
 		}
 	}))

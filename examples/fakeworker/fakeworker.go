@@ -67,6 +67,8 @@ type Config struct {
 	CloseRate    float64 // half the body, then the connection closes short of its Content-Length
 	ResetRate    float64 // half the body, then the connection is reset (TCP RST)
 	TruncateRate float64 // a complete HTTP answer whose body is cut in half, Content-Length matching
+	HTMLRate     float64 // a complete 200 whose body is an HTML page labelled text/html, not the endpoint's answer
+	StallRate    float64 // half the body, then silence on the open connection until the client leaves
 	// OOMPixels makes every job whose width×height reaches it run out of
 	// GPU memory in its first step, and fail as sglang fails such a job
 	// (0 = never); SetOOMPixels changes it.
@@ -120,7 +122,7 @@ type Stats struct {
 	Cost   float64       // sum of the costs of those jobs
 	Busy   time.Duration // time spent running generation jobs, failed and hung ones included
 	Failed int           // generation jobs that ended in an injected failure (FailRate or OOMPixels)
-	Broken int           // successful answers broken on purpose (CloseRate, ResetRate, TruncateRate)
+	Broken int           // successful answers broken on purpose (CloseRate, ResetRate, TruncateRate, HTMLRate, StallRate)
 	// JobsOn counts the completed jobs by the weights they ran on, as
 	// Weights names them: what no answer says, for tests to check.
 	JobsOn map[string]int
@@ -168,9 +170,10 @@ type Worker struct {
 	hung     bool
 	// updateHung is Config.UpdateHang, or set by HangUpdates.
 	updateHung bool
-	// breakRates are CloseRate, ResetRate and TruncateRate in force;
+	// breakRates are CloseRate, ResetRate, TruncateRate, HTMLRate and
+	// StallRate in force, in the order of the Break constants;
 	// oomPixels is OOMPixels in force.
-	breakRates [3]float64
+	breakRates [5]float64
 	oomPixels  int
 	// weights names, per module, the weights loaded: the model path of the
 	// last update from disk, or a digest of the last tensors loaded.
@@ -223,7 +226,7 @@ func New(cfg Config) *Worker {
 		rng:        mrand.New(mrand.NewPCG(uint64(cfg.Seed), 0)),
 		failRate:   cfg.FailRate,
 		updateHung: cfg.UpdateHang,
-		breakRates: [3]float64{cfg.CloseRate, cfg.ResetRate, cfg.TruncateRate},
+		breakRates: [5]float64{cfg.CloseRate, cfg.ResetRate, cfg.TruncateRate, cfg.HTMLRate, cfg.StallRate},
 		oomPixels:  cfg.OOMPixels,
 		videos:     make(map[string]*videoJob),
 		images:     imageStore{entries: make(map[string]*imageEntry)},

@@ -2,6 +2,7 @@ package fakeworker
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"net"
 	"net/http"
@@ -26,6 +27,15 @@ const (
 	// msgpack in it is not, as when a serializer died or a proxy cut it.
 	// The connection stays open for the next request.
 	BreakTruncate
+	// BreakHTML answers 200 with a whole HTML page, labelled text/html,
+	// instead of the endpoint's JSON or msgpack, as a proxy or load
+	// balancer in front of a worker may when it, not the worker, answers.
+	BreakHTML
+	// BreakStall sends the status, the headers with the whole body's
+	// Content-Length and half the body, then nothing: the connection stays
+	// open and silent until the client leaves or the worker closes, as a
+	// worker wedged mid-answer.
+	BreakStall
 )
 
 func (b Break) String() string {
@@ -36,23 +46,23 @@ func (b Break) String() string {
 		return "reset"
 	case BreakTruncate:
 		return "truncate"
+	case BreakHTML:
+		return "html"
+	case BreakStall:
+		return "stall"
 	}
 	return "none"
 }
 
 // SetBreakRate makes that fraction of the successful generation answers
 // from now on break the way b says (1: every one), as Config's CloseRate,
-// ResetRate and TruncateRate do from the start; 0 ends it.
+// ResetRate, TruncateRate, HTMLRate and StallRate do from the start; 0
+// ends it.
 func (w *Worker) SetBreakRate(b Break, rate float64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	switch b {
-	case BreakClose:
-		w.breakRates[0] = rate
-	case BreakReset:
-		w.breakRates[1] = rate
-	case BreakTruncate:
-		w.breakRates[2] = rate
+	if b >= BreakClose && b <= BreakStall {
+		w.breakRates[b-BreakClose] = rate
 	}
 }
 
@@ -71,23 +81,22 @@ func (w *Worker) SetOOMPixels(pixels int) {
 func (w *Worker) drawBreak() Break {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	closeRate, resetRate, truncateRate := w.breakRates[0], w.breakRates[1], w.breakRates[2]
-	if closeRate+resetRate+truncateRate <= 0 {
+	var total float64
+	for _, rate := range w.breakRates {
+		total += rate
+	}
+	if total <= 0 {
 		return 0
 	}
-	var b Break
-	switch u := w.rng.Float64(); {
-	case u < closeRate:
-		b = BreakClose
-	case u < closeRate+resetRate:
-		b = BreakReset
-	case u < closeRate+resetRate+truncateRate:
-		b = BreakTruncate
-	default:
-		return 0
+	u := w.rng.Float64()
+	for i, rate := range w.breakRates {
+		if u < rate {
+			w.stats.Broken++
+			return BreakClose + Break(i)
+		}
+		u -= rate
 	}
-	w.stats.Broken++
-	return b
+	return 0
 }
 
 // breakable lets the answers of a generation endpoint be broken. An answer
@@ -97,7 +106,7 @@ func (w *Worker) breakable(h http.HandlerFunc) http.HandlerFunc {
 	return func(rw http.ResponseWriter, r *http.Request) {
 		bw := &breakWriter{ResponseWriter: rw, w: w}
 		h(bw, r)
-		bw.finish()
+		bw.finish(r.Context())
 	}
 }
 
@@ -150,14 +159,21 @@ func (b *breakWriter) Flush() {
 // Content-Length, and the first half of the body; then, by its kind, ends
 // the answer there or cuts the connection. Write errors mean the client
 // left; there is nothing more to break.
-func (b *breakWriter) finish() {
+func (b *breakWriter) finish(ctx context.Context) {
 	if b.kind == 0 {
 		return
 	}
 	body := b.body.Bytes()
 	cut := body[:len(body)/2]
 	rw := b.ResponseWriter
-	if b.kind == BreakTruncate {
+	switch b.kind {
+	case BreakHTML:
+		rw.Header().Set("Content-Type", "text/html; charset=utf-8")
+		rw.Header().Set("Content-Length", strconv.Itoa(len(htmlPage)))
+		rw.WriteHeader(b.status)
+		rw.Write([]byte(htmlPage))
+		return
+	case BreakTruncate:
 		rw.Header().Set("Content-Length", strconv.Itoa(len(cut)))
 		rw.WriteHeader(b.status)
 		rw.Write(cut)
@@ -168,6 +184,13 @@ func (b *breakWriter) finish() {
 	rw.Write(cut)
 	rc := http.NewResponseController(rw)
 	rc.Flush() // the headers and the half body go out before the connection ends
+	if b.kind == BreakStall {
+		select {
+		case <-ctx.Done():
+		case <-b.w.life.Done():
+		}
+		return
+	}
 	conn, _, err := rc.Hijack()
 	if err != nil {
 		// Not a connection of its own (HTTP/2, a recorder): ending the
@@ -179,6 +202,10 @@ func (b *breakWriter) finish() {
 	}
 	conn.Close()
 }
+
+// htmlPage is what BreakHTML answers: a whole page, nothing like the
+// endpoint's answer.
+const htmlPage = "<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body><h1>Sign in to continue</h1></body></html>\n"
 
 // oomError is the scheduler's error for a job of shape s that ran out of
 // GPU memory: GPUWorker._execute_forward_common catches

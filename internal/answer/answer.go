@@ -47,6 +47,41 @@ func FormatOf(contentType string) Format {
 	return Opaque
 }
 
+// Expect is the format an answer labelled contentType is checked for when
+// its endpoint answers f: f, whatever the label says, so that a 200 page
+// of HTML from a proxy in between is no success. A msgpack endpoint's
+// answer labelled JSON is JSON: sglang's rollout API answered JSON before
+// msgpack. Of an endpoint whose answers are Opaque, the label decides.
+func (f Format) Expect(contentType string) Format {
+	labelled := FormatOf(contentType)
+	if f == Opaque || f == Msgpack && labelled == JSON {
+		return labelled
+	}
+	return f
+}
+
+func (f Format) String() string {
+	switch f {
+	case JSON:
+		return "JSON"
+	case Msgpack:
+		return "msgpack"
+	}
+	return "opaque"
+}
+
+// CutShort reports whether err, why an answer is not whole, says that it
+// ended early (its JSON or msgpack ends inside a value, or its connection
+// ended) rather than that it is not of its format at all.
+func CutShort(err error) bool {
+	for _, malformed := range []error{strictjson.ErrStructure, strictjson.ErrTrailing, msgpack.ErrInvalid, msgpack.ErrTrailing} {
+		if errors.Is(err, malformed) {
+			return false
+		}
+	}
+	return true
+}
+
 // Check reports whether body, all of an answer, is whole in format f: nil,
 // or why not.
 func (f Format) Check(body []byte) error {

@@ -63,6 +63,32 @@ func TestCheckFindsAnswersCutShort(t *testing.T) {
 	}
 }
 
+// TestEndpointsFormatOutranksTheLabel: an answer is checked as what its
+// endpoint answers, not as the worker labels it, save a msgpack endpoint's
+// answer labelled JSON (sglang's older rollout answer).
+func TestEndpointsFormatOutranksTheLabel(t *testing.T) {
+	for _, tc := range []struct {
+		endpoint    Format
+		contentType string
+		want        Format
+	}{
+		{JSON, "text/html", JSON}, {JSON, "application/msgpack", JSON}, {JSON, "", JSON},
+		{Msgpack, "text/html", Msgpack}, {Msgpack, "application/json", JSON}, {Msgpack, "application/msgpack", Msgpack},
+		{Opaque, "video/mp4", Opaque}, {Opaque, "application/json", JSON},
+	} {
+		if got := tc.endpoint.Expect(tc.contentType); got != tc.want {
+			t.Errorf("a %v endpoint's answer labelled %q is checked as %v; want %v", tc.endpoint, tc.contentType, got, tc.want)
+		}
+	}
+	page := []byte("<!DOCTYPE html><html></html>")
+	if err := JSON.Check(page); err == nil || CutShort(err) {
+		t.Errorf("a page of HTML checked as JSON: %v; want an error that is not a cut", err)
+	}
+	if err := JSON.Check(imageAnswer(64)[:40]); !CutShort(err) {
+		t.Errorf("half a JSON answer: %v; want a cut", err)
+	}
+}
+
 func TestBudgetBoundsEachAnswerAndAllTogether(t *testing.T) {
 	b := NewBudget(64<<10, 160<<10)
 	if _, err := b.Hold(64<<10 + 1); err != ErrTooLarge {

@@ -98,10 +98,21 @@ func (a *API) admin(next http.HandlerFunc) http.HandlerFunc {
 	}
 }
 
+// bearerToken is the token of a Bearer Authorization header. The scheme
+// is case-insensitive (RFC 9110, 11.1), so clients that send "bearer"
+// are admitted too; the token itself is compared exactly.
+func bearerToken(authorization string) (string, bool) {
+	scheme, token, ok := strings.Cut(authorization, " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	return strings.TrimLeft(token, " "), true
+}
+
 // trusted reports whether r may change the fleet.
 func (a *API) trusted(r *http.Request) bool {
 	if a.Token != "" {
-		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		got, ok := bearerToken(r.Header.Get("Authorization"))
 		if ok && subtle.ConstantTimeCompare([]byte(got), []byte(a.Token)) == 1 {
 			return true
 		}

@@ -192,12 +192,12 @@ func (a *API) readPublish(r *http.Request) (name, path string, strength float64,
 	if a.Pool.AdapterPath(names[0]) == path {
 		return "", "", 0, http.StatusBadRequest, "adapter " + names[0] + " is loaded from " + path + " already: " + scheduler.ErrSamePath.Error()
 	}
-	switch s := strictjson.Member(members, "strength").(type) {
-	case nil:
-	case float64:
-		strength = s
-	default:
-		return "", "", 0, http.StatusBadRequest, "strength must be a number"
+	if s := strictjson.Member(members, "strength"); s != nil {
+		f, ok := s.(float64)
+		if !ok || f < 0 {
+			return "", "", 0, http.StatusBadRequest, "strength must be a positive number, as an adapter's in the config"
+		}
+		strength = f
 	}
 	return names[0], path, strength, 0, ""
 }

@@ -23,7 +23,8 @@ import (
 // The cost is of the job the worker will run, so each endpoint's rule reads
 // the fields its sglang-diffusion endpoint reads, merged in the order it
 // merges them, with its clamps and defaults, and refuses the values the
-// worker refuses, no others (docs/routing.md has the table). The sources
+// worker refuses, no others (docs/routing.md has the table), save two bounds
+// of the router's own: sizes over Model.MaxPixels and costs over maxJobCost. The sources
 // are sglang's python/sglang/multimodal_gen: runtime/entrypoints/openai/
 // image_api.py, video_api.py, protocol.py and utils.py (build_sampling_params,
 // _parse_size), runtime/entrypoints/diffusion_api.py,
@@ -36,6 +37,7 @@ type Model struct {
 	Width, Height int     // size
 	Frames        int     // frames of a video
 	CFGFactor     float64 // work multiplier when guidance is on
+	MaxPixels     float64 // most width × height a job may ask for; 0: no bound
 }
 
 // Defaults of the cost model options.
@@ -44,6 +46,12 @@ const (
 	DefaultSize      = "1024x1024"
 	DefaultFrames    = 96 // sglang's 24 fps × 4 s
 	DefaultCFGFactor = 2
+	// DefaultMaxPixels is 4096×4096. sglang-diffusion refuses no size
+	// that is positive (save a pipeline's own list of resolutions, where
+	// it has one): a size far beyond what its models make (FLUX about 2
+	// megapixels, Qwen-Image 1328×1328, Wan 1280×720) holds a GPU for
+	// minutes before it runs out of memory. This bound is the router's.
+	DefaultMaxPixels = 4096 * 4096
 
 	// maxJobCost is beyond any job a GPU runs (a 1024x1024 image step takes
 	// a tenth of a second or more: this is months), so that a prediction is
@@ -318,8 +326,19 @@ func (m Model) size(f Fields, widthHeight bool) (w, h float64, err error) {
 		return 0, 0, &FieldError{wFrom, fmt.Sprintf("must be positive, got a width of %v", w)}
 	case h <= 0:
 		return 0, 0, &FieldError{hFrom, fmt.Sprintf("must be positive, got a height of %v", h)}
+	case m.MaxPixels > 0 && w*h > m.MaxPixels:
+		return 0, 0, &FieldError{sizeFields(wFrom, hFrom), fmt.Sprintf(
+			"%.0fx%.0f is %.4g pixels, more than the %.0f this router takes (max_pixels)", w, h, w*h, m.MaxPixels)}
 	}
 	return w, h, nil
+}
+
+// sizeFields names the fields a size was read from.
+func sizeFields(wFrom, hFrom string) string {
+	if wFrom == hFrom {
+		return wFrom
+	}
+	return wFrom + " and " + hFrom
 }
 
 // workerSize reads "WIDTHxHEIGHT" as sglang's _parse_size does: lower

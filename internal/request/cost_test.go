@@ -10,7 +10,7 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
 
-var testCosts = Model{Steps: 20, Width: 1024, Height: 1024, Frames: 96, CFGFactor: 2}
+var testCosts = Model{Steps: 20, Width: 1024, Height: 1024, Frames: 96, CFGFactor: 2, MaxPixels: DefaultMaxPixels}
 
 // cost is what the endpoint at path charges for f.
 func cost(path string, f Fields) (float64, error) {
@@ -209,6 +209,35 @@ func TestCostRefusesWhatWorkersRefuse(t *testing.T) {
 	f, _ := formFields([]byte(form), ctype)
 	if _, err := cost("/v1/images/edits", f); err == nil || !strings.HasPrefix(err.Error(), "num_frames") {
 		t.Errorf("an edit of 0 frames: %v", err)
+	}
+}
+
+// TestMaxPixelsBoundsTheSize: sglang-diffusion takes any positive size,
+// and a 99999x99999 image held a worker for minutes. A size beyond
+// max_pixels is refused, naming the fields it was read from, however it
+// was given; 4096x4096 is within the default.
+func TestMaxPixelsBoundsTheSize(t *testing.T) {
+	for _, tc := range []struct{ path, body, field string }{
+		{"/v1/images/generations", `{"size":"99999x99999"}`, "size"},
+		{"/v1/images/generations", `{"size":"4097x4096"}`, "size"},
+		{"/v1/images/generations", `{"width":5000,"height":5000}`, "width and height"},
+		{"/v1/images/generations", `{"size":"4096x4096","height":4100}`, "size and height"},
+		{"/v1/videos", `{"extra_body":{"size":"8192x8192"}}`, "size"},
+		{"/rollout/generate", `{"seed":1,"width":65536,"height":512}`, "width and height"},
+		{"/rollout/generate", `{"seed":1,"extra_sampling_params":{"width":20000,"height":20000}}`, "width and height"},
+	} {
+		_, err := costOf(tc.path, tc.body)
+		if err == nil || !strings.HasPrefix(err.Error(), tc.field+":") || !strings.Contains(err.Error(), "max_pixels") {
+			t.Errorf("%s %s: error %v; want one naming %s and max_pixels", tc.path, tc.body, err, tc.field)
+		}
+	}
+	if _, err := costOf("/v1/images/generations", `{"size":"4096x4096"}`); err != nil {
+		t.Errorf("4096x4096 is within the default max_pixels: %v", err)
+	}
+	small := testCosts
+	small.MaxPixels = 512 * 512
+	if _, err := Endpoints.Match(http.MethodPost, &url.URL{Path: "/v1/images/generations"}).Cost(small, Fields{"size": "1024x1024"}); err == nil {
+		t.Error("1024x1024 passed a max_pixels of 512x512")
 	}
 }
 

@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 )
 
 // Kind is what an endpoint is to the router.
@@ -68,17 +70,21 @@ type Endpoint struct {
 	// LearnsImageID: the answer names an image job, which pins later
 	// requests for that image to the worker.
 	LearnsImageID bool
+	// Answers is what its jobs' 2xx answers are, checked as such whatever
+	// Content-Type the worker sends: one that is not is broken. Opaque:
+	// as the Content-Type says.
+	Answers answer.Format
 }
 
 // Endpoints is the table: every path the router forwards in a way of its
 // own. Exact rows come before the prefix rows that hold them.
 var Endpoints = Table{
-	{Path: "/v1/images/generations", Kind: Image, Class: "images", Cost: imageCost, Serves: ImageTask, Hedged: true, LearnsImageID: true},
-	{Path: "/v1/images/edits", Kind: Image, Class: "image_edits", Cost: imageEditCost, Serves: ImageTask, Hedged: true, LearnsImageID: true},
+	{Path: "/v1/images/generations", Kind: Image, Class: "images", Cost: imageCost, Serves: ImageTask, Hedged: true, LearnsImageID: true, Answers: answer.JSON},
+	{Path: "/v1/images/edits", Kind: Image, Class: "image_edits", Cost: imageEditCost, Serves: ImageTask, Hedged: true, LearnsImageID: true, Answers: answer.JSON},
 	{Path: "/v1/images/generations/stream", Kind: ImageStream, Class: "image_stream", Cost: imageCost, Serves: ImageTask, Stream: true},
-	{Path: "/v1/videos", Kind: Video, Class: "videos", Cost: videoCost, Serves: VideoTask, PollParam: "video_id", Rerun: RerunUnsent},
-	{Path: "/v1/diffusion/generate", Kind: Rollout, Class: "diffusion", Cost: diffusionCost, Serves: AnyTask, Hedged: true},
-	{Path: "/rollout/generate", Kind: Rollout, Class: "rollout", Cost: rolloutCost, Serves: AnyTask, Hedged: true},
+	{Path: "/v1/videos", Kind: Video, Class: "videos", Cost: videoCost, Serves: VideoTask, PollParam: "video_id", Rerun: RerunUnsent, Answers: answer.JSON},
+	{Path: "/v1/diffusion/generate", Kind: Rollout, Class: "diffusion", Cost: diffusionCost, Serves: AnyTask, Hedged: true, Answers: answer.JSON},
+	{Path: "/rollout/generate", Kind: Rollout, Class: "rollout", Cost: rolloutCost, Serves: AnyTask, Hedged: true, Answers: answer.Msgpack},
 	{Path: "/v1/videos/", Prefix: true, Kind: VideoPoll, Class: "video_job", Pinned: true},
 	{Path: "/v1/images/", Prefix: true, Kind: ImagePoll, Class: "image_job", Pinned: true},
 }

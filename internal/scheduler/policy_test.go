@@ -226,6 +226,37 @@ func TestRetryAfterAnAnswerCutShortAvoidsItsWorker(t *testing.T) {
 	}
 }
 
+// TestRetryElsewhereNeverReturnsToAWorkerThatStalled: where Retry sends a
+// job back to a worker that failed it rather than wait, a worker that
+// stalled on it never gets it again: with no other, the job gets
+// ErrNoOtherWorker at once, and leaves its worker free.
+func TestRetryElsewhereNeverReturnsToAWorkerThatStalled(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	tk, first := choose(t, p, config(&lastURL{}, 0), 1) // the strategy would pick it again
+	if err := p.RetryElsewhere(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {
+		t.Fatalf("a job whose worker %s stalled went to %v (%v); want the other", first, tk.worker, err)
+	}
+	second := tk.worker.dial[:1]
+	// Both had it; Retry goes back to one that failed it, never to the one
+	// that stalled.
+	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] != second {
+		t.Fatalf("after %s stalled and %s failed, the job went to %v (%v); want %s again", first, second, tk.worker, err, second)
+	}
+	p.Release(tk, Succeeded)
+	tk, first = choose(t, p, config(LeastRequest{}, 0), 1)
+	for _, w := range p.workers {
+		w.health.down = w.dial[:1] != first
+	}
+	if err := p.RetryElsewhere(context.Background(), tk, Failed); err != ErrNoOtherWorker {
+		t.Fatalf("alone, a job whose worker stalled: %v; want ErrNoOtherWorker", err)
+	}
+	for _, w := range p.workers {
+		if w.load.inflight != 0 {
+			t.Fatalf("%s still holds %d jobs", w.dial, w.load.inflight)
+		}
+	}
+}
+
 func TestRetryDoesNotWaitForWorkersThatAreOut(t *testing.T) {
 	p, _ := poolOf(t, 3)
 	tk, first := choose(t, p, config(LeastRequest{}, 0), 1)

@@ -44,11 +44,12 @@ const (
 
 // Why a request gets no worker.
 var (
-	ErrNoWorker     = errors.New("No healthy workers available in the pool")
-	ErrQueueFull    = errors.New("queue full")
-	ErrQueueTimeout = errors.New("queue timeout")
-	ErrNoVersion    = errors.New("no worker is or will be on the weight version asked for")
-	ErrAsleep       = errors.New("every worker that could serve it is asleep")
+	ErrNoWorker      = errors.New("No healthy workers available in the pool")
+	ErrQueueFull     = errors.New("queue full")
+	ErrQueueTimeout  = errors.New("queue timeout")
+	ErrNoVersion     = errors.New("no worker is or will be on the weight version asked for")
+	ErrAsleep        = errors.New("every worker that could serve it is asleep")
+	ErrNoOtherWorker = errors.New("no worker it was not sent to may serve it")
 )
 
 // Ticket is one request's claim on the pool, carried in the request
@@ -86,6 +87,7 @@ type Ticket struct {
 	started   int64   // when the job reached the head of its worker, Unix nanoseconds
 	predicted time.Duration
 	tried     []*worker               // workers a retry must avoid
+	shunned   []*worker               // workers that stalled on it: never tried again (see RetryElsewhere)
 	held      bool                    // a video job answered at once and running on its worker
 	Sent      bool                    // the request went to the worker
 	ghost     bool                    // its client left; the worker still computes it
@@ -285,8 +287,31 @@ func (p *Pool) Retry(ctx context.Context, t *Ticket, o Outcome) error {
 	if !p.untriedServingLocked(t) {
 		// Better a worker that failed once than waiting for ones that
 		// are out: they may stay out for minutes.
-		t.tried = t.tried[:0]
+		t.tried = append(t.tried[:0], t.shunned...)
 	}
+	return p.retryLocked(ctx, t)
+}
+
+// RetryElsewhere is Retry for a job whose worker stalled on it: that
+// worker never gets it again, and when no other serving worker may serve
+// it, t leaves its worker and gets ErrNoOtherWorker rather than wait.
+func (p *Pool) RetryElsewhere(ctx context.Context, t *Ticket, o Outcome) error {
+	p.mu.Lock()
+	if w := t.worker; w != nil {
+		t.shunned = append(t.shunned, w)
+	}
+	p.offWorkerLocked(t, o)
+	if !p.untriedServingLocked(t) {
+		p.dispatchLocked()
+		p.mu.Unlock()
+		return ErrNoOtherWorker
+	}
+	return p.retryLocked(ctx, t)
+}
+
+// retryLocked puts t back in the queue in its old place and waits for
+// its next worker; it unlocks p.mu.
+func (p *Pool) retryLocked(ctx context.Context, t *Ticket) error {
 	wt, err := p.admitLocked(t)
 	p.dispatchLocked()
 	p.mu.Unlock()

@@ -57,7 +57,7 @@ func Parse(raw string) (string, error) {
 		return "", ErrHost
 	case u.User != nil:
 		return "", ErrUser
-	case u.RawQuery != "" || u.ForceQuery || u.Fragment != "":
+	case u.RawQuery != "" || u.ForceQuery || strings.Contains(raw, "#"): // url.URL keeps no trace of an empty fragment
 		return "", ErrQuery
 	case u.Path != "" && u.Path != "/":
 		return "", ErrPath

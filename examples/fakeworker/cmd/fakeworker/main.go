@@ -47,6 +47,8 @@ func run() error {
 	flag.Float64Var(&cfg.CloseRate, "close-rate", 0, "fraction of successful generation answers cut off by closing the connection short of their Content-Length (1 = every one)")
 	flag.Float64Var(&cfg.ResetRate, "reset-rate", 0, "fraction of successful generation answers cut off by resetting the connection (TCP RST) (1 = every one)")
 	flag.Float64Var(&cfg.TruncateRate, "truncate-rate", 0, "fraction of successful generation answers sent complete in HTTP but with the body cut in half (1 = every one)")
+	flag.Float64Var(&cfg.StallRate, "stall-rate", 0, "fraction of successful generation answers that send half the body, then nothing until the client leaves (1 = every one)")
+	flag.Float64Var(&cfg.HTMLRate, "html-rate", 0, "fraction of successful generation answers replaced by a whole 200 HTML page, as a proxy in front of a worker may answer (1 = every one)")
 	flag.IntVar(&cfg.OOMPixels, "oom-pixels", 0, "jobs whose width*height reaches this run out of GPU memory and fail as sglang does, e.g. 2359296 for 1536x1536 (0 = never)")
 	flag.DurationVar(&cfg.LoraSwitch, "lora-switch", 0, "time a LoRA call that changes the adapter jobs run on holds the worker (base weights restored, adapter merged), e.g. 2s")
 	flag.StringVar(&cfg.CloudStorage, "cloud-storage", "", "base URL of the cloud storage outputs are uploaded to; empty: none, so response_format \"url\" fails (400) as on a worker without storage")
