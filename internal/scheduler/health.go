@@ -21,8 +21,8 @@ type HealthConfig struct {
 	StallFactor  float64       // a job overrunning its prediction this much makes its worker suspect
 	MaxFails     int           // failures within failWindow that eject a worker
 	FailWindow   time.Duration //
-	EjectTime    time.Duration // first ejection; doubles on each repeat
-	MaxEjectTime time.Duration
+	EjectTime    time.Duration // first ejection; doubles on each repeat until cleanRunForgives successes in a row
+	MaxEjectTime time.Duration // cap of the doubling
 
 	MaxEjectionPercent int // workers that may be ejected at once, in percent of the pool; one always may
 }
@@ -82,11 +82,9 @@ func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) Health
 	if w.health.suspect && !p.overrunningLocked(w, now, cfg) {
 		w.health.suspect = false
 	}
+	// An ejection runs its course: a passed probe says the worker's HTTP
+	// server answers, not that its answers are whole.
 	change := Unchanged
-	if now < w.health.ejectedUntil { // as Envoy does: a passed active check ends an ejection
-		w.health.ejectedUntil = 0
-		change = EjectionEnded
-	}
 	if w.health.down && (w.evidence.probePasses >= cfg.Passes || w.health.unverified) {
 		w.health.down = false    // one pass admits a worker read back, as one answer admits a worker registered
 		p.forgetAdapterLocked(w) // it may have restarted on the base weights
@@ -159,16 +157,22 @@ func (p *Pool) CheckStalls(cfg *HealthConfig) []string {
 	return marked
 }
 
+// cleanRunForgives is how many successes in a row, no failure between,
+// wipe out a worker's past ejections: its next one lasts eject_time again.
+// One success would forgive a worker that breaks most of its answers; ten
+// show it works.
+const cleanRunForgives = 10
+
 // noteOutcomeLocked counts the passive evidence of one proxied request:
 // max_fails failures within fail_window eject the worker for eject_time,
-// doubling on each repeat up to max_eject_time; a success resets that. It
-// reports how long the worker is now ejected for, if it is.
-func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.Duration {
-	now := p.now().UnixNano()
+// doubling on each repeat up to max_eject_time, until cleanRunForgives
+// successes in a row. It reports how long the worker is now ejected
+// for, if it is.
+func (p *Pool) noteOutcomeLocked(w *worker, t *Ticket, o Outcome) time.Duration {
+	now, cfg := p.now().UnixNano(), t.cfg.Health
 	switch o {
 	case Succeeded:
-		w.evidence.ejections, w.evidence.naps = 0, 0
-		w.health.probation = false
+		p.noteSuccessLocked(w, t.probation)
 		return 0
 	case Abandoned, Refused:
 		return 0
@@ -176,6 +180,7 @@ func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.D
 		p.noteAsleepLocked(w, now)
 		return 0
 	}
+	w.evidence.cleanRun = 0
 	if cfg == nil || cfg.MaxFails == 0 {
 		return 0
 	}
@@ -202,6 +207,19 @@ func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.D
 	w.stats.ejected++
 	p.redispatchAtLocked(w.health.ejectedUntil) // jobs may be waiting for it
 	return d
+}
+
+// noteSuccessLocked counts a success of w, the last of cleanRunForgives
+// in a row wiping out its past ejections. Only the success of a job given
+// to w on probation (trial) ends the probation: one w had before, if it
+// is released as its answer begins, may still break.
+func (p *Pool) noteSuccessLocked(w *worker, trial bool) {
+	w.evidence.naps = 0
+	w.health.probation = w.health.probation && !trial
+	w.evidence.cleanRun++
+	if w.evidence.cleanRun >= cleanRunForgives {
+		w.evidence.ejections = 0
+	}
 }
 
 // Forgive takes back the last failure counted against the worker at url,
@@ -282,7 +300,7 @@ func (p *Pool) NoteCutShort(t *Ticket) {
 	t.tried = append(t.tried, w)
 	w.stats.failures++
 	w.evidence.consecFails++
-	p.noteOutcomeLocked(w, Failed, t.cfg.Health)
+	p.noteOutcomeLocked(w, t, Failed)
 }
 
 // redispatchAtLocked makes sure free slots are handed to waiting jobs at
@@ -334,5 +352,4 @@ const (
 	Unchanged HealthChange = iota
 	BecameUnhealthy
 	BecameHealthy
-	EjectionEnded
 )

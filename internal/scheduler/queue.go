@@ -92,6 +92,7 @@ type Ticket struct {
 	Sent      bool                    // the request went to the worker
 	ghost     bool                    // its client left; the worker still computes it
 	charged   bool                    // its tenant was charged its cost (beside the other flags: no room of its own)
+	probation bool                    // a job its worker got on probation (see OnProbation)
 	Lookups   int                     // upstream lookups by reverse_proxy; more than one is a retry
 	Attempts  int                     // times the request was sent to a worker
 	Blamed    string                  // the worker whose 5xx made the job run again, if one did
@@ -491,6 +492,7 @@ func (p *Pool) waitErrorLocked(t *Ticket) error {
 
 func (p *Pool) assignLocked(t *Ticket, w *worker) {
 	t.worker, t.servedBy, t.servedVersion = w, w.url, t.versionOn(w.life.version)
+	t.probation = t.Job && w.health.probation
 	if !t.Job {
 		return
 	}
@@ -545,7 +547,7 @@ func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 		w.evidence.consecFails++
 		p.forgetAdapterLocked(w) // it may have restarted: read its adapter back before its next job
 	}
-	ejected = p.noteOutcomeLocked(w, o, t.cfg.Health)
+	ejected = p.noteOutcomeLocked(w, t, o)
 	if !t.Job {
 		return ejected
 	}
@@ -792,6 +794,13 @@ func (t *Ticket) Config() *Config { return t.cfg }
 // ServedBy is the URL of the worker chosen for t last; it is kept after
 // release.
 func (t *Ticket) ServedBy() string { return t.servedBy }
+
+// OnProbation reports whether t is a job the worker chosen for it last
+// got on probation: its slot is to be released only once its answer is
+// known to be whole or broken, not as the answer begins. Released as a
+// success early, the slot would go to a second job, and the probation
+// end, before the answer broke.
+func (t *Ticket) OnProbation() bool { return t.probation }
 
 // ServedVersion is the weight version of the worker chosen for t last.
 func (t *Ticket) ServedVersion() string { return t.servedVersion }
