@@ -174,6 +174,8 @@ func (pr *prober) probe(ctx context.Context, workerURL string) {
 			zap.String("worker", workerURL), zap.Error(err))
 	case scheduler.BecameHealthy:
 		pr.logger.Info("worker passed its health checks again", zap.String("worker", workerURL))
+	case scheduler.EjectionEnded:
+		pr.logger.Info("ejected worker passed a health check with no other worker serving; it is back on probation", zap.String("worker", workerURL))
 	}
 }
 

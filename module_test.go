@@ -494,7 +494,9 @@ func TestUpstreamTimeout(t *testing.T) {
 
 func TestWorkerErrorsPassThrough(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "flaky", FailRate: 1})
-	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	// The first job's three attempts eject the only worker; the next job
+	// waits for its next passed probe, which lets it back on probation.
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_interval 500ms\n}")
 	rp := r.Post("/v1/images/generations", smallImage)
 	direct := testrouter.Do(t, "POST", ws[0].URL()+"/v1/images/generations", strings.NewReader(smallImage))
 	if rp.Status != 500 || direct.Status != 500 || string(rp.Body) != string(direct.Body) ||

@@ -213,9 +213,9 @@ type PassiveHealthChecks struct {
 
 	// EjectTime is how long the first ejection of a worker lasts; each
 	// one after lasts twice the one before, until 10 answers in a row
-	// with no failure reset the doubling. A passed health probe ends no
-	// ejection: it says /health answers, not that answers are whole.
-	// Default 10s.
+	// with no failure reset the doubling. While other workers serve, a
+	// passed health probe ends no ejection: it says /health answers, not
+	// that answers are whole. Default 10s.
 	EjectTime caddy.Duration `json:"eject_time,omitempty"`
 
 	// MaxEjectTime is the longest ejection, the cap of the doubling.

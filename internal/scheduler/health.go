@@ -82,9 +82,17 @@ func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) Health
 	if w.health.suspect && !p.overrunningLocked(w, now, cfg) {
 		w.health.suspect = false
 	}
-	// An ejection runs its course: a passed probe says the worker's HTTP
-	// server answers, not that its answers are whole.
+	// An ejection runs its course while other workers serve what w
+	// makes: a passed probe says the worker's HTTP server answers, not
+	// that its answers are whole. With none, the probe ends it into
+	// probation, as Envoy's panic threshold sends traffic to ejected
+	// hosts when too few are healthy: one job at a time on a worker that
+	// may be broken beats a queue waiting out an ejection of minutes.
 	change := Unchanged
+	if now < w.health.ejectedUntil && !p.othersServeLocked(w, now) {
+		w.health.ejectedUntil = 0
+		change = EjectionEnded
+	}
 	if w.health.down && (w.evidence.probePasses >= cfg.Passes || w.health.unverified) {
 		w.health.down = false    // one pass admits a worker read back, as one answer admits a worker registered
 		p.forgetAdapterLocked(w) // it may have restarted on the base weights
@@ -92,6 +100,17 @@ func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) Health
 	}
 	w.health.unverified = false
 	return change
+}
+
+// othersServeLocked reports whether a worker other than w is serving a
+// kind of request w makes.
+func (p *Pool) othersServeLocked(w *worker, now int64) bool {
+	for _, o := range p.workers {
+		if o != w && o.caps.makes&w.caps.makes != 0 && o.serving(now) {
+			return true
+		}
+	}
+	return false
 }
 
 func isTimeout(err error) bool {
@@ -352,4 +371,5 @@ const (
 	Unchanged HealthChange = iota
 	BecameUnhealthy
 	BecameHealthy
+	EjectionEnded // a passed probe ended an ejection: no other worker serves
 )

@@ -172,19 +172,22 @@ func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 	}
 }
 
-// A passed probe does not end an ejection: it says the worker's HTTP
-// server answers, not that its answers are whole. Back when its ejection
-// ends, the worker is on probation: one job at a time, and out again at
-// its first failure, until a job succeeds.
+// A passed probe does not end an ejection while other workers serve: it
+// says the worker's HTTP server answers, not that its answers are whole.
+// Back when its ejection ends, the worker is on probation: one job at a
+// time, and out again at its first failure, until a job succeeds.
 func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
-	p, clock := ejectingPool(t, 1)
+	p, clock := ejectingPool(t, 2)
 	cfg := config(LeastRequest{}, 0)
 	cfg.Health = testHealth
+	other := p.workers[1]
+	other.health.down = true // the failures all go to the first
 	serveAll(t, p, cfg, Failed, 3)
 	w := p.Snapshot()[0]
 	if w.State != Ejected || w.EjectedTill.IsZero() {
 		t.Fatalf("after 3 failures the worker is %v until %v; want ejected", w.State, w.EjectedTill)
 	}
+	other.health.down = false
 	for i := range 3 {
 		clock.advance(3 * time.Second)
 		p.RecordProbe(w.URL, nil, testHealth)
@@ -192,6 +195,7 @@ func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
 			t.Fatalf("%d s into a 10 s ejection, after a passed probe, the worker is %v; want still ejected", 3*(i+1), w.State)
 		}
 	}
+	other.health.down = true // the probation below is the first worker's alone
 	clock.advance(ejectedFor(p))
 	if w := p.Snapshot()[0]; w.State != Serving || !w.Probation {
 		t.Fatalf("after its ejection the worker is %v, probation %v; want serving on probation", w.State, w.Probation)
@@ -211,6 +215,32 @@ func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
 	}
 	for range 2 {
 		choose(t, p, cfg, 1)
+	}
+}
+
+// With no other worker serving, a passed probe ends an ejection into
+// probation, as Envoy's panic threshold sends traffic to ejected hosts
+// when too few are healthy: one job at a time on a worker that may be
+// broken beats a queue waiting out an ejection that has grown to minutes.
+func TestPassedProbeEndsTheEjectionOfTheLastWorker(t *testing.T) {
+	p, _ := ejectingPool(t, 1)
+	cfg := config(LeastRequest{}, 0)
+	cfg.Health = testHealth
+	serveAll(t, p, cfg, Failed, 3)
+	w := p.Snapshot()[0]
+	if change := p.RecordProbe(w.URL, nil, testHealth); change != EjectionEnded {
+		t.Fatalf("a passed probe of the only worker, ejected, changed %v; want its ejection ended", change)
+	}
+	if w := p.Snapshot()[0]; w.State != Serving || !w.Probation {
+		t.Fatalf("after a passed probe the only worker is %v, probation %v; want serving on probation", w.State, w.Probation)
+	}
+	first, _ := choose(t, p, cfg, 1)
+	if placeable(p, cfg) {
+		t.Fatal("a worker on probation would take a second job beside its first")
+	}
+	p.Release(first, Failed)
+	if w := p.Snapshot()[0]; w.State != Ejected || ejectedFor(p) != 20*time.Second {
+		t.Fatalf("failing its job on probation, the worker is %v for %v; want ejected for 20s", w.State, ejectedFor(p))
 	}
 }
 
@@ -256,6 +286,25 @@ func TestEarlierJobEndsNoProbation(t *testing.T) {
 	p.Release(trial, Failed)
 	if w := p.Snapshot()[0]; w.State != Ejected || ejectedFor(p) != 20*time.Second {
 		t.Fatalf("a worker on probation that failed its first job is %v for %v; want ejected for 20s", w.State, ejectedFor(p))
+	}
+}
+
+// A job does not wait out the ejection its own failures caused: with
+// every worker that may serve it failed and out, Retry gives up at once,
+// and its client gets the failed answer, not a wait of eject_time.
+func TestRetryDoesNotWaitOutItsOwnEjection(t *testing.T) {
+	p, _ := ejectingPool(t, 1)
+	cfg := config(LeastRequest{}, 0)
+	cfg.Health = testHealth
+	serveAll(t, p, cfg, Failed, 2)
+	tk, _ := choose(t, p, cfg, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := p.Retry(ctx, tk, Failed); err != ErrNoWorker {
+		t.Fatalf("a job whose failure ejected the only worker: %v; want ErrNoWorker at once", err)
+	}
+	if w := p.Snapshot()[0]; w.State != Ejected || w.Inflight != 0 {
+		t.Fatalf("the worker is %v with %d jobs; want ejected with none", w.State, w.Inflight)
 	}
 }
 
