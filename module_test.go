@@ -559,7 +559,10 @@ func TestFullQueueAnswers429(t *testing.T) {
 
 func TestVideoJobKeepsItsWorkerUntilDone(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "v", TaskType: "T2V", UnitMs: 50})
-	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	// A video nobody polls gives its worker back when it is predicted to
+	// end: at the default initial_speed this small one would be predicted
+	// to end within milliseconds, before a loaded test reads /workers.
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n initial_speed 0.0001\n}")
 	active := func() any { return r.Get("/workers").JSON(t)["workers"].([]any)[0].(map[string]any)["active_requests"] }
 
 	// The router learns that a video ended from a status poll.
