@@ -466,7 +466,13 @@ func (p *Pool) updateEndsLocked(w *worker) {
 // not tried already, and serves the weight version t asks for (if any),
 // or will once an update to upcoming ends.
 func (t *Ticket) mayServe(w *worker, upcoming string) bool {
-	return w.can(t.Task) && (t.Pin == "" || w.url == t.Pin) && !slices.Contains(t.tried, w) &&
+	return t.fits(w, upcoming) && !slices.Contains(t.tried, w)
+}
+
+// fits reports whether w could serve t, whether or not t was sent to it
+// before: its task, its pin and its weight version.
+func (t *Ticket) fits(w *worker, upcoming string) bool {
+	return w.can(t.Task) && (t.Pin == "" || w.url == t.Pin) &&
 		(t.WantVersion == "" || t.versionOn(w.life.version) == t.WantVersion || upcoming == t.WantVersion)
 }
 
@@ -484,15 +490,18 @@ func (t *Ticket) versionOn(v string) string {
 // nil when it may: it is a job and some worker that may serve it could
 // take it later. A job is not held for workers that are all asleep: a
 // trainer that put the fleet to sleep is training, and a generation then
-// is a mistake to report, not to hold.
+// is a mistake to report, not to hold. A worker t was sent to counts as
+// asleep, never as awake: a job found it asleep by being sent there.
 func (p *Pool) waitErrorLocked(t *Ticket) error {
 	awake, sleeper := false, false
 	now := p.now().UnixNano()
 	for _, w := range p.workers {
-		if t.mayServe(w, p.fleet.target) {
-			s := w.life.state == Sleeping || w.stateAt(now) == Sleeping
-			awake, sleeper = awake || !s, sleeper || s
+		if !t.fits(w, p.fleet.target) {
+			continue
 		}
+		s := w.life.state == Sleeping || w.stateAt(now) == Sleeping
+		sleeper = sleeper || s
+		awake = awake || !s && !slices.Contains(t.tried, w)
 	}
 	switch {
 	case awake && t.Job:
