@@ -257,7 +257,9 @@ func (c rerunCause) outcome(rec *recorder) scheduler.Outcome {
 // be on their way, but the worker's slot is free), or when a video job it
 // started ends. An answer set aside releases nothing: the job may run
 // again. A 2xx answer held whole releases its worker as it begins all the
-// same; if it then breaks, the failure is counted at once. The attempt
+// same; if it then breaks, the failure is counted at once. A worker on
+// probation is released only when its answer is known whole or broken:
+// its next job waits for that verdict. The attempt
 // runs in base, r's context or one a hedge may cancel; r's own context is
 // the client's. race, when t's job may get a copy, says what the attempt's
 // end tells of its worker.
@@ -305,7 +307,7 @@ func (h *Handler) send(rec *recorder, r *http.Request, base context.Context, t *
 		// The worker generates while it sends events: its slot is taken
 		// until the stream ends.
 	default:
-		rec.freeEarly = true
+		rec.freeEarly = !t.OnProbation()
 	}
 	learnImageJobs(rec, r, t)
 	t.Sent = true

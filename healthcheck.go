@@ -175,7 +175,7 @@ func (pr *prober) probe(ctx context.Context, workerURL string) {
 	case scheduler.BecameHealthy:
 		pr.logger.Info("worker passed its health checks again", zap.String("worker", workerURL))
 	case scheduler.EjectionEnded:
-		pr.logger.Info("ejected worker passed a health check; its ejection ends", zap.String("worker", workerURL))
+		pr.logger.Info("ejected worker passed a health check with no other worker serving; it is back on probation", zap.String("worker", workerURL))
 	}
 }
 

@@ -226,3 +226,50 @@ func TestFailingWorkersGetLittleAndShowIt(t *testing.T) {
 		})
 	}
 }
+
+// A worker that breaks every answer it begins as a 200, each way a worker
+// can (reset, closed short, truncated JSON), passes its health probes all
+// along. Ejected at its third broken answer, it is back only when its
+// ejection ends, however often its probes pass, and out again at its
+// first answer back, for twice as long: beside two good workers it draws
+// a few jobs of a stream.
+func TestWorkerBreakingEveryAnswerDrawsFewJobs(t *testing.T) {
+	// Jobs of tens of milliseconds, where the GPU's take seconds: jobs of
+	// none would dwarf what a broken worker draws while it is back.
+	const unitMs = 200
+	third := 1.0 / 3
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks", UnitMs: unitMs, CloseRate: third, ResetRate: third, TruncateRate: third},
+		fakeworker.Config{Name: "good1", UnitMs: unitMs}, fakeworker.Config{Name: "good2", UnitMs: unitMs})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+
+		"\n max_fails 3\n eject_time 1s\n max_eject_time 1m\n health_interval 100ms\n}")
+	const run = 6 * time.Second // ejections of 1 s, 2 s and 4 s: it is back at 1 s and 3 s
+	end := time.Now().Add(run)
+	var mu sync.Mutex
+	by := map[string]int{}
+	var wg sync.WaitGroup
+	for range 6 {
+		wg.Go(func() {
+			for time.Now().Before(end) {
+				rp := r.Post("/v1/images/generations", smallImage)
+				if rp.Status != 200 {
+					t.Errorf("a job beside a worker breaking its answers: %d %s", rp.Status, rp.Body)
+				}
+				mu.Lock()
+				by[rp.Header.Get("X-Fake-Worker")]++
+				mu.Unlock()
+			}
+		})
+	}
+	bad := ws[0].URL()
+	testrouter.WaitFor(t, func() bool { return r.Workers()[bad]["state"] == "ejected" })
+	if got := ws[0].Stats().Broken; got > 4 {
+		t.Errorf("the worker breaking every answer was first ejected after %d jobs; want out by its 4th", got)
+	}
+	wg.Wait()
+	broken := ws[0].Stats().Broken
+	jobs := broken + ws[1].Stats().Jobs + ws[2].Stats().Jobs
+	t.Logf("the worker breaking every answer drew %d of %d jobs", broken, jobs)
+	if by["breaks"] != 0 || broken*100 > jobs*5 {
+		t.Fatalf("the worker breaking every answer drew %d of %d jobs in %v (answers by worker: %v); want at most 5%%", broken, jobs, run, by)
+	}
+}

@@ -494,7 +494,9 @@ func TestUpstreamTimeout(t *testing.T) {
 
 func TestWorkerErrorsPassThrough(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "flaky", FailRate: 1})
-	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	// The first job's three attempts eject the only worker; the next job
+	// waits for its next passed probe, which lets it back on probation.
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_interval 500ms\n}")
 	rp := r.Post("/v1/images/generations", smallImage)
 	direct := testrouter.Do(t, "POST", ws[0].URL()+"/v1/images/generations", strings.NewReader(smallImage))
 	if rp.Status != 500 || direct.Status != 500 || string(rp.Body) != string(direct.Body) ||
@@ -557,7 +559,10 @@ func TestFullQueueAnswers429(t *testing.T) {
 
 func TestVideoJobKeepsItsWorkerUntilDone(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "v", TaskType: "T2V", UnitMs: 50})
-	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	// A video nobody polls gives its worker back when it is predicted to
+	// end: at the default initial_speed this small one would be predicted
+	// to end within milliseconds, before a loaded test reads /workers.
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n initial_speed 0.0001\n}")
 	active := func() any { return r.Get("/workers").JSON(t)["workers"].([]any)[0].(map[string]any)["active_requests"] }
 
 	// The router learns that a video ended from a status poll.

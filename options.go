@@ -211,11 +211,15 @@ type PassiveHealthChecks struct {
 	// FailWindow is the window MaxFails counts in. Default 30s.
 	FailWindow caddy.Duration `json:"fail_window,omitempty"`
 
-	// EjectTime is how long the first ejection lasts; each repeat doubles
-	// it and a success resets the doubling. Default 10s.
+	// EjectTime is how long the first ejection of a worker lasts; each
+	// one after lasts twice the one before, until 10 answers in a row
+	// with no failure reset the doubling. While other workers serve, a
+	// passed health probe ends no ejection: it says /health answers, not
+	// that answers are whole. Default 10s.
 	EjectTime caddy.Duration `json:"eject_time,omitempty"`
 
-	// MaxEjectTime is the longest ejection. Default 5m.
+	// MaxEjectTime is the longest ejection, the cap of the doubling.
+	// Default 5m.
 	MaxEjectTime caddy.Duration `json:"max_eject_time,omitempty"`
 
 	// MaxEjectionPercent bounds the workers ejected at once, in percent

@@ -153,7 +153,7 @@ type workerJSON struct {
 	ProbeFailures       int      `json:"probe_failures"`
 	LastProbe           *string  `json:"last_probe"`    // RFC 3339; null: never probed
 	EjectedUntil        *string  `json:"ejected_until"` // RFC 3339; null: not ejected
-	Probation           bool     `json:"probation"`     // back after an ejection: one job at a time until one succeeds
+	Probation           bool     `json:"probation"`     // back after an ejection: one job at a time until one given on probation succeeds
 	LastError           string   `json:"last_error"`
 	Speed               float64  `json:"speed"` // cost units per second
 	SpeedLearned        bool     `json:"speed_learned"`

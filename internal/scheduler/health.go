@@ -21,8 +21,8 @@ type HealthConfig struct {
 	StallFactor  float64       // a job overrunning its prediction this much makes its worker suspect
 	MaxFails     int           // failures within failWindow that eject a worker
 	FailWindow   time.Duration //
-	EjectTime    time.Duration // first ejection; doubles on each repeat
-	MaxEjectTime time.Duration
+	EjectTime    time.Duration // first ejection; doubles on each repeat until cleanRunForgives successes in a row
+	MaxEjectTime time.Duration // cap of the doubling
 
 	MaxEjectionPercent int // workers that may be ejected at once, in percent of the pool; one always may
 }
@@ -82,8 +82,14 @@ func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) Health
 	if w.health.suspect && !p.overrunningLocked(w, now, cfg) {
 		w.health.suspect = false
 	}
+	// An ejection runs its course while other workers serve what w
+	// makes: a passed probe says the worker's HTTP server answers, not
+	// that its answers are whole. With none, the probe ends it into
+	// probation, as Envoy's panic threshold sends traffic to ejected
+	// hosts when too few are healthy: one job at a time on a worker that
+	// may be broken beats a queue waiting out an ejection of minutes.
 	change := Unchanged
-	if now < w.health.ejectedUntil { // as Envoy does: a passed active check ends an ejection
+	if now < w.health.ejectedUntil && !p.othersServeLocked(w, now) {
 		w.health.ejectedUntil = 0
 		change = EjectionEnded
 	}
@@ -94,6 +100,17 @@ func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) Health
 	}
 	w.health.unverified = false
 	return change
+}
+
+// othersServeLocked reports whether a worker other than w is serving a
+// kind of request w makes.
+func (p *Pool) othersServeLocked(w *worker, now int64) bool {
+	for _, o := range p.workers {
+		if o != w && o.caps.makes&w.caps.makes != 0 && o.serving(now) {
+			return true
+		}
+	}
+	return false
 }
 
 func isTimeout(err error) bool {
@@ -159,16 +176,22 @@ func (p *Pool) CheckStalls(cfg *HealthConfig) []string {
 	return marked
 }
 
+// cleanRunForgives is how many successes in a row, no failure between,
+// wipe out a worker's past ejections: its next one lasts eject_time again.
+// One success would forgive a worker that breaks most of its answers; ten
+// show it works.
+const cleanRunForgives = 10
+
 // noteOutcomeLocked counts the passive evidence of one proxied request:
 // max_fails failures within fail_window eject the worker for eject_time,
-// doubling on each repeat up to max_eject_time; a success resets that. It
-// reports how long the worker is now ejected for, if it is.
-func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.Duration {
-	now := p.now().UnixNano()
+// doubling on each repeat up to max_eject_time, until cleanRunForgives
+// successes in a row. It reports how long the worker is now ejected
+// for, if it is.
+func (p *Pool) noteOutcomeLocked(w *worker, t *Ticket, o Outcome) time.Duration {
+	now, cfg := p.now().UnixNano(), t.cfg.Health
 	switch o {
 	case Succeeded:
-		w.evidence.ejections, w.evidence.naps = 0, 0
-		w.health.probation = false
+		p.noteSuccessLocked(w, t.probation)
 		return 0
 	case Abandoned, Refused:
 		return 0
@@ -176,6 +199,7 @@ func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.D
 		p.noteAsleepLocked(w, now)
 		return 0
 	}
+	w.evidence.cleanRun = 0
 	if cfg == nil || cfg.MaxFails == 0 {
 		return 0
 	}
@@ -202,6 +226,19 @@ func (p *Pool) noteOutcomeLocked(w *worker, o Outcome, cfg *HealthConfig) time.D
 	w.stats.ejected++
 	p.redispatchAtLocked(w.health.ejectedUntil) // jobs may be waiting for it
 	return d
+}
+
+// noteSuccessLocked counts a success of w, the last of cleanRunForgives
+// in a row wiping out its past ejections. Only the success of a job given
+// to w on probation (trial) ends the probation: one w had before, if it
+// is released as its answer begins, may still break.
+func (p *Pool) noteSuccessLocked(w *worker, trial bool) {
+	w.evidence.naps = 0
+	w.health.probation = w.health.probation && !trial
+	w.evidence.cleanRun++
+	if w.evidence.cleanRun >= cleanRunForgives {
+		w.evidence.ejections = 0
+	}
 }
 
 // Forgive takes back the last failure counted against the worker at url,
@@ -282,7 +319,7 @@ func (p *Pool) NoteCutShort(t *Ticket) {
 	t.tried = append(t.tried, w)
 	w.stats.failures++
 	w.evidence.consecFails++
-	p.noteOutcomeLocked(w, Failed, t.cfg.Health)
+	p.noteOutcomeLocked(w, t, Failed)
 }
 
 // redispatchAtLocked makes sure free slots are handed to waiting jobs at
@@ -334,5 +371,5 @@ const (
 	Unchanged HealthChange = iota
 	BecameUnhealthy
 	BecameHealthy
-	EjectionEnded
+	EjectionEnded // a passed probe ended an ejection: no other worker serves
 )

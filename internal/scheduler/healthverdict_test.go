@@ -111,69 +111,94 @@ func ejectingPool(t *testing.T, n int) (*Pool, *fakeClock) {
 	return p, clock
 }
 
+// serveAll runs n jobs on p's one worker, each ending with o.
+func serveAll(t *testing.T, p *Pool, cfg *Config, o Outcome, n int) {
+	t.Helper()
+	for range n {
+		tk, _ := choose(t, p, cfg, 1)
+		p.Release(tk, o)
+	}
+}
+
+// ejectedFor is how long p's first worker is still ejected for.
+func ejectedFor(p *Pool) time.Duration {
+	return time.Duration(p.workers[0].health.ejectedUntil - p.now().UnixNano())
+}
+
+// Each ejection of a worker lasts twice the one before, up to
+// max_eject_time, until ten successes in a row wipe out its past
+// ejections, as Envoy's outlier detection multiplies its base ejection
+// time by the ejections.
 func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 	p, clock := ejectingPool(t, 1)
 	cfg := config(LeastRequest{}, 0)
 	cfg.Health = testHealth
-	fail := func(n int) {
-		for range n {
-			tk, _ := choose(t, p, cfg, 1)
-			p.Release(tk, Failed)
-		}
-	}
-	ejectedFor := func() time.Duration { return time.Duration(p.workers[0].health.ejectedUntil - p.now().UnixNano()) }
-	fail(3)
-	if d := ejectedFor(); d != 10*time.Second {
+	serveAll(t, p, cfg, Failed, 3)
+	if d := ejectedFor(p); d != 10*time.Second {
 		t.Fatalf("first ejection for %v; want 10s", d)
 	}
 	for _, want := range []time.Duration{20 * time.Second, 35 * time.Second, 35 * time.Second} {
-		clock.advance(ejectedFor())
-		fail(1) // back on probation: out again at its first failure
-		if d := ejectedFor(); d != want {
+		clock.advance(ejectedFor(p))
+		serveAll(t, p, cfg, Failed, 1) // back on probation: out again at its first failure
+		if d := ejectedFor(p); d != want {
 			t.Fatalf("repeat ejection for %v; want %v", d, want)
 		}
 	}
-	clock.advance(ejectedFor())
-	tk, _ := choose(t, p, cfg, 1)
-	p.Release(tk, Succeeded) // a success resets the doubling
-	fail(3)
-	if d := ejectedFor(); d != 10*time.Second {
-		t.Fatalf("ejection after a success for %v; want 10s again", d)
+	// Nine successes, a failure, nine more: no ten in a row, and the
+	// worker is still the one ejected four times.
+	clock.advance(ejectedFor(p))
+	serveAll(t, p, cfg, Succeeded, 9)
+	serveAll(t, p, cfg, Failed, 1)
+	serveAll(t, p, cfg, Succeeded, 9)
+	serveAll(t, p, cfg, Failed, 2)
+	if d := ejectedFor(p); d != 35*time.Second {
+		t.Fatalf("ejection after successes never ten in a row for %v; want max_eject_time, 35s", d)
+	}
+	clock.advance(ejectedFor(p))
+	serveAll(t, p, cfg, Succeeded, 10)
+	serveAll(t, p, cfg, Failed, 3)
+	if d := ejectedFor(p); d != 10*time.Second {
+		t.Fatalf("ejection after ten successes in a row for %v; want 10s again", d)
 	}
 	// Failures spread wider than the window do not add up.
-	clock.advance(ejectedFor())
-	tk, _ = choose(t, p, cfg, 1)
-	p.Release(tk, Succeeded) // the probation ends
+	clock.advance(ejectedFor(p))
+	serveAll(t, p, cfg, Succeeded, 1) // the probation ends
 	for range 3 {
-		fail(1)
+		serveAll(t, p, cfg, Failed, 1)
 		clock.advance(20 * time.Second)
 	}
-	if ejectedFor() > 0 {
+	if ejectedFor(p) > 0 {
 		t.Fatal("failures 20 s apart ejected the worker; the window is 30 s")
 	}
 }
 
-// A passed probe ends an ejection, as in Envoy, but into probation: the
-// worker gets one job at a time, and is out again at its first failure,
-// until a job succeeds. Its HTTP server answering says nothing of its
-// jobs.
-func TestPassedProbeEndsEjectionIntoProbation(t *testing.T) {
-	p, _ := ejectingPool(t, 1)
+// A passed probe does not end an ejection while other workers serve: it
+// says the worker's HTTP server answers, not that its answers are whole.
+// Back when its ejection ends, the worker is on probation: one job at a
+// time, and out again at its first failure, until a job succeeds.
+func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
+	p, clock := ejectingPool(t, 2)
 	cfg := config(LeastRequest{}, 0)
 	cfg.Health = testHealth
-	for range 3 {
-		tk, _ := choose(t, p, cfg, 1)
-		p.Release(tk, Failed)
-	}
+	other := p.workers[1]
+	other.health.down = true // the failures all go to the first
+	serveAll(t, p, cfg, Failed, 3)
 	w := p.Snapshot()[0]
 	if w.State != Ejected || w.EjectedTill.IsZero() {
 		t.Fatalf("after 3 failures the worker is %v until %v; want ejected", w.State, w.EjectedTill)
 	}
-	if change := p.RecordProbe(w.URL, nil, testHealth); change != EjectionEnded {
-		t.Fatalf("a passed probe of an ejected worker changed %v; want its ejection ended", change)
+	other.health.down = false
+	for i := range 3 {
+		clock.advance(3 * time.Second)
+		p.RecordProbe(w.URL, nil, testHealth)
+		if w := p.Snapshot()[0]; w.State != Ejected {
+			t.Fatalf("%d s into a 10 s ejection, after a passed probe, the worker is %v; want still ejected", 3*(i+1), w.State)
+		}
 	}
-	if w := p.Snapshot()[0]; w.State != Serving || !w.EjectedTill.IsZero() || !w.Probation {
-		t.Fatalf("after a passed probe the worker is %v until %v, probation %v; want serving on probation", w.State, w.EjectedTill, w.Probation)
+	other.health.down = true // the probation below is the first worker's alone
+	clock.advance(ejectedFor(p))
+	if w := p.Snapshot()[0]; w.State != Serving || !w.Probation {
+		t.Fatalf("after its ejection the worker is %v, probation %v; want serving on probation", w.State, w.Probation)
 	}
 	first, _ := choose(t, p, cfg, 1)
 	if placeable(p, cfg) {
@@ -183,14 +208,103 @@ func TestPassedProbeEndsEjectionIntoProbation(t *testing.T) {
 	if w := p.Snapshot()[0]; w.State != Ejected {
 		t.Fatalf("a worker on probation that failed its job is %v; want ejected again", w.State)
 	}
-	p.RecordProbe(w.URL, nil, testHealth)
-	good, _ := choose(t, p, cfg, 1)
-	p.Release(good, Succeeded)
+	clock.advance(ejectedFor(p))
+	serveAll(t, p, cfg, Succeeded, 1)
 	if w := p.Snapshot()[0]; w.Probation {
 		t.Fatal("a job that succeeded did not end the probation")
 	}
 	for range 2 {
 		choose(t, p, cfg, 1)
+	}
+}
+
+// With no other worker serving, a passed probe ends an ejection into
+// probation, as Envoy's panic threshold sends traffic to ejected hosts
+// when too few are healthy: one job at a time on a worker that may be
+// broken beats a queue waiting out an ejection that has grown to minutes.
+func TestPassedProbeEndsTheEjectionOfTheLastWorker(t *testing.T) {
+	p, _ := ejectingPool(t, 1)
+	cfg := config(LeastRequest{}, 0)
+	cfg.Health = testHealth
+	serveAll(t, p, cfg, Failed, 3)
+	w := p.Snapshot()[0]
+	if change := p.RecordProbe(w.URL, nil, testHealth); change != EjectionEnded {
+		t.Fatalf("a passed probe of the only worker, ejected, changed %v; want its ejection ended", change)
+	}
+	if w := p.Snapshot()[0]; w.State != Serving || !w.Probation {
+		t.Fatalf("after a passed probe the only worker is %v, probation %v; want serving on probation", w.State, w.Probation)
+	}
+	first, _ := choose(t, p, cfg, 1)
+	if placeable(p, cfg) {
+		t.Fatal("a worker on probation would take a second job beside its first")
+	}
+	p.Release(first, Failed)
+	if w := p.Snapshot()[0]; w.State != Ejected || ejectedFor(p) != 20*time.Second {
+		t.Fatalf("failing its job on probation, the worker is %v for %v; want ejected for 20s", w.State, ejectedFor(p))
+	}
+}
+
+// A job given to a worker on probation is told so: its worker's slot is
+// to be released once its answer is known whole or broken, not as the
+// answer begins, so that a second job waits for that verdict.
+func TestJobOnProbationIsToldSo(t *testing.T) {
+	p, clock := ejectingPool(t, 1)
+	cfg := config(LeastRequest{}, 0)
+	cfg.Health = testHealth
+	if tk, _ := choose(t, p, cfg, 1); tk.OnProbation() {
+		t.Fatal("a job on a worker never ejected is on probation")
+	} else {
+		p.Release(tk, Failed)
+	}
+	serveAll(t, p, cfg, Failed, 2)
+	clock.advance(ejectedFor(p))
+	trial, _ := choose(t, p, cfg, 1)
+	if !trial.OnProbation() {
+		t.Fatal("the first job back from an ejection is not told its worker is on probation")
+	}
+	p.Release(trial, Succeeded)
+	if tk, _ := choose(t, p, cfg, 1); tk.OnProbation() {
+		t.Fatal("a job after a success is still told its worker is on probation")
+	}
+}
+
+// A job its worker had before its ejection ends no probation by
+// succeeding: its worker was released as its answer began, and the answer
+// may yet break. Only a job given on probation ends it.
+func TestEarlierJobEndsNoProbation(t *testing.T) {
+	p, clock := ejectingPool(t, 1)
+	cfg := config(LeastRequest{}, 0)
+	cfg.Health = testHealth
+	earlier, _ := choose(t, p, cfg, 1)
+	serveAll(t, p, cfg, Failed, 3)
+	clock.advance(ejectedFor(p))
+	p.Release(earlier, Succeeded)
+	if w := p.Snapshot()[0]; !w.Probation {
+		t.Fatal("a job from before the ejection ended the probation")
+	}
+	trial, _ := choose(t, p, cfg, 1)
+	p.Release(trial, Failed)
+	if w := p.Snapshot()[0]; w.State != Ejected || ejectedFor(p) != 20*time.Second {
+		t.Fatalf("a worker on probation that failed its first job is %v for %v; want ejected for 20s", w.State, ejectedFor(p))
+	}
+}
+
+// A job does not wait out the ejection its own failures caused: with
+// every worker that may serve it failed and out, Retry gives up at once,
+// and its client gets the failed answer, not a wait of eject_time.
+func TestRetryDoesNotWaitOutItsOwnEjection(t *testing.T) {
+	p, _ := ejectingPool(t, 1)
+	cfg := config(LeastRequest{}, 0)
+	cfg.Health = testHealth
+	serveAll(t, p, cfg, Failed, 2)
+	tk, _ := choose(t, p, cfg, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := p.Retry(ctx, tk, Failed); err != ErrNoWorker {
+		t.Fatalf("a job whose failure ejected the only worker: %v; want ErrNoWorker at once", err)
+	}
+	if w := p.Snapshot()[0]; w.State != Ejected || w.Inflight != 0 {
+		t.Fatalf("the worker is %v with %d jobs; want ejected with none", w.State, w.Inflight)
 	}
 }
 

@@ -184,7 +184,7 @@ type workerHealth struct {
 	suspect      bool  // a job of it overran its prediction: stalled
 	ejectedUntil int64 // out after failed requests until then, Unix nanoseconds
 	asleepUntil  int64 // out after it said it is asleep until then, Unix nanoseconds
-	probation    bool  // back after an ejection: one job at a time, out at its first failure, until one succeeds
+	probation    bool  // back after an ejection: one job at a time, out at its first failure, until a job given on probation succeeds
 }
 
 // healthEvidence is what the verdict on a worker's health rests on.
@@ -196,7 +196,8 @@ type healthEvidence struct {
 	recentFails []int64 // failed requests within the fail window
 	lastFail    int64   // when the last failed request was counted, Unix nanoseconds
 	ejectedAt   int64   // when the last ejection began, Unix nanoseconds
-	ejections   uint    // ejections since the last success
+	ejections   uint    // ejections since the last cleanRunForgives successes in a row
+	cleanRun    int     // successes since the last failure
 	consecFails int     // failed requests since the last success
 	naps        uint    // answers saying it is asleep since the last success
 }

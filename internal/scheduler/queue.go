@@ -92,6 +92,7 @@ type Ticket struct {
 	Sent      bool                    // the request went to the worker
 	ghost     bool                    // its client left; the worker still computes it
 	charged   bool                    // its tenant was charged its cost (beside the other flags: no room of its own)
+	probation bool                    // a job its worker got on probation (see OnProbation)
 	Lookups   int                     // upstream lookups by reverse_proxy; more than one is a retry
 	Attempts  int                     // times the request was sent to a worker
 	Blamed    string                  // the worker whose 5xx made the job run again, if one did
@@ -280,11 +281,14 @@ func (p *Pool) wait(ctx context.Context, t *Ticket, wt *waiter) error {
 // Retry moves t off a worker that failed it, with what the attempt said
 // of that worker, onto another one, waiting for it in its old place in
 // the queue: the worker it leaves goes to the queue only once t is back
-// in it. It reports an error when t got no worker.
+// in it. It reports an error when t got no worker, at once when every
+// worker that may serve t failed it and is now out: a job does not wait
+// out the ejection its own failures caused, its client gets the failed
+// answer instead.
 func (p *Pool) Retry(ctx context.Context, t *Ticket, o Outcome) error {
 	p.mu.Lock()
 	p.offWorkerLocked(t, o)
-	if !p.untriedServingLocked(t) {
+	if !p.untriedServingLocked(t) && p.triedServingLocked(t) {
 		// Better a worker that failed once than waiting for ones that
 		// are out: they may stay out for minutes.
 		t.tried = append(t.tried[:0], t.shunned...)
@@ -345,6 +349,18 @@ func (p *Pool) untriedServingLocked(t *Ticket) bool {
 	now := p.now().UnixNano()
 	for _, w := range p.workers {
 		if w.serving(now) && t.mayServe(w, "") {
+			return true
+		}
+	}
+	return false
+}
+
+// triedServingLocked reports whether a worker t was sent to, and not
+// shunned, is serving now.
+func (p *Pool) triedServingLocked(t *Ticket) bool {
+	now := p.now().UnixNano()
+	for _, w := range t.tried {
+		if w.serving(now) && !slices.Contains(t.shunned, w) {
 			return true
 		}
 	}
@@ -450,7 +466,13 @@ func (p *Pool) updateEndsLocked(w *worker) {
 // not tried already, and serves the weight version t asks for (if any),
 // or will once an update to upcoming ends.
 func (t *Ticket) mayServe(w *worker, upcoming string) bool {
-	return w.can(t.Task) && (t.Pin == "" || w.url == t.Pin) && !slices.Contains(t.tried, w) &&
+	return t.fits(w, upcoming) && !slices.Contains(t.tried, w)
+}
+
+// fits reports whether w could serve t, whether or not t was sent to it
+// before: its task, its pin and its weight version.
+func (t *Ticket) fits(w *worker, upcoming string) bool {
+	return w.can(t.Task) && (t.Pin == "" || w.url == t.Pin) &&
 		(t.WantVersion == "" || t.versionOn(w.life.version) == t.WantVersion || upcoming == t.WantVersion)
 }
 
@@ -468,15 +490,18 @@ func (t *Ticket) versionOn(v string) string {
 // nil when it may: it is a job and some worker that may serve it could
 // take it later. A job is not held for workers that are all asleep: a
 // trainer that put the fleet to sleep is training, and a generation then
-// is a mistake to report, not to hold.
+// is a mistake to report, not to hold. A worker t was sent to counts as
+// asleep, never as awake: a job found it asleep by being sent there.
 func (p *Pool) waitErrorLocked(t *Ticket) error {
 	awake, sleeper := false, false
 	now := p.now().UnixNano()
 	for _, w := range p.workers {
-		if t.mayServe(w, p.fleet.target) {
-			s := w.life.state == Sleeping || w.stateAt(now) == Sleeping
-			awake, sleeper = awake || !s, sleeper || s
+		if !t.fits(w, p.fleet.target) {
+			continue
 		}
+		s := w.life.state == Sleeping || w.stateAt(now) == Sleeping
+		sleeper = sleeper || s
+		awake = awake || !s && !slices.Contains(t.tried, w)
 	}
 	switch {
 	case awake && t.Job:
@@ -491,6 +516,7 @@ func (p *Pool) waitErrorLocked(t *Ticket) error {
 
 func (p *Pool) assignLocked(t *Ticket, w *worker) {
 	t.worker, t.servedBy, t.servedVersion = w, w.url, t.versionOn(w.life.version)
+	t.probation = t.Job && w.health.probation
 	if !t.Job {
 		return
 	}
@@ -545,7 +571,7 @@ func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 		w.evidence.consecFails++
 		p.forgetAdapterLocked(w) // it may have restarted: read its adapter back before its next job
 	}
-	ejected = p.noteOutcomeLocked(w, o, t.cfg.Health)
+	ejected = p.noteOutcomeLocked(w, t, o)
 	if !t.Job {
 		return ejected
 	}
@@ -792,6 +818,13 @@ func (t *Ticket) Config() *Config { return t.cfg }
 // ServedBy is the URL of the worker chosen for t last; it is kept after
 // release.
 func (t *Ticket) ServedBy() string { return t.servedBy }
+
+// OnProbation reports whether t is a job the worker chosen for it last
+// got on probation: its slot is to be released only once its answer is
+// known to be whole or broken, not as the answer begins. Released as a
+// success early, the slot would go to a second job, and the probation
+// end, before the answer broke.
+func (t *Ticket) OnProbation() bool { return t.probation }
 
 // ServedVersion is the weight version of the worker chosen for t last.
 func (t *Ticket) ServedVersion() string { return t.servedVersion }
