@@ -1,7 +1,11 @@
 package ha_test
 
 import (
+	"bufio"
 	"context"
+	"fmt"
+	"os"
+	"os/exec"
 	"testing"
 	"time"
 
@@ -101,4 +105,57 @@ func TestChangedFiresWhenTheRouterLeads(t *testing.T) {
 	if !testkit.WaitUntil(takeover, role.Leading) {
 		t.Fatal("a lone router did not lead")
 	}
+}
+
+// TestStandbyLeadsWithinTheLeaseWhenTheLeaderIsKilled kills a leader that
+// runs in another process, so that it cannot resign: the standby leads
+// once the dead leader's lease runs out.
+func TestStandbyLeadsWithinTheLeaseWhenTheLeaderIsKilled(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	leader := exec.Command(os.Args[0], "-test.run=^TestHelperLeader$")
+	leader.Env = append(os.Environ(), "HA_HELPER_ETCD="+etcd.Endpoint)
+	out, err := leader.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := leader.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = leader.Process.Kill(); _ = leader.Wait() })
+	if line, err := bufio.NewReader(out).ReadString('\n'); line != "leading\n" {
+		t.Fatalf("helper said %q, %v; want it to lead", line, err)
+	}
+	standby, _ := campaign(t, etcd, "standby")
+	if !testkit.WaitUntil(takeover, func() bool { return standby.Leader() == "killed" }) {
+		t.Fatalf("the helper did not lead; the standby names %q", standby.Leader())
+	}
+	if err := leader.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if !testkit.WaitUntil(takeover, standby.Leading) {
+		t.Fatalf("standby did not lead within %v of the leader being killed", takeover)
+	}
+	t.Logf("standby led %v after the kill (lease_ttl %v)", time.Since(start).Round(time.Millisecond), leaseTTL)
+	if standby.Leader() != "standby" {
+		t.Fatalf("standby names %q as leader after taking over", standby.Leader())
+	}
+}
+
+// TestHelperLeader is the leader TestStandbyLeadsWithinTheLeaseWhenTheLeaderIsKilled
+// kills; run alone, it does nothing.
+func TestHelperLeader(t *testing.T) {
+	endpoint := os.Getenv("HA_HELPER_ETCD")
+	if endpoint == "" {
+		t.Skip("runs only as a helper process")
+	}
+	role, err := ha.Campaign(context.Background(), ha.Config{
+		Endpoints: []string{endpoint}, KeyPrefix: "/diffusion-router", Pool: "images",
+		LeaseTTL: leaseTTL, Identity: "killed",
+	})
+	if err != nil || !testkit.WaitUntil(takeover, role.Leading) {
+		t.Fatalf("helper did not lead: %v", err)
+	}
+	fmt.Println("leading")
+	select {}
 }
