@@ -1,0 +1,173 @@
+// Package ha elects one active router per pool through etcd. It holds all
+// of the router's etcd code, so that a router without `ha etcd` links it
+// but never runs it, and the scheduler never sees etcd.
+package ha
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"math"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/client/v3/concurrency"
+	"go.uber.org/zap"
+)
+
+// Config says where the group's election lives and what this router
+// advertises to the others.
+type Config struct {
+	// Endpoints are etcd's client URLs.
+	Endpoints []string
+	// KeyPrefix and the pool name make the election key; routers with the
+	// same prefix and pool form one group.
+	KeyPrefix string
+	// Pool is the pool's name.
+	Pool string
+	// LeaseTTL bounds how long a dead leader keeps the lead, and how long a
+	// leader cut off from etcd goes on believing it leads.
+	LeaseTTL time.Duration
+	// Identity is what the others name as the active router.
+	Identity string
+	// TLS, when set, secures the connection to etcd.
+	TLS *tls.Config
+}
+
+// retryPause spaces out new sessions while etcd is unreachable.
+const retryPause = time.Second
+
+// Role is this router's standing in its pool's group.
+type Role struct {
+	cfg     Config
+	changed chan struct{}
+
+	mu      sync.Mutex
+	leading bool
+	leader  string
+}
+
+// Campaign joins the election and returns at once; the campaign runs until
+// ctx ends, when a leader resigns so that a standby takes over at once.
+func Campaign(ctx context.Context, cfg Config) (*Role, error) {
+	client, err := clientv3.New(clientv3.Config{
+		Endpoints:   cfg.Endpoints,
+		DialTimeout: cfg.LeaseTTL,
+		TLS:         cfg.TLS,
+		Logger:      zap.NewNop(),
+	})
+	if err != nil {
+		return nil, err
+	}
+	r := &Role{cfg: cfg, changed: make(chan struct{}, 1)}
+	go func() {
+		defer client.Close()
+		for ctx.Err() == nil {
+			if err := r.term(ctx, client); err != nil && ctx.Err() == nil {
+				sleep(ctx, retryPause)
+			}
+		}
+	}()
+	return r, nil
+}
+
+// Leading reports whether this router is the active one now.
+func (r *Role) Leading() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.leading
+}
+
+// Leader is the identity of the active router, or "" when none is known.
+func (r *Role) Leader() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.leader
+}
+
+// Changed receives a value after Leading or Leader changes.
+func (r *Role) Changed() <-chan struct{} { return r.changed }
+
+// term runs one etcd session: observe who leads, campaign, and lead until
+// the session's lease is lost or ctx ends.
+func (r *Role) term(ctx context.Context, client *clientv3.Client) error {
+	ttl := int(math.Ceil(r.cfg.LeaseTTL.Seconds()))
+	session, err := concurrency.NewSession(client, concurrency.WithTTL(ttl), concurrency.WithContext(ctx))
+	if err != nil {
+		return err
+	}
+	defer session.Close()
+	termCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		// A lost lease ends the term: stop leading before anyone else can.
+		<-session.Done()
+		cancel()
+	}()
+	election := concurrency.NewElection(session, r.cfg.KeyPrefix+"/"+r.cfg.Pool)
+	go r.observe(termCtx, election)
+	defer r.set(false, "")
+	if err := election.Campaign(termCtx, r.cfg.Identity); err != nil {
+		return err
+	}
+	r.set(true, r.cfg.Identity)
+	<-termCtx.Done()
+	if ctx.Err() != nil {
+		r.resign(election)
+	}
+	return errors.New("session ended")
+}
+
+// observe follows the election's leader key while this router waits.
+func (r *Role) observe(ctx context.Context, election *concurrency.Election) {
+	for resp := range election.Observe(ctx) {
+		if len(resp.Kvs) > 0 {
+			r.setLeader(string(resp.Kvs[0].Value))
+		}
+	}
+}
+
+// resign hands over at once instead of after the lease, bounded because
+// Caddy's context has already ended.
+func (r *Role) resign(election *concurrency.Election) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = election.Resign(ctx)
+}
+
+func (r *Role) set(leading bool, leader string) {
+	r.mu.Lock()
+	same := r.leading == leading && r.leader == leader
+	r.leading, r.leader = leading, leader
+	r.mu.Unlock()
+	if !same {
+		r.notify()
+	}
+}
+
+func (r *Role) setLeader(leader string) {
+	r.mu.Lock()
+	same := r.leader == leader
+	r.leader = leader
+	r.mu.Unlock()
+	if !same {
+		r.notify()
+	}
+}
+
+func (r *Role) notify() {
+	select {
+	case r.changed <- struct{}{}:
+	default:
+	}
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
