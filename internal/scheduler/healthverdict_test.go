@@ -289,25 +289,6 @@ func TestEarlierJobEndsNoProbation(t *testing.T) {
 	}
 }
 
-// A job does not wait out the ejection its own failures caused: with
-// every worker that may serve it failed and out, Retry gives up at once,
-// and its client gets the failed answer, not a wait of eject_time.
-func TestRetryDoesNotWaitOutItsOwnEjection(t *testing.T) {
-	p, _ := ejectingPool(t, 1)
-	cfg := config(LeastRequest{}, 0)
-	cfg.Health = testHealth
-	serveAll(t, p, cfg, Failed, 2)
-	tk, _ := choose(t, p, cfg, 1)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if err := p.Retry(ctx, tk, Failed); err != ErrNoWorker {
-		t.Fatalf("a job whose failure ejected the only worker: %v; want ErrNoWorker at once", err)
-	}
-	if w := p.Snapshot()[0]; w.State != Ejected || w.Inflight != 0 {
-		t.Fatalf("the worker is %v with %d jobs; want ejected with none", w.State, w.Inflight)
-	}
-}
-
 // Never more than max_ejection_percent of the pool is out at once, but one
 // worker always may be: jobs failing everywhere say more of the jobs than
 // of the workers.

@@ -281,14 +281,11 @@ func (p *Pool) wait(ctx context.Context, t *Ticket, wt *waiter) error {
 // Retry moves t off a worker that failed it, with what the attempt said
 // of that worker, onto another one, waiting for it in its old place in
 // the queue: the worker it leaves goes to the queue only once t is back
-// in it. It reports an error when t got no worker, at once when every
-// worker that may serve t failed it and is now out: a job does not wait
-// out the ejection its own failures caused, its client gets the failed
-// answer instead.
+// in it. It reports an error when t got no worker.
 func (p *Pool) Retry(ctx context.Context, t *Ticket, o Outcome) error {
 	p.mu.Lock()
 	p.offWorkerLocked(t, o)
-	if !p.untriedServingLocked(t) && p.triedServingLocked(t) {
+	if !p.untriedServingLocked(t) {
 		// Better a worker that failed once than waiting for ones that
 		// are out: they may stay out for minutes.
 		t.tried = append(t.tried[:0], t.shunned...)
@@ -349,18 +346,6 @@ func (p *Pool) untriedServingLocked(t *Ticket) bool {
 	now := p.now().UnixNano()
 	for _, w := range p.workers {
 		if w.serving(now) && t.mayServe(w, "") {
-			return true
-		}
-	}
-	return false
-}
-
-// triedServingLocked reports whether a worker t was sent to, and not
-// shunned, is serving now.
-func (p *Pool) triedServingLocked(t *Ticket) bool {
-	now := p.now().UnixNano()
-	for _, w := range t.tried {
-		if w.serving(now) && !slices.Contains(t.shunned, w) {
 			return true
 		}
 	}
