@@ -257,6 +257,27 @@ func TestRetryElsewhereNeverReturnsToAWorkerThatStalled(t *testing.T) {
 	}
 }
 
+// When a job has been to every worker that may serve it, it goes back to
+// one, but not to the one that failed it last while another serves: a
+// worker breaking its answers at once is the least loaded and would take
+// it straight back.
+func TestRetryDoesNotGoBackToTheWorkerThatFailedItLast(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	cfg := config(LeastRequest{}, 0)
+	tk, first := choose(t, p, cfg, 1)
+	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker.dial[:1] == first {
+		t.Fatalf("retry went to %v (%v) after %s failed", tk.worker, err, first)
+	}
+	second := tk.worker.dial[:1]
+	busy, _ := choose(t, p, cfg, 1) // the first is now the more loaded
+	if busy.worker.dial[:1] != first {
+		t.Fatalf("a second job went to %s; want %s, the idle one", busy.worker.dial[:1], first)
+	}
+	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] != first {
+		t.Fatalf("after %s and then %s failed it, the job went to %q (%v); want %s, though busier", first, second, tk.servedBy, err, first)
+	}
+}
+
 func TestRetryDoesNotWaitForWorkersThatAreOut(t *testing.T) {
 	p, _ := poolOf(t, 3)
 	tk, first := choose(t, p, config(LeastRequest{}, 0), 1)

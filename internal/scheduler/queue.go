@@ -286,11 +286,29 @@ func (p *Pool) Retry(ctx context.Context, t *Ticket, o Outcome) error {
 	p.mu.Lock()
 	p.offWorkerLocked(t, o)
 	if !p.untriedServingLocked(t) {
-		// Better a worker that failed once than waiting for ones that
-		// are out: they may stay out for minutes.
-		t.tried = append(t.tried[:0], t.shunned...)
+		p.forgetTriedLocked(t)
 	}
 	return p.retryLocked(ctx, t)
+}
+
+// forgetTriedLocked lets t go back to the workers it tried: better a
+// worker that failed once than waiting for ones that are out, which may
+// stay out for minutes. The one that failed it last stays off while
+// another serving worker may serve t: a worker that breaks its answers at
+// once is the least loaded, and would take t straight back.
+func (p *Pool) forgetTriedLocked(t *Ticket) {
+	var last *worker
+	if n := len(t.tried); n > 0 {
+		last = t.tried[n-1]
+	}
+	t.tried = append(t.tried[:0], t.shunned...)
+	if last == nil || slices.Contains(t.tried, last) {
+		return
+	}
+	t.tried = append(t.tried, last)
+	if !p.untriedServingLocked(t) {
+		t.tried = t.tried[:len(t.tried)-1]
+	}
 }
 
 // RetryElsewhere is Retry for a job whose worker stalled on it: that
