@@ -1,16 +1,11 @@
 package diffusionrouter_test
 
 import (
-	"context"
 	"encoding/base64"
-	"encoding/json"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 	"testing"
-
-	"github.com/caddyserver/caddy/v2"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
@@ -36,24 +31,8 @@ func startTenantsExample(t *testing.T, ws []*fakeworker.Worker) *testrouter.Rout
 	for env, user := range exampleUsers {
 		t.Setenv(env, user[1])
 	}
-	text, err := os.ReadFile("examples/tenants/Caddyfile")
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw, _, err := testrouter.Adapt(text, "examples/tenants/Caddyfile")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cfg map[string]any
-	if err := json.Unmarshal(raw, &cfg); err != nil {
-		t.Fatal(err)
-	}
-	cfg["storage"] = map[string]any{"module": "file_system", "root": t.TempDir()}
-	raw, _ = json.Marshal(cfg)
-	t.Cleanup(func() { _ = caddy.Stop() })
-	if err := testrouter.StartRouter(context.Background(), raw, fmt.Sprintf("http://127.0.0.1:%d", port)); err != nil {
-		t.Fatal(err) // its /health answered without credentials, or this fails
-	}
+	cfg := testrouter.LoadExample(t, "examples/tenants/Caddyfile")
+	testrouter.RunExample(t, cfg, fmt.Sprintf("http://127.0.0.1:%d", port)) // its /health answers without credentials, or this fails
 	return testrouter.Attach(t, port)
 }
 

@@ -1,17 +1,13 @@
 package diffusionrouter_test
 
 import (
-	"context"
 	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"os"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/caddyserver/caddy/v2"
 
 	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
@@ -31,26 +27,10 @@ func startEdgeExample(t *testing.T, ws []*fakeworker.Worker) (public, ops string
 	t.Setenv("ROUTER_BIND", "127.0.0.1")
 	t.Setenv("ROUTER_ADMIN", "off")
 	t.Setenv("ROUTER_ADMIN_TOKEN", "edge-token")
-	text, err := os.ReadFile("examples/edge/Caddyfile")
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw, _, err := testrouter.Adapt(text, "examples/edge/Caddyfile")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cfg map[string]any
-	if err := json.Unmarshal(raw, &cfg); err != nil {
-		t.Fatal(err)
-	}
-	cfg["storage"] = map[string]any{"module": "file_system", "root": t.TempDir()}
+	cfg := testrouter.LoadExample(t, "examples/edge/Caddyfile")
 	apps := cfg["apps"].(map[string]any)
 	apps["pki"] = map[string]any{"certificate_authorities": map[string]any{"local": map[string]any{"install_trust": false}}}
-	raw, _ = json.Marshal(cfg)
-	t.Cleanup(func() { _ = caddy.Stop() })
-	if err := testrouter.StartRouter(context.Background(), raw, ops); err != nil {
-		t.Fatal(err)
-	}
+	testrouter.RunExample(t, cfg, ops)
 	return public, ops
 }
 

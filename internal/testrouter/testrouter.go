@@ -13,6 +13,7 @@ package testrouter
 import (
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -167,6 +168,42 @@ func Adapt(text []byte, filename string) (cfg []byte, warnings []string, err err
 		warnings = append(warnings, w.String())
 	}
 	return cfg, warnings, nil
+}
+
+// LoadExample adapts the example Caddyfile at path, filled in from the
+// environment the test set, with Caddy's storage in a directory of the
+// test's own so that nothing it writes outlives the test.
+func LoadExample(t testing.TB, path string) map[string]any {
+	t.Helper()
+	text, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, _, err := Adapt(text, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg map[string]any
+	if err := json.Unmarshal(raw, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	cfg["storage"] = map[string]any{"module": "file_system", "root": t.TempDir()}
+	return cfg
+}
+
+// RunExample starts Caddy on cfg, as LoadExample gave it and the test
+// amended it, until the test ends; it returns once readyURL's /health
+// answers.
+func RunExample(t testing.TB, cfg map[string]any, readyURL string) {
+	t.Helper()
+	raw, err := json.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = caddy.Stop() })
+	if err := StartRouter(context.Background(), raw, readyURL); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // FreePort asks the kernel for a port of 127.0.0.1 that is free right now.
