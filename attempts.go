@@ -395,18 +395,26 @@ func (s *slot) release(o scheduler.Outcome) {
 		o = s.race.outcome(s.t, o)
 	}
 	if d := s.h.pool.Release(s.t, o); d > 0 {
-		s.h.logger.Warn("worker ejected after failed requests", zap.String("worker", s.t.ServedBy()), zap.Duration("for", d))
+		s.h.logEjection(s.t, d)
 	}
+}
+
+// logEjection says that the worker that served t failed it once too often
+// and is ejected for d.
+func (h *Handler) logEjection(t *scheduler.Ticket, d time.Duration) {
+	h.logger.Warn("worker ejected after failed requests", zap.String("worker", t.ServedBy()), zap.Duration("for", d))
 }
 
 // brokeOff counts a failure against the worker whose answer began and
 // then broke: if its slot already went free as a success, it was a failure
 // after all.
 func (s *slot) brokeOff() {
-	if s.released {
-		s.h.pool.NoteCutShort(s.t)
-	} else {
+	if !s.released {
 		s.release(scheduler.Failed)
+		return
+	}
+	if d := s.h.pool.NoteCutShort(s.t); d > 0 {
+		s.h.logEjection(s.t, d)
 	}
 }
 

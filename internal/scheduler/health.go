@@ -315,18 +315,19 @@ func (p *Pool) SetDown(url string, err error) {
 }
 
 // NoteCutShort counts a failure against the worker that served t, whose
-// answer began and then broke off; if t runs again, it is on another.
-func (p *Pool) NoteCutShort(t *Ticket) {
+// answer began and then broke off; if t runs again, it is on another. It
+// reports how long the worker is ejected for if this failure ejected it.
+func (p *Pool) NoteCutShort(t *Ticket) (ejected time.Duration) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.findLocked(t.servedBy)
 	if w == nil {
-		return
+		return 0
 	}
 	t.tried = append(t.tried, w)
 	w.stats.failures++
 	w.evidence.consecFails++
-	p.noteOutcomeLocked(w, t, Failed)
+	return p.noteOutcomeLocked(w, t, Failed)
 }
 
 // redispatchAtLocked makes sure free slots are handed to waiting jobs at

@@ -226,6 +226,19 @@ func TestRetryAfterAnAnswerCutShortAvoidsItsWorker(t *testing.T) {
 	}
 }
 
+// TestRetryAfterAFailureReleasedAvoidsItsWorker: a worker on probation
+// holds its slot until its answer is known; the answer broke, which
+// released the slot as a failure; the job runs again on the other worker,
+// though the strategy prefers the first.
+func TestRetryAfterAFailureReleasedAvoidsItsWorker(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	tk, first := choose(t, p, config(&lastURL{}, 0), 1)
+	p.Release(tk, Failed)
+	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {
+		t.Fatalf("retry went to %q (%v) after %s broke its answer", tk.servedBy, err, first)
+	}
+}
+
 // TestRetryElsewhereNeverReturnsToAWorkerThatStalled: where Retry sends a
 // job back to a worker that failed it rather than wait, a worker that
 // stalled on it never gets it again: with no other, the job gets

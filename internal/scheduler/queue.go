@@ -371,10 +371,15 @@ func (p *Pool) untriedServingLocked(t *Ticket) bool {
 }
 
 // Release ends t's claim on its worker. It reports how long the worker is
-// ejected for if this failure ejected it.
+// ejected for if this failure ejected it. A worker that failed t is one t
+// tried, as for Retry: an answer that broke while its worker's slot was
+// held (on probation) may run again, and not there.
 func (p *Pool) Release(t *Ticket, o Outcome) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if w := t.worker; w != nil && (o == Failed || o == Overtaken) {
+		t.tried = append(t.tried, w)
+	}
 	return p.releaseLocked(t, o)
 }
 
