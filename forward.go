@@ -245,17 +245,7 @@ const maxTenantName = 64
 var tenantRule = fmt.Sprintf("at most %d of A-Z a-z 0-9 . _ -", maxTenantName)
 
 // validTenant reports whether name may name a tenant.
-func validTenant(name string) bool {
-	if name == "" || len(name) > maxTenantName {
-		return false
-	}
-	for _, c := range []byte(name) {
-		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '.' || c == '_' || c == '-') {
-			return false
-		}
-	}
-	return true
-}
+func validTenant(name string) bool { return request.ValidName(name, maxTenantName) }
 
 // tenantOf is r's tenant, as the tenant option's placeholder gives it; ""
 // (the tenant other) when it gives nothing, or a name the tenants option

@@ -184,12 +184,17 @@ func ImageJobID(escapedPath string) (string, error) {
 }
 
 // ValidJobID reports whether id has the shape of a job id the router
-// remembers: 1 to MaxJobIDLength letters, digits, '-', '_' or '.'.
-func ValidJobID(id string) bool {
-	if id == "" || len(id) > MaxJobIDLength {
+// remembers: a ValidName of at most MaxJobIDLength.
+func ValidJobID(id string) bool { return ValidName(id, MaxJobIDLength) }
+
+// ValidName reports whether s is 1 to max letters, digits, '-', '_' or
+// '.': the shape of what clients name that the router keeps and sends out
+// again, in paths, logs and metric labels (job ids, tenants).
+func ValidName(s string, max int) bool {
+	if s == "" || len(s) > max {
 		return false
 	}
-	for _, c := range []byte(id) {
+	for _, c := range []byte(s) {
 		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '_' || c == '.') {
 			return false
 		}
