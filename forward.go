@@ -421,13 +421,3 @@ func (s pathSet) has(path string) bool {
 	}
 	return slices.ContainsFunc(s.prefixes, func(p string) bool { return strings.HasPrefix(path, p) })
 }
-
-// sglangPaths are the paths sglang-diffusion serves: forward_paths sglang.
-var sglangPaths = []string{
-	"/health", "/health_generate", "/model_info", "/server_info", "/models", "/v1/models",
-	"/v1/images/generations", "/v1/images/generations/stream", "/v1/images/edits", "/v1/images/*",
-	"/v1/videos", "/v1/videos/*", "/v1/diffusion/generate", "/rollout/generate",
-	"/update_weights_from_disk", "/update_weights_from_tensor", "/get_weights_checksum",
-	"/v1/set_lora", "/v1/merge_lora_weights", "/v1/unmerge_lora_weights",
-	"/release_memory_occupation", "/resume_memory_occupation",
-}

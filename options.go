@@ -740,7 +740,7 @@ func (h *Handler) provisionForwardPaths() error {
 	h.forwards = pathSet{}
 	for _, p := range h.ForwardPaths {
 		if p == "sglang" {
-			h.forwards.add(sglangPaths...)
+			h.forwards.add(request.Endpoints.Paths()...)
 			continue
 		}
 		if !strings.HasPrefix(p, "/") || strings.Contains(strings.TrimSuffix(p, "*"), "*") {

@@ -40,7 +40,7 @@ const (
 	RerunUnsent
 )
 
-// An Endpoint is what the router knows of a path it treats specially: one
+// An Endpoint is what the router knows of a path a worker serves: one
 // row of the table. A new generation endpoint is a new row with its cost
 // rule; nothing else in the router names paths.
 type Endpoint struct {
@@ -76,8 +76,9 @@ type Endpoint struct {
 	Answers answer.Format
 }
 
-// Endpoints is the table: every path the router forwards in a way of its
-// own. Exact rows come before the prefix rows that hold them.
+// Endpoints is the table: every path sglang-diffusion serves, those the
+// router forwards in a way of its own first. Exact rows come before the
+// prefix rows that hold them.
 var Endpoints = Table{
 	{Path: "/v1/images/generations", Kind: Image, Class: "images", Cost: imageCost, Serves: ImageTask, Hedged: true, LearnsImageID: true, Answers: answer.JSON},
 	{Path: "/v1/images/edits", Kind: Image, Class: "image_edits", Cost: imageEditCost, Serves: ImageTask, Hedged: true, LearnsImageID: true, Answers: answer.JSON},
@@ -87,6 +88,32 @@ var Endpoints = Table{
 	{Path: "/rollout/generate", Kind: Rollout, Class: "rollout", Cost: rolloutCost, Serves: AnyTask, Hedged: true, Answers: answer.Msgpack},
 	{Path: "/v1/videos/", Prefix: true, Kind: VideoPoll, Class: "video_job", Pinned: true},
 	{Path: "/v1/images/", Prefix: true, Kind: ImagePoll, Class: "image_job", Pinned: true},
+	// The rest of what sglang-diffusion serves: forwarded as a path
+	// without a row is, or answered by the router where its control API
+	// names the path. Their rows make the table every path a worker
+	// serves (see Paths).
+	{Path: "/health", Class: "other"}, {Path: "/health_generate", Class: "other"},
+	{Path: "/model_info", Class: "other"}, {Path: "/server_info", Class: "other"},
+	{Path: "/models", Class: "other"}, {Path: "/v1/models", Class: "other"},
+	{Path: "/update_weights_from_disk", Class: "other"}, {Path: "/update_weights_from_tensor", Class: "other"},
+	{Path: "/get_weights_checksum", Class: "other"},
+	{Path: "/v1/set_lora", Class: "other"}, {Path: "/v1/merge_lora_weights", Class: "other"},
+	{Path: "/v1/unmerge_lora_weights", Class: "other"},
+	{Path: "/release_memory_occupation", Class: "other"}, {Path: "/resume_memory_occupation", Class: "other"},
+}
+
+// Paths is every path of t, a prefix row's as "<prefix>*": with the
+// Endpoints table, every path sglang-diffusion serves (forward_paths
+// sglang).
+func (t Table) Paths() []string {
+	paths := make([]string, len(t))
+	for i, e := range t {
+		paths[i] = e.Path
+		if e.Prefix {
+			paths[i] += "*"
+		}
+	}
+	return paths
 }
 
 // forwarded is the endpoint of every path without a row.

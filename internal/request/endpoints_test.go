@@ -3,6 +3,7 @@ package request
 import (
 	"net/http"
 	"net/url"
+	"slices"
 	"testing"
 )
 
@@ -90,5 +91,19 @@ func TestANewEndpointIsOneRow(t *testing.T) {
 	}
 	if match(t, Endpoints, http.MethodPost, "/v1/audio/generations").Class != "other" {
 		t.Fatal("the row is not the table's own")
+	}
+}
+
+// forward_paths sglang is the table's paths: a worker path is one row, and
+// a plain one is forwarded as a path without a row is.
+func TestTheTableIsEveryPathOfTheWorker(t *testing.T) {
+	paths := Endpoints.Paths()
+	for _, want := range []string{"/v1/images/generations", "/v1/videos/*", "/v1/images/*", "/rollout/generate", "/v1/set_lora", "/health"} {
+		if !slices.Contains(paths, want) {
+			t.Errorf("Paths() lacks %s: %v", want, paths)
+		}
+	}
+	if r := match(t, Endpoints, http.MethodPost, "/v1/set_lora"); r.Kind != Forwarded || r.Class != "other" || r.Job(http.MethodPost) {
+		t.Errorf("/v1/set_lora matched as %+v; want forwarded, class other", r.Endpoint)
 	}
 }
