@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/memstore"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )

@@ -29,7 +29,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 
 func benchmarkServeHTTP(b *testing.B, maxHeld int64) {
 	urls := []string{"http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000", "http://10.0.0.4:30000"}
-	// Its logger a Nop, as at the level WARN that examples/bench/wrk runs at.
+	// Its logger a Nop, as at the level WARN that cmd/bench/wrk runs at.
 	h := provision(b, &Handler{Pool: "bench-serve", Workers: urls, Answers: Answers{MaxHeld: maxHeld}})
 	answer := []byte(`{"id":"3f1c2f9e-6a0b-4c1e-9d3a-2b7e8f0a1c5d","created":1,"data":[{"b64_json":"iVBORw0KGgo="}]}`)
 	worker := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {

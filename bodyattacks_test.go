@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )

@@ -46,3 +46,18 @@ func isHA(pkg string) bool { return pkg == haPkg }
 func reachesEtcd(dep string) bool {
 	return strings.HasPrefix(dep, "go.etcd.io/etcd/") || dep == haPkg
 }
+
+// TestNothingImportsTheExamples keeps examples/ what a user copies: code
+// the router, its tests or its tools need lives under internal/ or cmd/.
+func TestNothingImportsTheExamples(t *testing.T) {
+	out, err := exec.Command("go", "list", "-f", `{{.ImportPath}}: {{join .Imports " "}} {{join .TestImports " "}} {{join .XTestImports " "}}`, "./...").Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	for line := range strings.Lines(string(out)) {
+		pkg, imports, _ := strings.Cut(line, ": ")
+		if !strings.Contains(pkg, "/examples/") && strings.Contains(imports, "miles-diffusion-router/examples/") {
+			t.Errorf("%s imports from examples/: %s", pkg, strings.TrimSpace(imports))
+		}
+	}
+}

@@ -15,7 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	diffusionrouter "github.com/miles-rollout/miles-diffusion-router"
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 

@@ -12,7 +12,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 )
 
 // job is one image generation request.

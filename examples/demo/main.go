@@ -1,7 +1,7 @@
 // Command demo shows miles-diffusion-router spreading one rollout step of
 // image generations over a small fleet, all in one process and without a GPU.
 //
-// It starts four fake sglang-diffusion workers (examples/fakeworker) on free
+// It starts four fake sglang-diffusion workers (internal/fakeworker) on free
 // ports of 127.0.0.1, three of speed 1 and one twice as fast; starts Caddy
 // with the router from examples/Caddyfile, the same sample config a user
 // would copy; sends 200 image requests of mixed sizes and step counts all at

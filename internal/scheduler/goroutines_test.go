@@ -13,7 +13,7 @@ import (
 
 // packagePrefix is this package's import path followed by a dot, as
 // function names in stack traces start ("example.com/m.(*Pool).Acquire");
-// the packages below it (examples/fakeworker) continue with a slash.
+// the packages below it (internal/fakeworker) continue with a slash.
 var packagePrefix = func() string {
 	pc, _, _, _ := runtime.Caller(0)
 	name := runtime.FuncForPC(pc).Name() // <import path>.init.func1 or similar

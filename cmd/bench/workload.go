@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 )
 
 // job is one image generation request: POST /v1/images/generations with

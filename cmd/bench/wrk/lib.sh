@@ -18,7 +18,7 @@ declare -A pid_of # the Caddy serving each port
 build_all() {
 	caddy=${CADDY:-$tmp/caddy}
 	[ -n "${CADDY:-}" ] || go build -o "$caddy" ./cmd/caddy
-	go build -o "$tmp/fakeworker" ./examples/fakeworker/cmd/fakeworker
+	go build -o "$tmp/fakeworker" ./cmd/fakeworker
 }
 
 # Caddy listens with SO_REUSEPORT: a leftover Caddy on a port would share

@@ -13,7 +13,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 

@@ -3,7 +3,7 @@
 // against Caddy's own load balancing, all in one process and without a GPU.
 //
 // For each routing strategy it starts fresh fake sglang-diffusion workers
-// (examples/fakeworker: one job at a time, first come first served, a job
+// (internal/fakeworker: one job at a time, first come first served, a job
 // of cost c keeps a worker of speed s busy for c × unit-ms / s
 // milliseconds, where c = (width × height / 1024²) × steps) and loads a
 // fresh router config in-process with caddy.Load: a new port and a new
@@ -137,12 +137,12 @@
 //
 // Run it from the repository root (-h lists every flag, with defaults):
 //
-//	go run ./examples/bench --mode batch --mix heavy --n 400 --speeds 1,1,1,2
-//	go run ./examples/bench --mode open --mix heavy --util 0.7 --svg open.svg
-//	go run ./examples/bench --mode overhead --strategies least_work/fifo,caddy/least_conn
-//	go run ./examples/bench --mode soak --n 100000 --clients 6 --unit-ms 0.5
-//	go run ./examples/bench --mode oversample --n 32 --group 4 --steps 5 --mix uniform --speeds 1,1,1,1
-//	go run ./examples/bench --mode adapters --adapter-jobs 15 --lora-switch 5s --job-time 1s
+//	go run ./cmd/bench --mode batch --mix heavy --n 400 --speeds 1,1,1,2
+//	go run ./cmd/bench --mode open --mix heavy --util 0.7 --svg open.svg
+//	go run ./cmd/bench --mode overhead --strategies least_work/fifo,caddy/least_conn
+//	go run ./cmd/bench --mode soak --n 100000 --clients 6 --unit-ms 0.5
+//	go run ./cmd/bench --mode oversample --n 32 --group 4 --steps 5 --mix uniform --speeds 1,1,1,1
+//	go run ./cmd/bench --mode adapters --adapter-jobs 15 --lora-switch 5s --job-time 1s
 //
 // --router URL drives a router that is already running instead: it is
 // measured as it is (its own workers, strategy and learned state), once
@@ -365,7 +365,7 @@ func run(ctx context.Context, o options, out io.Writer) error {
 }
 
 func printHeader(out io.Writer, o options) {
-	fmt.Fprintf(out, "command: go run ./examples/bench%s\n", shellArgs(os.Args[1:]))
+	fmt.Fprintf(out, "command: go run ./cmd/bench%s\n", shellArgs(os.Args[1:]))
 	names := make([]string, len(o.strategies))
 	for i, s := range o.strategies {
 		names[i] = s.name

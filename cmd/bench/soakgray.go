@@ -10,7 +10,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 )
 
 // The gray failures of the schedule: a worker that is up and answers its

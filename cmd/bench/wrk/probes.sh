@@ -4,7 +4,7 @@
 # of n workers probed every health_interval costs n / health_interval probes
 # a second.
 #
-#   bash examples/bench/wrk/probes.sh [workers] [interval] [seconds]
+#   bash cmd/bench/wrk/probes.sh [workers] [interval] [seconds]
 #
 # Environment: CADDY (a Caddy binary with the plugin; built from ./cmd/caddy
 # when unset).
@@ -18,7 +18,7 @@ trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
 
 caddy=${CADDY:-$tmp/caddy}
 [ -n "${CADDY:-}" ] || go build -o "$caddy" ./cmd/caddy
-go build -o "$tmp/fakeworker" ./examples/fakeworker/cmd/fakeworker
+go build -o "$tmp/fakeworker" ./cmd/fakeworker
 
 urls=()
 for i in $(seq "$workers"); do

@@ -5,7 +5,7 @@
 # base64), the two Caddys taking turns, and each going first every other
 # round so that neither always finds the machine as the other left it.
 #
-#   bash examples/bench/wrk/large.sh [rounds] [MB]
+#   bash cmd/bench/wrk/large.sh [rounds] [MB]
 #
 # Environment: CADDY (a Caddy binary with the plugin; built from ./cmd/caddy
 # when unset), WORKER_ARGS (the fake workers' flags; --rollout-json when
@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 rounds=${1:-10} mb=${2:-200}
-. examples/bench/wrk/lib.sh
+. cmd/bench/wrk/lib.sh
 
 build_all
 refuse_busy_ports
@@ -29,8 +29,8 @@ refuse_busy_ports
 # comparison.
 # shellcheck disable=SC2086 # WORKER_ARGS is a list of flags
 start_workers --image-bytes "$((mb * 1000000))" ${WORKER_ARGS---rollout-json}
-start_caddy least_conn 30801 examples/bench/wrk/least_conn.Caddyfile
-start_caddy router 30802 examples/bench/wrk/router.Caddyfile
+start_caddy least_conn 30801 cmd/bench/wrk/least_conn.Caddyfile
+start_caddy router 30802 cmd/bench/wrk/router.Caddyfile
 
 rollout='{"prompt":"x","seed":1,"width":1,"height":1,"num_inference_steps":1}'
 # fetch URL: one rollout; prints its seconds and the bytes received.

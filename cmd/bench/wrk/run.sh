@@ -3,7 +3,7 @@
 # four fake workers whose jobs take ~0 ms, the two Caddys side by side, and
 # wrk driving them in alternating runs so that the machine's drift hits both.
 #
-#   bash examples/bench/wrk/run.sh [pairs] [seconds]
+#   bash cmd/bench/wrk/run.sh [pairs] [seconds]
 #
 # Environment: CONNS (16), THREADS (2), IMAGE_BYTES (size of each fake
 # image before base64, 1024 by default), CADDY (a Caddy binary with the
@@ -23,17 +23,17 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 pairs=${1:-4} secs=${2:-10}
 conns=${CONNS:-16} threads=${THREADS:-2}
-. examples/bench/wrk/lib.sh
+. cmd/bench/wrk/lib.sh
 
 command -v wrk >/dev/null || { echo "run.sh needs wrk (apt-get install wrk)" >&2; exit 1; }
 build_all
 refuse_busy_ports
 start_workers --image-bytes "${IMAGE_BYTES:-1024}"
-start_caddy least_conn 30801 examples/bench/wrk/least_conn.Caddyfile
-start_caddy router 30802 examples/bench/wrk/router.Caddyfile
+start_caddy least_conn 30801 cmd/bench/wrk/least_conn.Caddyfile
+start_caddy router 30802 cmd/bench/wrk/router.Caddyfile
 ports="30801 30802"
 if [ -n "${BEFORE:-}" ]; then
-	start_caddy before 30803 examples/bench/wrk/router.Caddyfile "$BEFORE"
+	start_caddy before 30803 cmd/bench/wrk/router.Caddyfile "$BEFORE"
 	ports="$ports 30803"
 fi
 
@@ -51,7 +51,7 @@ done
 run() {
 	local out before after
 	before=$(cpu_us "${pid_of[$2]}")
-	out=$(pin "${PIN_WRK:-}" wrk -t"$threads" -c"$conns" -d"$3"s -s examples/bench/wrk/job.lua "http://127.0.0.1:$2")
+	out=$(pin "${PIN_WRK:-}" wrk -t"$threads" -c"$conns" -d"$3"s -s cmd/bench/wrk/job.lua "http://127.0.0.1:$2")
 	after=$(cpu_us "${pid_of[$2]}")
 	if grep -q 'Non-2xx' <<<"$out"; then echo "$1: failed requests" >&2; echo "$out" >&2; exit 1; fi
 	awk -v cpu=$((after - before)) '/^Requests\/sec/ {rps = $2} / requests in / {n = $1} END {printf "%.0f %.0f\n", rps, cpu / n}' <<<"$out"
