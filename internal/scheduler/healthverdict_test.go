@@ -111,6 +111,15 @@ func ejectingPool(t *testing.T, n int) (*Pool, *fakeClock) {
 	return p, clock
 }
 
+// ejectingConfig is a config of strategy s that ejects workers as
+// testHealth does, at most maxEjectionPercent of them at once.
+func ejectingConfig(s Strategy, maxEjectionPercent int) *Config {
+	cfg, hc := config(s, 0), *testHealth
+	hc.MaxEjectionPercent = maxEjectionPercent
+	cfg.Health = &hc
+	return cfg
+}
+
 // serveAll runs n jobs on p's one worker, each ending with o.
 func serveAll(t *testing.T, p *Pool, cfg *Config, o Outcome, n int) {
 	t.Helper()
@@ -131,8 +140,7 @@ func ejectedFor(p *Pool) time.Duration {
 // time by the ejections.
 func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 	p, clock := ejectingPool(t, 1)
-	cfg := config(LeastRequest{}, 0)
-	cfg.Health = testHealth
+	cfg := ejectingConfig(LeastRequest{}, 100)
 	serveAll(t, p, cfg, Failed, 3)
 	if d := ejectedFor(p); d != 10*time.Second {
 		t.Fatalf("first ejection for %v; want 10s", d)
@@ -178,8 +186,7 @@ func TestFailedRequestsEjectWithDoubling(t *testing.T) {
 // time, and out again at its first failure, until a job succeeds.
 func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
 	p, clock := ejectingPool(t, 2)
-	cfg := config(LeastRequest{}, 0)
-	cfg.Health = testHealth
+	cfg := ejectingConfig(LeastRequest{}, 100)
 	other := p.workers[1]
 	other.health.down = true // the failures all go to the first
 	serveAll(t, p, cfg, Failed, 3)
@@ -224,8 +231,7 @@ func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
 // broken beats a queue waiting out an ejection that has grown to minutes.
 func TestPassedProbeEndsTheEjectionOfTheLastWorker(t *testing.T) {
 	p, _ := ejectingPool(t, 1)
-	cfg := config(LeastRequest{}, 0)
-	cfg.Health = testHealth
+	cfg := ejectingConfig(LeastRequest{}, 100)
 	serveAll(t, p, cfg, Failed, 3)
 	w := p.Snapshot()[0]
 	if change := p.RecordProbe(w.URL, nil, testHealth); change != EjectionEnded {
@@ -249,8 +255,7 @@ func TestPassedProbeEndsTheEjectionOfTheLastWorker(t *testing.T) {
 // answer begins, so that a second job waits for that verdict.
 func TestJobOnProbationIsToldSo(t *testing.T) {
 	p, clock := ejectingPool(t, 1)
-	cfg := config(LeastRequest{}, 0)
-	cfg.Health = testHealth
+	cfg := ejectingConfig(LeastRequest{}, 100)
 	if tk, _ := choose(t, p, cfg, 1); tk.OnProbation() {
 		t.Fatal("a job on a worker never ejected is on probation")
 	} else {
@@ -273,8 +278,7 @@ func TestJobOnProbationIsToldSo(t *testing.T) {
 // may yet break. Only a job given on probation ends it.
 func TestEarlierJobEndsNoProbation(t *testing.T) {
 	p, clock := ejectingPool(t, 1)
-	cfg := config(LeastRequest{}, 0)
-	cfg.Health = testHealth
+	cfg := ejectingConfig(LeastRequest{}, 100)
 	earlier, _ := choose(t, p, cfg, 1)
 	serveAll(t, p, cfg, Failed, 3)
 	clock.advance(ejectedFor(p))
@@ -294,10 +298,7 @@ func TestEarlierJobEndsNoProbation(t *testing.T) {
 // of the workers.
 func TestEjectionsAreBoundedByMaxEjectionPercent(t *testing.T) {
 	p, _ := ejectingPool(t, 4)
-	cfg := config(&RoundRobin{}, 0)
-	hc := *testHealth
-	hc.MaxEjectionPercent = 50
-	cfg.Health = &hc
+	cfg := ejectingConfig(&RoundRobin{}, 50)
 	for range 4 * 3 { // three failures on each worker
 		tk, _ := choose(t, p, cfg, 1)
 		p.Release(tk, Failed)
@@ -318,10 +319,7 @@ func TestEjectionsAreBoundedByMaxEjectionPercent(t *testing.T) {
 // at once, it would otherwise be the least loaded and draw the queue.
 func TestWorkerThatMayNotBeEjectedTakesOneJobAtATime(t *testing.T) {
 	p, _ := ejectingPool(t, 2)
-	cfg := config(LeastRequest{}, 0)
-	hc := *testHealth
-	hc.MaxEjectionPercent = 50
-	cfg.Health = &hc
+	cfg := ejectingConfig(LeastRequest{}, 50)
 	p.workers[1].health.down = true // the failures all go to the first
 	serveAll(t, p, cfg, Failed, 3)
 	p.workers[1].health.down = false
@@ -344,8 +342,7 @@ func TestWorkerThatMayNotBeEjectedTakesOneJobAtATime(t *testing.T) {
 
 func TestOnlyWorkerFaultsCountAgainstIt(t *testing.T) {
 	p, clock := ejectingPool(t, 1)
-	cfg := config(LeastRequest{}, 0)
-	cfg.Health = testHealth
+	cfg := ejectingConfig(LeastRequest{}, 100)
 	good, _ := choose(t, p, cfg, 10)
 	clock.advance(time.Second)
 	p.Release(good, Succeeded)
