@@ -11,8 +11,10 @@ import (
 // question that leaves out the constraints it has no use for, so that the
 // rule cannot drift between them (a hedge's copy once went to a worker
 // without the job's adapter). A new constraint is a constant here, its
-// name, and its case in brokenLocked; TestEligibilityChain then wants a
-// worker that breaks it and checks that every question refuses that one.
+// name, and its case in brokenLocked, then added to the questions below
+// that need it; TestEligibilityChain then wants a worker that breaks it,
+// and checks that dispatch, hedging, the backlog and placement refuse
+// that worker unless their question leaves the constraint out.
 
 // constraint is one rule of the chain, a bit; a set of them is what a
 // question asks.
@@ -35,15 +37,17 @@ const (
 // constraintNames name the chain's constraints, in its order.
 var constraintNames = [...]string{"slot", "serving", "task", "pin", "version", "untried", "adapter"}
 
+// String names c, for tests that go through the chain by name.
 func (c constraint) String() string { return constraintNames[bits.TrailingZeros16(uint16(c))] }
 
-// What the users of the chain ask, each a question wider than the last.
+// What the users of the chain ask, each asking more than the last.
 const (
 	// couldServe: w is what the request needs, whatever it does now.
 	// The queue's errors ask it: is some worker worth waiting for?
 	couldServe = makesTask | isPinned | onVersion
-	// mayServe: and the request was not sent to it already. Placement
-	// asks it: is a worker that may serve the job out of placement?
+	// mayServe: and the request was not tried on it already. Placement
+	// asks it (is a worker that may serve the job out of placement?), and
+	// dispatch of a pinned request before it asks about the slot.
 	mayServe = couldServe | untried
 	// wouldServe: and it takes new jobs; a slot and the adapter come in
 	// time. A retry and the backlog ask it.
