@@ -221,7 +221,7 @@ func (wa *workerAdapter) ready() bool { return wa.known && !wa.switching && !wa.
 // holdsAdapterLocked reports whether w may run t as far as adapters go:
 // while the pool places adapters, a job runs only on a worker that holds
 // its adapter, at its latest publish, and keeps it. Every choice of a
-// worker for a job asks this.
+// worker for a job asks this, as the eligibility chain's adapter constraint.
 func (p *Pool) holdsAdapterLocked(w *worker, t *Ticket) bool {
 	if !p.placement.on || !t.Job {
 		return true

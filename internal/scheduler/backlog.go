@@ -54,7 +54,7 @@ func (p *Pool) backlogLocked(byTenant map[*tenant]float64) float64 {
 		queue = p.playOrderLocked()
 	}
 	for _, wt := range queue {
-		if end, ok := free.take(wt.t, p.speedOfLocked, p.fleet.target); ok {
+		if end, ok := free.take(p, wt.t, now); ok {
 			longest = max(longest, end)
 			if byTenant != nil && wt.t.tenant != nil {
 				byTenant[wt.t.tenant] = max(byTenant[wt.t.tenant], end)
@@ -127,10 +127,11 @@ func (f *freeTimes) Pop() any {
 	return last
 }
 
-// take gives t's job to the first worker to free up that may serve it,
-// and returns when that worker will have done it. Workers passed over for
-// t keep their places.
-func (f *freeTimes) take(t *Ticket, speedOf func(*worker) float64, upcoming string) (float64, bool) {
+// take gives t's job to the first worker of p to free up that would
+// serve it, once an update under way ends, and returns when that worker
+// will have done it. Workers passed over for t keep their places.
+func (f *freeTimes) take(p *Pool, t *Ticket, now int64) (float64, bool) {
+	q := question{asks: wouldServe, upcoming: p.fleet.target}
 	var passed []freeAt
 	defer func() {
 		for _, fa := range passed {
@@ -139,11 +140,11 @@ func (f *freeTimes) take(t *Ticket, speedOf func(*worker) float64, upcoming stri
 	}()
 	for f.Len() > 0 {
 		fa := heap.Pop(f).(freeAt)
-		if !t.mayServe(fa.w, upcoming) {
+		if !p.mayTakeLocked(t, fa.w, now, q) {
 			passed = append(passed, fa)
 			continue
 		}
-		fa.seconds += t.Cost / speedOf(fa.w)
+		fa.seconds += t.Cost / p.speedOfLocked(fa.w)
 		heap.Push(f, fa)
 		return fa.seconds, true
 	}

@@ -15,7 +15,7 @@ func (p *Pool) HedgeCopy(t *Ticket) *Ticket {
 	now := p.now().UnixNano()
 	var idle *worker
 	for _, w := range p.workers {
-		if w != t.worker && w.load.inflight == 0 && w.serving(now) && t.mayServe(w, "") && p.holdsAdapterLocked(w, t) &&
+		if w != t.worker && w.load.inflight == 0 && p.mayTakeLocked(t, w, now, question{asks: takesNow}) &&
 			(idle == nil || p.speedOfLocked(w) > p.speedOfLocked(idle)) {
 			idle = w
 		}

@@ -168,8 +168,9 @@ func (p *Pool) refuseUnservableLocked(now int64) {
 // worker that may serve it is not out for failed LoRA calls.
 func (p *Pool) unservableLocked(t *Ticket, now int64) error {
 	var err *UnservableAdapterError
+	q := question{asks: mayServe, upcoming: p.fleet.target}
 	for _, w := range p.workers {
-		if !t.mayServe(w, p.fleet.target) {
+		if !p.mayTakeLocked(t, w, now, q) {
 			continue
 		}
 		if !w.adapter.outFor(t.policy, now) {

@@ -362,12 +362,9 @@ func (p *Pool) offWorkerLocked(t *Ticket, o Outcome) {
 // been sent to may serve it.
 func (p *Pool) untriedServingLocked(t *Ticket) bool {
 	now := p.now().UnixNano()
-	for _, w := range p.workers {
-		if w.serving(now) && t.mayServe(w, "") {
-			return true
-		}
-	}
-	return false
+	return slices.ContainsFunc(p.workers, func(w *worker) bool {
+		return p.mayTakeLocked(t, w, now, question{asks: wouldServe})
+	})
 }
 
 // Release ends t's claim on its worker. It reports how long the worker is
@@ -389,18 +386,7 @@ func (p *Pool) Release(t *Ticket, o Outcome) time.Duration {
 func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 	now := p.now().UnixNano()
 	if t.Pin != "" {
-		w := p.findLocked(t.Pin)
-		if w == nil || !t.mayServe(w, "") {
-			return nil, w != nil
-		}
-		if !t.Job { // a poll or delete of a job the worker holds goes there, whatever its health
-			return w, true
-		}
-		fitting := fits(t.Job, t.cfg.MaxInflight, w, now)
-		if !fitting || !w.serving(now) || !p.holdsAdapterLocked(w, t) {
-			return nil, fitting
-		}
-		return w, true
+		return p.choosePinnedLocked(t, now)
 	}
 	if p.fleet.paused && t.Job {
 		return nil, false
@@ -408,12 +394,18 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 	cands, views := p.cands[:0], p.views[:0]
 	anyFree := false
 	job, limit := t.Job, t.cfg.MaxInflight
-	for _, w := range p.workers { // the hot loop: each check as cheap as it can be
-		if !fits(job, limit, w, now) || !w.serving(now) {
+	for _, w := range p.workers { // the hot loop
+		// The chain's first constraint, inline: on a busy fleet it turns
+		// most workers away, and calling the chain for each of them made
+		// the decision half as slow again. The chain checks it again.
+		if !fits(job, limit, w, now) {
 			continue
 		}
-		anyFree = true
-		if t.mayServe(w, "") && p.holdsAdapterLocked(w, t) {
+		broken := p.brokenLocked(t, w, now, question{asks: takesNow})
+		// The chain checks serving right after the slot: any other
+		// answer is from a free worker.
+		anyFree = anyFree || broken != isServing
+		if broken == 0 {
 			cands = append(cands, w)
 			views = append(views, p.viewLocked(w, now))
 		}
@@ -423,6 +415,26 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 		return nil, anyFree
 	}
 	return cands[t.cfg.Strategy.Pick(Job{Cost: t.Cost, Seq: t.seq}, views)], true
+}
+
+// choosePinnedLocked is chooseLocked for t pinned to a worker: it goes
+// there or nowhere. Whether that worker has a free slot is asked only of
+// a job that may go to it.
+func (p *Pool) choosePinnedLocked(t *Ticket, now int64) (*worker, bool) {
+	w := p.findLocked(t.Pin)
+	switch {
+	case w == nil:
+		return nil, false
+	case !p.mayTakeLocked(t, w, now, question{asks: mayServe}):
+		return nil, true
+	case !t.Job: // a poll or delete of a job the worker holds goes there, whatever its health
+		return w, true
+	}
+	broken := p.brokenLocked(t, w, now, question{asks: takesNow})
+	if broken != 0 {
+		return nil, broken != hasSlot
+	}
+	return w, true
 }
 
 // viewLocked is w as a strategy sees it at now (Unix nanoseconds).
@@ -469,21 +481,6 @@ func (p *Pool) updateEndsLocked(w *worker) {
 	w.load.endsAt = w.load.headSince + int64(p.timeForLocked(w, w.load.work))
 }
 
-// mayServe reports whether t may go to w at all, whatever w's load and
-// health: w makes what t needs, is the worker t is pinned to (if any), was
-// not tried already, and serves the weight version t asks for (if any),
-// or will once an update to upcoming ends.
-func (t *Ticket) mayServe(w *worker, upcoming string) bool {
-	return t.fits(w, upcoming) && !slices.Contains(t.tried, w)
-}
-
-// fits reports whether w could serve t, whether or not t was sent to it
-// before: its task, its pin and its weight version.
-func (t *Ticket) fits(w *worker, upcoming string) bool {
-	return w.can(t.Task) && (t.Pin == "" || w.url == t.Pin) &&
-		(t.WantVersion == "" || t.versionOn(w.life.version) == t.WantVersion || upcoming == t.WantVersion)
-}
-
 // versionOn is the weight version t's job is served with by a worker on
 // weight version v: with its adapter, while adapters are placed; "" while
 // v is not known.
@@ -504,12 +501,12 @@ func (p *Pool) waitErrorLocked(t *Ticket) error {
 	awake, sleeper := false, false
 	now := p.now().UnixNano()
 	for _, w := range p.workers {
-		if !t.fits(w, p.fleet.target) {
+		if !p.mayTakeLocked(t, w, now, question{asks: couldServe, upcoming: p.fleet.target}) {
 			continue
 		}
 		s := w.life.state == Sleeping || w.stateAt(now) == Sleeping
 		sleeper = sleeper || s
-		awake = awake || !s && !slices.Contains(t.tried, w)
+		awake = awake || !s && p.mayTakeLocked(t, w, now, question{asks: untried})
 	}
 	switch {
 	case awake && t.Job:
