@@ -3,13 +3,14 @@ package scheduler
 import "slices"
 
 // HedgeCopy gives a copy of t to the fastest idle worker that may serve
-// it, or reports nil when t should not get one now: jobs wait, or copies
+// it, or reports nil when t should not get one now: jobs wait, a drain is
+// on, or copies
 // already run on a tenth of the workers (at least two). t's own attempt
 // may be over: it failed while copies of it still run.
 func (p *Pool) HedgeCopy(t *Ticket) *Ticket {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if len(p.queue) > 0 || p.hedging >= max(2, len(p.workers)/10) {
+	if len(p.queue) > 0 || p.fleet.paused || p.hedging >= max(2, len(p.workers)/10) {
 		return nil
 	}
 	now := p.now().UnixNano()

@@ -59,3 +59,21 @@ func TestAHedgedCopyIsItsTenantsJob(t *testing.T) {
 		t.Fatalf("the copy's tenant is %q; want team-a", c.Tenant)
 	}
 }
+
+// A drain hands out no job, a hedge's copy included: a copy would hold
+// the drain up, on a worker about to change its weights.
+func TestNoCopyWhileADrainIsOn(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	tk := &Ticket{pool: p, cfg: config(LeastWork{}, 1), Job: true, Cost: 20}
+	if err := p.Acquire(context.Background(), tk); err != nil {
+		t.Fatal(err)
+	}
+	p.Pause()
+	if c := p.HedgeCopy(tk); c != nil {
+		t.Fatalf("a copy went to %s while a drain was on", c.ServedBy())
+	}
+	p.Resume()
+	if c := p.HedgeCopy(tk); c == nil {
+		t.Fatal("no copy on the idle worker once the drain was over")
+	}
+}
