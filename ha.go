@@ -14,6 +14,7 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -96,6 +97,7 @@ const (
 // haConfig is a handler's `ha etcd`, ready for its pool's election.
 type haConfig struct {
 	ha.Config
+	options string   // the options as provisioned, to tell whether a reload changes them
 	handler *Handler // which server holds it says the default identity
 }
 
@@ -122,7 +124,11 @@ func (h *Handler) provisionHA() error {
 	if err != nil {
 		return optionError("tls", "ha.etcd.tls", "%v", err)
 	}
-	h.ha = &haConfig{handler: h, Config: ha.Config{
+	options, err := json.Marshal(e)
+	if err != nil {
+		return err
+	}
+	h.ha = &haConfig{handler: h, options: string(options), Config: ha.Config{
 		Endpoints: e.Endpoints, KeyPrefix: e.KeyPrefix, Pool: h.Pool,
 		LeaseTTL: time.Duration(e.LeaseTTL), Identity: identity, TLS: tlsConfig,
 	}}
@@ -231,15 +237,11 @@ func newElection(p *pool, logger *zap.Logger) *election {
 }
 
 // elect runs the pool's campaign with cfg, or none when cfg is nil. A
-// campaign with the same config goes on; another one ends first, so that
-// a router never campaigns twice.
-func (e *election) elect(cfg *ha.Config) error {
+// campaign whose config has the same key goes on; another one ends
+// first, so that a router never campaigns twice.
+func (e *election) elect(cfg *ha.Config, key string) error {
 	e.electing.Lock()
 	defer e.electing.Unlock()
-	key := ""
-	if cfg != nil {
-		key = campaignKey(cfg)
-	}
 	old := e.running.Load()
 	if old == nil && cfg == nil || old != nil && old.key == key {
 		return nil
@@ -262,13 +264,6 @@ func (e *election) elect(cfg *ha.Config) error {
 	e.running.Store(c)
 	go e.follow(ctx, c)
 	return nil
-}
-
-// campaignKey tells configs apart: endpoints, prefix, lease, identity and
-// whether TLS is on (its files are read again only by a new campaign).
-func campaignKey(cfg *ha.Config) string {
-	key, _ := json.Marshal([]any{cfg.Endpoints, cfg.KeyPrefix, cfg.Pool, cfg.LeaseTTL, cfg.Identity, cfg.TLS != nil})
-	return string(key)
 }
 
 // end stops the campaign and waits until a leader has resigned.
@@ -362,17 +357,18 @@ func standbyServes(r *http.Request, answered bool) bool {
 	case "/health", "/healthz", "/readyz", "/workers", "/list_workers", "/dashboard", "/dashboard/data":
 		return true
 	}
-	return len(r.URL.Path) > len("/workers/") && r.URL.Path[:len("/workers/")] == "/workers/"
+	return strings.HasPrefix(r.URL.Path, "/workers/")
 }
 
-// withDefaultIdentity fills in the identity the handler advertises by
-// default, once the http app says where it listens.
-func (c *haConfig) withDefaultIdentity(app *caddyhttp.App) ha.Config {
-	cfg := c.Config
+// campaign is the election's config, with the identity the handler
+// advertises by default once the http app says where it listens, and the
+// key that tells it apart from another's.
+func (c *haConfig) campaign(app *caddyhttp.App) (cfg ha.Config, key string) {
+	cfg = c.Config
 	if cfg.Identity == "" {
 		cfg.Identity = defaultAdvertise(app, c.handler)
 	}
-	return cfg
+	return cfg, c.options + " as " + cfg.Identity
 }
 
 // defaultAdvertise is http://<hostname>:<port>, the port of the first

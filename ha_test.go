@@ -226,7 +226,8 @@ func electionKeys(t *testing.T, etcd *etcdtest.Server) string {
 }
 
 // A reload that leaves `ha` as it was keeps the campaign: the leader's key
-// in etcd is the one it had, and it leads throughout.
+// in etcd is the one it had, and it leads throughout. One that changes it
+// campaigns again; one that drops it resigns.
 func TestReloadKeepsTheLead(t *testing.T) {
 	etcd := etcdtest.Start(t)
 	workers := testrouter.StartWorkers(t, fakeworker.Config{Name: "w1"})
@@ -245,4 +246,22 @@ func TestReloadKeepsTheLead(t *testing.T) {
 		t.Fatalf("election keys %s after the reload; want %s, the campaign kept", after, before)
 	}
 	testrouter.ExpectStatus(t, "job after the reload", r.Post("/v1/images/generations", smallImage), http.StatusOK)
+
+	// A reload that changes `ha` campaigns again, with the new identity.
+	r.Load(haRouter(etcd, workers, "advertise http://router-b:8080"))
+	testrouter.WaitFor(t, func() bool { return leads(t, r) && standingOf(t, r.Get("/readyz")).names("http://router-b:8080") })
+	if after := electionKeys(t, etcd); after == before || !strings.Contains(after, "create_revision") {
+		t.Fatalf("election keys %s after a reload that changed ha; want a new campaign's, not %s", after, before)
+	}
+	// One that drops it resigns: the router is the pool's only one again.
+	r.Load(metricsSite("diffusion_router ha-pool {\n workers " + testrouter.URLs(workers) + "\n}"))
+	ready := r.Get("/readyz")
+	testrouter.ExpectStatus(t, "/readyz without ha", ready, http.StatusOK)
+	if ready.JSON(t)["ha"] != nil {
+		t.Fatalf("/readyz shows ha after a reload that dropped it: %s", ready.Body)
+	}
+	if keys := electionKeys(t, etcd); strings.Contains(keys, "create_revision") {
+		t.Fatalf("election keys %s left in etcd after a reload that dropped ha", keys)
+	}
+	testrouter.ExpectStatus(t, "job without ha", r.Post("/v1/images/generations", smallImage), http.StatusOK)
 }

@@ -50,8 +50,9 @@ const (
 
 // HealthApp runs the active health checks of the pools its config uses,
 // starts each pool the first time (reads its record back from Caddy's
-// storage and keeps it written, see fleetStore), and runs the config's DNS
-// discovery of workers. diffusion_router adds it to the config it is part
+// storage and keeps it written, see fleetStore), runs each pool's
+// election as the config's `ha` says, and runs the config's DNS discovery
+// of workers. diffusion_router adds it to the config it is part
 // of, so probing and lookups start when Caddy starts that config and stop
 // when it is unloaded, and `caddy validate`, which starts nothing, probes,
 // reads and looks up nothing.
@@ -124,6 +125,7 @@ func (a *HealthApp) elect() error {
 	var app *caddyhttp.App
 	for _, pr := range a.probers {
 		var cfg *ha.Config
+		key := ""
 		if pr.ha != nil {
 			if app == nil {
 				v, err := a.ctx.App("http")
@@ -132,10 +134,10 @@ func (a *HealthApp) elect() error {
 				}
 				app = v.(*caddyhttp.App)
 			}
-			c := pr.ha.withDefaultIdentity(app)
-			cfg = &c
+			c, k := pr.ha.campaign(app)
+			cfg, key = &c, k
 		}
-		if err := pr.pool.election.elect(cfg); err != nil {
+		if err := pr.pool.election.elect(cfg, key); err != nil {
 			return err
 		}
 	}

@@ -98,6 +98,6 @@ func newPool(name string) *pool {
 // is unloaded. A leader resigns first, so that a standby takes over at
 // once.
 func (p *pool) Destruct() error {
-	_ = p.election.elect(nil)
+	_ = p.election.elect(nil, "")
 	return p.Close()
 }
