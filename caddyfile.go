@@ -230,6 +230,18 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    max_held_total   <size>
 //	    answer_stall_timeout <duration>
 //
+//	    # one active router among several that share the pool (ha.etcd)
+//	    ha etcd <endpoint...> {
+//	        key_prefix <prefix>
+//	        lease_ttl  <duration>
+//	        advertise  <url>
+//	        tls {
+//	            ca          <pem file>
+//	            client_cert <cert file> <key file>
+//	            server_name <name>
+//	        }
+//	    }
+//
 //	    # requests
 //	    forward_paths    <path|prefix*|sglang...>
 //	    max_workers      <n>
@@ -381,6 +393,7 @@ var handlerOptions = map[string]option{
 	"max_attempts":           one(func(h *Handler) *int { return &h.LoadBalancing.MaxAttempts }, parseWhole),
 	"hedge_after":            one(func(h *Handler) *float64 { return &h.LoadBalancing.HedgeAfter }, parseHedgeAfter),
 	"initial_speed":          one(func(h *Handler) *float64 { return &h.LoadBalancing.InitialSpeed }, parseNumber),
+	"ha":                     {list: true, read: readHA},
 }
 
 // one is an option of one value, read by parse into the field. parse
@@ -561,6 +574,73 @@ func parseHedgeAfter(v string) (float64, string) {
 		return 0, "a number or off"
 	}
 	return f, ""
+}
+
+// readHA reads `ha etcd <endpoint...>` and its optional block.
+func readHA(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
+	if args[0] != "etcd" {
+		return d.Errf("%s: %q is not a kind of election; the one there is: %s etcd <endpoint...>", name, args[0], name)
+	}
+	if h.HA.Etcd != nil {
+		return d.Errf("%s is given twice; list every etcd endpoint on one line", name)
+	}
+	e := &EtcdElection{Endpoints: args[1:]}
+	h.HA.Etcd = e
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		sub := d.Val()
+		if sub == "tls" {
+			if err := readEtcdTLS(e, d); err != nil {
+				return err
+			}
+			continue
+		}
+		vals := d.RemainingArgs()
+		if len(vals) != 1 {
+			return d.Errf("%s %s takes exactly one value, got %d", name, sub, len(vals))
+		}
+		switch sub {
+		case "key_prefix":
+			e.KeyPrefix = vals[0]
+		case "advertise":
+			e.Advertise = vals[0]
+		case "lease_ttl":
+			ttl, want := parseDuration(vals[0])
+			if want != "" {
+				return d.Errf("%s lease_ttl: %q is not %s", name, vals[0], want)
+			}
+			e.LeaseTTL = ttl
+		default:
+			return d.Errf("unknown %s etcd option %q (options: advertise, key_prefix, lease_ttl, tls)", name, sub)
+		}
+	}
+	return nil
+}
+
+// readEtcdTLS reads the tls block of `ha etcd`.
+func readEtcdTLS(e *EtcdElection, d *caddyfile.Dispenser) error {
+	if d.NextArg() {
+		return d.Errf("ha etcd tls takes a block, not %q", d.Val())
+	}
+	t := new(EtcdTLS)
+	e.TLS = t
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		sub, vals := d.Val(), d.RemainingArgs()
+		switch {
+		case sub == "client_cert" && len(vals) == 2:
+			t.ClientCert, t.ClientKey = vals[0], vals[1]
+		case sub == "client_cert":
+			return d.Errf("ha etcd tls client_cert takes a certificate file and a key file")
+		case sub != "ca" && sub != "server_name":
+			return d.Errf("unknown ha etcd tls option %q (options: ca, client_cert, server_name)", sub)
+		case len(vals) != 1:
+			return d.Errf("ha etcd tls %s takes exactly one value, got %d", sub, len(vals))
+		case sub == "ca":
+			t.CA = vals[0]
+		default:
+			t.ServerName = vals[0]
+		}
+	}
+	return nil
 }
 
 // optionNames lists the handler's Caddyfile options for error messages.

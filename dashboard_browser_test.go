@@ -31,6 +31,7 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/etcdtest"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -127,11 +128,27 @@ func TestDashboardShowsTenants(t *testing.T) {
 	if n := tab.count("#tenants tr"); n != 0 {
 		t.Fatalf("%d tenant rows before any job named a tenant", n)
 	}
+	if tab.count("#ha-card[hidden]") != 1 {
+		t.Fatal("the page shows an active router without ha")
+	}
 	rp := r.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"x","size":"8x8"}`, "X-Tenant", "trainer-1")
 	testrouter.ExpectStatus(t, "job", rp, 200)
 	waitUntil(t, 20*time.Second, "a row for the tenant trainer-1", func() bool {
 		return tab.count(`#tenants tr[data-name="trainer-1"]`) == 1
 	})
+}
+
+// With ha, the page says whether this router leads, and once it no
+// longer does (etcd gone, its lease run out), that it stands by.
+func TestDashboardShowsTheActiveRouter(t *testing.T) {
+	tab := startBrowser(t)
+	etcd := etcdtest.Start(t)
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	r := testrouter.Start(t, haRouter(etcd, ws, "advertise http://router-a:8080"))
+	tab.navigate(r.Base + "/dashboard")
+	waitUntil(t, 20*time.Second, "the page to say this router leads", func() bool { return tab.text("#ha") == "this router" })
+	etcd.Stop()
+	waitUntil(t, 20*time.Second, "the page to say this router stands by", func() bool { return strings.HasPrefix(tab.text("#ha"), "standby") })
 }
 
 func TestDashboardShowsAdapters(t *testing.T) {

@@ -117,6 +117,11 @@ type Handler struct {
 	// starts. Default: kept, under diffusion_router/<pool>/fleet.json.
 	PersistOff bool `json:"persist_off,omitempty"`
 
+	// HA makes the router one of several that share the pool, of which
+	// one, elected, serves it. Default: none, the router is the pool's
+	// only one.
+	HA HA `json:"ha,omitzero"`
+
 	ctx      context.Context // ends when the config is unloaded
 	pool     *pool
 	dispatch scheduler.Config
@@ -132,6 +137,7 @@ type Handler struct {
 	control  *http.ServeMux // the api's routes
 	guard    *workerurl.Guard
 	found    *discovery // nil without DNS names
+	ha       *haConfig  // nil without `ha`
 	forwards pathSet
 	logger   *zap.Logger
 }
@@ -188,6 +194,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		Models: &p.models, EngineMetrics: &p.metrics, Operations: weightUpdates,
 		AbortMemory: time.Duration(h.Queue.AbortMemory),
 	}
+	if h.ha != nil {
+		h.api.HA = p.election
+	}
 	h.control = h.api.Mux()
 	if err := registerMetrics(ctx); err != nil {
 		return err
@@ -198,7 +207,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
-	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.Client(), logger: h.logger, switcher: fleet.NewSwitcher(p.fleet), weights: &h.weights})
+	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.Client(), logger: h.logger, switcher: fleet.NewSwitcher(p.fleet), weights: &h.weights, ha: h.ha})
 	if found != nil {
 		app.(*HealthApp).discover(found)
 	}
@@ -236,6 +245,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	switch {
 	case dotted:
 		err = control.WriteError(rec, http.StatusBadRequest, "the path must not have . or .. segments")
+	case !h.pool.election.Leading() && !standbyServes(r, answered):
+		err = h.refuseAsStandby(rec)
 	case !answered && hasEscapedSeparator(r.URL):
 		err = control.WriteError(rec, http.StatusBadRequest, "the path must not hold %2F, %5C or \\: a worker decodes them and would read another path")
 	case !answered && !h.forwards.has(r.URL.Path):

@@ -203,8 +203,8 @@ func (d *discovery) report(l *dnsLookup, c scheduler.FoundChange) {
 // welcome learns what the workers that joined can generate, in parallel,
 // and starts bringing them to the pool's weights, as a registration does.
 func (d *discovery) welcome(ctx context.Context, joined []string) {
-	if len(joined) == 0 {
-		return
+	if len(joined) == 0 || !d.h.pool.election.Leading() {
+		return // a standby calls no worker; it probes them all once it leads
 	}
 	var wg sync.WaitGroup
 	for _, u := range joined {

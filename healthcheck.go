@@ -10,9 +10,11 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
+	"github.com/miles-rollout/miles-diffusion-router/internal/ha"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
@@ -48,12 +50,14 @@ const (
 
 // HealthApp runs the active health checks of the pools its config uses,
 // starts each pool the first time (reads its record back from Caddy's
-// storage and keeps it written, see fleetStore), and runs the config's DNS
-// discovery of workers. diffusion_router adds it to the config it is part
+// storage and keeps it written, see fleetStore), runs each pool's
+// election as the config's `ha` says, and runs the config's DNS discovery
+// of workers. diffusion_router adds it to the config it is part
 // of, so probing and lookups start when Caddy starts that config and stop
 // when it is unloaded, and `caddy validate`, which starts nothing, probes,
 // reads and looks up nothing.
 type HealthApp struct {
+	ctx         caddy.Context // for the http app, which says where the routers listen
 	mu          sync.Mutex
 	probers     []*prober
 	discoveries []*discovery
@@ -67,6 +71,12 @@ func (*HealthApp) CaddyModule() caddy.ModuleInfo {
 		ID:  "diffusion_health",
 		New: func() caddy.Module { return new(HealthApp) },
 	}
+}
+
+// Provision keeps the config's context.
+func (a *HealthApp) Provision(ctx caddy.Context) error {
+	a.ctx = ctx
+	return nil
 }
 
 // watch asks the app to probe pool's workers once it starts; one prober
@@ -89,20 +99,47 @@ func (a *HealthApp) discover(d *discovery) {
 	a.discoveries = append(a.discoveries, d)
 }
 
-// Start starts probing, once each pool has read its record back, and
-// looking up.
+// Start starts each pool's election, probing once each pool has read its
+// record back, and looking up.
 func (a *HealthApp) Start() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if err := a.elect(); err != nil {
+		return err
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	a.cancel = cancel
 	for _, pr := range a.probers {
 		pr.pool.store.StartOnce()
-		pr.pool.UseSwitcher(pr.switcher)
 		scheduler.GoSafely(&a.finished, pr.logger, "health checks of pool "+pr.pool.Name(), func() { pr.run(ctx) })
 	}
 	for _, d := range a.discoveries {
 		scheduler.GoSafely(&a.finished, d.h.logger, "DNS discovery of pool "+d.h.Pool, func() { d.run(ctx) })
+	}
+	return nil
+}
+
+// elect runs each pool's election as the config says: a campaign lives
+// with the pool, not the config, so that a reload hands nothing over.
+func (a *HealthApp) elect() error {
+	var app *caddyhttp.App
+	for _, pr := range a.probers {
+		var cfg *ha.Config
+		key := ""
+		if pr.ha != nil {
+			if app == nil {
+				v, err := a.ctx.App("http")
+				if err != nil {
+					return err
+				}
+				app = v.(*caddyhttp.App)
+			}
+			c, k := pr.ha.campaign(app)
+			cfg, key = &c, k
+		}
+		if err := pr.pool.election.elect(cfg, key); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -127,34 +164,62 @@ type prober struct {
 	cfg      *scheduler.HealthConfig
 	client   *http.Client
 	logger   *zap.Logger
-	switcher scheduler.Switcher // how the pool changes workers' adapters, from the start on
+	switcher scheduler.Switcher // how the pool changes workers' adapters, once the router leads
 	weights  *fleet.Config      // how a worker found again after it missed an update catches up
+	ha       *haConfig          // the pool's HA group; nil: the router is the pool's only one
 }
 
+// run probes while the router is its pool's active one, and waits while
+// it stands by: a standby calls no worker.
 func (pr *prober) run(ctx context.Context) {
-	var probes sync.WaitGroup
-	defer probes.Wait()
-	for _, u := range pr.pool.Unverified() { // read back from storage: probed at once, not in turn
-		scheduler.GoSafely(&probes, pr.logger, "health probe of "+u, func() { pr.probe(ctx, u) })
-	}
+	election := pr.pool.election
 	for ctx.Err() == nil {
-		urls := pr.pool.URLs()
-		// Each round takes one interval, give or take a tenth, so that
-		// routers started together drift apart.
-		round := time.Duration(float64(pr.cfg.Interval) * (0.9 + 0.2*rand.Float64()))
-		if len(urls) == 0 {
-			scheduler.Sleep(ctx, round)
+		changed := election.changes() // taken first, so that no change is missed
+		if election.Leading() {
+			pr.lead(ctx)
 			continue
 		}
-		for _, u := range urls {
-			scheduler.GoSafely(&probes, pr.logger, "health probe of "+u, func() { pr.probe(ctx, u) })
-			if !scheduler.Sleep(ctx, round/time.Duration(len(urls))) {
-				return
-			}
+		select {
+		case <-ctx.Done():
+		case <-changed:
 		}
-		for _, u := range pr.pool.CheckStalls(pr.cfg) {
-			pr.logger.Warn("job overran its predicted time; worker gets no new jobs until it ends", zap.String("worker", u))
+	}
+}
+
+// lead probes the workers until ctx ends or the router no longer leads.
+// From the first time the router leads, placement may switch adapters:
+// a router that loses the lead keeps it, for the jobs it holds.
+func (pr *prober) lead(ctx context.Context) {
+	var probes sync.WaitGroup
+	defer probes.Wait()
+	pr.pool.UseSwitcher(pr.switcher)
+	// Read back from storage, or not probed since the router took the
+	// lead: probed at once, not in turn.
+	for _, u := range pr.pool.Unverified() {
+		scheduler.GoSafely(&probes, pr.logger, "health probe of "+u, func() { pr.probe(ctx, u) })
+	}
+	for ctx.Err() == nil && pr.pool.election.Leading() {
+		pr.round(ctx, &probes)
+	}
+}
+
+// round probes every worker once over an interval, give or take a tenth,
+// so that routers started together drift apart.
+func (pr *prober) round(ctx context.Context, probes *sync.WaitGroup) {
+	urls := pr.pool.URLs()
+	round := time.Duration(float64(pr.cfg.Interval) * (0.9 + 0.2*rand.Float64()))
+	if len(urls) == 0 {
+		scheduler.Sleep(ctx, round)
+		return
+	}
+	for _, u := range urls {
+		scheduler.GoSafely(probes, pr.logger, "health probe of "+u, func() { pr.probe(ctx, u) })
+		if !scheduler.Sleep(ctx, round/time.Duration(len(urls))) || !pr.pool.election.Leading() {
+			return
 		}
+	}
+	for _, u := range pr.pool.CheckStalls(pr.cfg) {
+		pr.logger.Warn("job overran its predicted time; worker gets no new jobs until it ends", zap.String("worker", u))
 	}
 }
 

@@ -107,6 +107,7 @@ var (
 	descQueueBy   = newDesc("priority_queue_length", "Generation jobs waiting in the pool's queue, by priority.", "pool", "priority")
 	descServing   = newDesc("serving_workers", "Workers of the pool that may be given jobs.", "pool")
 	descBacklog   = newDesc("backlog_seconds", "Predicted time for the pool's workers to finish every job running and waiting, at their learned speeds.", "pool")
+	descHALeader  = newDesc("ha_leader", "1 while this router is the active one of the pool's HA group, 0 while it stands by; only for pools with ha.", "pool")
 	descAborted   = newDesc("aborted_total", "Generation jobs ended by POST /abort_request, by where they were (waiting, running), and requests refused on arrival because an abort remembers their id (resent).", "pool", "state")
 
 	tenantLabels      = []string{"pool", "tenant"}
@@ -132,7 +133,7 @@ type poolCollector struct{}
 
 // Describe sends the descriptors of the per-worker series.
 func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descBacklog, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted,
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descBacklog, descHALeader, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted,
 		descAdapterSwitches, descAdapterSwitchTime, descAdapterSwitchFails, descAdapterWaiting, descAdapterHolders} {
 		ch <- d
 	}
@@ -153,6 +154,9 @@ func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.ServingCount()), p.Name())
 		ch <- prometheus.MustNewConstMetric(descBacklog, prometheus.GaugeValue, p.Backlog().Seconds(), p.Name())
 		collectAborts(ch, p.Name(), p.AbortStats())
+		if p.election.inGroup() {
+			ch <- prometheus.MustNewConstMetric(descHALeader, prometheus.GaugeValue, boolFloat(p.election.Leading()), p.Name())
+		}
 		for _, a := range p.Adapters() { // the declared ones: bounded labels
 			ch <- prometheus.MustNewConstMetric(descAdapterSwitches, prometheus.CounterValue, float64(a.Switches), p.Name(), a.Name)
 			ch <- prometheus.MustNewConstMetric(descAdapterSwitchTime, prometheus.CounterValue, a.SwitchSeconds, p.Name(), a.Name)

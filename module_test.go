@@ -444,7 +444,8 @@ func TestValidateStartsNothing(t *testing.T) {
 		}
 	}()
 	worker := "http://" + ln.Addr().String()
-	cfgJSON, err := testrouter.AdaptSite(testrouter.Port(t), "", "diffusion_router validate-pool {\n workers "+worker+"\n}")
+	// It is etcd too: validating a config with `ha etcd` campaigns nowhere.
+	cfgJSON, err := testrouter.AdaptSite(testrouter.Port(t), "", "diffusion_router validate-pool {\n workers "+worker+"\n ha etcd "+worker+"\n}")
 	if err != nil {
 		t.Fatal(err)
 	}

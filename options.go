@@ -366,7 +366,7 @@ func optionError(caddyfileName, jsonPath, format string, args ...any) error {
 // options into the values the handler works with.
 func (h *Handler) provisionOptions() error {
 	h.Pool = cmp.Or(h.Pool, defaultPoolName)
-	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers, h.provisionDiscovery, h.provisionForwardPaths, h.provisionAnswers, h.provisionAdapters}
+	steps := []func() error{h.provisionDispatch, h.provisionCosts, h.provisionWeights, h.provisionHealth, h.provisionAdmin, h.provisionWorkers, h.provisionDiscovery, h.provisionForwardPaths, h.provisionAnswers, h.provisionAdapters, h.provisionHA}
 	for _, step := range steps {
 		if err := step(); err != nil {
 			return err

@@ -78,19 +78,26 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 // answers the handler makes from a call to every worker.
 type pool struct {
 	*scheduler.Pool
-	fleet   *fleet.Fleet         // its operations over every worker
-	store   *fleet.Store         // its record in Caddy's storage
-	models  control.SharedAnswer // the union of the workers' model lists
-	metrics control.SharedAnswer // the workers' engine metrics
+	fleet    *fleet.Fleet         // its operations over every worker
+	store    *fleet.Store         // its record in Caddy's storage
+	models   control.SharedAnswer // the union of the workers' model lists
+	metrics  control.SharedAnswer // the workers' engine metrics
+	election *election            // its standing among the routers that share it
 }
 
 func newPool(name string) *pool {
 	logger := caddy.Log().Named("diffusion_router").With(zap.String("pool", name))
 	p := scheduler.New(name, logger)
 	f := fleet.New(p, logger)
-	return &pool{Pool: p, fleet: f, store: fleet.NewStore(p, f, logger)}
+	pl := &pool{Pool: p, fleet: f, store: fleet.NewStore(p, f, logger)}
+	pl.election = newElection(pl, logger)
+	return pl
 }
 
 // Destruct implements caddy.Destructor: the last config using the pool
-// is unloaded.
-func (p *pool) Destruct() error { return p.Close() }
+// is unloaded. A leader resigns first, so that a standby takes over at
+// once.
+func (p *pool) Destruct() error {
+	_ = p.election.elect(nil, "")
+	return p.Close()
+}

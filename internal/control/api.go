@@ -74,6 +74,40 @@ type API struct {
 	// AbortMemory is how long the request ids and prefixes an abort names
 	// are refused after it, resends included.
 	AbortMemory time.Duration
+
+	// HA is this router's standing in the pool's high-availability group,
+	// shown by /health, /readyz, /workers and the status page; nil: the
+	// router is the pool's only one, and they show none.
+	HA Standing
+}
+
+// Standing is a router's place in its pool's high-availability group.
+type Standing interface {
+	// Leading reports whether this router is the pool's active one.
+	Leading() bool
+	// Leader is the active router's advertised URL, "" while none is
+	// known.
+	Leader() string
+}
+
+// haJSON is the standing as the answers show it; nil without a group.
+func (a *API) haJSON() map[string]any {
+	if a.HA == nil {
+		return nil
+	}
+	var leader any // null while no router leads
+	if l := a.HA.Leader(); l != "" {
+		leader = l
+	}
+	return map[string]any{"leading": a.HA.Leading(), "leader": leader}
+}
+
+// withHA adds the standing to an answer, when the router is in a group.
+func (a *API) withHA(answer map[string]any) map[string]any {
+	if ha := a.haJSON(); ha != nil {
+		answer["ha"] = ha
+	}
+	return answer
 }
 
 // Mux routes the control endpoints. Any other method on one of their

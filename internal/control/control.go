@@ -238,7 +238,7 @@ func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
 	stats := a.Pool.Stats()
-	_ = WriteJSON(w, code, map[string]any{
+	_ = WriteJSON(w, code, a.withHA(map[string]any{
 		"status":                 status,
 		"healthy_workers":        healthy,
 		"total_workers":          len(workers),
@@ -254,18 +254,24 @@ func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		"aborted":                a.Pool.AbortStats(),
 		"weight_version":         stats.Version,
 		"updating_to":            stats.UpdatingTo,
-	})
+	}))
 }
 
 // serveReady is /readyz, for a load balancer in front of several routers:
-// 200 when at least min_ready workers serve.
+// 200 when the router is its pool's active one and at least min_ready
+// workers serve. A standby answers 503, so that nothing is sent to it.
 func (a *API) serveReady(w http.ResponseWriter, _ *http.Request) {
 	ready := a.Pool.ServingCount()
+	standby := a.HA != nil && !a.HA.Leading()
 	code := http.StatusOK
-	if ready < a.MinReady {
+	if ready < a.MinReady || standby {
 		code = http.StatusServiceUnavailable
 	}
-	_ = WriteJSON(w, code, map[string]any{"ready": code == http.StatusOK, "serving_workers": ready, "min_ready": a.MinReady})
+	answer := a.withHA(map[string]any{"ready": code == http.StatusOK, "serving_workers": ready, "min_ready": a.MinReady})
+	if standby {
+		answer["standby"] = true
+	}
+	_ = WriteJSON(w, code, answer)
 }
 
 // serveAlive is /healthz: the router process is alive.
@@ -279,7 +285,7 @@ func (a *API) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 	for i, wk := range workers {
 		out[i] = newWorkerJSON(wk)
 	}
-	resp := map[string]any{"workers": out, "queued_by_priority": priorityCounts(a.Pool.Stats().ByPriority), "aborted": a.Pool.AbortStats()}
+	resp := a.withHA(map[string]any{"workers": out, "queued_by_priority": priorityCounts(a.Pool.Stats().ByPriority), "aborted": a.Pool.AbortStats()})
 	if tenants := a.Pool.Tenants(); len(tenants) > 0 {
 		resp["tenants"] = tenants
 	}

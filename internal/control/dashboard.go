@@ -45,7 +45,7 @@ func (a *API) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 		}
 	}
 	stats := a.Pool.Stats()
-	_ = WriteJSON(w, http.StatusOK, map[string]any{
+	_ = WriteJSON(w, http.StatusOK, a.withHA(map[string]any{
 		"tenants":            a.Pool.Tenants(),
 		"adapters":           a.Pool.Adapters(),
 		"pool":               a.Pool.Name(),
@@ -59,5 +59,5 @@ func (a *API) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 		"total_workers":      len(workers),
 		"weight_version":     stats.Version,
 		"workers":            out,
-	})
+	}))
 }

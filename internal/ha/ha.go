@@ -42,6 +42,7 @@ const retryPause = time.Second
 type Role struct {
 	cfg     Config
 	changed chan struct{}
+	ended   chan struct{}
 
 	mu      sync.Mutex
 	leading bool
@@ -60,8 +61,9 @@ func Campaign(ctx context.Context, cfg Config) (*Role, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &Role{cfg: cfg, changed: make(chan struct{}, 1)}
+	r := &Role{cfg: cfg, changed: make(chan struct{}, 1), ended: make(chan struct{})}
 	go func() {
+		defer close(r.ended)
 		defer client.Close()
 		for ctx.Err() == nil {
 			if err := r.term(ctx, client); err != nil && ctx.Err() == nil {
@@ -88,6 +90,11 @@ func (r *Role) Leader() string {
 
 // Changed receives a value after Leading or Leader changes.
 func (r *Role) Changed() <-chan struct{} { return r.changed }
+
+// Ended is closed once the campaign is over after ctx ended: a leader has
+// resigned, so a process that waits for it before exiting hands over at
+// once rather than after the lease.
+func (r *Role) Ended() <-chan struct{} { return r.ended }
 
 // term runs one etcd session: observe who leads, campaign, and lead until
 // the session's lease is lost or ctx ends.

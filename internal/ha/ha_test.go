@@ -82,6 +82,28 @@ func TestStandbyLeadsWhenTheLeaderStops(t *testing.T) {
 	}
 }
 
+func TestEndedClosesOnceTheCampaignIsOver(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	role, stop := campaign(t, etcd, "a")
+	if !testkit.WaitUntil(takeover, role.Leading) {
+		t.Fatal("a lone router did not lead")
+	}
+	select {
+	case <-role.Ended():
+		t.Fatal("Ended closed while the campaign runs")
+	default:
+	}
+	stop()
+	select {
+	case <-role.Ended():
+	case <-time.After(takeover):
+		t.Fatalf("Ended not closed %v after the campaign's context ended", takeover)
+	}
+	if role.Leading() {
+		t.Fatal("the router still says it leads after its campaign ended")
+	}
+}
+
 func TestLeaderCutOffFromEtcdStopsLeading(t *testing.T) {
 	etcd := etcdtest.Start(t)
 	role, _ := campaign(t, etcd, "a")

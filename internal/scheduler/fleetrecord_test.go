@@ -109,6 +109,27 @@ func TestWorkerReadBackFailingItsProbeIsUnhealthy(t *testing.T) {
 	}
 }
 
+// A router taking over its pool gives no job to a worker before a probe
+// since then has passed: one that died meanwhile gets none.
+func TestReverifiedWorkerServesOnceAProbePasses(t *testing.T) {
+	p := newPool(t.Name())
+	p.Declare([]string{"http://a:1", "http://b:1"})
+	p.Reverify()
+	if urls := p.Unverified(); !slices.Equal(urls, []string{"http://a:1", "http://b:1"}) {
+		t.Fatalf("unverified = %v after Reverify", urls)
+	}
+	if n := p.ServingCount(); n != 0 {
+		t.Fatalf("%d workers serve before any probe", n)
+	}
+	if p.RecordProbe("http://a:1", nil, testHealth) != BecameHealthy || infoOf(t, p, "http://a:1").State != Serving {
+		t.Fatal("a reverified worker does not serve after its probe passed")
+	}
+	p.RecordProbe("http://b:1", errProbe, testHealth)
+	if st := infoOf(t, p, "http://b:1").State; st == Serving {
+		t.Fatal("a reverified worker that failed its probe serves")
+	}
+}
+
 // An update that ran before the record was read is newer than it: the
 // pool keeps its weights, and a worker read back catches up with them.
 func TestRecordOlderThanAnUpdateLeavesTheWeights(t *testing.T) {

@@ -120,8 +120,21 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 	return joined, adopted
 }
 
-// Unverified returns the workers read back from storage that no health
-// probe has judged yet.
+// Reverify makes every worker unverified: out until a health probe
+// passes, as the workers read back from storage are. A router that takes
+// over its pool from another calls it: what it knows of the workers is as
+// old as its last probe, and a worker that died meanwhile must not get the
+// first jobs.
+func (p *Pool) Reverify() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, w := range p.workers {
+		w.health.down, w.health.unverified = true, true
+	}
+}
+
+// Unverified returns the workers read back from storage, or left
+// unverified by Reverify, that no health probe has judged yet.
 func (p *Pool) Unverified() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()

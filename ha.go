@@ -1,0 +1,428 @@
+package diffusionrouter
+
+import (
+	"cmp"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/control"
+	"github.com/miles-rollout/miles-diffusion-router/internal/ha"
+)
+
+// High availability. With `ha etcd`, the routers of a pool elect one
+// active router through etcd (internal/ha, the only etcd code). The others
+// stand by: they show the fleet as they last saw it and refuse everything
+// else with 503 naming the active router, and they neither probe workers
+// nor call them. Without it, the pool's election holds no campaign and
+// always leads: no etcd code runs and a request costs one atomic load.
+
+// HA is how the routers that share a pool pick the one that serves it.
+type HA struct {
+	// Etcd elects the active router through etcd. Default: none, the
+	// router is the pool's only one.
+	Etcd *EtcdElection `json:"etcd,omitempty"`
+}
+
+// EtcdElection is an election of the active router in etcd: the routers
+// with the same pool and KeyPrefix form one group, of which one leads.
+type EtcdElection struct {
+	// Endpoints are etcd's client URLs, all http://host:port or all
+	// https://host:port. Required.
+	Endpoints []string `json:"endpoints,omitempty"`
+
+	// KeyPrefix is where the group's keys live in etcd: the election is
+	// <key_prefix>/<pool>. Default /diffusion-router.
+	KeyPrefix string `json:"key_prefix,omitempty"`
+
+	// LeaseTTL is the lease of the active router: a standby takes over
+	// within it of the active router's death, and an active router cut
+	// off from etcd stops taking jobs once it can no longer renew it.
+	// Whole seconds, at least 1s, as etcd's leases count seconds. Default 5s.
+	LeaseTTL caddy.Duration `json:"lease_ttl,omitempty"`
+
+	// Advertise is the URL clients and operators reach this router at;
+	// standbys name it as the active router. Placeholders such as
+	// {env.POD_IP} are expanded when the config loads. Default:
+	// http://<hostname>:<port>, the port of the first address the
+	// server that holds the handler listens on (https when it serves TLS).
+	Advertise string `json:"advertise,omitempty"`
+
+	// TLS is how the router checks etcd and shows itself to it, for
+	// https:// endpoints. Default: etcd's certificate is checked against
+	// the system's roots, and the router shows none.
+	TLS *EtcdTLS `json:"tls,omitempty"`
+}
+
+// EtcdTLS is the TLS of the connection to etcd.
+type EtcdTLS struct {
+	// CA is a PEM file of the certificates that sign etcd's, in place of
+	// the system's roots.
+	CA string `json:"ca,omitempty"`
+
+	// ClientCert and ClientKey are PEM files of the certificate and key
+	// the router shows to an etcd that checks its clients
+	// (--client-cert-auth). Both or neither.
+	ClientCert string `json:"client_cert,omitempty"`
+	ClientKey  string `json:"client_key,omitempty"`
+
+	// ServerName is the name etcd's certificate must carry. Default: the
+	// endpoint's host.
+	ServerName string `json:"server_name,omitempty"`
+}
+
+// Defaults of `ha etcd`.
+const (
+	defaultKeyPrefix = "/diffusion-router"
+	defaultLeaseTTL  = 5 * time.Second
+)
+
+// haConfig is a handler's `ha etcd`, ready for its pool's election.
+type haConfig struct {
+	ha.Config
+	options string   // the options as provisioned, to tell whether a reload changes them
+	handler *Handler // which server holds it says the default identity
+}
+
+// provisionHA checks `ha etcd` and reads its files; it dials nobody.
+func (h *Handler) provisionHA() error {
+	e := h.HA.Etcd
+	if e == nil {
+		return nil
+	}
+	secure, err := checkEndpoints(e.Endpoints)
+	if err != nil {
+		return optionError("ha etcd", "ha.etcd.endpoints", "%v", err)
+	}
+	e.KeyPrefix = cmp.Or(e.KeyPrefix, defaultKeyPrefix)
+	e.LeaseTTL = cmp.Or(e.LeaseTTL, caddy.Duration(defaultLeaseTTL))
+	if ttl := time.Duration(e.LeaseTTL); ttl < time.Second || ttl%time.Second != 0 {
+		return optionError("lease_ttl", "ha.etcd.lease_ttl", "must be whole seconds, at least 1s (etcd's leases count seconds), got %s", ttl)
+	}
+	identity, err := advertised(e.Advertise)
+	if err != nil {
+		return optionError("advertise", "ha.etcd.advertise", "%v", err)
+	}
+	tlsConfig, err := etcdTLS(e.TLS, secure)
+	if err != nil {
+		return optionError("tls", "ha.etcd.tls", "%v", err)
+	}
+	options, err := json.Marshal(e)
+	if err != nil {
+		return err
+	}
+	h.ha = &haConfig{handler: h, options: string(options), Config: ha.Config{
+		Endpoints: e.Endpoints, KeyPrefix: e.KeyPrefix, Pool: h.Pool,
+		LeaseTTL: time.Duration(e.LeaseTTL), Identity: identity, TLS: tlsConfig,
+	}}
+	return nil
+}
+
+// checkEndpoints checks etcd's client URLs and reports whether they are
+// https.
+func checkEndpoints(endpoints []string) (secure bool, err error) {
+	if len(endpoints) == 0 {
+		return false, fmt.Errorf("needs at least one etcd endpoint, like http://etcd:2379")
+	}
+	schemes := map[string]bool{}
+	for _, raw := range endpoints {
+		u, err := url.Parse(raw)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.User != nil ||
+			(u.Path != "" && u.Path != "/") || u.RawQuery != "" || u.Fragment != "" {
+			return false, fmt.Errorf("%q is not an etcd client URL like http://etcd:2379", raw)
+		}
+		schemes[u.Scheme] = true
+	}
+	if len(schemes) > 1 {
+		return false, fmt.Errorf("endpoints mix http:// and https://; give all of one")
+	}
+	return schemes["https"], nil
+}
+
+// advertised expands and checks the advertise option; "" stays "", for
+// the default worked out as the router starts.
+func advertised(raw string) (string, error) {
+	if raw == "" {
+		return "", nil
+	}
+	v := caddy.NewReplacer().ReplaceAll(raw, "")
+	u, err := url.Parse(v)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return "", fmt.Errorf("%q is not a URL like http://router-0.router:8080", v)
+	}
+	return v, nil
+}
+
+// etcdTLS is the TLS config of the connection to etcd; nil for http://
+// endpoints, which take no tls block.
+func etcdTLS(t *EtcdTLS, secure bool) (*tls.Config, error) {
+	if !secure {
+		if t != nil {
+			return nil, fmt.Errorf("needs https:// endpoints")
+		}
+		return nil, nil
+	}
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
+	if t == nil {
+		return cfg, nil
+	}
+	cfg.ServerName = t.ServerName
+	if t.CA != "" {
+		pem, err := os.ReadFile(t.CA)
+		if err != nil {
+			return nil, fmt.Errorf("ca: %v", err)
+		}
+		cfg.RootCAs = x509.NewCertPool()
+		if !cfg.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("ca: %s holds no PEM certificate", t.CA)
+		}
+	}
+	if (t.ClientCert == "") != (t.ClientKey == "") {
+		return nil, fmt.Errorf("client_cert needs both a certificate and a key file")
+	}
+	if t.ClientCert != "" {
+		cert, err := tls.LoadX509KeyPair(t.ClientCert, t.ClientKey)
+		if err != nil {
+			return nil, fmt.Errorf("client_cert: %v", err)
+		}
+		cfg.Certificates = []tls.Certificate{cert}
+	}
+	return cfg, nil
+}
+
+// election is a pool's standing in its HA group for as long as the pool
+// lives: the campaign of the config started last, kept across reloads
+// that leave `ha` as it was, so that a reload hands nothing over. It is
+// what control.Standing asks.
+type election struct {
+	pool     *pool
+	logger   *zap.Logger
+	running  atomic.Pointer[campaign] // nil: no `ha`, the router is the pool's only one
+	electing sync.Mutex               // one elect at a time
+
+	mu      sync.Mutex    // guards changed
+	changed chan struct{} // closed and replaced when the standing changes
+}
+
+// campaign is one run of the pool's election, with one config.
+type campaign struct {
+	key      string // the config, to tell whether a reload changes it
+	role     *ha.Role
+	stop     context.CancelFunc
+	followed chan struct{} // closed once follow has returned
+	// leading: the role leads and the workers were made unverified since
+	// it took the lead, so that every worker passes a probe before a job.
+	leading atomic.Bool
+}
+
+func newElection(p *pool, logger *zap.Logger) *election {
+	return &election{pool: p, logger: logger, changed: make(chan struct{})}
+}
+
+// elect runs the pool's campaign with cfg, or none when cfg is nil. A
+// campaign whose config has the same key goes on; another one ends
+// first, so that a router never campaigns twice.
+func (e *election) elect(cfg *ha.Config, key string) error {
+	e.electing.Lock()
+	defer e.electing.Unlock()
+	old := e.running.Load()
+	if old == nil && cfg == nil || old != nil && old.key == key {
+		return nil
+	}
+	if old != nil {
+		old.end() // it leads no more from here on, so no gap where the router would lead alone
+	}
+	if cfg == nil {
+		e.running.Store(nil)
+		e.broadcast()
+		return nil
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	role, err := ha.Campaign(ctx, *cfg)
+	if err != nil {
+		cancel()
+		return fmt.Errorf("ha etcd: %w", err)
+	}
+	c := &campaign{key: key, role: role, stop: cancel, followed: make(chan struct{})}
+	e.running.Store(c)
+	go e.follow(ctx, c)
+	return nil
+}
+
+// end stops the campaign and waits until a leader has resigned.
+func (c *campaign) end() {
+	c.stop()
+	<-c.role.Ended()
+	<-c.followed
+}
+
+// follow turns the role's changes into the pool's standing: a router that
+// takes the lead makes every worker unverified before it says it leads.
+func (e *election) follow(ctx context.Context, c *campaign) {
+	defer close(c.followed)
+	for {
+		select {
+		case <-ctx.Done():
+			c.leading.Store(false)
+			return
+		case <-c.role.Changed():
+		}
+		leading := c.role.Leading()
+		if leading && !c.leading.Load() {
+			e.pool.Reverify()
+			e.logger.Info("this router leads the pool; it probes every worker before it sends jobs")
+		} else if !leading && c.leading.Load() {
+			e.logger.Warn("this router no longer leads the pool: it takes no new jobs and finishes those it holds",
+				zap.String("leader", c.role.Leader()))
+		}
+		c.leading.Store(leading)
+		e.broadcast()
+	}
+}
+
+func (e *election) broadcast() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	close(e.changed)
+	e.changed = make(chan struct{})
+}
+
+// changes is closed at the next change of the standing.
+func (e *election) changes() <-chan struct{} {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.changed
+}
+
+// Leading reports whether this router is the pool's active one: always,
+// without `ha`.
+func (e *election) Leading() bool {
+	c := e.running.Load()
+	return c == nil || c.leading.Load() && c.role.Leading()
+}
+
+// Leader is the active router's identity, "" while none is known or
+// without `ha`.
+func (e *election) Leader() string {
+	if c := e.running.Load(); c != nil {
+		return c.role.Leader()
+	}
+	return ""
+}
+
+// inGroup reports whether the pool runs a campaign.
+func (e *election) inGroup() bool { return e.running.Load() != nil }
+
+// refuseAsStandby answers a request a standby does not serve: 503 naming
+// the active router, to be retried there, or here after a second.
+func (h *Handler) refuseAsStandby(w http.ResponseWriter) error {
+	w.Header().Set("Retry-After", "1")
+	leader := h.pool.election.Leader()
+	if leader == "" {
+		return control.WriteJSON(w, http.StatusServiceUnavailable, map[string]any{
+			"error":  fmt.Sprintf("this router is a standby of pool %s and no router leads it right now; retry in a second", h.Pool),
+			"leader": nil,
+		})
+	}
+	return control.WriteJSON(w, http.StatusServiceUnavailable, map[string]any{
+		"error":  fmt.Sprintf("this router is a standby of pool %s; send requests to the active router, %s", h.Pool, leader),
+		"leader": leader,
+	})
+}
+
+// standbyServes reports whether a standby answers r: the requests that
+// show the router and its fleet, so that an operator can see who leads.
+func standbyServes(r *http.Request, answered bool) bool {
+	if !answered || (r.Method != http.MethodGet && r.Method != http.MethodHead) {
+		return false
+	}
+	switch r.URL.Path {
+	case "/health", "/healthz", "/readyz", "/workers", "/list_workers", "/dashboard", "/dashboard/data":
+		return true
+	}
+	return strings.HasPrefix(r.URL.Path, "/workers/")
+}
+
+// campaign is the election's config, with the identity the handler
+// advertises by default once the http app says where it listens, and the
+// key that tells it apart from another's.
+func (c *haConfig) campaign(app *caddyhttp.App) (cfg ha.Config, key string) {
+	cfg = c.Config
+	if cfg.Identity == "" {
+		cfg.Identity = defaultAdvertise(app, c.handler)
+	}
+	return cfg, c.options + " as " + cfg.Identity
+}
+
+// defaultAdvertise is http://<hostname>:<port>, the port of the first
+// address the server that holds h listens on, https when that server
+// serves TLS.
+func defaultAdvertise(app *caddyhttp.App, h *Handler) string {
+	host, err := os.Hostname()
+	if err != nil {
+		host = "localhost"
+	}
+	srv := serverOf(app, h)
+	if srv == nil || len(srv.Listen) == 0 {
+		return "http://" + host
+	}
+	scheme := "http"
+	if len(srv.TLSConnPolicies) > 0 {
+		scheme = "https"
+	}
+	addr, err := caddy.ParseNetworkAddress(srv.Listen[0])
+	if err != nil {
+		return scheme + "://" + host
+	}
+	return scheme + "://" + net.JoinHostPort(host, strconv.FormatUint(uint64(addr.StartPort), 10))
+}
+
+// serverOf is the server whose routes hold h, or else the first by name.
+func serverOf(app *caddyhttp.App, h *Handler) *caddyhttp.Server {
+	if app == nil || len(app.Servers) == 0 {
+		return nil
+	}
+	names := slices.Sorted(maps.Keys(app.Servers))
+	for _, name := range names {
+		if holds(app.Servers[name].Routes, h) {
+			return app.Servers[name]
+		}
+	}
+	return app.Servers[names[0]]
+}
+
+// holds reports whether routes, or the subroutes within them, hold h.
+func holds(routes caddyhttp.RouteList, h *Handler) bool {
+	for _, r := range routes {
+		for _, mh := range r.Handlers {
+			switch m := mh.(type) {
+			case *Handler:
+				if m == h {
+					return true
+				}
+			case *caddyhttp.Subroute:
+				if holds(m.Routes, h) {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}
