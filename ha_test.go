@@ -14,7 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
-	"github.com/miles-rollout/miles-diffusion-router/examples/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/etcdtest"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
