@@ -224,9 +224,7 @@ type PassiveHealthChecks struct {
 
 	// MaxEjectionPercent bounds the workers ejected at once, in percent
 	// of the pool (one may always be): failures on every worker say more of
-	// the jobs than of the workers, and the fleet keeps serving. A worker
-	// over MaxFails that may not be ejected serves one job at a time until
-	// one succeeds. Default 50.
+	// the jobs than of the workers, and the fleet keeps serving. Default 50.
 	MaxEjectionPercent int `json:"max_ejection_percent,omitempty"`
 
 	// StallFactor: a job running this many times longer than predicted

@@ -212,14 +212,7 @@ func (p *Pool) noteOutcomeLocked(w *worker, t *Ticket, o Outcome) time.Duration 
 	}
 	w.evidence.recentFails = append(kept, now)
 	w.evidence.lastFail = now
-	if len(w.evidence.recentFails) < cfg.MaxFails && !w.health.probation {
-		return 0
-	}
-	if !p.mayEjectLocked(now, cfg) {
-		// Too many others are out to eject it: it keeps serving, but one
-		// job at a time, as on probation, so that a worker breaking its
-		// answers at once does not draw the queue to itself.
-		w.health.probation = true
+	if len(w.evidence.recentFails) < cfg.MaxFails && !w.health.probation || !p.mayEjectLocked(now, cfg) {
 		return 0
 	}
 	d := min(cfg.EjectTime<<min(w.evidence.ejections, 20), cfg.MaxEjectTime)

@@ -314,32 +314,6 @@ func TestEjectionsAreBoundedByMaxEjectionPercent(t *testing.T) {
 	}
 }
 
-// A worker over max_fails that may not be ejected, too many others being
-// out, serves one job at a time until one succeeds: breaking its answers
-// at once, it would otherwise be the least loaded and draw the queue.
-func TestWorkerThatMayNotBeEjectedTakesOneJobAtATime(t *testing.T) {
-	p, _ := ejectingPool(t, 2)
-	cfg := ejectingConfig(LeastRequest{}, 50)
-	p.workers[1].health.down = true // the failures all go to the first
-	serveAll(t, p, cfg, Failed, 3)
-	p.workers[1].health.down = false
-	serveAll(t, p, cfg, Failed, 3) // the first is ejected: these fail on the second
-	if p.workers[1].health.ejectedUntil != 0 {
-		t.Fatal("both workers ejected under max_ejection_percent 50")
-	}
-	if w := p.Snapshot()[1]; w.State != Serving || !w.Probation {
-		t.Fatalf("a failing worker that may not be ejected is %v, probation %v; want serving on probation", w.State, w.Probation)
-	}
-	first, _ := choose(t, p, cfg, 1)
-	if placeable(p, cfg) {
-		t.Fatal("a failing worker that may not be ejected would take a second job beside its first")
-	}
-	p.Release(first, Succeeded)
-	if w := p.Snapshot()[1]; w.Probation {
-		t.Fatal("a job that succeeded did not end its probation")
-	}
-}
-
 func TestOnlyWorkerFaultsCountAgainstIt(t *testing.T) {
 	p, clock := ejectingPool(t, 1)
 	cfg := ejectingConfig(LeastRequest{}, 100)

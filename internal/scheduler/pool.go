@@ -184,7 +184,7 @@ type workerHealth struct {
 	suspect      bool  // a job of it overran its prediction: stalled
 	ejectedUntil int64 // out after failed requests until then, Unix nanoseconds
 	asleepUntil  int64 // out after it said it is asleep until then, Unix nanoseconds
-	probation    bool  // back after an ejection, or over max_fails when too many others were out to eject it: one job at a time, out at its first failure, until a job given on probation succeeds
+	probation    bool  // back after an ejection: one job at a time, out at its first failure, until a job given on probation succeeds
 }
 
 // healthEvidence is what the verdict on a worker's health rests on.
@@ -299,7 +299,7 @@ type WorkerInfo struct {
 	Cost        float64 // their total cost
 	Ejections   uint64
 	EjectedTill time.Time // zero: not ejected
-	Probation   bool      // back after an ejection, or failing with too many others out to eject it: one job at a time until one succeeds
+	Probation   bool      // back after an ejection: one job at a time until one succeeds
 
 	Speed           float64 // learned cost units per second; the pool's median while unknown
 	SpeedLearned    bool
