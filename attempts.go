@@ -78,7 +78,7 @@ func (h *Handler) proxy(rec *recorder, r *http.Request, t *scheduler.Ticket, nex
 			return h.answered(rec, t, err)
 		}
 		from := t.ServedBy()
-		if cause == badGateway && rec.held.status >= 500 {
+		if cause == badGateway && mayBeTheJobs(rec.held.status) {
 			t.Blamed = from
 		}
 		retry := h.pool.Retry
@@ -220,7 +220,14 @@ func outcomeOf(r *http.Request, t *scheduler.Ticket, err error, status int) sche
 // already. A job that fails the same way on two workers would fail on
 // all of them.
 func jobsFault(t *scheduler.Ticket, status int) bool {
-	return status >= 500 && t.Blamed != "" && t.Blamed != t.ServedBy()
+	return mayBeTheJobs(status) && t.Blamed != "" && t.Blamed != t.ServedBy()
+}
+
+// mayBeTheJobs reports whether a worker's answer of status may be the
+// job's own fault: a 5xx but 503, which says the worker takes no jobs now
+// (it is shutting down, crashed or overloaded), whatever the job.
+func mayBeTheJobs(status int) bool {
+	return status >= 500 && status != http.StatusServiceUnavailable
 }
 
 // neverSent reports whether err ended an attempt before its request

@@ -102,6 +102,21 @@ func TestJobFailingOnTwoWorkersIsTheJobsFault(t *testing.T) {
 	}
 }
 
+// A 503 says its worker takes no jobs now (shutting down, crashed), not
+// that the job is bad: two workers answering a job 503 leave it to run on
+// the third, as a worker that leaves the pool answers its jobs 503.
+func TestJobAnswered503ByTwoWorkersRunsOnTheThird(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"}, fakeworker.Config{Name: "c"})
+	a, _ := fronted(t, ws[0], http.StatusServiceUnavailable, generations)
+	b, _ := fronted(t, ws[1], http.StatusServiceUnavailable, generations)
+	r := testrouter.Start(t, "diffusion_router {\n workers "+a+" "+b+" "+ws[2].URL()+"\n policy round_robin\n max_attempts 3\n max_fails 100\n}")
+	rp := r.Post("/v1/images/generations", smallImage)
+	testrouter.ExpectStatus(t, "a job two workers answer 503", rp, http.StatusOK)
+	if ws[2].Stats().Jobs != 1 {
+		t.Fatalf("the third worker ran %d jobs; want the one two others answered 503", ws[2].Stats().Jobs)
+	}
+}
+
 // A 5xx from a worker, 500 included (sglang-diffusion's answer to most
 // scheduler errors), is its failure: the job runs again on another worker.
 func TestA500RunsAgainElsewhere(t *testing.T) {
