@@ -43,8 +43,8 @@ func TestDialGuardChecksTheResolvedAddress(t *testing.T) {
 
 	// The router's own client dials through the guard.
 	p := newPool(t.Name())
-	p.UseGuard(g)
-	_, err = p.Client().Get("http://127.0.0.1:12019/config/")
+	p.fleet.UseGuard(g)
+	_, err = p.fleet.Client().Get("http://127.0.0.1:12019/config/")
 	if err == nil || !strings.Contains(err.Error(), "blocked") {
 		t.Fatalf("the pool's client reached Caddy's admin port: %v", err)
 	}

@@ -174,7 +174,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.pool = p
-	p.UseGuard(h.guard)
+	p.fleet.UseGuard(h.guard)
 	p.SetInitialSpeed(h.LoadBalancing.InitialSpeed)
 	var storage fleet.Storage // nil: persist off
 	if !h.PersistOff {
@@ -207,7 +207,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
-	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.Client(), logger: h.logger, switcher: fleet.NewSwitcher(p.fleet), weights: &h.weights, ha: h.ha})
+	app.(*HealthApp).watch(&prober{pool: p, cfg: &h.health, client: p.fleet.Client(), logger: h.logger, switcher: fleet.NewSwitcher(p.fleet), weights: &h.weights, ha: h.ha})
 	if found != nil {
 		app.(*HealthApp).discover(found)
 	}

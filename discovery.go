@@ -208,7 +208,7 @@ func (d *discovery) welcome(ctx context.Context, joined []string) {
 	}
 	var wg sync.WaitGroup
 	for _, u := range joined {
-		scheduler.GoSafely(&wg, d.h.logger, "first probe of "+u, func() { d.h.api.Welcome(ctx, u) })
+		scheduler.GoSafely(&wg, d.h.logger, "first probe of "+u, func() { d.h.pool.fleet.Welcome(ctx, u) })
 	}
 	wg.Wait()
 	d.h.pool.fleet.StartCatchUps(&d.h.weights)

@@ -204,20 +204,20 @@ func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ti
 		return h.pinToJob(t)
 	case route.Serves == request.VideoTask:
 		t.Task = request.VideoTask
-		h.api.ProbeUnknown(r.Context())
+		h.pool.fleet.ProbeUnknown(r.Context())
 		if !h.pool.CanServe(request.VideoTask) {
 			return nil, http.StatusBadRequest, "No video-capable workers available in current worker pool."
 		}
 	case route.Serves == request.ImageTask:
 		t.Task = request.ImageTask
-		h.api.ProbeUnknown(r.Context())
+		h.pool.fleet.ProbeUnknown(r.Context())
 		if !h.pool.AnyMakes(request.ImageTask) { // as the Python router does: let a worker answer
 			t.Task = request.AnyTask
 		}
 	case t.Job:
 		// Before any update, a worker's weight version is the model id its
 		// /v1/models reports: learn it before the worker's first job.
-		h.api.ProbeUnknown(r.Context())
+		h.pool.fleet.ProbeUnknown(r.Context())
 	}
 	return t, 0, ""
 }

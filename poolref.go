@@ -99,5 +99,7 @@ func newPool(name string) *pool {
 // once.
 func (p *pool) Destruct() error {
 	_ = p.election.elect(nil, "")
-	return p.Close()
+	err := p.Close()
+	p.fleet.Close() // after the pool's catch-ups, which call workers, ended
+	return err
 }

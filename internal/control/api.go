@@ -24,7 +24,8 @@ type API struct {
 	Pool *scheduler.Pool
 
 	// Fleet runs the pool's weight updates, LoRA calls, sleep and wake,
-	// as Weights says, and Store keeps the pool's record.
+	// as Weights says, and makes every call to a worker (model lists,
+	// capability probes, metrics); Store keeps the pool's record.
 	Fleet   *fleet.Fleet
 	Weights *fleet.Config
 	Store   *fleet.Store

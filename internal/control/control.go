@@ -319,7 +319,7 @@ func (a *API) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 	}
 	if created {
 		a.Logger.Info("worker registered", zap.String("worker", info.URL))
-		a.Welcome(r.Context(), info.URL)
+		a.Fleet.Welcome(r.Context(), info.URL)
 		a.Fleet.StartCatchUps(a.Weights)
 		info, _ = a.Pool.Worker(info.URL)
 	}
@@ -343,16 +343,6 @@ func (a *API) durable(ctx context.Context, answer map[string]any) map[string]any
 		answer["warning"] = "the change took effect but is not written to storage yet, so a restart now would lose it: " + err.Error()
 	}
 	return answer
-}
-
-// Welcome learns what a worker that just joined can generate. One that
-// does not answer stays, but out until its health probes pass: a worker
-// nobody can reach must not draw jobs only to fail them. A probe cut short
-// by ctx says nothing of the worker.
-func (a *API) Welcome(ctx context.Context, workerURL string) {
-	if err := a.probe(ctx, workerURL); err != nil && ctx.Err() == nil {
-		a.Pool.SetDown(workerURL, err)
-	}
 }
 
 // workerURLFrom reads a worker URL from the query or the JSON body, and
@@ -461,7 +451,7 @@ func (a *API) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if refresh {
-		_ = a.probe(r.Context(), info.URL)
+		_ = a.Fleet.Probe(r.Context(), info.URL)
 		info, _ = a.Pool.Worker(info.URL)
 	}
 	answer := map[string]any{"status": "success"}

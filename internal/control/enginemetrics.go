@@ -42,7 +42,7 @@ func (a *API) engineMetrics(ctx context.Context, urls []string) (int, string, []
 	texts := make([][]byte, len(urls))
 	var wg sync.WaitGroup
 	for i, u := range urls {
-		scheduler.GoSafely(&wg, a.Logger, "metrics of "+u, func() { texts[i], _ = a.get(ctx, u+"/metrics", maxMetricsBody) })
+		scheduler.GoSafely(&wg, a.Logger, "metrics of "+u, func() { texts[i], _ = a.Fleet.Get(ctx, u+"/metrics", maxMetricsBody) })
 	}
 	wg.Wait()
 	var out bytes.Buffer

@@ -3,120 +3,13 @@ package control
 import (
 	"context"
 	"encoding/json"
-	"fmt"
-	"io"
 	"net/http"
-	"slices"
 	"strings"
 	"sync"
 	"time"
 
-	"go.uber.org/zap"
-
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
-
-// Capability probes: a worker that does not answer delays at most one
-// request per reprobeInterval.
-const (
-	probeTimeout    = 5 * time.Second
-	reprobeInterval = 30 * time.Second
-)
-
-// models is a worker's answer to GET /v1/models. Entries are kept whole so
-// the router's union passes every field on.
-type models struct {
-	Data []map[string]any `json:"data"`
-}
-
-func (m models) taskTypes() []string {
-	var out []string
-	for _, e := range m.Data {
-		if t, ok := e["task_type"].(string); ok && !slices.Contains(out, t) {
-			out = append(out, t)
-		}
-	}
-	return out
-}
-
-// modelID is the id of the worker's first model: sglang serves one.
-func (m models) modelID() string {
-	if len(m.Data) == 0 {
-		return ""
-	}
-	id, _ := m.Data[0]["id"].(string)
-	return id
-}
-
-// maxModelsBody bounds a worker's /v1/models answer: a list of the one
-// model a sglang-diffusion worker serves is a kilobyte or two.
-const maxModelsBody = 1 << 20
-
-// fetchModels asks one worker for its model list.
-func (a *API) fetchModels(ctx context.Context, workerURL string) (models, error) {
-	var m models
-	body, err := a.get(ctx, workerURL+"/v1/models", maxModelsBody)
-	if err != nil {
-		return m, err
-	}
-	if err := json.Unmarshal(body, &m); err != nil {
-		return m, fmt.Errorf("invalid models payload: %v", err)
-	}
-	return m, nil
-}
-
-// get reads a worker's answer to a GET of u, which must be 200 and at
-// most limit bytes, within probeTimeout.
-func (a *API) get(ctx context.Context, u string, limit int64) ([]byte, error) {
-	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
-	if err != nil {
-		return nil, err
-	}
-	resp, err := a.Pool.Client().Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("status=%d", resp.StatusCode)
-	}
-	body, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
-	if err == nil && int64(len(body)) > limit {
-		err = fmt.Errorf("answer larger than %d bytes", limit)
-	}
-	return body, err
-}
-
-// probe learns what one worker can generate from its /v1/models. A worker
-// that does not answer stays unknown and is asked again later.
-func (a *API) probe(ctx context.Context, workerURL string) error {
-	m, err := a.fetchModels(ctx, workerURL)
-	if err != nil {
-		a.Logger.Debug("capability probe failed", zap.String("worker", workerURL), zap.Error(err))
-		return err
-	}
-	a.Pool.SetCapabilities(workerURL, m.taskTypes(), m.modelID())
-	return nil
-}
-
-// ProbeUnknown probes, in parallel, the workers whose capabilities are not
-// known yet: the workers a config lists are probed on first need rather
-// than at provisioning, which must not dial out. Once every worker is known
-// it costs an atomic load, not the pool's lock: it runs on every image and
-// video request.
-func (a *API) ProbeUnknown(ctx context.Context) {
-	if a.Pool.AllProbed() {
-		return
-	}
-	urls := a.Pool.Unprobed(time.Now(), reprobeInterval)
-	var wg sync.WaitGroup
-	for _, u := range urls {
-		scheduler.GoSafely(&wg, a.Logger, "capability probe of "+u, func() { _ = a.probe(ctx, u) })
-	}
-	wg.Wait()
-}
 
 // serveModels answers GET /v1/models with the union of the serving
 // workers' lists, deduplicated by model id. Anyone may ask, and each
@@ -171,24 +64,23 @@ func (a *API) modelUnion(ctx context.Context, urls []string) (int, any) {
 	if len(urls) == 0 {
 		return http.StatusServiceUnavailable, map[string]string{"error": "No healthy workers available in the pool"}
 	}
-	lists := make([]models, len(urls))
+	lists := make([][]map[string]any, len(urls))
 	errs := make([]error, len(urls))
 	var wg sync.WaitGroup
 	for i, u := range urls {
-		scheduler.GoSafely(&wg, a.Logger, "model list of "+u, func() { lists[i], errs[i] = a.fetchModels(ctx, u) })
+		scheduler.GoSafely(&wg, a.Logger, "model list of "+u, func() { lists[i], errs[i] = a.Fleet.ModelList(ctx, u) })
 	}
 	wg.Wait()
 
 	merged := []map[string]any{}
 	seen := map[string]bool{}
 	details := map[string]string{}
-	for i, m := range lists {
+	for i, entries := range lists {
 		if errs[i] != nil {
 			details[urls[i]] = errs[i].Error()
 			continue
 		}
-		a.Pool.SetCapabilities(urls[i], m.taskTypes(), m.modelID())
-		for _, e := range m.Data {
+		for _, e := range entries {
 			if key := modelKey(e); !seen[key] {
 				seen[key] = true
 				merged = append(merged, e)

@@ -40,7 +40,7 @@ func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path str
 	if err != nil {
 		return "", "", err
 	}
-	resp, err := s.fleet.pool.Client().Do(req)
+	resp, err := s.fleet.client.Do(req)
 	if err != nil {
 		return "", "", err
 	}

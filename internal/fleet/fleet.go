@@ -1,9 +1,10 @@
 // Package fleet runs the operations that change every worker of a pool at
 // once: weight updates, LoRA calls, sleep and wake, bringing workers that
 // missed an update to the pool's weights, and the pool's record in
-// storage. It calls the workers; the scheduler keeps the states the
-// operations move them through, under the pool's lock, which this package
-// never holds.
+// storage, and learns what each worker can generate from its /v1/models.
+// It makes the router's own calls to the workers; the scheduler keeps the
+// states the operations move them through, under the pool's lock, which
+// this package never holds.
 package fleet
 
 import (
@@ -15,18 +16,23 @@ import (
 	"net/http"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
-// Fleet runs a pool's fleet operations, one at a time.
+// Fleet runs a pool's fleet operations, one at a time, and makes the
+// router's own calls to its workers.
 type Fleet struct {
 	pool   *scheduler.Pool
 	logger *zap.Logger
 	turn   chan struct{} // held by the operation that runs; taken before the store's locks and the pool's
+	client *http.Client  // for the router's own calls to workers
+	guard  atomic.Pointer[workerurl.Guard]
 
 	mu   sync.Mutex // guards last
 	last *Report    // the operation running or run last
@@ -34,7 +40,23 @@ type Fleet struct {
 
 // New returns the fleet of pool, which logs to logger.
 func New(pool *scheduler.Pool, logger *zap.Logger) *Fleet {
-	return &Fleet{pool: pool, logger: logger, turn: make(chan struct{}, 1)}
+	f := &Fleet{pool: pool, logger: logger, turn: make(chan struct{}, 1)}
+	f.client = workerurl.GuardedClient(func() *workerurl.Guard { return f.guard.Load() })
+	return f
+}
+
+// UseGuard makes the router's own calls to workers check their addresses
+// with g: the guard of the config loaded last.
+func (f *Fleet) UseGuard(g *workerurl.Guard) {
+	f.guard.Store(g)
+}
+
+// Client is the HTTP client of the router's own calls to workers.
+func (f *Fleet) Client() *http.Client { return f.client }
+
+// Close drops the idle connections to the workers: the pool is done with.
+func (f *Fleet) Close() {
+	f.client.CloseIdleConnections()
 }
 
 // Config is how one diffusion_router config runs fleet operations.
@@ -298,7 +320,7 @@ func (f *Fleet) post(ctx context.Context, workerURL, path string, body []byte, t
 		return res
 	}
 	req.Header.Set("Content-Type", "application/json")
-	resp, err := f.pool.Client().Do(req)
+	resp, err := f.client.Do(req)
 	if err != nil {
 		res.Body = map[string]string{"error": err.Error()}
 		return res

@@ -3,7 +3,6 @@ package scheduler
 import (
 	"context"
 	"errors"
-	"net/http"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -45,8 +44,6 @@ type Pool struct {
 	name   string
 	now    func() time.Time // the clock; tests set their own
 	logger *zap.Logger
-	client *http.Client // for the router's own calls to workers
-	guard  atomic.Pointer[workerurl.Guard]
 	bg     background    // the pool's own goroutines and timers
 	due    chan struct{} // holds a token while the pool's record in storage is due to be written
 
@@ -111,16 +108,9 @@ func New(name string, logger *zap.Logger) *Pool {
 	}
 	p.defaultSpeed, p.initialSpeed = DefaultInitialSpeed, DefaultInitialSpeed
 	p.aborts.init(func() time.Time { return p.now() })
-	p.client = workerurl.GuardedClient(func() *workerurl.Guard { return p.guard.Load() })
 	p.bg = newBackground(p.logger)
 	p.due = make(chan struct{}, 1)
 	return p
-}
-
-// UseGuard makes the pool's own calls to workers check their addresses
-// with g: the guard of the config loaded last.
-func (p *Pool) UseGuard(g *workerurl.Guard) {
-	p.guard.Store(g)
 }
 
 // Close stops what the pool runs on its own (catch-ups, timers of held
@@ -142,7 +132,6 @@ func (p *Pool) Close() error {
 	}
 	p.mu.Unlock()
 	p.bg.stop()
-	p.client.CloseIdleConnections()
 	return nil
 }
 
@@ -612,9 +601,6 @@ func (p *Pool) Images() *JobOwners { return p.images }
 
 // Name is the pool's name.
 func (p *Pool) Name() string { return p.name }
-
-// Client is the HTTP client of the router's own calls to workers.
-func (p *Pool) Client() *http.Client { return p.client }
 
 // Changed marks the pool's record in storage as due to be written. It
 // never blocks: writes coalesce, and the next one writes the state as it
