@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -422,6 +423,45 @@ func TestWorkerThatMissedAnUpdateCatchesUpWhenBack(t *testing.T) {
 	}
 	if jobs := back.Stats().JobsOn; jobs[cfg.ModelPath] != 0 || jobs[""] != 0 {
 		t.Fatalf("the worker that came back served jobs on its old weights: %v", jobs)
+	}
+}
+
+// A catch-up that a worker answers 5xx (its server raised, or it was
+// shutting down to restart) is tried again at its next passed probe: a
+// worker restarted after a hung update once stayed stale for good when
+// the catch-up, queued behind the hung call, was answered 500 as the old
+// process stopped.
+func TestCatchUpAnswered5xxIsTriedAgain(t *testing.T) {
+	ws := namedWorkers(t, 2, fakeworker.Config{})
+	target, err := url.Parse(ws[1].URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	var down atomic.Bool
+	var failures atomic.Int64 // catch-up calls still to answer 500
+	front := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		switch {
+		case down.Load():
+			panic(http.ErrAbortHandler) // the connection drops: no answer
+		case r.URL.Path == "/update_weights_from_disk" && failures.Add(-1) >= 0:
+			http.Error(rw, "Internal Server Error", http.StatusInternalServerError)
+		default:
+			proxy.ServeHTTP(rw, r)
+		}
+	}))
+	t.Cleanup(front.Close)
+	r := testrouter.Start(t, "diffusion_router {\n workers "+ws[0].URL()+" "+front.URL+"\n health_interval 50ms\n health_fails 1\n}")
+	down.Store(true)
+	rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/8","weight_version":"step-8"}`)
+	if rp.Status != 502 || r.Workers()[front.URL]["state"] != "stale" {
+		t.Fatalf("update with one worker unreachable: %d %s; workers %s", rp.Status, rp.Body, r.Get("/workers").Body)
+	}
+	failures.Store(1)
+	down.Store(false)
+	testrouter.WaitFor(t, func() bool { return r.Workers()[front.URL]["weight_version"] == "step-8" })
+	if ws[1].Weights() != "/ckpt/8" || failures.Load() >= 0 {
+		t.Fatalf("the worker is on %q after its catch-up; 500s left to answer %d", ws[1].Weights(), failures.Load())
 	}
 }
 

@@ -246,7 +246,10 @@ func (f *Fleet) catchUp(ctx context.Context, workerURL string, cfg *Config) {
 			break
 		}
 	}
-	p.FinishUpdate(workerURL, version, res.OK, res.answered)
+	// A 5xx says the worker's server failed the call (it raised, or it
+	// was shutting down to restart), not that the weights cannot load
+	// there: the worker is caught up again at its next passed probe.
+	p.FinishUpdate(workerURL, version, res.OK, res.answered && res.StatusCode < 500)
 	if !res.OK {
 		f.logger.Warn("worker that missed an update could not be brought to the current weights; it is stale",
 			zap.String("worker", workerURL), zap.String("weight_version", version), zap.Int("status", res.StatusCode))
