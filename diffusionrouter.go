@@ -115,6 +115,8 @@ type Handler struct {
 	// registered at run time, workers held back and the last weight update
 	// are then neither written on change nor read back when the process
 	// starts. Default: kept, under diffusion_router/<pool>/fleet.json.
+	// With ha, the record lives in etcd whatever this says, and it only
+	// keeps the first leader from seeding it from Caddy's storage.
 	PersistOff bool `json:"persist_off,omitempty"`
 
 	// HA makes the router one of several that share the pool, of which
@@ -179,6 +181,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	var storage fleet.Storage // nil: persist off
 	if !h.PersistOff {
 		storage = ctx.Storage()
+	}
+	if h.ha != nil {
+		storage = &groupRecord{election: p.election, seed: storage}
 	}
 	p.store.Use(h, storage, fleet.Rules{MaxWorkers: h.MaxWorkers, Guard: h.guard, Weights: &h.weights})
 	h.pool.Declare(h.Workers)

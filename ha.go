@@ -6,7 +6,9 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
 	"net"
 	"net/http"
@@ -24,14 +26,17 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/ha"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 // High availability. With `ha etcd`, the routers of a pool elect one
-// active router through etcd (internal/ha, the only etcd code). The others
-// stand by: they show the fleet as they last saw it and refuse everything
-// else with 503 naming the active router, and they neither probe workers
-// nor call them. Without it, the pool's election holds no campaign and
+// active router through etcd (internal/ha, the only etcd code), and keep
+// the fleet's record there, written by the active router alone. The
+// others stand by: they mirror the record and show the fleet it holds,
+// refuse everything else with 503 naming the active router, and neither
+// probe workers nor call them. Without it, the pool's election holds no campaign and
 // always leads: no etcd code runs and a request costs one atomic load.
 
 // HA is how the routers that share a pool pick the one that serves it.
@@ -48,8 +53,10 @@ type EtcdElection struct {
 	// https://host:port. Required.
 	Endpoints []string `json:"endpoints,omitempty"`
 
-	// KeyPrefix is where the group's keys live in etcd: the election is
-	// <key_prefix>/<pool>. Default /diffusion-router.
+	// KeyPrefix is where the group's keys live in etcd: the election under
+	// <key_prefix>/election/<pool>, and the fleet's record at
+	// <key_prefix>/diffusion_router/<pool>/fleet.json, the key it has in
+	// Caddy's storage. Default /diffusion-router.
 	KeyPrefix string `json:"key_prefix,omitempty"`
 
 	// LeaseTTL is the lease of the active router: a standby takes over
@@ -227,9 +234,12 @@ type campaign struct {
 	role     *ha.Role
 	stop     context.CancelFunc
 	followed chan struct{} // closed once follow has returned
-	// leading: the role leads and the workers were made unverified since
-	// it took the lead, so that every worker passes a probe before a job.
+	// leading: the role leads, the fleet was read from the group's record
+	// and the workers were made unverified since it took the lead, so that
+	// every worker passes a probe before a job.
 	leading atomic.Bool
+	// term fences the record's writes: set once leading, nil otherwise.
+	term atomic.Pointer[ha.Term]
 }
 
 func newElection(p *pool, logger *zap.Logger) *election {
@@ -273,27 +283,78 @@ func (c *campaign) end() {
 	<-c.followed
 }
 
-// follow turns the role's changes into the pool's standing: a router that
-// takes the lead makes every worker unverified before it says it leads.
+// follow turns the role's changes into the pool's standing. A standby
+// mirrors the group's record of the fleet; a router that takes the lead
+// reads the record as its predecessor left it and makes every worker
+// unverified before it says it leads.
 func (e *election) follow(ctx context.Context, c *campaign) {
 	defer close(c.followed)
+	standby := e.standBy(ctx)
+	defer func() { standby() }()
 	for {
 		select {
 		case <-ctx.Done():
+			c.term.Store(nil)
 			c.leading.Store(false)
 			return
 		case <-c.role.Changed():
 		}
 		leading := c.role.Leading()
-		if leading && !c.leading.Load() {
-			e.pool.Reverify()
+		switch {
+		case leading && !c.leading.Load():
+			standby()
+			if !e.takeLead(ctx, c) {
+				standby = e.standBy(ctx)
+				continue
+			}
 			e.logger.Info("this router leads the pool; it probes every worker before it sends jobs")
-		} else if !leading && c.leading.Load() {
+		case !leading && c.leading.Load():
+			c.term.Store(nil)
+			c.leading.Store(false)
+			standby = e.standBy(ctx)
 			e.logger.Warn("this router no longer leads the pool: it takes no new jobs and finishes those it holds",
 				zap.String("leader", c.role.Leader()))
 		}
-		c.leading.Store(leading)
 		e.broadcast()
+	}
+}
+
+// standBy mirrors the group's record until the returned function is
+// called, which waits until the mirroring has stopped.
+func (e *election) standBy(ctx context.Context) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		e.pool.store.Follow(ctx)
+	}()
+	return func() { cancel(); <-done }
+}
+
+// takeLead reads the group's record of the fleet within the term the role
+// leads in, so that the record written next is the predecessor's carried
+// on, and leads from then on. It reports false if the role stopped leading
+// first.
+func (e *election) takeLead(ctx context.Context, c *campaign) bool {
+	for {
+		term, leading := c.role.Term()
+		if !leading {
+			return false
+		}
+		err := e.pool.store.Reload(ctx)
+		if now, _ := c.role.Term(); err == nil && now == term {
+			e.pool.Reverify()
+			c.term.Store(&term)
+			c.leading.Store(true)
+			e.pool.store.Changed()
+			return true
+		}
+		if err != nil {
+			e.logger.Error("could not read the group's record of the fleet as this router takes the lead; retrying", zap.Error(err))
+		}
+		if !scheduler.Sleep(ctx, time.Second) {
+			return false
+		}
 	}
 }
 
@@ -329,6 +390,63 @@ func (e *election) Leader() string {
 
 // inGroup reports whether the pool runs a campaign.
 func (e *election) inGroup() bool { return e.running.Load() != nil }
+
+// groupRecord keeps the pool's record in etcd, where only the group's
+// active router writes it, each write fenced by the term it leads in. It
+// is a fleet.Storage and a fleet.Watcher.
+type groupRecord struct {
+	election *election
+	// seed is Caddy's storage, read while etcd holds no record yet, so that
+	// a router that joins a group takes its fleet there; nil with persist
+	// off.
+	seed fleet.Storage
+}
+
+// errNoCampaign is why the record cannot be reached before the pool's
+// campaign has started, or after it ended.
+var errNoCampaign = errors.New("the pool runs no election, so the group's record in etcd is out of reach")
+
+// Load reads the record from etcd, or from Caddy's storage while etcd has
+// none.
+func (g *groupRecord) Load(ctx context.Context, key string) ([]byte, error) {
+	c := g.election.running.Load()
+	if c == nil {
+		return nil, errNoCampaign
+	}
+	data, err := c.role.Load(ctx, key)
+	if errors.Is(err, fs.ErrNotExist) && g.seed != nil {
+		return g.seed.Load(ctx, key)
+	}
+	return data, err
+}
+
+// Store writes the record to etcd if this router leads, within its term.
+func (g *groupRecord) Store(ctx context.Context, key string, value []byte) error {
+	c := g.election.running.Load()
+	if c == nil {
+		return errNoCampaign
+	}
+	term := c.term.Load()
+	if term == nil {
+		return fleet.ErrNotWriter
+	}
+	err := c.role.Store(ctx, *term, key, value)
+	if errors.Is(err, ha.ErrDeposed) {
+		return fmt.Errorf("%w: %w", fleet.ErrNotWriter, err)
+	}
+	return err
+}
+
+// Watch follows the record the active router writes.
+func (g *groupRecord) Watch(ctx context.Context, key string) <-chan []byte {
+	c := g.election.running.Load()
+	if c == nil {
+		none := make(chan []byte)
+		close(none)
+		return none
+	}
+	return c.role.Watch(ctx, key)
+}
 
 // refuseAsStandby answers a request a standby does not serve: 503 naming
 // the active router, to be retried there, or here after a second.

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/etcdtest"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/memstore"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
@@ -206,7 +208,7 @@ func TestLeaderCutOffFromEtcdFinishesItsJobs(t *testing.T) {
 func electionKeys(t *testing.T, etcd *etcdtest.Server) string {
 	t.Helper()
 	b64 := base64.StdEncoding.EncodeToString
-	query, _ := json.Marshal(map[string]string{"key": b64([]byte("/diffusion-router/ha-pool/")), "range_end": b64([]byte("/diffusion-router/ha-pool0"))})
+	query, _ := json.Marshal(map[string]string{"key": b64([]byte("/diffusion-router/election/ha-pool/")), "range_end": b64([]byte("/diffusion-router/election/ha-pool0"))})
 	resp, err := http.Post(etcd.Endpoint+"/v3/kv/range", "application/json", bytes.NewReader(query))
 	if err != nil {
 		t.Fatal(err)
@@ -264,4 +266,123 @@ func TestReloadKeepsTheLead(t *testing.T) {
 		t.Fatalf("election keys %s left in etcd after a reload that dropped ha", keys)
 	}
 	testrouter.ExpectStatus(t, "job without ha", r.Post("/v1/images/generations", smallImage), http.StatusOK)
+}
+
+// etcdValue reads key from etcd's JSON gateway; "" when it is not there.
+func etcdValue(t *testing.T, etcd *etcdtest.Server, key string) string {
+	t.Helper()
+	query, _ := json.Marshal(map[string]string{"key": base64.StdEncoding.EncodeToString([]byte(key))})
+	resp, err := http.Post(etcd.Endpoint+"/v3/kv/range", "application/json", bytes.NewReader(query))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var out struct {
+		Kvs []struct {
+			Value []byte `json:"value"`
+		} `json:"kvs"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		t.Fatal(err)
+	}
+	if len(out.Kvs) == 0 {
+		return ""
+	}
+	return string(out.Kvs[0].Value)
+}
+
+// haRecordKey is where ha-pool's record lives in etcd: Caddy storage's
+// key under the default key_prefix.
+const haRecordKey = "/diffusion-router/diffusion_router/ha-pool/fleet.json"
+
+// fleetSeen is what /workers shows of the workers and the fleet's weights.
+func fleetSeen(t *testing.T, r *testrouter.Router) (sources map[string]string, version string) {
+	t.Helper()
+	sources = map[string]string{}
+	for u, w := range r.Workers() {
+		sources[u], _ = w["source"].(string)
+	}
+	version, _ = r.Get("/health").JSON(t)["weight_version"].(string)
+	return sources, version
+}
+
+// The fleet's record lives in etcd: the standby mirrors what the leader
+// registers and updates, and carries it on once it leads.
+func TestStandbyTakesOverTheFleetAsTheLeaderLeftIt(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds Caddy and runs it as a process")
+	}
+	etcd := etcdtest.Start(t)
+	workers := testrouter.StartWorkers(t, fakeworker.Config{Name: "w1"}, fakeworker.Config{Name: "joiner"})
+	configured, joiner := workers[:1], workers[1].URL()
+	a := testrouter.Start(t, haRouter(etcd, configured, ""))
+	testrouter.WaitFor(t, func() bool { return leads(t, a) })
+	testrouter.ExpectStatus(t, "registration on the leader", a.Post("/workers", `{"url":"`+joiner+`"}`), http.StatusOK)
+	testrouter.WaitFor(t, func() bool { return a.Workers()[joiner]["state"] == "serving" })
+	testrouter.ExpectStatus(t, "update on the leader", a.Post("/update_weights_from_disk", `{"model_path":"/ckpt/7","weight_version":"step-7"}`), http.StatusOK)
+	testrouter.WaitFor(t, func() bool { return strings.Contains(etcdValue(t, etcd, haRecordKey), "step-7") })
+
+	b, bProcess := startStandbyProcess(t, etcd, configured)
+	mirrored := func() bool {
+		sources, version := fleetSeen(t, b)
+		return sources[joiner] == "registered" && version == "step-7"
+	}
+	if !testkit.WaitUntil(10*time.Second, mirrored) {
+		sources, version := fleetSeen(t, b)
+		bProcess.fail("the standby shows workers %v on %q; want the leader's registered worker and step-7", sources, version)
+	}
+	testrouter.ExpectStatus(t, "deregistration on the leader", testrouter.Do(t, "DELETE", a.Base+"/workers/"+url.QueryEscape(joiner), nil), http.StatusOK)
+	if !testkit.WaitUntil(10*time.Second, func() bool { s, _ := fleetSeen(t, b); _, still := s[joiner]; return !still }) {
+		bProcess.fail("the standby still shows the worker the leader removed")
+	}
+	testrouter.ExpectStatus(t, "registration again", a.Post("/workers", `{"url":"`+joiner+`"}`), http.StatusOK)
+	testrouter.WaitFor(t, mirrored)
+
+	if err := caddy.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	testrouter.WaitFor(t, func() bool { return leads(t, b) })
+	if !mirrored() {
+		sources, version := fleetSeen(t, b)
+		t.Fatalf("the new leader has workers %v on %q; want the fleet as the leader left it", sources, version)
+	}
+	served := map[string]bool{}
+	testrouter.WaitFor(t, func() bool {
+		rp := b.Post("/v1/images/generations", smallImage)
+		served[rp.Header.Get("X-Fake-Worker")] = rp.Status == http.StatusOK
+		return served["w1"] && served["joiner"]
+	})
+	// The new leader writes the record from now on.
+	testrouter.ExpectStatus(t, "hold back on the new leader", testrouter.Do(t, "PUT", b.Base+"/workers/"+url.QueryEscape(joiner), strings.NewReader(`{"is_dead":true}`)), http.StatusOK)
+	testrouter.WaitFor(t, func() bool { return strings.Contains(etcdValue(t, etcd, haRecordKey), `"is_dead":true`) })
+}
+
+// A router whose pool joins a group with no record in etcd yet takes its
+// fleet from Caddy's storage and writes it to etcd; from then on the
+// record lives in etcd alone.
+func TestFirstLeaderSeedsTheRecordFromStorage(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	workers := testrouter.StartWorkers(t, fakeworker.Config{Name: "w1"}, fakeworker.Config{Name: "kept"})
+	store := memstore.New()
+	seed, _ := json.Marshal(map[string]any{
+		"workers":        []storedWorker{{URL: workers[1].URL(), Registered: true, WeightVersion: "step-3"}},
+		"weight_version": "step-3",
+		"updates":        []map[string]any{{"path": "/update_weights_from_disk", "weight_version": "step-3", "body": map[string]string{"model_path": "/ckpt/3"}}},
+	})
+	store.Put("diffusion_router/ha-pool/fleet.json", seed)
+	r := testrouter.StartWith(t, testrouter.UseStorage(store), haRouter(etcd, workers[:1], ""))
+	testrouter.WaitFor(t, func() bool { return leads(t, r) })
+	if sources, version := fleetSeen(t, r); sources[workers[1].URL()] != "registered" || version != "step-3" {
+		t.Fatalf("the first leader has workers %v on %q; want the worker and weights of Caddy's storage", sources, version)
+	}
+	testrouter.WaitFor(t, func() bool {
+		v := etcdValue(t, etcd, haRecordKey)
+		return strings.Contains(v, workers[1].URL()) && strings.Contains(v, "step-3")
+	})
+	written := len(store.Stored())
+	testrouter.ExpectStatus(t, "hold back", testrouter.Do(t, "PUT", r.Base+"/workers/"+url.QueryEscape(workers[1].URL()), strings.NewReader(`{"is_dead":true}`)), http.StatusOK)
+	testrouter.WaitFor(t, func() bool { return strings.Contains(etcdValue(t, etcd, haRecordKey), `"is_dead":true`) })
+	if n := len(store.Stored()); n != written {
+		t.Fatalf("Caddy's storage got %d writes of the record with ha on; want none", n-written)
+	}
 }

@@ -1,6 +1,7 @@
 package fleet
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -42,6 +43,19 @@ const (
 type Storage interface {
 	Load(ctx context.Context, key string) ([]byte, error)
 	Store(ctx context.Context, key string, value []byte) error
+}
+
+// ErrNotWriter is what a Storage that a group of routers shares returns
+// from Store on a router that must not write the record: the group's
+// active router writes it. It is no failure: nothing is retried.
+var ErrNotWriter = errors.New("another router of the pool's group writes the fleet's record")
+
+// Watcher is a Storage whose record another router writes: a standby
+// follows it from there, to take over with the fleet as it was.
+type Watcher interface {
+	// Watch sends the record under key as it is, then each time it is
+	// written, until ctx ends.
+	Watch(ctx context.Context, key string) <-chan []byte
 }
 
 // fleetKey is where a pool's record lives in storage. The pool's name is
@@ -184,10 +198,18 @@ func (s *Store) run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		}
-		if !s.retry(ctx, "write", s.write) {
+		if !s.retry(ctx, "write", s.writeDue) {
 			return
 		}
 	}
+}
+
+// writeDue writes the record if this router is its writer.
+func (s *Store) writeDue(ctx context.Context) error {
+	if err := s.write(ctx); !errors.Is(err, ErrNotWriter) {
+		return err
+	}
+	return nil
 }
 
 // retry runs op until it succeeds, waiting longer after each failure; it
@@ -293,48 +315,133 @@ func within(ctx context.Context, call func(ctx context.Context) error) error {
 // replaces it. A record that cannot be kept aside is not replaced either:
 // reading back is tried again.
 func (s *Store) restore(ctx context.Context) error {
+	use := s.use()
+	data, err := s.load(ctx, use)
+	if data == nil {
+		return err
+	}
+	rec, err := s.checked(ctx, use, data)
+	if rec == nil {
+		return err
+	}
+	return s.apply(ctx, func() {
+		restored, adopted := s.pool.Restore(*rec)
+		s.logger.Info("fleet read back from storage", zap.String("key", s.key),
+			zap.Int("workers_read_back", restored), zap.Bool("weights_read_back", adopted), zap.String("weight_version", rec.WeightVersion))
+	})
+}
+
+// Reload makes the pool a mirror of its record as stored now, for a
+// router that takes the lead of its group from another: it starts from
+// the last record its predecessor wrote, not from what it saw of it. It
+// checks the record as restore does; with no record it leaves the pool as
+// it is.
+func (s *Store) Reload(ctx context.Context) error {
+	use := s.use()
+	data, err := s.load(ctx, use)
+	var rec *scheduler.Record
+	if data != nil {
+		rec, err = s.checked(ctx, use, data)
+	}
+	if rec != nil {
+		err = s.apply(ctx, func() { s.mirror(*rec, "fleet read from the group's record as this router takes the lead") })
+	}
+	if err == nil {
+		s.restored.Store(true)
+		s.markReady()
+	}
+	return err
+}
+
+// Follow keeps the pool a mirror of the record another router writes,
+// until ctx ends: a standby's view of the fleet stays warm, so that it
+// can take over at once. A storage that is not a Watcher has no other
+// writer, and Follow returns at once.
+func (s *Store) Follow(ctx context.Context) {
+	use := s.use()
+	watcher, ok := use.storage.(Watcher)
+	if !ok {
+		return
+	}
+	for data := range watcher.Watch(ctx, s.key) {
+		rec, _ := s.checked(ctx, use, data) // what cannot be read is logged
+		if rec == nil {
+			continue // the standby keeps its view
+		}
+		if s.apply(ctx, func() { s.mirror(*rec, "") }) != nil {
+			return
+		}
+	}
+}
+
+// mirror applies rec with Pool.Mirror, logging what changed under why,
+// or at debug level without one.
+func (s *Store) mirror(rec scheduler.Record, why string) {
+	joined, left := s.pool.Mirror(rec)
+	level := zap.DebugLevel
+	if why != "" {
+		level = zap.InfoLevel
+	}
+	s.logger.Log(level, cmp.Or(why, "fleet mirrored from the group's record"), zap.String("key", s.key),
+		zap.Int("workers_joined", joined), zap.Int("workers_left", left), zap.String("weight_version", rec.WeightVersion))
+}
+
+// use is the storage of the config loaded last.
+func (s *Store) use() storageUse {
 	s.mu.Lock()
-	use := s.useLocked()
-	s.mu.Unlock()
+	defer s.mu.Unlock()
+	return s.useLocked()
+}
+
+// load reads the record from use's storage: nil and no error for none.
+func (s *Store) load(ctx context.Context, use storageUse) ([]byte, error) {
 	if use.storage == nil {
-		return nil
+		return nil, nil
 	}
 	var data []byte
 	err := within(ctx, func(ctx context.Context) (err error) {
 		data, err = use.storage.Load(ctx, s.key)
 		return err
 	})
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return nil
-	case err != nil:
-		return err
-	case len(data) > maxRecord:
-		return s.keepAside(ctx, use.storage, data, fmt.Errorf("the record is %d bytes; a pool's record is at most %d", len(data), maxRecord))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	return data, err
+}
+
+// checked is the record in data as use's rules let it be read, nil if
+// none of it can be: what does not pass is left out and logged, once the
+// record as read is kept aside.
+func (s *Store) checked(ctx context.Context, use storageUse, data []byte) (*scheduler.Record, error) {
+	if len(data) > maxRecord {
+		return nil, s.keepAside(ctx, use.storage, data, fmt.Errorf("the record is %d bytes; a pool's record is at most %d", len(data), maxRecord))
 	}
 	rec, left, err := readRecord(data, use.rules)
 	if err != nil {
-		return s.keepAside(ctx, use.storage, data, err)
+		return nil, s.keepAside(ctx, use.storage, data, err)
 	}
 	if len(left) > 0 {
 		if err := s.keepAside(ctx, use.storage, data, fmt.Errorf("%d entries do not pass the checks", len(left))); err != nil {
-			return err
+			return nil, err
 		}
 		for _, d := range left {
 			s.logger.Warn("entry of the fleet's record read back left out", zap.String("key", s.key), zap.String("entry", d.entry), zap.Error(d.why))
 		}
 	}
-	// Not while a weight update runs: one that came in before the record
-	// was read has moved the fleet past it.
+	return &rec, nil
+}
+
+// apply changes the pool by a record read, not while a weight update
+// runs: one that came in before the record was read has moved the fleet
+// past it. What changed meanwhile is merged into the next write.
+func (s *Store) apply(ctx context.Context, change func()) error {
 	unlock, err := s.fleet.Lock(ctx, true)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	restored, adopted := s.pool.Restore(rec)
-	s.Changed() // the state read back and what changed meanwhile, merged
-	s.logger.Info("fleet read back from storage", zap.String("key", s.key),
-		zap.Int("workers_read_back", restored), zap.Bool("weights_read_back", adopted), zap.String("weight_version", rec.WeightVersion))
+	change()
+	s.Changed()
 	return nil
 }
 
@@ -343,7 +450,13 @@ func (s *Store) restore(ctx context.Context) error {
 // can still read what it held.
 func (s *Store) keepAside(ctx context.Context, storage Storage, data []byte, why error) error {
 	aside := s.key + ".unreadable-" + time.Now().UTC().Format("20060102T150405Z")
-	if err := within(ctx, func(ctx context.Context) error { return storage.Store(ctx, aside, data) }); err != nil {
+	err := within(ctx, func(ctx context.Context) error { return storage.Store(ctx, aside, data) })
+	if errors.Is(err, ErrNotWriter) {
+		s.logger.Warn("the fleet's record is not all valid; the pool's active router keeps it aside, and this one reads it without what is not",
+			zap.String("key", s.key), zap.Error(why))
+		return nil
+	}
+	if err != nil {
 		return fmt.Errorf("the record read back is not all valid (%v) and could not be kept aside as %s: %w", why, aside, err)
 	}
 	s.logger.Error("the fleet's record in storage is not all valid; it is kept aside as read, and the pool starts without what is not",

@@ -21,8 +21,9 @@ import (
 type Config struct {
 	// Endpoints are etcd's client URLs.
 	Endpoints []string
-	// KeyPrefix and the pool name make the election key; routers with the
-	// same prefix and pool form one group.
+	// KeyPrefix holds the group's keys: the election under
+	// <KeyPrefix>/election/<pool> and the records under <KeyPrefix>/<key>.
+	// Routers with the same prefix and pool form one group.
 	KeyPrefix string
 	// Pool is the pool's name.
 	Pool string
@@ -41,12 +42,14 @@ const retryPause = time.Second
 // Role is this router's standing in its pool's group.
 type Role struct {
 	cfg     Config
+	client  *clientv3.Client
 	changed chan struct{}
 	ended   chan struct{}
 
 	mu      sync.Mutex
 	leading bool
 	leader  string
+	term    Term // while leading: the fence of this router's writes
 }
 
 // Campaign joins the election and returns at once; the campaign runs until
@@ -61,12 +64,12 @@ func Campaign(ctx context.Context, cfg Config) (*Role, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &Role{cfg: cfg, changed: make(chan struct{}, 1), ended: make(chan struct{})}
+	r := &Role{cfg: cfg, client: client, changed: make(chan struct{}, 1), ended: make(chan struct{})}
 	go func() {
 		defer close(r.ended)
 		defer client.Close()
 		for ctx.Err() == nil {
-			if err := r.term(ctx, client); err != nil && ctx.Err() == nil {
+			if err := r.lead(ctx); err != nil && ctx.Err() == nil {
 				sleep(ctx, retryPause)
 			}
 		}
@@ -96,11 +99,11 @@ func (r *Role) Changed() <-chan struct{} { return r.changed }
 // once rather than after the lease.
 func (r *Role) Ended() <-chan struct{} { return r.ended }
 
-// term runs one etcd session: observe who leads, campaign, and lead until
+// lead runs one etcd session: observe who leads, campaign, and lead until
 // the session's lease is lost or ctx ends.
-func (r *Role) term(ctx context.Context, client *clientv3.Client) error {
+func (r *Role) lead(ctx context.Context) error {
 	ttl := int(math.Ceil(r.cfg.LeaseTTL.Seconds()))
-	session, err := concurrency.NewSession(client, concurrency.WithTTL(ttl), concurrency.WithContext(ctx))
+	session, err := concurrency.NewSession(r.client, concurrency.WithTTL(ttl), concurrency.WithContext(ctx))
 	if err != nil {
 		return err
 	}
@@ -112,13 +115,13 @@ func (r *Role) term(ctx context.Context, client *clientv3.Client) error {
 		<-session.Done()
 		cancel()
 	}()
-	election := concurrency.NewElection(session, r.cfg.KeyPrefix+"/"+r.cfg.Pool)
+	election := concurrency.NewElection(session, r.electionKey())
 	go r.observe(termCtx, election)
-	defer r.set(false, "")
+	defer r.set(false, "", Term{})
 	if err := election.Campaign(termCtx, r.cfg.Identity); err != nil {
 		return err
 	}
-	r.set(true, r.cfg.Identity)
+	r.set(true, r.cfg.Identity, Term{key: election.Key(), rev: election.Rev()})
 	<-termCtx.Done()
 	if ctx.Err() != nil {
 		r.resign(election)
@@ -143,10 +146,10 @@ func (r *Role) resign(election *concurrency.Election) {
 	_ = election.Resign(ctx)
 }
 
-func (r *Role) set(leading bool, leader string) {
+func (r *Role) set(leading bool, leader string, term Term) {
 	r.mu.Lock()
 	same := r.leading == leading && r.leader == leader
-	r.leading, r.leader = leading, leader
+	r.leading, r.leader, r.term = leading, leader, term
 	r.mu.Unlock()
 	if !same {
 		r.notify()

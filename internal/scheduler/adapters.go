@@ -391,12 +391,14 @@ func (p *Pool) adapterNamesLocked() []string {
 	return names
 }
 
-// restoreAdaptersLocked takes the publishes read back for the adapters
-// declared and not published since the pool was made; the workers'
-// adapters are read back from them before they serve.
-func (p *Pool) restoreAdaptersLocked(recs []AdapterRecord) {
+// takePublishesLocked takes the record's publishes newer than the pool's;
+// with unpublished, only for the adapters not published since the pool was
+// made, as Restore does. The workers' adapters are read back from them
+// before they serve.
+func (p *Pool) takePublishesLocked(recs []AdapterRecord, unpublished bool) {
 	for _, r := range recs {
-		if pol := p.placement.policies[r.Name]; pol != nil && pol.publish == 0 && r.Publish > 0 {
+		pol := p.placement.policies[r.Name]
+		if pol != nil && r.Publish > pol.publish && (!unpublished || pol.publish == 0) {
 			pol.Path, pol.Strength, pol.publish = r.Path, r.Strength, r.Publish
 		}
 	}

@@ -149,3 +149,56 @@ func TestRecordOlderThanAnUpdateLeavesTheWeights(t *testing.T) {
 		t.Fatalf("worker read back is %s on %q; want stale (until it catches up with step-8)", info.Lifecycle, info.Version)
 	}
 }
+
+// A standby mirrors the active router's record: workers registered and
+// removed there join and leave here, held back or not as there, and the
+// fleet's weights are the record's, even past the standby's own.
+func TestMirrorFollowsTheLeadersRecord(t *testing.T) {
+	leader, _ := poolOf(t, 1) // a, from the config
+	registerRaw(leader, "http://r:1")
+	registerRaw(leader, "http://s:1")
+	applyUpdate(leader, DiskUpdatePath, "step-7", `{"model_path":"/ckpt/7"}`)
+
+	standby, _ := poolOf(t, 1)
+	registerRaw(standby, "http://gone:1") // registered in an older record, removed since
+	applyUpdate(standby, DiskUpdatePath, "step-6", `{"model_path":"/ckpt/6"}`)
+
+	leader.SetDead("http://s:1", true)
+	joined, left := standby.Mirror(throughStorage(t, leader.Record()))
+	if joined != 2 || left != 1 {
+		t.Fatalf("mirror: %d joined, %d left; want 2 and 1", joined, left)
+	}
+	if got, want := workerURLs(standby), []string{"http://a:1", "http://r:1", "http://s:1"}; !slices.Equal(got, want) {
+		t.Fatalf("workers after the mirror: %v; want %v", got, want)
+	}
+	if v := standby.Stats().Version; v != "step-7" {
+		t.Fatalf("weight version after the mirror: %q; want the record's, step-7", v)
+	}
+	if info := infoOf(t, standby, "http://s:1"); info.State != Dead {
+		t.Fatalf("s, held back on the leader, is %s after the mirror", info.State)
+	}
+	if info := infoOf(t, standby, "http://a:1"); info.Lifecycle != Serving || info.Version != "step-7" {
+		t.Fatalf("a is %s on %q after the mirror; want serving step-7, as the record says", info.Lifecycle, info.Version)
+	}
+
+	// The leader lets s serve again and updates without r, which missed it.
+	leader.SetDead("http://s:1", false)
+	for _, u := range []string{"http://a:1", "http://s:1"} {
+		leader.FinishUpdate(u, "step-8", true, true)
+	}
+	leader.FinishUpdate("http://r:1", "step-8", false, false)
+	leader.EndUpdate(Update{Path: DiskUpdatePath, Version: "step-8", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/8"}`)}, true)
+	standby.Mirror(throughStorage(t, leader.Record()))
+	if info := infoOf(t, standby, "http://s:1"); info.State == Dead {
+		t.Fatal("s is still held back after the leader let it serve")
+	}
+	if info := infoOf(t, standby, "http://r:1"); info.Lifecycle != Stale || info.Version != "step-7" {
+		t.Fatalf("r is %s on %q; want stale on step-7 until it catches up with step-8", info.Lifecycle, info.Version)
+	}
+	// r catches up on the leader: the next mirror lets it serve again.
+	leader.FinishUpdate("http://r:1", "step-8", true, true)
+	standby.Mirror(throughStorage(t, leader.Record()))
+	if info := infoOf(t, standby, "http://r:1"); info.Lifecycle != Serving || standby.AnyBehind() {
+		t.Fatalf("r is %s after the record says it caught up (workers behind: %v)", info.Lifecycle, standby.AnyBehind())
+	}
+}

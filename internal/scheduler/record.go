@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"encoding/json"
+	"slices"
 
 	"go.uber.org/zap"
 
@@ -107,17 +108,70 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 		}
 	}
 	if adopted && len(rec.Updates) > 0 {
-		f.version = rec.WeightVersion
-		for _, u := range rec.Updates {
-			f.history = append(f.history, Update{Path: u.Path, Version: u.WeightVersion, Mode: ModeDrain, Body: u.Body})
-		}
+		f.version, f.history = rec.WeightVersion, rec.history()
 	}
 	for _, w := range p.workers {
 		p.holdIfBehindLocked(w)
 	}
-	p.restoreAdaptersLocked(rec.Adapters)
+	p.takePublishesLocked(rec.Adapters, true)
 	p.dispatchLocked()
 	return joined, adopted
+}
+
+// history is the updates that bring a worker to the record's version.
+func (rec Record) history() []Update {
+	var out []Update
+	for _, u := range rec.Updates {
+		out = append(out, Update{Path: u.Path, Version: u.WeightVersion, Mode: ModeDrain, Body: u.Body})
+	}
+	return out
+}
+
+// Mirror makes what the record holds of the pool the record's, where
+// Restore only adds to it: a standby follows the active router's record
+// this way, and a router that takes the lead starts from the last record
+// its predecessor wrote. Registered workers join and leave as the record
+// has them (a worker that joins is out until a health probe passes),
+// workers are held back or not and serve the weights the record says, and
+// the fleet's weights are the record's even where the pool had others. It
+// returns how many workers joined and left.
+func (p *Pool) Mirror(rec Record) (joined, left int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	inRecord := make(map[*worker]bool, len(rec.Workers))
+	for _, r := range rec.Workers {
+		u, err := workerurl.Parse(r.URL)
+		if err != nil {
+			continue // Restore logged it when the record was first read
+		}
+		w := p.findLocked(u)
+		switch {
+		case w == nil && !r.Registered:
+			continue
+		case w == nil:
+			w = p.addLocked(u)
+			w.health.down, w.health.unverified = true, true
+			joined++
+		}
+		inRecord[w] = true
+		w.registered, w.life.dead, w.life.version = r.Registered, r.IsDead, r.WeightVersion
+	}
+	for _, w := range slices.Clone(p.workers) {
+		if !inRecord[w] && w.registered {
+			w.registered = false
+			if !p.heldLocked(w) {
+				p.removeLocked(w)
+				left++
+			}
+		}
+	}
+	p.fleet.version, p.fleet.history = rec.WeightVersion, rec.history()
+	for _, w := range p.workers {
+		p.matchVersionLocked(w)
+	}
+	p.takePublishesLocked(rec.Adapters, false)
+	p.dispatchLocked()
+	return joined, left
 }
 
 // Reverify makes every worker unverified: out until a health probe

@@ -329,6 +329,17 @@ func (p *Pool) holdIfBehindLocked(w *worker) {
 	}
 }
 
+// matchVersionLocked holds w back, stale, when a mirrored record says it
+// is behind the fleet's weights, and lets it serve again when one says it
+// has caught up.
+func (p *Pool) matchVersionLocked(w *worker) {
+	if w.life.state == Stale && (len(p.fleet.history) == 0 || w.life.version == p.fleet.version) {
+		p.leaveLocked(w) // no catch-up is due
+		w.life.state, w.life.missed = Serving, false
+	}
+	p.holdIfBehindLocked(w)
+}
+
 // leaveLocked forgets a worker that leaves before it caught up.
 func (p *Pool) leaveLocked(w *worker) {
 	if w.life.behind == lagging {
