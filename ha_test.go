@@ -94,7 +94,13 @@ func expectStandbyRefusal(t *testing.T, what string, rp testrouter.Reply, leader
 // of its own: routers of one pool in one process share the pool.
 func startStandbyProcess(t *testing.T, etcd *etcdtest.Server, workers []*fakeworker.Worker) (*testrouter.Router, *caddyProcess) {
 	t.Helper()
-	bin := buildCaddy(t)
+	return startHAProcess(t, buildCaddy(t), etcd, workers)
+}
+
+// startHAProcess runs a router of ha-pool on bin, a Caddy built by
+// buildCaddy, as a process of its own that the test may kill.
+func startHAProcess(t *testing.T, bin string, etcd *etcdtest.Server, workers []*fakeworker.Worker) (*testrouter.Router, *caddyProcess) {
+	t.Helper()
 	dir := t.TempDir()
 	r := testrouter.Attach(t, testrouter.Port(t))
 	caddyfile := fmt.Sprintf("{\n admin off\n persist_config off\n auto_https off\n default_bind 127.0.0.1\n storage file_system %s\n}\n:%d {\n%s\n}\n",

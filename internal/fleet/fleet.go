@@ -104,16 +104,19 @@ func (f *Fleet) Lock(ctx context.Context, wait bool) (unlock func(), err error) 
 // fleet's lock.
 func (f *Fleet) Update(ctx context.Context, req scheduler.Update, cfg *Config) ([]Result, error) {
 	p := f.pool
-	targets := p.BeginUpdate(req.Version, req.Mode == scheduler.ModeDrain)
+	targets, done := p.BeginUpdate(req)
+	results := alreadyOn(done, req.Version)
 	if len(targets) == 0 {
-		p.EndUpdate(req, false)
-		return nil, scheduler.ErrNoWorker
+		p.EndUpdate(req, len(done) > 0)
+		if len(done) == 0 {
+			return nil, scheduler.ErrNoWorker
+		}
+		return results, nil
 	}
 	batch := len(targets)
 	if req.Mode == scheduler.ModeRolling {
 		batch = cfg.RollingBatch
 	}
-	var results []Result
 	for group := range slices.Chunk(targets, batch) {
 		if req.Mode == scheduler.ModeRolling {
 			p.SetStates(group, scheduler.Draining)
@@ -167,6 +170,19 @@ func (f *Fleet) Sleep(ctx context.Context, path string, body []byte, cfg *Config
 	results := f.broadcast(ctx, without(targets, hung), path, body, cfg.Timeout)
 	p.Moved(succeededOn(results), scheduler.Sleeping)
 	return append(results, leftOut(hung)...), nil
+}
+
+// alreadyOn is the result of each of the workers a retried update found
+// on its version already.
+func alreadyOn(urls []string, version string) []Result {
+	out := make([]Result, len(urls))
+	for i, u := range urls {
+		out[i] = Result{WorkerURL: u, StatusCode: http.StatusOK, OK: true, answered: true, Body: map[string]any{
+			"success": true,
+			"message": "already on weight version " + version + ": this router finished the update its predecessor had in progress, and did not call the worker again",
+		}}
+	}
+	return out
 }
 
 // leftOut is the result of each of the workers an operation left out

@@ -40,6 +40,7 @@ type storedRecord struct {
 	WeightVersion string            `json:"weight_version"`
 	Updates       []json.RawMessage `json:"updates"`
 	Adapters      []json.RawMessage `json:"adapters"`
+	Updating      json.RawMessage   `json:"updating"`
 }
 
 // readRecord reads data as a record under rules. An error means nothing
@@ -68,6 +69,9 @@ func readRecord(data []byte, rules Rules) (scheduler.Record, []dropped, error) {
 		return rec, append(out, dropped{"weight_version and updates", err}), nil
 	}
 	rec.WeightVersion, rec.Updates = stored.WeightVersion, updates
+	if rec.Updating, err = readUpdating(stored.Updating, rules); err != nil {
+		out = append(out, dropped{"updating", err})
+	}
 	for i, raw := range stored.Adapters {
 		a, err := readAdapter(raw, rules)
 		if err != nil {
@@ -137,6 +141,22 @@ func readUpdates(stored storedRecord, rules Rules) ([]scheduler.UpdateRecord, er
 		}
 	}
 	return out, nil
+}
+
+// readUpdating reads the update in progress as the record was written;
+// nil when none was.
+func readUpdating(raw json.RawMessage, rules Rules) (*scheduler.UpdateRecord, error) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil, nil
+	}
+	var u scheduler.UpdateRecord
+	if err := json.Unmarshal(raw, &u); err != nil {
+		return nil, err
+	}
+	if err := checkUpdate(u, rules); err != nil {
+		return nil, err
+	}
+	return &u, nil
 }
 
 // checkUpdate checks one call of a history as the API checks it.

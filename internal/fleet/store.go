@@ -1,7 +1,6 @@
 package fleet
 
 import (
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -344,7 +343,12 @@ func (s *Store) Reload(ctx context.Context) error {
 		rec, err = s.checked(ctx, use, data)
 	}
 	if rec != nil {
-		err = s.apply(ctx, func() { s.mirror(*rec, "fleet read from the group's record as this router takes the lead") })
+		err = s.apply(ctx, func() {
+		joined, left := s.pool.Inherit(*rec)
+		s.logger.Info("fleet read from the group's record as this router takes the lead", zap.String("key", s.key),
+			zap.Int("workers_joined", joined), zap.Int("workers_left", left), zap.String("weight_version", s.pool.Stats().Version),
+			zap.Bool("update_inherited", rec.Updating != nil))
+	})
 	}
 	if err == nil {
 		s.restored.Store(true)
@@ -368,21 +372,16 @@ func (s *Store) Follow(ctx context.Context) {
 		if rec == nil {
 			continue // the standby keeps its view
 		}
-		if s.apply(ctx, func() { s.mirror(*rec, "") }) != nil {
+		if s.apply(ctx, func() { s.mirror(*rec) }) != nil {
 			return
 		}
 	}
 }
 
-// mirror applies rec with Pool.Mirror, logging what changed under why,
-// or at debug level without one.
-func (s *Store) mirror(rec scheduler.Record, why string) {
+// mirror applies rec with Pool.Mirror, as a standby follows the record.
+func (s *Store) mirror(rec scheduler.Record) {
 	joined, left := s.pool.Mirror(rec)
-	level := zap.DebugLevel
-	if why != "" {
-		level = zap.InfoLevel
-	}
-	s.logger.Log(level, cmp.Or(why, "fleet mirrored from the group's record"), zap.String("key", s.key),
+	s.logger.Debug("fleet mirrored from the group's record", zap.String("key", s.key),
 		zap.Int("workers_joined", joined), zap.Int("workers_left", left), zap.String("weight_version", rec.WeightVersion))
 }
 

@@ -83,7 +83,7 @@ func TestDrainWaitsForAJobWhoseClientLeft(t *testing.T) {
 func TestWorkerWaitingForItsCatchUpIsStale(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	up := Update{Path: DiskUpdatePath, Version: "step-1", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/1"}`)}
-	p.BeginUpdate(up.Version, true)
+	p.BeginUpdate(up)
 	p.FinishUpdate("http://a:1", up.Version, true, true)
 	p.FinishUpdate("http://b:1", up.Version, false, false) // down
 	p.EndUpdate(up, true)
@@ -95,7 +95,7 @@ func TestWorkerWaitingForItsCatchUpIsStale(t *testing.T) {
 	if got := p.TakeBehind(); !slices.Equal(got, []string{"http://b:1"}) {
 		t.Fatalf("workers to catch up: %v", got)
 	}
-	if targets := p.BeginUpdate("step-2", true); !slices.Equal(targets, []string{"http://a:1"}) {
+	if targets, _ := p.BeginUpdate(Update{Path: DiskUpdatePath, Version: "step-2", Mode: ModeDrain}); !slices.Equal(targets, []string{"http://a:1"}) {
 		t.Fatalf("an update beside a worker waiting for its catch-up goes to %v; want a alone", targets)
 	}
 	p.EndUpdate(Update{}, false)

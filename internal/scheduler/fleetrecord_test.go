@@ -202,3 +202,54 @@ func TestMirrorFollowsTheLeadersRecord(t *testing.T) {
 		t.Fatalf("r is %s after the record says it caught up (workers behind: %v)", info.Lifecycle, standby.AnyBehind())
 	}
 }
+
+// A router that takes over from one that left during an update finishes
+// that update: the workers the record shows on it serve, the others are
+// stale until they catch up, so none serves the weights it replaces; and
+// the caller's retry of it calls no worker that is on it already.
+func TestInheritFinishesTheUpdateInProgress(t *testing.T) {
+	leader, _ := poolOf(t, 2)
+	applyUpdate(leader, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
+	step2 := Update{Path: DiskUpdatePath, ModelPath: "/ckpt/2", Version: "step-2", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/2"}`)}
+	leader.BeginUpdate(step2)
+	leader.FinishUpdate("http://a:1", "step-2", true, true) // b's call was under way when the leader left
+	rec := throughStorage(t, leader.Record())
+	if rec.Updating == nil || rec.Updating.WeightVersion != "step-2" || rec.WeightVersion != "step-1" {
+		t.Fatalf("record written during the update: version %q, updating %+v; want step-1, updating to step-2", rec.WeightVersion, rec.Updating)
+	}
+
+	standby, _ := poolOf(t, 2)
+	standby.Mirror(rec)
+	if v := standby.Stats().Version; v != "step-1" {
+		t.Fatalf("a standby mirrors version %q during the leader's update; want step-1, the leader's", v)
+	}
+	standby.Inherit(rec)
+	if v := standby.Stats().Version; v != "step-2" {
+		t.Fatalf("the new leader's version is %q; want the inherited update's, step-2", v)
+	}
+	if info := infoOf(t, standby, "http://a:1"); info.Lifecycle != Serving {
+		t.Fatalf("a, on step-2 in the record, is %s", info.Lifecycle)
+	}
+	if info := infoOf(t, standby, "http://b:1"); info.Lifecycle != Stale || !standby.AnyBehind() {
+		t.Fatalf("b, on step-1 in the record, is %s (catch-up due: %v); want stale until it catches up", info.Lifecycle, standby.AnyBehind())
+	}
+	var replayed []string
+	for _, u := range standby.fleet.history {
+		replayed = append(replayed, u.Path+" "+string(u.Body))
+	}
+	if want := []string{`/update_weights_from_disk {"model_path":"/ckpt/2"}`}; !slices.Equal(replayed, want) {
+		t.Fatalf("a worker catches up by %q; want %q", replayed, want)
+	}
+
+	// The retry: a is on it, and b is left to its catch-up.
+	targets, done := standby.BeginUpdate(step2)
+	if len(targets) != 0 || !slices.Equal(done, []string{"http://a:1"}) {
+		t.Fatalf("the retry goes to %v with %v done; want none to call, a done", targets, done)
+	}
+	standby.EndUpdate(step2, true)
+	// The same call once more is an update like any other: every worker
+	// is called, as checkpoints are often rewritten at one path.
+	if targets, done := standby.BeginUpdate(step2); !slices.Equal(targets, []string{"http://a:1"}) || len(done) != 0 {
+		t.Fatalf("a second call goes to %v with %v done; want a called", targets, done)
+	}
+}

@@ -29,6 +29,10 @@ type Record struct {
 	// declared: a router that restarts serves their latest path, not the
 	// one its config names.
 	Adapters []AdapterRecord `json:"adapters,omitempty"`
+
+	// Updating is the update in progress as the record was written: a
+	// router that takes over from one that left during it finishes it.
+	Updating *UpdateRecord `json:"updating,omitempty"`
 }
 
 // AdapterRecord is one adapter of a Record.
@@ -69,9 +73,26 @@ func (p *Pool) Record() Record {
 		rec.Workers[i] = WorkerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version}
 	}
 	for _, u := range p.fleet.history {
-		rec.Updates = append(rec.Updates, UpdateRecord{Path: u.Path, WeightVersion: u.Version, Body: u.Body})
+		rec.Updates = append(rec.Updates, u.record())
+	}
+	if u := p.fleet.running; u != nil {
+		r := u.record()
+		rec.Updating = &r
 	}
 	return rec
+}
+
+func (u Update) record() UpdateRecord {
+	return UpdateRecord{Path: u.Path, WeightVersion: u.Version, Body: u.Body}
+}
+
+// update is the call r records, as the fleet replays it.
+func (r UpdateRecord) update() Update {
+	var body struct {
+		ModelPath string `json:"model_path"`
+	}
+	_ = json.Unmarshal(r.Body, &body) // a LoRA call names none
+	return Update{Path: r.Path, ModelPath: body.ModelPath, Version: r.WeightVersion, Mode: ModeDrain, Body: r.Body}
 }
 
 // Restore applies a record read back to the pool. Registered workers the
@@ -122,9 +143,33 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 func (rec Record) history() []Update {
 	var out []Update
 	for _, u := range rec.Updates {
-		out = append(out, Update{Path: u.Path, Version: u.WeightVersion, Mode: ModeDrain, Body: u.Body})
+		out = append(out, u.update())
 	}
 	return out
+}
+
+// Inherit mirrors rec for a router that takes the lead from the one that
+// wrote it. An update that router had in progress is the fleet's from now
+// on, as if it had ended there: a worker the record shows on its version
+// serves, and every other is stale until a catch-up brings it there, so
+// that no job is answered from the weights the update replaces. A retry
+// of that update is answered once the workers are on it (see
+// BeginUpdate).
+func (p *Pool) Inherit(rec Record) (joined, left int) {
+	if rec.Updating == nil {
+		return p.Mirror(rec)
+	}
+	u := rec.Updating.update()
+	f := fleetState{version: rec.WeightVersion, history: rec.history()}
+	rec.WeightVersion, rec.Updating, rec.Updates = u.Version, nil, nil
+	for _, h := range f.after(u) {
+		rec.Updates = append(rec.Updates, h.record())
+	}
+	joined, left = p.Mirror(rec)
+	p.mu.Lock()
+	p.fleet.inherited = &u
+	p.mu.Unlock()
+	return joined, left
 }
 
 // Mirror makes what the record holds of the pool the record's, where
@@ -165,7 +210,7 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 			}
 		}
 	}
-	p.fleet.version, p.fleet.history = rec.WeightVersion, rec.history()
+	p.fleet.version, p.fleet.history, p.fleet.inherited = rec.WeightVersion, rec.history(), nil
 	for _, w := range p.workers {
 		p.matchVersionLocked(w)
 	}

@@ -21,6 +21,11 @@ type fleetState struct {
 	version string   // weight version of the last successful update
 	history []Update // the last update and the LoRA calls since: what brings a worker to version
 	target  string   // version an update in progress moves to
+	running *Update  // the update in progress, recorded so that a router taking over can finish it
+	// inherited is the update the router's predecessor had in progress when
+	// it left, finished here by catching the workers up: a retry of it is
+	// answered once the workers are on it, without calling them again.
+	inherited *Update
 
 	behind atomic.Int32 // workers that wait for a catch-up to be started; read without mu
 }
@@ -75,22 +80,38 @@ func (p *Pool) Resume() {
 	p.dispatchLocked()
 }
 
-// BeginUpdate picks the workers an update to version goes to (those
-// serving and those stale from an earlier failed update) and, with
-// pause, stops handing out jobs.
-func (p *Pool) BeginUpdate(version string, pause bool) []string {
+// BeginUpdate picks the workers update u goes to (those serving and those
+// stale from an earlier failed update) and, in drain mode, stops handing
+// out jobs. A retry of the update the router inherited from its
+// predecessor skips the workers on it already: those are returned as
+// done.
+func (p *Pool) BeginUpdate(u Update) (targets, done []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var targets []string
+	f := &p.fleet
+	retried := f.inherited != nil && f.inherited.sameCall(u)
+	f.inherited = nil
 	for _, w := range p.workers {
 		// One that waits for its catch-up is left to it: the catch-up
 		// replays this update after those it missed.
-		if !w.life.dead && w.life.behind == upToDate && (w.life.state == Serving || w.life.state == Stale) {
+		if w.life.dead || w.life.behind != upToDate || (w.life.state != Serving && w.life.state != Stale) {
+			continue
+		}
+		if retried && w.life.state == Serving && w.life.version == u.Version {
+			done = append(done, w.url)
+		} else {
 			targets = append(targets, w.url)
 		}
 	}
-	p.fleet.target, p.fleet.paused = version, pause
-	return targets
+	f.target, f.paused, f.running = u.Version, u.Mode == ModeDrain, &u
+	p.Changed()
+	return targets, done
+}
+
+// sameCall reports whether u and v are one call: the same endpoint and
+// model_path, to the same version.
+func (u Update) sameCall(v Update) bool {
+	return u.Path == v.Path && u.ModelPath == v.ModelPath && u.Version == v.Version
 }
 
 // FinishUpdate records one worker's update to version: it serves version
@@ -119,15 +140,19 @@ func (p *Pool) EndUpdate(u Update, succeeded bool) {
 	defer p.mu.Unlock()
 	f := &p.fleet
 	if succeeded {
-		f.version = u.Version
-		if u.Path == DiskUpdatePath {
-			f.history = f.history[:0]
-		}
-		f.history = append(f.history, u)
-		p.Changed()
+		f.version, f.history = u.Version, f.after(u)
 	}
-	f.target, f.paused = "", false
+	f.target, f.paused, f.running = "", false, nil
+	p.Changed()
 	p.dispatchLocked()
+}
+
+// after is the history once u has run: an update from disk starts it anew.
+func (f *fleetState) after(u Update) []Update {
+	if u.Path == DiskUpdatePath {
+		return []Update{u}
+	}
+	return append(slices.Clip(f.history), u)
 }
 
 // SetStates moves the workers named to state s.
