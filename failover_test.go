@@ -140,7 +140,9 @@ func TestUpdateInterruptedByAFailoverIsFinished(t *testing.T) {
 	testrouter.WaitFor(t, func() bool { return standingOf(t, b.Get("/health")).names(a.Base) })
 
 	const update = `{"model_path":"/ckpt/2"}`
-	go func() { _, _ = http.Post(a.Base+"/update_weights_from_disk", "application/json", strings.NewReader(update)) }()
+	go func() {
+		_, _ = http.Post(a.Base+"/update_weights_from_disk", "application/json", strings.NewReader(update))
+	}()
 	// Killed once the record says the update runs and quick has it.
 	if !testkit.WaitUntil(30*time.Second, func() bool {
 		v := etcdValue(t, etcd, haRecordKey)

@@ -344,11 +344,11 @@ func (s *Store) Reload(ctx context.Context) error {
 	}
 	if rec != nil {
 		err = s.apply(ctx, func() {
-		joined, left := s.pool.Inherit(*rec)
-		s.logger.Info("fleet read from the group's record as this router takes the lead", zap.String("key", s.key),
-			zap.Int("workers_joined", joined), zap.Int("workers_left", left), zap.String("weight_version", s.pool.Stats().Version),
-			zap.Bool("update_inherited", rec.Updating != nil))
-	})
+			joined, left := s.pool.Inherit(*rec)
+			s.logger.Info("fleet read from the group's record as this router takes the lead", zap.String("key", s.key),
+				zap.Int("workers_joined", joined), zap.Int("workers_left", left), zap.String("weight_version", s.pool.Stats().Version),
+				zap.Bool("update_inherited", rec.Updating != nil))
+		})
 	}
 	if err == nil {
 		s.restored.Store(true)
