@@ -392,3 +392,35 @@ func TestFirstLeaderSeedsTheRecordFromStorage(t *testing.T) {
 		t.Fatalf("Caddy's storage got %d writes of the record with ha on; want none", n-written)
 	}
 }
+
+// etcd stopped and started again: the router stands by while it cannot
+// renew its lease, then leads again with the fleet as the record holds it.
+func TestRouterLeadsAgainOnceEtcdIsBack(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	workers := testrouter.StartWorkers(t, fakeworker.Config{Name: "w1"}, fakeworker.Config{Name: "joiner"})
+	r := testrouter.Start(t, haRouter(etcd, workers[:1], "advertise http://router-a:8080"))
+	testrouter.WaitFor(t, func() bool { return leads(t, r) })
+	joiner := workers[1].URL()
+	testrouter.ExpectStatus(t, "registration", r.Post("/workers", `{"url":"`+joiner+`"}`), http.StatusOK)
+	testrouter.WaitFor(t, func() bool { return strings.Contains(etcdValue(t, etcd, haRecordKey), joiner) })
+
+	etcd.Stop()
+	if !testkit.WaitUntil(haLeaseTTL+5*time.Second, func() bool { return r.Get("/readyz").Status == http.StatusServiceUnavailable }) {
+		t.Fatal("the router still says it is ready well past its lease after etcd stopped")
+	}
+	testrouter.ExpectStatus(t, "job while etcd is down", r.Post("/v1/images/generations", smallImage), http.StatusServiceUnavailable)
+
+	etcd.Restart()
+	if !testkit.WaitUntil(30*time.Second, func() bool { return leads(t, r) }) {
+		t.Fatal("the router did not lead again within 30 s of etcd's return")
+	}
+	if sources, _ := fleetSeen(t, r); sources[joiner] != "registered" {
+		t.Fatalf("after etcd's return the router has workers %v; want the registered one kept", sources)
+	}
+	served := map[string]bool{}
+	testrouter.WaitFor(t, func() bool {
+		rp := r.Post("/v1/images/generations", smallImage)
+		served[rp.Header.Get("X-Fake-Worker")] = rp.Status == http.StatusOK
+		return served["w1"] && served["joiner"]
+	})
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -108,7 +109,14 @@ func TestReloadMirrorsTheStoredRecord(t *testing.T) {
 	s.Use(nil, storage, Rules{})
 	storage.Put(fleetKey(t.Name()), recordOf(t, "step-1", "http://old:1"))
 	s.StartOnce()
-	storage.Put(fleetKey(t.Name()), recordOf(t, "step-2", "http://new:1"))
+	written := func(worker string) bool {
+		stored := storage.Stored()
+		return len(stored) > 0 && strings.Contains(string(stored[len(stored)-1]), worker)
+	}
+	if !testkit.WaitUntil(30*time.Second, func() bool { return written("http://old:1") }) {
+		t.Fatal("the record read back was never written")
+	}
+	storage.Put(fleetKey(t.Name()), recordOf(t, "step-2", "http://new:1")) // as the leader before this one wrote it
 	if err := s.Reload(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -118,7 +126,7 @@ func TestReloadMirrorsTheStoredRecord(t *testing.T) {
 	if v := p.Stats().Version; v != "step-2" {
 		t.Fatalf("weight version after the reload: %q; want step-2", v)
 	}
-	if !testkit.WaitUntil(30*time.Second, func() bool { return len(storage.Stored()) > 0 }) {
+	if !testkit.WaitUntil(30*time.Second, func() bool { return written("http://new:1") }) {
 		t.Fatal("the leader never wrote the record it reloaded")
 	}
 }

@@ -20,6 +20,8 @@ import (
 type Server struct {
 	// Endpoint is the client URL, as a router's `ha etcd` option names it.
 	Endpoint string
+	t        testing.TB
+	args     []string // etcd and its flags, to start it again as it was
 	cmd      *exec.Cmd
 	exited   chan struct{}
 }
@@ -37,29 +39,45 @@ func Start(t testing.TB) *Server {
 		t.Skip("etcd is not on the PATH (Debian: apt-get install etcd-server)")
 	}
 	client, peer := freeURL(t), freeURL(t)
-	cmd := exec.Command(bin,
+	s := &Server{Endpoint: client, t: t, args: []string{bin,
 		"--name", "test",
 		"--data-dir", t.TempDir(),
 		"--listen-client-urls", client,
 		"--advertise-client-urls", client,
 		"--listen-peer-urls", peer,
 		"--initial-advertise-peer-urls", peer,
-		"--initial-cluster", "test="+peer,
+		"--initial-cluster", "test=" + peer,
 		"--logger", "zap", "--log-level", "error",
-	)
+	}}
+	t.Cleanup(s.Stop)
+	s.run()
+	return s
+}
+
+// run starts the process and waits until etcd is healthy.
+func (s *Server) run() {
+	s.t.Helper()
+	cmd := exec.Command(s.args[0], s.args[1:]...)
 	if testing.Verbose() {
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	}
 	if err := cmd.Start(); err != nil {
-		t.Fatalf("starting etcd: %v", err)
+		s.t.Fatalf("starting etcd: %v", err)
 	}
-	s := &Server{Endpoint: client, cmd: cmd, exited: make(chan struct{})}
-	go func() { _ = cmd.Wait(); close(s.exited) }()
-	t.Cleanup(s.Stop)
+	exited := make(chan struct{})
+	s.cmd, s.exited = cmd, exited
+	go func() { _ = cmd.Wait(); close(exited) }()
 	if !testkit.WaitUntil(30*time.Second, s.healthy) {
-		t.Fatalf("etcd at %s was not healthy within 30s", client)
+		s.t.Fatalf("etcd at %s was not healthy within 30s", s.Endpoint)
 	}
-	return s
+}
+
+// Restart starts etcd again after Stop, on the same ports and data, as
+// when the cluster comes back.
+func (s *Server) Restart() {
+	s.t.Helper()
+	s.Stop()
+	s.run()
 }
 
 // Stop kills etcd and waits for it to exit, as when the cluster becomes
