@@ -362,13 +362,12 @@ func (s *Store) Reload(ctx context.Context) error {
 // can take over at once. A storage that is not a Watcher has no other
 // writer, and Follow returns at once.
 func (s *Store) Follow(ctx context.Context) {
-	use := s.use()
-	watcher, ok := use.storage.(Watcher)
+	watcher, ok := s.use().storage.(Watcher)
 	if !ok {
 		return
 	}
 	for data := range watcher.Watch(ctx, s.key) {
-		rec, _ := s.checked(ctx, use, data) // what cannot be read is logged
+		rec, _ := s.checked(ctx, s.use(), data) // by the rules of the config loaded last; what cannot be read is logged
 		if rec == nil {
 			continue // the standby keeps its view
 		}
