@@ -2,7 +2,6 @@ package diffusionrouter_test
 
 import (
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -17,36 +16,6 @@ import (
 )
 
 // Failover of a pool's active router, killed with SIGKILL while it serves.
-
-// milesClient posts as miles' http_utils does: any error, an error status
-// included, is retried, 1 s apart, up to 60 times.
-type milesClient struct {
-	client  http.Client
-	retries atomic.Int64 // attempts after a first one, over every call
-}
-
-// post sends body to url until it is answered 200, and returns that
-// answer, or the last one after 60 attempts.
-func (m *milesClient) post(url, body string) (status int, header http.Header, text string) {
-	for attempt := 1; ; attempt++ {
-		resp, err := m.client.Post(url, "application/json", strings.NewReader(body))
-		if err == nil {
-			data, readErr := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			status, header, text = resp.StatusCode, resp.Header, string(data)
-			if readErr == nil && status == http.StatusOK {
-				return status, header, text
-			}
-		} else {
-			status, text = 0, err.Error()
-		}
-		if attempt == 60 {
-			return status, header, text
-		}
-		m.retries.Add(1)
-		time.Sleep(time.Second)
-	}
-}
 
 // Two routers behind one Caddy reverse_proxy that checks /readyz: the
 // active one is killed mid-batch, the standby leads within lease_ttl + 1 s,
@@ -74,7 +43,7 @@ func TestFailoverUnderLoadLosesNoRequest(t *testing.T) {
 		queue <- i
 	}
 	close(queue)
-	var miles milesClient
+	var miles testkit.Miles
 	var done, lost atomic.Int64
 	byWorker := map[string]int{}
 	var mu sync.Mutex
@@ -82,7 +51,7 @@ func TestFailoverUnderLoadLosesNoRequest(t *testing.T) {
 	for range clients {
 		wg.Go(func() {
 			for range queue {
-				status, header, text := miles.post(front.Base+"/v1/images/generations", smallImage)
+				status, header, text := miles.Post(front.Base+"/v1/images/generations", smallImage)
 				mu.Lock()
 				if status == http.StatusOK {
 					byWorker[header.Get("X-Fake-Worker")]++
@@ -112,11 +81,11 @@ func TestFailoverUnderLoadLosesNoRequest(t *testing.T) {
 		t.Fatalf("%d of %d jobs done 3 minutes after the kill", done.Load(), jobs)
 	}
 	t.Logf("the standby was ready %v after the kill; %d requests retried; jobs by worker %v",
-		takeover.Round(time.Millisecond), miles.retries.Load(), byWorker)
+		takeover.Round(time.Millisecond), miles.Retries(), byWorker)
 	if lost.Load() != 0 {
 		t.Fatalf("%d of %d jobs lost", lost.Load(), jobs)
 	}
-	if miles.retries.Load() == 0 {
+	if miles.Retries() == 0 {
 		t.Fatal("no request was retried: the kill came after the batch, and the test shows nothing")
 	}
 }
@@ -162,15 +131,15 @@ func TestUpdateInterruptedByAFailoverIsFinished(t *testing.T) {
 	}
 
 	// Jobs meanwhile: none from the old weights.
-	var miles milesClient
+	var miles testkit.Miles
 	for range 10 {
-		_, header, _ := miles.post(b.Base+"/v1/images/generations", smallImage)
+		_, header, _ := miles.Post(b.Base+"/v1/images/generations", smallImage)
 		if v := header.Get("X-Weight-Version"); v != "/ckpt/2" || header.Get("X-Fake-Worker") != "quick" {
 			bProcess.fail("a job during the inherited update was answered by %s on %q; want quick on /ckpt/2",
 				header.Get("X-Fake-Worker"), v)
 		}
 	}
-	status, _, text := miles.post(b.Base+"/update_weights_from_disk", update)
+	status, _, text := miles.Post(b.Base+"/update_weights_from_disk", update)
 	if status != http.StatusOK || !strings.Contains(text, "already on weight version /ckpt/2") {
 		bProcess.fail("the retried update: %d %s; want 200, quick already on it", status, text)
 	}
@@ -180,7 +149,7 @@ func TestUpdateInterruptedByAFailoverIsFinished(t *testing.T) {
 	testrouter.WaitFor(t, func() bool { return b.Workers()[slow.URL()]["state"] == "serving" })
 	seen := map[string]bool{}
 	testrouter.WaitFor(t, func() bool {
-		_, header, _ := miles.post(b.Base+"/v1/images/generations", smallImage)
+		_, header, _ := miles.Post(b.Base+"/v1/images/generations", smallImage)
 		if v := header.Get("X-Weight-Version"); v != "/ckpt/2" {
 			t.Fatalf("a job after the retried update was answered on %q", v)
 		}

@@ -410,7 +410,9 @@ func TestRouterLeadsAgainOnceEtcdIsBack(t *testing.T) {
 	}
 	testrouter.ExpectStatus(t, "job while etcd is down", r.Post("/v1/images/generations", smallImage), http.StatusServiceUnavailable)
 
-	etcd.Restart()
+	if err := etcd.Restart(); err != nil {
+		t.Fatal(err)
+	}
 	if !testkit.WaitUntil(30*time.Second, func() bool { return leads(t, r) }) {
 		t.Fatal("the router did not lead again within 30 s of etcd's return")
 	}

@@ -67,6 +67,16 @@
 //	          phase 1 sends --adapter-jobs jobs of each adapter at once,
 //	          phase 2 moves all demand to adapter a (see adapters.go); not
 //	          part of all.
+//	failover  two routers of one pool with `ha etcd` (a real etcd, which
+//	          must be on the PATH; lease_ttl --lease-ttl) as processes of
+//	          their own behind a Caddy reverse_proxy that checks /readyz;
+//	          --clients clients that retry as miles does (any error, 1 s
+//	          apart, 60 times) send small images through the proxy while
+//	          the active router is killed with SIGKILL --kills times, a
+//	          second of load before each, and a new standby started in its
+//	          place after each. It reports the time from each kill to the
+//	          standby's /readyz 200 (median, max) and the requests sent,
+//	          answered, lost and retried (see failover.go); not part of all.
 //
 // The soak runs the router as a process of its own, Caddy built from
 // ./cmd/caddy (or --caddy), so that the memory, goroutines and open files
@@ -143,6 +153,7 @@
 //	go run ./cmd/bench --mode soak --n 100000 --clients 6 --unit-ms 0.5
 //	go run ./cmd/bench --mode oversample --n 32 --group 4 --steps 5 --mix uniform --speeds 1,1,1,1
 //	go run ./cmd/bench --mode adapters --adapter-jobs 15 --lora-switch 5s --job-time 1s
+//	go run ./cmd/bench --mode failover --kills 10 --clients 6 --speeds 1,1,1
 //
 // --router URL drives a router that is already running instead: it is
 // measured as it is (its own workers, strategy and learned state), once
@@ -203,6 +214,8 @@ type options struct {
 	adapterJobs int           // adapters: phase 1's jobs per adapter
 	loraSwitch  time.Duration // adapters: how long a set_lora that changes the adapter takes
 	jobTime     time.Duration // adapters: how long a job takes at speed 1
+	kills       int           // failover: SIGKILLs of the active router
+	leaseTTL    time.Duration // failover: the routers' lease_ttl
 }
 
 func main() {
@@ -223,7 +236,7 @@ func main() {
 func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample|adapters")
+	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample|adapters|failover")
 	fs.StringVar(&o.mix, "mix", "heavy", "the jobs: "+mixNames())
 	speeds := fs.String("speeds", "1,1,1,2", "one fake worker per value, its relative speed (adapters mode: one of speed 1 per adapter)")
 	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open); soak: requests in all; oversample: groups a step needs")
@@ -238,7 +251,9 @@ func parseFlags(args []string) (options, error) {
 	fs.DurationVar(&o.duration, "duration", 3*time.Second, "overhead mode: measuring time per strategy; soak: longest run when given (else --n decides)")
 	fs.IntVar(&o.maxInflight, "max-inflight", 0, "max_inflight for least_work strategies (0: the router's default)")
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "limit on one strategy's run (soak: on the whole run); requests still open then fail")
-	fs.StringVar(&o.caddy, "caddy", "", "soak: the Caddy binary to run as the router (default: build ./cmd/caddy)")
+	fs.StringVar(&o.caddy, "caddy", "", "soak and failover: the Caddy binary to run as the router (default: build ./cmd/caddy)")
+	fs.IntVar(&o.kills, "kills", 10, "failover mode: SIGKILLs of the active router")
+	fs.DurationVar(&o.leaseTTL, "lease-ttl", 5*time.Second, "failover mode: the routers' ha etcd lease_ttl (whole seconds)")
 	fs.DurationVar(&o.faultEvery, "fault-every", 2*time.Second, "soak: time between the faults of the schedule")
 	fs.IntVar(&o.group, "group", 4, "oversample: images per group (samples of one prompt)")
 	fs.IntVar(&o.steps, "steps", 5, "oversample: rollout steps, back to back")
@@ -281,8 +296,8 @@ func parseFlags(args []string) (options, error) {
 
 func (o options) check() error {
 	switch {
-	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample", "adapters"}, o.mode):
-		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak, oversample or adapters", o.mode)
+	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample", "adapters", "failover"}, o.mode):
+		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak, oversample, adapters or failover", o.mode)
 	case mixes[o.mix] == nil:
 		return fmt.Errorf("--mix %q: want %s", o.mix, mixNames())
 	case o.n <= 0, o.unitMs <= 0, o.util <= 0, o.clients <= 0, o.duration <= 0, o.timeout <= 0, o.faultEvery <= 0:
@@ -297,6 +312,10 @@ func (o options) check() error {
 		return errors.New("--router: the adapters mode starts its own workers, whose switch time it sets")
 	case o.mode == "soak" && o.router != "":
 		return errors.New("--router: the soak starts and reloads its own router")
+	case o.mode == "failover" && o.router != "":
+		return errors.New("--router: the failover mode starts and kills its own routers")
+	case o.kills < 1, o.leaseTTL < time.Second, o.leaseTTL%time.Second != 0:
+		return errors.New("--kills must be positive and --lease-ttl whole seconds, at least 1s")
 	case o.router != "" && !strings.HasPrefix(o.router, "http://") && !strings.HasPrefix(o.router, "https://"):
 		return fmt.Errorf("--router %q: want http://host:port", o.router)
 	}
@@ -323,8 +342,11 @@ func run(ctx context.Context, o options, out io.Writer) error {
 	}
 	defer cleanHome()
 	printHeader(out, o)
-	if o.mode == "soak" {
+	switch o.mode {
+	case "soak":
 		return benchSoak(ctx, o, out)
+	case "failover":
+		return benchFailover(ctx, o, out)
 	}
 
 	modes := []string{o.mode}
@@ -380,6 +402,9 @@ func printHeader(out io.Writer, o options) {
 	case o.mode == "soak":
 		fmt.Fprintf(out, "fleet:    %d fake image workers on 127.0.0.1, speeds %s, a blackhole until the schedule's first round is over, and one video worker of its own pool, %gms per cost unit at speed 1; faults every %s\n",
 			len(o.speeds), fmtSpeeds(o.speeds), o.unitMs, o.faultEvery)
+	case o.mode == "failover":
+		fmt.Fprintf(out, "fleet:    %d fake workers on 127.0.0.1, speeds %s, %gms per cost unit at speed 1; two routers, lease_ttl %s, %d kills\n",
+			len(o.speeds), fmtSpeeds(o.speeds), o.unitMs, o.leaseTTL, o.kills)
 	case o.mode == "adapters":
 		fmt.Fprintf(out, "fleet:    %d fake workers on 127.0.0.1, speeds %s, a set_lora that changes the adapter taking %s, fresh for every strategy\n",
 			len(o.speeds), fmtSpeeds(o.speeds), o.loraSwitch)

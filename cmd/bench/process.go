@@ -152,6 +152,13 @@ func (p *routerProcess) stop() error {
 	return nil
 }
 
+// kill ends the router with SIGKILL, as a node's crash or the OOM killer
+// does, and waits until it has exited.
+func (p *routerProcess) kill() {
+	_ = p.cmd.Process.Kill()
+	<-p.exited
+}
+
 func adminCall(req *http.Request) ([]byte, error) {
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {

@@ -6,6 +6,7 @@ package kubernetes
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"io"
 	"os"
@@ -325,4 +326,103 @@ func TestAutoscalerScalesTheWorkersOnTheBacklog(t *testing.T) {
 	if _, err := strconv.ParseFloat(str(trigger, "metadata", "threshold"), 64); err != nil {
 		t.Errorf("threshold: %v", err)
 	}
+}
+
+// TestHARoutersShareOneElection checks router-ha.yaml and etcd.yaml: two
+// replicas whose readiness is /readyz (only the active router is ready),
+// each advertising its pod's IP, pointed at every member of the etcd
+// StatefulSet by the names its headless Service gives them, with a
+// rollout that can end although a standby is never ready.
+func TestHARoutersShareOneElection(t *testing.T) {
+	objs := manifests(t)
+	deploy := find(t, objs, "Deployment", "diffusion-router-ha")
+	if n, _ := at(deploy.doc, "spec", "replicas").(int); n < 2 {
+		t.Errorf("router-ha has %d replicas; a group needs a standby", n)
+	}
+	c := at(deploy.doc, "spec", "template", "spec", "containers", 0)
+	if got := str(c, "readinessProbe", "httpGet", "path"); got != "/readyz" {
+		t.Errorf("router-ha's readinessProbe is %q; /readyz keeps the standby out of the Service", got)
+	}
+	if got := str(c, "livenessProbe", "httpGet", "path"); got != "/healthz" {
+		t.Errorf("router-ha's livenessProbe is %q; a standby is alive and must answer it (/healthz)", got)
+	}
+	podIP := false
+	for _, e := range at(c, "env").([]any) {
+		podIP = podIP || str(e, "name") == "POD_IP" && str(e, "valueFrom", "fieldRef", "fieldPath") == "status.podIP"
+	}
+	if !podIP {
+		t.Error("router-ha sets no POD_IP from status.podIP, which its advertise names")
+	}
+	switch strategy := at(deploy.doc, "spec", "strategy"); {
+	case str(strategy, "type") == "Recreate":
+	case str(strategy, "rollingUpdate", "maxUnavailable") != "100%":
+		t.Errorf("router-ha's strategy %v waits for new pods to be ready, which a standby never is: the rollout would never end", strategy)
+	}
+
+	cm := find(t, objs, "ConfigMap", str(volume(t, deploy, "caddyfile"), "configMap", "name"))
+	cfg, warnings, err := testrouter.Adapt([]byte(str(cm.doc, "data", "Caddyfile")), "router-ha.yaml:Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range warnings {
+		t.Errorf("caddy adapt warns: %s", w)
+	}
+	var adapted any
+	if err := json.Unmarshal(cfg, &adapted); err != nil {
+		t.Fatal(err)
+	}
+	router := handler(adapted, "diffusion_router")
+	if router == nil {
+		t.Fatal("router-ha's Caddyfile has no diffusion_router handler")
+	}
+	advertise := str(router, "ha", "etcd", "advertise")
+	var endpoints []string
+	for _, e := range at(router, "ha", "etcd", "endpoints").([]any) {
+		endpoints = append(endpoints, e.(string))
+	}
+	if !strings.Contains(advertise, "{env.POD_IP}") {
+		t.Errorf("router-ha advertises %q; want the pod's own address, {env.POD_IP}", advertise)
+	}
+
+	etcd := find(t, objs, "StatefulSet", "etcd")
+	svc := find(t, objs, "Service", str(etcd.doc, "spec", "serviceName"))
+	if str(svc.doc, "spec", "clusterIP") != "None" {
+		t.Error("etcd's Service is not headless: its members would have no names of their own")
+	}
+	var clientPort int
+	for _, p := range at(etcd.doc, "spec", "template", "spec", "containers", 0, "ports").([]any) {
+		if str(p, "name") == "client" {
+			clientPort, _ = at(p, "containerPort").(int)
+		}
+	}
+	var want []string
+	members, _ := at(etcd.doc, "spec", "replicas").(int)
+	for i := range members {
+		want = append(want, "http://"+etcd.name()+"-"+strconv.Itoa(i)+"."+svc.name()+".rollout.svc.cluster.local:"+strconv.Itoa(clientPort))
+	}
+	if !slices.Equal(endpoints, want) {
+		t.Errorf("router-ha's etcd endpoints are %v; want every member of the etcd StatefulSet, %v", endpoints, want)
+	}
+}
+
+// handler finds the first handler of the given name in an adapted config.
+func handler(v any, name string) map[string]any {
+	switch v := v.(type) {
+	case map[string]any:
+		if v["handler"] == name {
+			return v
+		}
+		for _, x := range v {
+			if h := handler(x, name); h != nil {
+				return h
+			}
+		}
+	case []any:
+		for _, x := range v {
+			if h := handler(x, name); h != nil {
+				return h
+			}
+		}
+	}
+	return nil
 }

@@ -1,10 +1,11 @@
 // Package etcdtest starts a real etcd server (Debian's etcd-server, the
 // version the router's high-availability mode is tested against) for one
-// test, on 127.0.0.1 ports the test picks, with its data in a temporary
-// directory.
+// test or bench run, on 127.0.0.1 ports it picks, with its data in a
+// directory of its own.
 package etcdtest
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -16,11 +17,13 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 )
 
+// ErrNoEtcd is why Launch cannot run etcd: none is on the PATH.
+var ErrNoEtcd = errors.New("etcd is not on the PATH (Debian: apt-get install etcd-server)")
+
 // Server is one running etcd.
 type Server struct {
 	// Endpoint is the client URL, as a router's `ha etcd` option names it.
 	Endpoint string
-	t        testing.TB
 	args     []string // etcd and its flags, to start it again as it was
 	cmd      *exec.Cmd
 	exited   chan struct{}
@@ -31,17 +34,36 @@ type Server struct {
 // and the test fails instead.
 func Start(t testing.TB) *Server {
 	t.Helper()
+	s, err := Launch(t.TempDir())
+	switch {
+	case errors.Is(err, ErrNoEtcd) && os.Getenv("CI") == "true":
+		t.Fatal("etcd is not on the PATH; .ci/run installs Debian's etcd-server")
+	case errors.Is(err, ErrNoEtcd):
+		t.Skip(err)
+	case err != nil:
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	return s
+}
+
+// Launch runs etcd with its data in dir until Stop is called.
+func Launch(dir string) (*Server, error) {
 	bin, err := exec.LookPath("etcd")
 	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("etcd is not on the PATH; .ci/run installs Debian's etcd-server")
-		}
-		t.Skip("etcd is not on the PATH (Debian: apt-get install etcd-server)")
+		return nil, ErrNoEtcd
 	}
-	client, peer := freeURL(t), freeURL(t)
-	s := &Server{Endpoint: client, t: t, args: []string{bin,
+	client, err := freeURL()
+	if err != nil {
+		return nil, err
+	}
+	peer, err := freeURL()
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{Endpoint: client, args: []string{bin,
 		"--name", "test",
-		"--data-dir", t.TempDir(),
+		"--data-dir", dir,
 		"--listen-client-urls", client,
 		"--advertise-client-urls", client,
 		"--listen-peer-urls", peer,
@@ -49,35 +71,33 @@ func Start(t testing.TB) *Server {
 		"--initial-cluster", "test=" + peer,
 		"--logger", "zap", "--log-level", "error",
 	}}
-	t.Cleanup(s.Stop)
-	s.run()
-	return s
+	return s, s.run()
 }
 
 // run starts the process and waits until etcd is healthy.
-func (s *Server) run() {
-	s.t.Helper()
+func (s *Server) run() error {
 	cmd := exec.Command(s.args[0], s.args[1:]...)
-	if testing.Verbose() {
+	if testing.Testing() && testing.Verbose() {
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	}
 	if err := cmd.Start(); err != nil {
-		s.t.Fatalf("starting etcd: %v", err)
+		return fmt.Errorf("starting etcd: %w", err)
 	}
 	exited := make(chan struct{})
 	s.cmd, s.exited = cmd, exited
 	go func() { _ = cmd.Wait(); close(exited) }()
 	if !testkit.WaitUntil(30*time.Second, s.healthy) {
-		s.t.Fatalf("etcd at %s was not healthy within 30s", s.Endpoint)
+		s.Stop()
+		return fmt.Errorf("etcd at %s was not healthy within 30s", s.Endpoint)
 	}
+	return nil
 }
 
 // Restart starts etcd again after Stop, on the same ports and data, as
 // when the cluster comes back.
-func (s *Server) Restart() {
-	s.t.Helper()
+func (s *Server) Restart() error {
 	s.Stop()
-	s.run()
+	return s.run()
 }
 
 // Stop kills etcd and waits for it to exit, as when the cluster becomes
@@ -102,12 +122,11 @@ func (s *Server) healthy() bool {
 }
 
 // freeURL picks a port nobody listens on; etcd binds it a moment later.
-func freeURL(t testing.TB) string {
-	t.Helper()
+func freeURL() (string, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	defer l.Close()
-	return fmt.Sprintf("http://%s", l.Addr())
+	return fmt.Sprintf("http://%s", l.Addr()), nil
 }
