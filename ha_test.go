@@ -209,27 +209,40 @@ func TestLeaderCutOffFromEtcdFinishesItsJobs(t *testing.T) {
 	testrouter.ExpectStatus(t, "the job held when the lease was lost", <-held, http.StatusOK)
 }
 
-// electionKeys reads the keys of ha-pool's election from etcd's JSON
-// gateway, with the revisions they were created at.
-func electionKeys(t *testing.T, etcd *etcdtest.Server) string {
+// etcdKV is a key of etcd as its JSON gateway shows it, base64 and all.
+type etcdKV struct {
+	Key            string `json:"key"`
+	Value          []byte `json:"value,omitempty"`
+	CreateRevision string `json:"create_revision"`
+}
+
+// etcdRange reads the keys from key up to rangeEnd ("": key alone) from
+// etcd's JSON gateway.
+func etcdRange(t *testing.T, etcd *etcdtest.Server, key, rangeEnd string) []etcdKV {
 	t.Helper()
 	b64 := base64.StdEncoding.EncodeToString
-	query, _ := json.Marshal(map[string]string{"key": b64([]byte("/diffusion-router/election/ha-pool/")), "range_end": b64([]byte("/diffusion-router/election/ha-pool0"))})
-	resp, err := http.Post(etcd.Endpoint+"/v3/kv/range", "application/json", bytes.NewReader(query))
+	query := map[string]string{"key": b64([]byte(key))}
+	if rangeEnd != "" {
+		query["range_end"] = b64([]byte(rangeEnd))
+	}
+	body, _ := json.Marshal(query)
+	resp, err := http.Post(etcd.Endpoint+"/v3/kv/range", "application/json", bytes.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var out struct {
-		Kvs []struct {
-			Key            string `json:"key"`
-			CreateRevision string `json:"create_revision"`
-		} `json:"kvs"`
-	}
+	var out struct{ Kvs []etcdKV }
 	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
 		t.Fatal(err)
 	}
-	keys, _ := json.Marshal(out.Kvs)
+	return out.Kvs
+}
+
+// electionKeys is the keys of ha-pool's election, with the revisions they
+// were created at, as text to compare.
+func electionKeys(t *testing.T, etcd *etcdtest.Server) string {
+	t.Helper()
+	keys, _ := json.Marshal(etcdRange(t, etcd, "/diffusion-router/election/ha-pool/", "/diffusion-router/election/ha-pool0"))
 	return string(keys)
 }
 
@@ -274,27 +287,14 @@ func TestReloadKeepsTheLead(t *testing.T) {
 	testrouter.ExpectStatus(t, "job without ha", r.Post("/v1/images/generations", smallImage), http.StatusOK)
 }
 
-// etcdValue reads key from etcd's JSON gateway; "" when it is not there.
+// etcdValue reads key from etcd; "" when it is not there.
 func etcdValue(t *testing.T, etcd *etcdtest.Server, key string) string {
 	t.Helper()
-	query, _ := json.Marshal(map[string]string{"key": base64.StdEncoding.EncodeToString([]byte(key))})
-	resp, err := http.Post(etcd.Endpoint+"/v3/kv/range", "application/json", bytes.NewReader(query))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var out struct {
-		Kvs []struct {
-			Value []byte `json:"value"`
-		} `json:"kvs"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
-		t.Fatal(err)
-	}
-	if len(out.Kvs) == 0 {
+	kvs := etcdRange(t, etcd, key, "")
+	if len(kvs) == 0 {
 		return ""
 	}
-	return string(out.Kvs[0].Value)
+	return string(kvs[0].Value)
 }
 
 // haRecordKey is where ha-pool's record lives in etcd: Caddy storage's

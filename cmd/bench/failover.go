@@ -118,17 +118,8 @@ func (f *failover) start(ctx context.Context) error {
 // startRouter starts the router of slot i and waits until Caddy answers.
 func (f *failover) startRouter(ctx context.Context, i int) error {
 	r := f.routers[i]
-	text := fmt.Sprintf(`{
-	admin 127.0.0.1:%d
-	auto_https off
-	persist_config off
-	default_bind 127.0.0.1
-	storage file_system %s
-	log {
-		level ERROR
-	}
-}
-:%d {
+	storage := filepath.Join(f.dir, fmt.Sprintf("storage-%d", i))
+	text := caddyGlobals(r.admin, storage, "\tlog {\n\t\tlevel ERROR\n\t}\n") + fmt.Sprintf(`:%d {
 	diffusion_router bench-ha {
 		workers %s
 		health_interval 250ms
@@ -138,7 +129,7 @@ func (f *failover) startRouter(ctx context.Context, i int) error {
 		}
 	}
 }
-`, r.admin, filepath.Join(f.dir, fmt.Sprintf("storage-%d", i)), r.port, strings.Join(f.fleet.URLs(), " "),
+`, r.port, strings.Join(f.fleet.URLs(), " "),
 		f.etcd.Endpoint, f.o.leaseTTL, r.url())
 	cfg, _, err := testrouter.Adapt([]byte(text), "")
 	if err != nil {
@@ -166,17 +157,8 @@ func (f *failover) startFront(ctx context.Context) error {
 	if f.port, err = testrouter.FreePort(); err != nil {
 		return err
 	}
-	text := fmt.Sprintf(`{
-	admin 127.0.0.1:%d
-	auto_https off
-	persist_config off
-	default_bind 127.0.0.1
-	storage file_system %s
-	log {
-		output discard # its 502s and 503s are the kills, counted by the clients
-	}
-}
-:%d {
+	// Its log would show the 502s and 503s of the kills, which the clients count.
+	text := caddyGlobals(admin, filepath.Join(f.dir, "storage-front"), "\tlog {\n\t\toutput discard\n\t}\n") + fmt.Sprintf(`:%d {
 	reverse_proxy %s %s {
 		lb_policy first
 		health_uri /readyz
@@ -184,7 +166,7 @@ func (f *failover) startFront(ctx context.Context) error {
 		health_timeout 1s
 	}
 }
-`, admin, filepath.Join(f.dir, "storage-front"), f.port, f.routers[0].url(), f.routers[1].url())
+`, f.port, f.routers[0].url(), f.routers[1].url())
 	cfg, _, err := testrouter.Adapt([]byte(text), "")
 	if err != nil {
 		return err

@@ -36,6 +36,15 @@ func buildCaddy(ctx context.Context, dir string) (string, error) {
 	return bin, nil
 }
 
+// caddyGlobals is the global options block of a Caddy the bench runs as a
+// process: its admin API on 127.0.0.1:admin, no HTTPS, its config not
+// saved, listening on 127.0.0.1 only, its storage in the folder storage,
+// and the options in extra.
+func caddyGlobals(admin int, storage, extra string) string {
+	return fmt.Sprintf("{\n\tadmin 127.0.0.1:%d\n\tauto_https off\n\tpersist_config off\n\tdefault_bind 127.0.0.1\n\tstorage file_system %s\n%s}\n",
+		admin, storage, extra)
+}
+
 // routerProcess is Caddy run as a process of its own with its admin API on
 // 127.0.0.1, so that the memory, goroutines and open files measured are the
 // router's alone, not those of the fake workers and clients in the bench.

@@ -345,20 +345,7 @@ func (s *soak) config() ([]byte, error) {
 	if s.blackhole != nil {
 		workers = append(workers, s.blackhole.URL())
 	}
-	text := fmt.Sprintf(`{
-	admin 127.0.0.1:%d
-	auto_https off
-	persist_config off
-	default_bind 127.0.0.1
-	storage file_system %s
-	servers {
-		protocols h1
-	}
-	log {
-		level WARN
-	}
-}
-:%d {
+	text := caddyGlobals(s.ports.admin, s.storage, "\tservers {\n\t\tprotocols h1\n\t}\n\tlog {\n\t\tlevel WARN\n\t}\n") + fmt.Sprintf(`:%d {
 	diffusion_router soak-images {
 		workers %s
 		retry_on 500
@@ -378,7 +365,7 @@ func (s *soak) config() ([]byte, error) {
 		health_timeout %s
 	}
 }
-`, s.ports.admin, s.storage, s.ports.images, strings.Join(workers, " "), s.order, 1000/s.o.unitMs,
+`, s.ports.images, strings.Join(workers, " "), s.order, 1000/s.o.unitMs,
 		soakHealth, soakHealth, soakWeightsTimeout, soakDrainTimeout, soakHeldAnswer,
 		s.ports.videos, s.video.URL(), soakHealth, soakHealth)
 	cfg, _, err := testrouter.Adapt([]byte(text), "soak.Caddyfile")
