@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"slices"
 	"testing"
+	"time"
 )
 
 // applyUpdate records a weight update that succeeded on every worker of
@@ -163,6 +164,12 @@ func TestMirrorFollowsTheLeadersRecord(t *testing.T) {
 	registerRaw(standby, "http://gone:1") // registered in an older record, removed since
 	applyUpdate(standby, DiskUpdatePath, "step-6", `{"model_path":"/ckpt/6"}`)
 
+	for _, p := range []*Pool{leader, standby} {
+		p.DeclareAdapters([]Adapter{{Name: "a", Path: "/l/a"}}, placementConfig(time.Second))
+	}
+	if _, _, err := leader.Publish("a", "/l/a-step7", 0); err != nil {
+		t.Fatal(err)
+	}
 	leader.SetDead("http://s:1", true)
 	joined, left := standby.Mirror(throughStorage(t, leader.Record()))
 	if joined != 2 || left != 1 {
@@ -176,6 +183,9 @@ func TestMirrorFollowsTheLeadersRecord(t *testing.T) {
 	}
 	if info := infoOf(t, standby, "http://s:1"); info.State != Dead {
 		t.Fatalf("s, held back on the leader, is %s after the mirror", info.State)
+	}
+	if path := standby.AdapterPath("a"); path != "/l/a-step7" {
+		t.Fatalf("adapter a after the mirror loads %q; want the leader's publish, /l/a-step7", path)
 	}
 	if info := infoOf(t, standby, "http://a:1"); info.Lifecycle != Serving || info.Version != "step-7" {
 		t.Fatalf("a is %s on %q after the mirror; want serving step-7, as the record says", info.Lifecycle, info.Version)
