@@ -2,7 +2,7 @@
 // itself, in the shapes of the Python sglang-diffusion router and of
 // miles' router API (workers, health, models, engine metrics, weight
 // updates, LoRA, sleep and wake, aborts, the status page), as plain
-// http.Handlers over a scheduler.Pool.
+// http.Handlers over a scheduler pool.
 package control
 
 import (
@@ -14,14 +14,13 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
-	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
 // API answers the control endpoints of one router config.
 type API struct {
 	// Pool is the pool the endpoints show and change.
-	Pool *scheduler.Pool
+	Pool Pool
 
 	// Fleet runs the pool's weight updates, LoRA calls, sleep and wake,
 	// as Weights says, and makes every call to a worker (model lists,
