@@ -1,7 +1,11 @@
 package diffusionrouter
 
 import (
+	"io/fs"
+	"os"
 	"os/exec"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -59,5 +63,34 @@ func TestNothingImportsTheExamples(t *testing.T) {
 		if !strings.Contains(pkg, "/examples/") && strings.Contains(imports, "miles-diffusion-router/examples/") {
 			t.Errorf("%s imports from examples/: %s", pkg, strings.TrimSpace(imports))
 		}
+	}
+}
+
+// TestOnlyThePoolsMakerNamesIt keeps the packages around the scheduler on
+// the narrow views of the pool they declare (control.Pool, fleet.Operated,
+// fleet.Recorded), which a test can fake: outside internal/scheduler, only
+// poolref.go, where the pool is made and handed out, names its type.
+func TestOnlyThePoolsMakerNamesIt(t *testing.T) {
+	named := regexp.MustCompile(`\bscheduler\.Pool\b`)
+	err := filepath.WalkDir(".", func(path string, d fs.DirEntry, err error) error {
+		switch {
+		case err != nil:
+			return err
+		case d.IsDir() && (path == filepath.Join("internal", "scheduler") || strings.HasPrefix(d.Name(), ".")) && path != ".":
+			return filepath.SkipDir
+		case d.IsDir(), !strings.HasSuffix(path, ".go"), strings.HasSuffix(path, "_test.go"), path == "poolref.go":
+			return nil
+		}
+		src, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		if loc := named.FindIndex(src); loc != nil {
+			t.Errorf("%s names scheduler.Pool (line %d); take the view of the pool it needs", path, 1+strings.Count(string(src[:loc[0]]), "\n"))
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

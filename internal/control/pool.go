@@ -8,7 +8,7 @@ import (
 
 // Pool is what the control API reads and changes of the scheduler's pool:
 // its roster, the adapters it places and the jobs it aborts, each a view
-// of its own. A *scheduler.Pool is one; a test may give a fake.
+// of its own. The scheduler's pool is one; a test may give a fake.
 type Pool interface {
 	Roster
 	Placement
@@ -46,5 +46,3 @@ type Aborter interface {
 	Abort(ab scheduler.Abort) scheduler.AbortCounts
 	AbortStats() scheduler.AbortStats
 }
-
-var _ Pool = (*scheduler.Pool)(nil)

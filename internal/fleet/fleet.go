@@ -28,7 +28,7 @@ import (
 // Fleet runs a pool's fleet operations, one at a time, and makes the
 // router's own calls to its workers.
 type Fleet struct {
-	pool   *scheduler.Pool
+	pool   Operated
 	logger *zap.Logger
 	turn   chan struct{} // held by the operation that runs; taken before the store's locks and the pool's
 	client *http.Client  // for the router's own calls to workers
@@ -39,7 +39,7 @@ type Fleet struct {
 }
 
 // New returns the fleet of pool, which logs to logger.
-func New(pool *scheduler.Pool, logger *zap.Logger) *Fleet {
+func New(pool Operated, logger *zap.Logger) *Fleet {
 	f := &Fleet{pool: pool, logger: logger, turn: make(chan struct{}, 1)}
 	f.client = workerurl.GuardedClient(func() *workerurl.Guard { return f.guard.Load() })
 	return f

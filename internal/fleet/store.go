@@ -72,7 +72,7 @@ func fleetKey(pool string) string {
 // as due, so no request ever waits on storage; one goroutine of the pool
 // writes the latest state, retrying in the background when storage fails.
 type Store struct {
-	pool     *scheduler.Pool
+	pool     Recorded
 	fleet    *Fleet
 	logger   *zap.Logger
 	key      string
@@ -105,7 +105,7 @@ type storageUse struct {
 
 // NewStore returns the keeper of pool's record, whose reading back waits
 // for fleet's other operations, and which logs to logger.
-func NewStore(pool *scheduler.Pool, fleet *Fleet, logger *zap.Logger) *Store {
+func NewStore(pool Recorded, fleet *Fleet, logger *zap.Logger) *Store {
 	return &Store{
 		pool: pool, fleet: fleet, logger: logger, key: fleetKey(pool.Name()), retryMin: storeRetryMin,
 		ready: make(chan struct{}), writing: make(chan struct{}, 1),
