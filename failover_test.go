@@ -162,3 +162,42 @@ func TestUpdateInterruptedByAFailoverIsFinished(t *testing.T) {
 		}
 	}
 }
+
+// An active router told to stop (SIGTERM, as a rolling update sends)
+// resigns at once rather than once its jobs have ended: the standby leads
+// while the old router still finishes the job it holds.
+func TestStoppingRouterHandsOverBeforeItsJobsEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds Caddy and runs two routers as processes")
+	}
+	etcd := etcdtest.Start(t)
+	// smallImage costs 0.125: 10 s on "slow".
+	workers := testrouter.StartWorkers(t, fakeworker.Config{Name: "slow", UnitMs: 80000}, fakeworker.Config{Name: "quick"})
+	bin := buildCaddy(t)
+	slow, quick := workers[:1], workers[1].URL()
+	a, aProcess := startHAProcess(t, bin, etcd, slow)
+	testrouter.WaitFor(t, func() bool { return leads(t, a) })
+	b, bProcess := startHAProcess(t, bin, etcd, slow)
+	testrouter.WaitFor(t, func() bool { return standingOf(t, b.Get("/health")).names(a.Base) })
+	held := busyWith(t, a, slow[0].URL(), smallImage)
+
+	aProcess.terminate()
+	stopped := time.Now()
+	if !testkit.WaitUntil(5*time.Second, func() bool { return b.Get("/readyz").Status == http.StatusOK }) {
+		bProcess.fail("the standby was not ready within 5 s of the active router's SIGTERM, while that router drains a 10 s job")
+	}
+	t.Logf("the standby led %v after the SIGTERM", time.Since(stopped).Round(time.Millisecond))
+	select {
+	case rp := <-held:
+		t.Fatalf("the held job ended (%d) before the standby led; the test shows nothing", rp.Status)
+	default:
+	}
+	testrouter.ExpectStatus(t, "registration on the new leader", b.Post("/workers", `{"url":"`+quick+`"}`), http.StatusOK)
+	testrouter.ExpectStatus(t, "a job on the new leader", b.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"a cat","size":"64x64","num_inference_steps":1}`), http.StatusOK)
+	select {
+	case rp := <-held:
+		testrouter.ExpectStatus(t, "the job the stopping router held", rp, http.StatusOK)
+	case <-time.After(30 * time.Second):
+		aProcess.fail("the job the stopping router held did not end within 30 s")
+	}
+}

@@ -214,6 +214,9 @@ func etcdTLS(t *EtcdTLS, secure bool) (*tls.Config, error) {
 	return cfg, nil
 }
 
+// exitPoll is how often a campaign checks whether the process is exiting.
+const exitPoll = 100 * time.Millisecond
+
 // election is a pool's standing in its HA group for as long as the pool
 // lives: the campaign of the config started last, kept across reloads
 // that leave `ha` as it was, so that a reload hands nothing over. It is
@@ -291,12 +294,26 @@ func (e *election) follow(ctx context.Context, c *campaign) {
 	defer close(c.followed)
 	standby := e.standBy(ctx)
 	defer func() { standby() }()
+	exitCheck := time.NewTicker(exitPoll)
+	defer exitCheck.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			c.term.Store(nil)
 			c.leading.Store(false)
+			e.broadcast()
 			return
+		case <-exitCheck.C:
+			// A process told to exit resigns as it begins to, not once the
+			// server's grace period has let its jobs end: a standby takes
+			// the new jobs meanwhile, and this router finishes those it
+			// holds, as one that lost its lease does. Caddy has no hook
+			// that runs before its http app's drain in every start order,
+			// so the flag it sets first is polled.
+			if caddy.Exiting() {
+				c.stop()
+			}
+			continue
 		case <-c.role.Changed():
 		}
 		leading := c.role.Leading()

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -88,6 +89,14 @@ func (p *caddyProcess) kill() {
 	_ = p.cmd.Process.Kill()
 	_ = p.cmd.Wait()
 	testrouter.Client.CloseIdleConnections() // they were to the process now gone
+}
+
+// terminate sends SIGTERM, as Kubernetes does to a pod it stops, and
+// returns at once: Caddy drains its requests before it exits.
+func (p *caddyProcess) terminate() {
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		p.t.Fatal(err)
+	}
 }
 
 func (p *caddyProcess) fail(format string, args ...any) {
