@@ -30,7 +30,7 @@ func provision(tb testing.TB, h *Handler) *Handler {
 	h.pool.store.StartOnce() // as the health app's start does
 	h.logger = zap.NewNop()
 	for _, u := range h.Workers {
-		h.pool.SetCapabilities(u, []string{"T2I"}, "fake/diffusion-model")
+		h.pool.sched.SetCapabilities(u, []string{"T2I"}, "fake/diffusion-model")
 	}
 	return h
 }
@@ -58,7 +58,7 @@ func TestAWorkerKeptForARerunIsFreedWhenACopyAnswersFirst(t *testing.T) {
 	tk.Overtake() // the copy's answer won the race
 
 	hd.finish(rec, tk)
-	if info, _ := h.pool.Worker(worker); info.Inflight != 0 {
+	if info, _ := h.pool.sched.Worker(worker); info.Inflight != 0 {
 		t.Fatalf("the worker kept for a re-run that never came has %d jobs in flight; want 0", info.Inflight)
 	}
 }

@@ -77,7 +77,11 @@ func (r *poolRef) unmarshalPoolArg(d *caddyfile.Dispenser, what string) error {
 // pool is a scheduler pool as the router's modules share it, with the
 // answers the handler makes from a call to every worker.
 type pool struct {
-	*scheduler.Pool
+	jobs
+	configured
+	probed
+	observed
+	sched    *scheduler.Pool      // all of it, handed to the fleet and the control API, closed with the pool
 	fleet    *fleet.Fleet         // its operations over every worker
 	store    *fleet.Store         // its record in Caddy's storage
 	models   control.SharedAnswer // the union of the workers' model lists
@@ -89,17 +93,20 @@ func newPool(name string) *pool {
 	logger := caddy.Log().Named("diffusion_router").With(zap.String("pool", name))
 	p := scheduler.New(name, logger)
 	f := fleet.New(p, logger)
-	pl := &pool{Pool: p, fleet: f, store: fleet.NewStore(p, f, logger)}
+	pl := &pool{jobs: p, configured: p, probed: p, observed: p, sched: p, fleet: f, store: fleet.NewStore(p, f, logger)}
 	pl.election = newElection(pl, logger)
 	return pl
 }
+
+// controlled is the pool as the control API sees it.
+func (p *pool) controlled() control.Pool { return p.sched }
 
 // Destruct implements caddy.Destructor: the last config using the pool
 // is unloaded. A leader resigns first, so that a standby takes over at
 // once.
 func (p *pool) Destruct() error {
 	_ = p.election.elect(nil, "")
-	err := p.Close()
+	err := p.sched.Close()
 	p.fleet.Close() // after the pool's catch-ups, which call workers, ended
 	return err
 }

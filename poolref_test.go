@@ -11,7 +11,7 @@ func TestPoolSharedAcrossLoadsAndReleased(t *testing.T) {
 	if a != b {
 		t.Fatal("two loads of one pool name gave different pools")
 	}
-	a.Register("http://a:1", 10)
+	a.sched.Register("http://a:1", 10)
 	releasePool("shared-test")
 	c, _ := loadPool("shared-test")
 	if c != a || len(c.Snapshot()) != 1 {

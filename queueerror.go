@@ -8,7 +8,7 @@ import (
 )
 
 // queueError is the answer for a request that got no worker.
-func queueError(p *pool, t *scheduler.Ticket, err error) (int, string) {
+func queueError(p observed, t *scheduler.Ticket, err error) (int, string) {
 	switch {
 	case errors.Is(err, scheduler.ErrQueueFull):
 		return 429, fmt.Sprintf("the queue of pool %q is full (%d jobs waiting, max_queue %d)", p.Name(), t.Config().MaxQueue, t.Config().MaxQueue)

@@ -1,0 +1,77 @@
+package diffusionrouter
+
+import (
+	"context"
+	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+)
+
+// The root sees its pool through views of the parts it uses, as
+// internal/control and internal/fleet do: a request's way through it, what
+// a loaded config declares, the health checks, and what metrics and
+// status show. poolref.go alone makes the scheduler's pool and hands it to
+// each; a test may give a fake of one view.
+
+// jobs is a request's way through the pool: its ticket, a worker for it,
+// re-runs and hedged copies, and the jobs the pool remembers.
+type jobs interface {
+	NewTicket(cfg *scheduler.Config) *scheduler.Ticket
+	Track(t *scheduler.Ticket) error
+	Untrack(t *scheduler.Ticket)
+	Acquire(ctx context.Context, t *scheduler.Ticket) error
+	Retry(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
+	RetryElsewhere(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
+	Release(t *scheduler.Ticket, o scheduler.Outcome) time.Duration
+	Leave(t *scheduler.Ticket, o scheduler.Outcome)
+	Avoid(t *scheduler.Ticket, workerURL string)
+	Forgive(url string)
+	NoteCutShort(t *scheduler.Ticket) (ejected time.Duration)
+	HedgeCopy(t *scheduler.Ticket) *scheduler.Ticket
+	EndHedge()
+	ResolveAdapter(t *scheduler.Ticket, name string) error
+	PlacesAdapters() bool
+	CanServe(k request.Task) bool
+	AnyMakes(k request.Task) bool
+	HoldVideo(t *scheduler.Ticket, id string) bool
+	EndVideo(id string, o scheduler.Outcome)
+	Videos() *scheduler.JobOwners
+	Images() *scheduler.JobOwners
+	ServingDials() []string
+}
+
+// configured is what a loaded config declares in the pool, and what its
+// DNS lookups find.
+type configured interface {
+	Declare(urls []string)
+	Undeclare(urls []string)
+	DeclareAdapters(adapters []scheduler.Adapter, cfg scheduler.PlacementConfig)
+	UndeclareAdapters(adapters []scheduler.Adapter)
+	DeclareLookups(keys []string)
+	UndeclareLookups(keys []string)
+	SetFound(key string, urls []string, maxWorkers int) scheduler.FoundChange
+	SetInitialSpeed(speed float64)
+	UseSwitcher(s scheduler.Switcher)
+}
+
+// probed is the pool as its health checks judge the workers.
+type probed interface {
+	URLs() []string
+	Unverified() []string
+	Reverify()
+	RecordProbe(url string, err error, cfg *scheduler.HealthConfig) scheduler.HealthChange
+	CheckStalls(cfg *scheduler.HealthConfig) []string
+}
+
+// observed is what metrics, logs and the status show of the pool.
+type observed interface {
+	Name() string
+	Stats() scheduler.Stats
+	Snapshot() []scheduler.WorkerInfo
+	ServingCount() int
+	Tenants() []scheduler.TenantStats
+	Adapters() []scheduler.AdapterStats
+	AbortStats() scheduler.AbortStats
+	Backlog() time.Duration
+}
