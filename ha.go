@@ -239,9 +239,12 @@ type campaign struct {
 	followed chan struct{} // closed once follow has returned
 	// leading: the role leads, the fleet was read from the group's record
 	// and the workers were made unverified since it took the lead, so that
-	// every worker passes a probe before a job.
+	// every worker passes a probe before a job. Writes of the pool's state
+	// wait for it.
 	leading atomic.Bool
-	// term fences the record's writes: set once leading, nil otherwise.
+	// term fences the record's writes: the term the role leads in, set as
+	// it takes the lead (before the record is read, whose copy kept aside
+	// goes out in it), nil otherwise.
 	term atomic.Pointer[ha.Term]
 }
 
@@ -316,15 +319,16 @@ func (e *election) follow(ctx context.Context, c *campaign) {
 			continue
 		case <-c.role.Changed():
 		}
-		leading := c.role.Leading()
+		term, leading := c.role.Term()
+		held := c.term.Load()
 		switch {
-		case leading && !c.leading.Load():
+		case leading && (!c.leading.Load() || held == nil || *held != term): // a new lead, or a lead lost and taken again since
 			standby()
-			if !e.takeLead(ctx, c) {
+			if e.takeLead(ctx, c) {
+				e.logger.Info("this router leads the pool; it probes every worker before it sends jobs")
+			} else {
 				standby = e.standBy(ctx)
-				continue
 			}
-			e.logger.Info("this router leads the pool; it probes every worker before it sends jobs")
 		case !leading && c.leading.Load():
 			c.term.Store(nil)
 			c.leading.Store(false)
@@ -353,19 +357,22 @@ func (e *election) standBy(ctx context.Context) (stop func()) {
 // on, and leads from then on. It reports false if the role stopped leading
 // first.
 func (e *election) takeLead(ctx context.Context, c *campaign) bool {
+	c.leading.Store(false)
 	for {
 		term, leading := c.role.Term()
 		if !leading {
+			c.term.Store(nil)
 			return false
 		}
+		c.term.Store(&term)
 		err := e.pool.store.Reload(ctx)
 		if now, _ := c.role.Term(); err == nil && now == term {
 			e.pool.Reverify()
-			c.term.Store(&term)
 			c.leading.Store(true)
 			e.pool.store.Changed()
 			return true
 		}
+		c.term.Store(nil)
 		if err != nil {
 			e.logger.Error("could not read the group's record of the fleet as this router takes the lead; retrying", zap.Error(err))
 		}
@@ -410,7 +417,7 @@ func (e *election) inGroup() bool { return e.running.Load() != nil }
 
 // groupRecord keeps the pool's record in etcd, where only the group's
 // active router writes it, each write fenced by the term it leads in. It
-// is a fleet.Storage and a fleet.Watcher.
+// is a fleet.Storage, a fleet.Fenced and a fleet.Watcher.
 type groupRecord struct {
 	election *election
 	// seed is Caddy's storage, read while etcd holds no record yet, so that
@@ -437,7 +444,8 @@ func (g *groupRecord) Load(ctx context.Context, key string) ([]byte, error) {
 	return data, err
 }
 
-// Store writes the record to etcd if this router leads, within its term.
+// Store writes to etcd if this router leads, within its term: the copy
+// of a record kept aside as the router takes the lead.
 func (g *groupRecord) Store(ctx context.Context, key string, value []byte) error {
 	c := g.election.running.Load()
 	if c == nil {
@@ -447,7 +455,27 @@ func (g *groupRecord) Store(ctx context.Context, key string, value []byte) error
 	if term == nil {
 		return fleet.ErrNotWriter
 	}
-	err := c.role.Store(ctx, *term, key, value)
+	return c.store(ctx, *term, key, value)
+}
+
+// Writer is how the pool's state is written: once this router leads, in
+// the term it leads in as the state is read.
+func (g *groupRecord) Writer() (store func(ctx context.Context, key string, value []byte) error, ok bool) {
+	c := g.election.running.Load()
+	if c == nil || !c.leading.Load() {
+		return nil, false
+	}
+	term := c.term.Load()
+	if term == nil {
+		return nil, false
+	}
+	return func(ctx context.Context, key string, value []byte) error { return c.store(ctx, *term, key, value) }, true
+}
+
+// store writes in term; a term that has ended makes this router no
+// writer.
+func (c *campaign) store(ctx context.Context, term ha.Term, key string, value []byte) error {
+	err := c.role.Store(ctx, term, key, value)
 	if errors.Is(err, ha.ErrDeposed) {
 		return fmt.Errorf("%w: %w", fleet.ErrNotWriter, err)
 	}

@@ -95,6 +95,7 @@ func newPool(name string) *pool {
 	f := fleet.New(p, logger)
 	pl := &pool{jobs: p, configured: p, probed: p, observed: p, sched: p, fleet: f, store: fleet.NewStore(p, f, logger)}
 	pl.election = newElection(pl, logger)
+	f.OnlyWhile(pl.election.Leading)
 	return pl
 }
 

@@ -33,6 +33,7 @@ type Fleet struct {
 	turn   chan struct{} // held by the operation that runs; taken before the store's locks and the pool's
 	client *http.Client  // for the router's own calls to workers
 	guard  atomic.Pointer[workerurl.Guard]
+	active atomic.Pointer[func() bool] // whether this router may call its workers; unset: always
 
 	mu   sync.Mutex // guards last
 	last *Report    // the operation running or run last
@@ -49,6 +50,20 @@ func New(pool Operated, logger *zap.Logger) *Fleet {
 // with g: the guard of the config loaded last.
 func (f *Fleet) UseGuard(g *workerurl.Guard) {
 	f.guard.Store(g)
+}
+
+// OnlyWhile makes the catch-ups that are yet to call a worker give up
+// once active reports false: a router that no longer leads its group
+// calls no worker, lest it replay old updates onto one the active router
+// has moved on.
+func (f *Fleet) OnlyWhile(active func() bool) {
+	f.active.Store(&active)
+}
+
+// mayCall reports whether this router may call its workers now.
+func (f *Fleet) mayCall() bool {
+	active := f.active.Load()
+	return active == nil || (*active)()
 }
 
 // Client is the HTTP client of the router's own calls to workers.
@@ -252,6 +267,10 @@ func (f *Fleet) catchUp(ctx context.Context, workerURL string, cfg *Config) {
 		return // the pool is closing; the worker stays stale
 	}
 	defer unlock()
+	if !f.mayCall() {
+		f.logger.Info("catch-up not run: this router no longer leads its group, whose active router catches the worker up", zap.String("worker", workerURL))
+		return
+	}
 	if !p.BeginCatchUp(workerURL) {
 		return
 	}

@@ -144,18 +144,23 @@ func readUpdates(stored storedRecord, rules Rules) ([]scheduler.UpdateRecord, er
 }
 
 // readUpdating reads the update in progress as the record was written;
-// nil when none was.
-func readUpdating(raw json.RawMessage, rules Rules) (*scheduler.UpdateRecord, error) {
+// nil when none was. A worker named as having loaded it that is not a
+// worker URL is left out: it is then taken for one that has not.
+func readUpdating(raw json.RawMessage, rules Rules) (*scheduler.RunningRecord, error) {
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil, nil
 	}
-	var u scheduler.UpdateRecord
+	var u scheduler.RunningRecord
 	if err := json.Unmarshal(raw, &u); err != nil {
 		return nil, err
 	}
-	if err := checkUpdate(u, rules); err != nil {
+	if err := checkUpdate(u.UpdateRecord, rules); err != nil {
 		return nil, err
 	}
+	u.Loaded = slices.DeleteFunc(u.Loaded, func(url string) bool {
+		_, err := workerurl.Parse(url)
+		return err != nil
+	})
 	return &u, nil
 }
 

@@ -57,6 +57,15 @@ type Watcher interface {
 	Watch(ctx context.Context, key string) <-chan []byte
 }
 
+// Fenced is a Storage shared by a group of routers whose writer changes:
+// the state a write carries must have been read while the router held the
+// right to write it, not before it took over from another.
+type Fenced interface {
+	// Writer, asked before the state is read, is a Store bound to the
+	// right to write the router holds now; false when it holds none.
+	Writer() (store func(ctx context.Context, key string, value []byte) error, ok bool)
+}
+
 // fleetKey is where a pool's record lives in storage. The pool's name is
 // escaped so that no name reaches outside diffusion_router/ or into
 // another pool's folder.
@@ -271,19 +280,34 @@ func (s *Store) write(ctx context.Context) error {
 	}
 	s.mu.Lock()
 	storage := s.storageLocked()
+	if storage == nil {
+		s.mu.Unlock()
+		return nil
+	}
+	store, ok := writerOf(storage)
 	var rec scheduler.Record
-	if storage != nil {
+	if ok {
 		rec = s.pool.Record() // under s.mu: no config leaves between choosing the storage and reading the state
 	}
 	s.mu.Unlock()
-	if storage == nil {
-		return nil
+	if !ok {
+		return ErrNotWriter
 	}
 	data, err := json.Marshal(rec)
 	if err != nil {
 		return err
 	}
-	return within(ctx, func(ctx context.Context) error { return storage.Store(ctx, s.key, data) })
+	return within(ctx, func(ctx context.Context) error { return store(ctx, s.key, data) })
+}
+
+// writerOf is how a write of the pool's state goes to storage: for a
+// Fenced storage, bound to the right to write this router holds as the
+// state is read, so that a write carries only state read while it held it.
+func writerOf(storage Storage) (store func(ctx context.Context, key string, value []byte) error, ok bool) {
+	if f, fenced := storage.(Fenced); fenced {
+		return f.Writer()
+	}
+	return storage.Store, true
 }
 
 // within runs a storage call for at most storeTimeout, and returns when

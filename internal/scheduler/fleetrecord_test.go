@@ -251,15 +251,41 @@ func TestInheritFinishesTheUpdateInProgress(t *testing.T) {
 		t.Fatalf("a worker catches up by %q; want %q", replayed, want)
 	}
 
-	// The retry: a is on it, and b is left to its catch-up.
+	// The retry calls b alone, taking it from its catch-up; a is done.
 	targets, done := standby.BeginUpdate(step2)
-	if len(targets) != 0 || !slices.Equal(done, []string{"http://a:1"}) {
-		t.Fatalf("the retry goes to %v with %v done; want none to call, a done", targets, done)
+	if !slices.Equal(targets, []string{"http://b:1"}) || !slices.Equal(done, []string{"http://a:1"}) {
+		t.Fatalf("the retry goes to %v with %v done; want b called, a done", targets, done)
 	}
+	if standby.AnyBehind() {
+		t.Fatal("b still waits for a catch-up once the retry calls it")
+	}
+	standby.FinishUpdate("http://b:1", "step-2", true, true)
 	standby.EndUpdate(step2, true)
+	if n := len(standby.fleet.history); n != 1 {
+		t.Fatalf("the history holds %d calls after the retry; want the update once", n)
+	}
 	// The same call once more is an update like any other: every worker
 	// is called, as checkpoints are often rewritten at one path.
-	if targets, done := standby.BeginUpdate(step2); !slices.Equal(targets, []string{"http://a:1"}) || len(done) != 0 {
-		t.Fatalf("a second call goes to %v with %v done; want a called", targets, done)
+	if targets, done := standby.BeginUpdate(step2); !slices.Equal(targets, []string{"http://a:1", "http://b:1"}) || len(done) != 0 {
+		t.Fatalf("a second call goes to %v with %v done; want both called", targets, done)
+	}
+}
+
+// A worker's version cannot tell whether it loaded the update in
+// progress: a checkpoint rewritten at its path keeps the version. A
+// router that takes over holds back every worker the record does not
+// show as having loaded it.
+func TestInheritHoldsBackWorkersThatDidNotLoadTheSameVersionAgain(t *testing.T) {
+	leader, _ := poolOf(t, 2)
+	again := Update{Path: DiskUpdatePath, ModelPath: "/ckpt/p", Version: "/ckpt/p", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/p"}`)}
+	applyUpdate(leader, DiskUpdatePath, "/ckpt/p", `{"model_path":"/ckpt/p"}`)
+	leader.BeginUpdate(again) // the checkpoint at /ckpt/p was rewritten; the leader dies before any worker loads it
+	standby, _ := poolOf(t, 2)
+	standby.Inherit(throughStorage(t, leader.Record()))
+	if n := standby.ServingCount(); n != 0 {
+		t.Fatalf("%d workers serve the old checkpoint after the takeover; want none before they load it again", n)
+	}
+	if targets, done := standby.BeginUpdate(again); !slices.Equal(targets, []string{"http://a:1", "http://b:1"}) || len(done) != 0 {
+		t.Fatalf("the retry goes to %v with %v done; want both called", targets, done)
 	}
 }

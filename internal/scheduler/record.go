@@ -32,7 +32,15 @@ type Record struct {
 
 	// Updating is the update in progress as the record was written: a
 	// router that takes over from one that left during it finishes it.
-	Updating *UpdateRecord `json:"updating,omitempty"`
+	Updating *RunningRecord `json:"updating,omitempty"`
+}
+
+// RunningRecord is the update in progress of a Record.
+type RunningRecord struct {
+	UpdateRecord
+	// Loaded is the workers that had loaded it: any other is behind it,
+	// whatever version it shows.
+	Loaded []string `json:"loaded,omitempty"`
 }
 
 // AdapterRecord is one adapter of a Record.
@@ -76,8 +84,7 @@ func (p *Pool) Record() Record {
 		rec.Updates = append(rec.Updates, u.record())
 	}
 	if u := p.fleet.running; u != nil {
-		r := u.record()
-		rec.Updating = &r
+		rec.Updating = &RunningRecord{UpdateRecord: u.record(), Loaded: slices.Clone(p.fleet.loaded)}
 	}
 	return rec
 }
@@ -150,16 +157,16 @@ func (rec Record) history() []Update {
 
 // Inherit mirrors rec for a router that takes the lead from the one that
 // wrote it. An update that router had in progress is the fleet's from now
-// on, as if it had ended there: a worker the record shows on its version
-// serves, and every other is stale until a catch-up brings it there, so
-// that no job is answered from the weights the update replaces. A retry
-// of that update is answered once the workers are on it (see
-// BeginUpdate).
+// on, as if it had ended there: a worker the record shows as having
+// loaded it serves, and every other is stale until a catch-up, or the
+// caller's retry of the update (see BeginUpdate), brings it there, so that
+// no job is answered from the weights the update replaces.
 func (p *Pool) Inherit(rec Record) (joined, left int) {
-	if rec.Updating == nil {
+	running := rec.Updating
+	if running == nil {
 		return p.Mirror(rec)
 	}
-	u := rec.Updating.update()
+	u := running.update()
 	f := fleetState{version: rec.WeightVersion, history: rec.history()}
 	rec.WeightVersion, rec.Updating, rec.Updates = u.Version, nil, nil
 	for _, h := range f.after(u) {
@@ -167,8 +174,16 @@ func (p *Pool) Inherit(rec Record) (joined, left int) {
 	}
 	joined, left = p.Mirror(rec)
 	p.mu.Lock()
-	p.fleet.inherited = &u
-	p.mu.Unlock()
+	defer p.mu.Unlock()
+	p.fleet.inherited, p.fleet.loaded = &u, nil
+	for _, w := range p.workers {
+		if slices.Contains(running.Loaded, w.url) {
+			p.fleet.loaded = append(p.fleet.loaded, w.url)
+		} else {
+			p.behindLocked(w)
+		}
+	}
+	p.dispatchLocked()
 	return joined, left
 }
 

@@ -22,10 +22,15 @@ type fleetState struct {
 	history []Update // the last update and the LoRA calls since: what brings a worker to version
 	target  string   // version an update in progress moves to
 	running *Update  // the update in progress, recorded so that a router taking over can finish it
+	// loaded is the workers that loaded the update in progress, or the one
+	// inherited: a worker's version alone cannot say so, as an update that
+	// reloads a checkpoint rewritten at its path keeps the version.
+	loaded []string
 	// inherited is the update the router's predecessor had in progress when
-	// it left, finished here by catching the workers up: a retry of it is
-	// answered once the workers are on it, without calling them again.
+	// it left, finished here by catching the workers up; retrying is set
+	// while a retry of it runs, which calls only the workers not loaded.
 	inherited *Update
+	retrying  bool
 
 	behind atomic.Int32 // workers that wait for a catch-up to be started; read without mu
 }
@@ -82,24 +87,30 @@ func (p *Pool) Resume() {
 
 // BeginUpdate picks the workers update u goes to (those serving and those
 // stale from an earlier failed update) and, in drain mode, stops handing
-// out jobs. A retry of the update the router inherited from its
-// predecessor skips the workers on it already: those are returned as
-// done.
+// out jobs. A worker that waits for its catch-up is left to it, but by a
+// retry of the update the router inherited from its predecessor: that one
+// goes to every worker that has not loaded it, and the workers that have
+// are returned as done.
 func (p *Pool) BeginUpdate(u Update) (targets, done []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	f := &p.fleet
-	retried := f.inherited != nil && f.inherited.sameCall(u)
+	f.retrying = f.inherited != nil && f.inherited.sameCall(u)
+	if !f.retrying {
+		f.loaded = nil
+	}
 	f.inherited = nil
 	for _, w := range p.workers {
-		// One that waits for its catch-up is left to it: the catch-up
-		// replays this update after those it missed.
-		if w.life.dead || w.life.behind != upToDate || (w.life.state != Serving && w.life.state != Stale) {
+		if w.life.dead || (w.life.state != Serving && w.life.state != Stale) {
 			continue
 		}
-		if retried && w.life.state == Serving && w.life.version == u.Version {
+		switch {
+		case f.retrying && w.life.state == Serving && slices.Contains(f.loaded, w.url):
 			done = append(done, w.url)
-		} else {
+		case f.retrying:
+			p.leaveLocked(w) // its catch-up is this call
+			targets = append(targets, w.url)
+		case w.life.behind == upToDate: // the catch-up replays this update after those it missed
 			targets = append(targets, w.url)
 		}
 	}
@@ -124,12 +135,26 @@ func (p *Pool) FinishUpdate(url, version string, ok, answered bool) {
 		if ok {
 			w.life.version, w.life.state, w.life.missed = version, Serving, false
 			p.remergeLocked(w)
+			p.loadedLocked(url, version)
 		} else {
 			w.life.state, w.life.missed = Stale, !answered
 		}
 	}
 	p.dispatchLocked()
 	p.Changed()
+}
+
+// loadedLocked notes that the worker at url loaded version, if that is
+// the version of the update in progress or of the one inherited.
+func (p *Pool) loadedLocked(url, version string) {
+	f := &p.fleet
+	u := f.running
+	if u == nil {
+		u = f.inherited
+	}
+	if u != nil && u.Version == version && !slices.Contains(f.loaded, url) {
+		f.loaded = append(f.loaded, url)
+	}
 }
 
 // EndUpdate resumes handing out jobs. After an update that succeeded
@@ -139,10 +164,10 @@ func (p *Pool) EndUpdate(u Update, succeeded bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	f := &p.fleet
-	if succeeded {
+	if succeeded && !f.retrying { // the inherited update is in the history since it was inherited
 		f.version, f.history = u.Version, f.after(u)
 	}
-	f.target, f.paused, f.running = "", false, nil
+	f.target, f.paused, f.running, f.loaded, f.retrying = "", false, nil, nil, false
 	p.Changed()
 	p.dispatchLocked()
 }
@@ -338,19 +363,26 @@ func (p *Pool) recoveredLocked(w *worker) {
 	p.holdIfBehindLocked(w)
 }
 
-// holdIfBehindLocked holds a worker that missed an update (it joined
-// later, slept through it, was held back by an operator, or was down)
-// out of serving, stale, until it has caught up with the pool's version.
-// One whose catch-up is under way already (woken meanwhile) waits for it.
-func (p *Pool) holdIfBehindLocked(w *worker) {
-	f := &p.fleet
-	if len(f.history) == 0 || w.life.version == f.version || w.life.dead || w.life.state != Serving {
+// behindLocked holds w out of serving, stale, until a catch-up has
+// brought it to the pool's version, whatever version it shows.
+func (p *Pool) behindLocked(w *worker) {
+	if len(p.fleet.history) == 0 || w.life.dead || w.life.state != Serving {
 		return
 	}
 	w.life.state = Stale
 	if w.life.behind == upToDate {
 		w.life.behind = lagging
-		f.behind.Add(1)
+		p.fleet.behind.Add(1)
+	}
+}
+
+// holdIfBehindLocked holds a worker that missed an update (it joined
+// later, slept through it, was held back by an operator, or was down)
+// out of serving, stale, until it has caught up with the pool's version.
+// One whose catch-up is under way already (woken meanwhile) waits for it.
+func (p *Pool) holdIfBehindLocked(w *worker) {
+	if w.life.version != p.fleet.version {
+		p.behindLocked(w)
 	}
 }
 
