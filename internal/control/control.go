@@ -17,6 +17,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
@@ -337,7 +338,12 @@ const storageWait = 5 * time.Second
 func (a *API) durable(ctx context.Context, answer map[string]any) map[string]any {
 	ctx, cancel := context.WithTimeout(ctx, storageWait)
 	defer cancel()
-	if err := a.Store.Persist(ctx); err != nil {
+	switch err := a.Store.Persist(ctx); {
+	case errors.Is(err, fleet.ErrNotWriter):
+		a.Logger.Warn("a change to the fleet took effect on a router that does not lead its pool's group", zap.Error(err))
+		answer["persisted"] = false
+		answer["warning"] = "the change took effect on this router, which does not lead its pool's group: the group's record, which the active router writes, does not hold it, and the active router does not know it"
+	case err != nil:
 		a.Logger.Warn("a change to the fleet is not written to storage yet", zap.Error(err))
 		answer["persisted"] = false
 		answer["warning"] = "the change took effect but is not written to storage yet, so a restart now would lose it: " + err.Error()
