@@ -405,6 +405,7 @@ func printHeader(out io.Writer, o options) {
 	case o.mode == "failover":
 		fmt.Fprintf(out, "fleet:    %d fake workers on 127.0.0.1, speeds %s, %gms per cost unit at speed 1; two routers, lease_ttl %s, %d kills\n",
 			len(o.speeds), fmtSpeeds(o.speeds), o.unitMs, o.leaseTTL, o.kills)
+		fmt.Fprintf(out, "jobs:     %s, from %d clients in closed loops\n", failoverBody, o.clients)
 	case o.mode == "adapters":
 		fmt.Fprintf(out, "fleet:    %d fake workers on 127.0.0.1, speeds %s, a set_lora that changes the adapter taking %s, fresh for every strategy\n",
 			len(o.speeds), fmtSpeeds(o.speeds), o.loraSwitch)
@@ -421,7 +422,7 @@ func printHeader(out io.Writer, o options) {
 		fmt.Fprintf(out, "steps:    %d back to back, each needing %d groups of %d images; the filter drops %.0f%% of groups; oversample %gx; router %s\n",
 			o.steps, o.n, o.group, 100*o.filterRate, o.oversample, o.strategies[0].name)
 	}
-	if o.mode != "adapters" { // its jobs are all alike
+	if o.mode != "adapters" && o.mode != "failover" { // their jobs are all alike
 		fmt.Fprintf(out, "mix:      %s: %s\n", o.mix, describeMix(mixes[o.mix]))
 	}
 	fmt.Fprintf(out, "machine:  %s, %d CPUs, GOMAXPROCS %d, %s\n",
