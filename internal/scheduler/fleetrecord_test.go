@@ -289,3 +289,28 @@ func TestInheritHoldsBackWorkersThatDidNotLoadTheSameVersionAgain(t *testing.T) 
 		t.Fatalf("the retry goes to %v with %v done; want both called", targets, done)
 	}
 }
+
+// A worker that gave no answer to an update that reloaded a checkpoint
+// rewritten at its path shows the fleet's version all the same: found
+// again, it catches up before its first job, and a record says it is
+// stale, so that a router that reads the record does not let it serve.
+func TestAWorkerThatMissedASameVersionUpdateCatchesUp(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	applyUpdate(p, DiskUpdatePath, "/ckpt/p", `{"model_path":"/ckpt/p"}`)
+	again := Update{Path: DiskUpdatePath, ModelPath: "/ckpt/p", Version: "/ckpt/p", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/p"}`)}
+	p.BeginUpdate(again)
+	p.FinishUpdate("http://a:1", "/ckpt/p", true, true)
+	p.FinishUpdate("http://b:1", "/ckpt/p", false, false) // down
+	p.EndUpdate(again, true)
+
+	standby, _ := poolOf(t, 2)
+	standby.Mirror(throughStorage(t, p.Record()))
+	if info := infoOf(t, standby, "http://b:1"); info.Lifecycle == Serving {
+		t.Fatal("a router that read the record lets b, which missed the update, serve")
+	}
+
+	p.RecordProbe("http://b:1", nil, testHealth) // back, on the checkpoint as it was
+	if info := infoOf(t, p, "http://b:1"); info.Lifecycle != Stale || !p.AnyBehind() {
+		t.Fatalf("b, found again, is %s (catch-up due: %v); want stale until it catches up", info.Lifecycle, p.AnyBehind())
+	}
+}

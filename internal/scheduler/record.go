@@ -57,6 +57,11 @@ type WorkerRecord struct {
 	Registered    bool   `json:"registered,omitempty"` // joined at run time, not from a config
 	IsDead        bool   `json:"is_dead,omitempty"`    // held back by an operator
 	WeightVersion string `json:"weight_version,omitempty"`
+	// Stale says the worker has not loaded the fleet's weights (its update
+	// failed or got no answer, or its catch-up has not run), whatever
+	// version it shows: an update that reloads a checkpoint rewritten at
+	// its path keeps the version.
+	Stale bool `json:"stale,omitempty"`
 }
 
 // UpdateRecord is one call of a Record's updates, sent to workers as
@@ -78,7 +83,8 @@ func (p *Pool) Record() Record {
 		}
 	}
 	for i, w := range p.workers {
-		rec.Workers[i] = WorkerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version}
+		rec.Workers[i] = WorkerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version,
+			Stale: w.life.state == Stale || w.life.behind != upToDate}
 	}
 	for _, u := range p.fleet.history {
 		rec.Updates = append(rec.Updates, u.record())
@@ -133,6 +139,9 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 		w.life.dead = w.life.dead || r.IsDead
 		if adopted && r.WeightVersion != "" {
 			w.life.version = r.WeightVersion
+		}
+		if adopted && r.Stale {
+			p.missedLocked(w)
 		}
 	}
 	if adopted && len(rec.Updates) > 0 {
@@ -199,6 +208,7 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	inRecord := make(map[*worker]bool, len(rec.Workers))
+	var stale []*worker
 	for _, r := range rec.Workers {
 		u, err := workerurl.Parse(r.URL)
 		if err != nil {
@@ -215,6 +225,9 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 		}
 		inRecord[w] = true
 		w.registered, w.life.dead, w.life.version = r.Registered, r.IsDead, r.WeightVersion
+		if r.Stale {
+			stale = append(stale, w)
+		}
 	}
 	for _, w := range slices.Clone(p.workers) {
 		if !inRecord[w] && w.registered {
@@ -227,7 +240,11 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 	}
 	p.fleet.version, p.fleet.history, p.fleet.inherited = rec.WeightVersion, rec.history(), nil
 	for _, w := range p.workers {
-		p.matchVersionLocked(w)
+		if slices.Contains(stale, w) {
+			p.missedLocked(w)
+		} else {
+			p.matchVersionLocked(w)
+		}
 	}
 	p.takePublishesLocked(rec.Adapters, false)
 	p.dispatchLocked()

@@ -360,7 +360,16 @@ func (p *Pool) recoveredLocked(w *worker) {
 		return
 	}
 	w.life.state, w.life.missed = Serving, false
-	p.holdIfBehindLocked(w)
+	p.behindLocked(w) // it missed an update, whatever version it shows
+}
+
+// missedLocked takes w for a worker a record shows as not on the fleet's
+// weights: stale until a probe finds it and a catch-up brings it there.
+func (p *Pool) missedLocked(w *worker) {
+	if w.life.state == Serving || w.life.state == Stale {
+		p.leaveLocked(w) // a catch-up is due once a probe passes, not before
+		w.life.state, w.life.missed = Stale, true
+	}
 }
 
 // behindLocked holds w out of serving, stale, until a catch-up has
