@@ -314,3 +314,28 @@ func TestAWorkerThatMissedASameVersionUpdateCatchesUp(t *testing.T) {
 		t.Fatalf("b, found again, is %s (catch-up due: %v); want stale until it catches up", info.Lifecycle, p.AnyBehind())
 	}
 }
+
+// A router killed during an update and started again finishes it, as a
+// router taking over from another does: the worker that had loaded it
+// serves, the other waits for its catch-up or the retry.
+func TestRestartDuringAnUpdateFinishesIt(t *testing.T) {
+	before, _ := poolOf(t, 2)
+	applyUpdate(before, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
+	step2 := Update{Path: DiskUpdatePath, ModelPath: "/ckpt/2", Version: "step-2", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/2"}`)}
+	before.BeginUpdate(step2)
+	before.FinishUpdate("http://a:1", "step-2", true, true)
+
+	after, _ := poolOf(t, 2)
+	if _, adopted := after.Restore(throughStorage(t, before.Record())); !adopted {
+		t.Fatal("the weights read back were not taken")
+	}
+	if v := after.Stats().Version; v != "step-2" {
+		t.Fatalf("version after the restart %q; want the update in progress, step-2", v)
+	}
+	if a, b := infoOf(t, after, "http://a:1"), infoOf(t, after, "http://b:1"); a.Lifecycle != Serving || b.Lifecycle != Stale {
+		t.Fatalf("a is %s, b %s; want a serving step-2 and b stale until it loads it", a.Lifecycle, b.Lifecycle)
+	}
+	if targets, done := after.BeginUpdate(step2); !slices.Equal(targets, []string{"http://b:1"}) || !slices.Equal(done, []string{"http://a:1"}) {
+		t.Fatalf("the retry goes to %v with %v done; want b called, a done", targets, done)
+	}
+}

@@ -113,13 +113,19 @@ func (r UpdateRecord) update() Update {
 // stay held back. The record's weights (the fleet's version, the updates
 // that lead there, each worker's version) are taken only if no update has
 // run since the pool was made: otherwise the fleet is past them, and the
-// workers read back catch up with it as any late joiner does. It returns
-// how many workers joined and whether the weights were taken.
+// workers read back catch up with it as any late joiner does. An update
+// in progress as the record was written, its writer gone before it ended,
+// is taken over as Inherit takes it over. It returns how many workers
+// joined and whether the weights were taken.
 func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	f := &p.fleet
 	adopted = f.version == "" && len(f.history) == 0
+	var running *RunningRecord
+	if adopted {
+		rec, running = rec.finishing()
+	}
 	for _, r := range rec.Workers {
 		u, err := workerurl.Parse(r.URL)
 		if err != nil {
@@ -150,6 +156,9 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 	for _, w := range p.workers {
 		p.holdIfBehindLocked(w)
 	}
+	if running != nil {
+		p.inheritLocked(running)
+	}
 	p.takePublishesLocked(rec.Adapters, true)
 	p.dispatchLocked()
 	return joined, adopted
@@ -166,14 +175,26 @@ func (rec Record) history() []Update {
 
 // Inherit mirrors rec for a router that takes the lead from the one that
 // wrote it. An update that router had in progress is the fleet's from now
-// on, as if it had ended there: a worker the record shows as having
-// loaded it serves, and every other is stale until a catch-up, or the
-// caller's retry of the update (see BeginUpdate), brings it there, so that
-// no job is answered from the weights the update replaces.
+// on, as if it had ended there (see inheritLocked).
 func (p *Pool) Inherit(rec Record) (joined, left int) {
+	folded, running := rec.finishing()
+	joined, left = p.Mirror(folded)
+	if running != nil {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.inheritLocked(running)
+		p.dispatchLocked()
+	}
+	return joined, left
+}
+
+// finishing is rec with its update in progress, if any, folded in as if it
+// had ended: the fleet on its version, the history after it. It returns
+// that update too, nil when none was in progress.
+func (rec Record) finishing() (Record, *RunningRecord) {
 	running := rec.Updating
 	if running == nil {
-		return p.Mirror(rec)
+		return rec, nil
 	}
 	u := running.update()
 	f := fleetState{version: rec.WeightVersion, history: rec.history()}
@@ -181,9 +202,17 @@ func (p *Pool) Inherit(rec Record) (joined, left int) {
 	for _, h := range f.after(u) {
 		rec.Updates = append(rec.Updates, h.record())
 	}
-	joined, left = p.Mirror(rec)
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	return rec, running
+}
+
+// inheritLocked takes over running, the update the record's writer had in
+// progress when it left, once the fleet is on its version: a worker the
+// record shows as having loaded it serves, and every other one is stale
+// until a catch-up, or the caller's retry of the update (see BeginUpdate),
+// brings it there, whatever version it shows, so that no job is answered
+// from the weights the update replaces.
+func (p *Pool) inheritLocked(running *RunningRecord) {
+	u := running.update()
 	p.fleet.inherited, p.fleet.loaded = &u, nil
 	for _, w := range p.workers {
 		if slices.Contains(running.Loaded, w.url) {
@@ -192,8 +221,6 @@ func (p *Pool) Inherit(rec Record) (joined, left int) {
 			p.behindLocked(w)
 		}
 	}
-	p.dispatchLocked()
-	return joined, left
 }
 
 // Mirror makes what the record holds of the pool the record's, where
