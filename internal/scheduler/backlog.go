@@ -131,7 +131,7 @@ func (f *freeTimes) Pop() any {
 // serve it, once an update under way ends, and returns when that worker
 // will have done it. Workers passed over for t keep their places.
 func (f *freeTimes) take(p *Pool, t *Ticket, now int64) (float64, bool) {
-	q := question{asks: wouldServe, upcoming: p.fleet.target}
+	q := question{asks: wouldServe, upcoming: p.fleet.target()}
 	var passed []freeAt
 	defer func() {
 		for _, fa := range passed {

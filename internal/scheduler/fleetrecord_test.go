@@ -213,16 +213,25 @@ func TestMirrorFollowsTheLeadersRecord(t *testing.T) {
 	}
 }
 
+// midUpdate is a pool of workers a and b on step-1 in the middle of an
+// update to step-2 (returned) that a has loaded, while b's call is under
+// way: the state its router leaves when it dies then.
+func midUpdate(t *testing.T) (*Pool, Update) {
+	t.Helper()
+	p, _ := poolOf(t, 2)
+	applyUpdate(p, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
+	step2 := Update{Path: DiskUpdatePath, ModelPath: "/ckpt/2", Version: "step-2", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/2"}`)}
+	p.BeginUpdate(step2)
+	p.FinishUpdate("http://a:1", "step-2", true, true)
+	return p, step2
+}
+
 // A router that takes over from one that left during an update finishes
 // that update: the workers the record shows on it serve, the others are
 // stale until they catch up, so none serves the weights it replaces; and
 // the caller's retry of it calls no worker that is on it already.
 func TestInheritFinishesTheUpdateInProgress(t *testing.T) {
-	leader, _ := poolOf(t, 2)
-	applyUpdate(leader, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
-	step2 := Update{Path: DiskUpdatePath, ModelPath: "/ckpt/2", Version: "step-2", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/2"}`)}
-	leader.BeginUpdate(step2)
-	leader.FinishUpdate("http://a:1", "step-2", true, true) // b's call was under way when the leader left
+	leader, step2 := midUpdate(t)
 	rec := throughStorage(t, leader.Record())
 	if rec.Updating == nil || rec.Updating.WeightVersion != "step-2" || rec.WeightVersion != "step-1" {
 		t.Fatalf("record written during the update: version %q, updating %+v; want step-1, updating to step-2", rec.WeightVersion, rec.Updating)
@@ -319,11 +328,7 @@ func TestAWorkerThatMissedASameVersionUpdateCatchesUp(t *testing.T) {
 // router taking over from another does: the worker that had loaded it
 // serves, the other waits for its catch-up or the retry.
 func TestRestartDuringAnUpdateFinishesIt(t *testing.T) {
-	before, _ := poolOf(t, 2)
-	applyUpdate(before, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
-	step2 := Update{Path: DiskUpdatePath, ModelPath: "/ckpt/2", Version: "step-2", Mode: ModeDrain, Body: []byte(`{"model_path":"/ckpt/2"}`)}
-	before.BeginUpdate(step2)
-	before.FinishUpdate("http://a:1", "step-2", true, true)
+	before, step2 := midUpdate(t)
 
 	after, _ := poolOf(t, 2)
 	if _, adopted := after.Restore(throughStorage(t, before.Record())); !adopted {

@@ -168,7 +168,7 @@ func (p *Pool) refuseUnservableLocked(now int64) {
 // worker that may serve it is not out for failed LoRA calls.
 func (p *Pool) unservableLocked(t *Ticket, now int64) error {
 	var err *UnservableAdapterError
-	q := question{asks: mayServe, upcoming: p.fleet.target}
+	q := question{asks: mayServe, upcoming: p.fleet.target()}
 	for _, w := range p.workers {
 		if !p.mayTakeLocked(t, w, now, q) {
 			continue
@@ -410,7 +410,7 @@ func (p *Pool) startSwitchLocked(w *worker, pol *policy, now int64) {
 // its adapter is unknown, and it runs no job and no other call.
 func (p *Pool) callDueLocked(w *worker, now int64) bool {
 	wa := &w.adapter
-	if wa.calling || (wa.known && !wa.switching) || w.load.inflight > 0 || now < wa.retryAt || p.fleet.target != "" {
+	if wa.calling || (wa.known && !wa.switching) || w.load.inflight > 0 || now < wa.retryAt || p.fleet.target() != "" {
 		return false // not while a fleet operation changes the weights
 	}
 	return !w.life.dead && !w.life.removed && w.life.state == Serving && !w.health.down

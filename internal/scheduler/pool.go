@@ -562,7 +562,7 @@ func (p *Pool) Stats() Stats {
 	for _, wt := range p.queue {
 		byPriority[wt.t.Priority]++
 	}
-	return Stats{Queued: len(p.queue), ByPriority: byPriority, Completed: p.completions, Version: p.versionLocked(), UpdatingTo: p.fleet.target}
+	return Stats{Queued: len(p.queue), ByPriority: byPriority, Completed: p.completions, Version: p.versionLocked(), UpdatingTo: p.fleet.target()}
 }
 
 // Version is the pool's weight version: that of the last update, or

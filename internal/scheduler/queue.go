@@ -501,7 +501,7 @@ func (p *Pool) waitErrorLocked(t *Ticket) error {
 	awake, sleeper := false, false
 	now := p.now().UnixNano()
 	for _, w := range p.workers {
-		if !p.mayTakeLocked(t, w, now, question{asks: couldServe, upcoming: p.fleet.target}) {
+		if !p.mayTakeLocked(t, w, now, question{asks: couldServe, upcoming: p.fleet.target()}) {
 			continue
 		}
 		s := w.life.state == Sleeping || w.stateAt(now) == Sleeping

@@ -20,7 +20,6 @@ type fleetState struct {
 	paused  bool     // a drain is on: no job is handed out
 	version string   // weight version of the last successful update
 	history []Update // the last update and the LoRA calls since: what brings a worker to version
-	target  string   // version an update in progress moves to
 	running *Update  // the update in progress, recorded so that a router taking over can finish it
 	// loaded is the workers that loaded the update in progress, or the one
 	// inherited: a worker's version alone cannot say so, as an update that
@@ -33,6 +32,15 @@ type fleetState struct {
 	retrying  bool
 
 	behind atomic.Int32 // workers that wait for a catch-up to be started; read without mu
+}
+
+// target is the version the update in progress moves to; "" when none
+// runs.
+func (f *fleetState) target() string {
+	if f.running == nil {
+		return ""
+	}
+	return f.running.Version
 }
 
 // lag is how far a worker is in being brought to the pool's weights after
@@ -114,7 +122,7 @@ func (p *Pool) BeginUpdate(u Update) (targets, done []string) {
 			targets = append(targets, w.url)
 		}
 	}
-	f.target, f.paused, f.running = u.Version, u.Mode == ModeDrain, &u
+	f.paused, f.running = u.Mode == ModeDrain, &u
 	p.Changed()
 	return targets, done
 }
@@ -167,7 +175,7 @@ func (p *Pool) EndUpdate(u Update, succeeded bool) {
 	if succeeded && !f.retrying { // the inherited update is in the history since it was inherited
 		f.version, f.history = u.Version, f.after(u)
 	}
-	f.target, f.paused, f.running, f.loaded, f.retrying = "", false, nil, nil, false
+	f.paused, f.running, f.loaded, f.retrying = false, nil, nil, false
 	p.Changed()
 	p.dispatchLocked()
 }
@@ -356,7 +364,7 @@ func (p *Pool) LeaveOut(urls []string) {
 // once a probe finds it again, it catches up as a late joiner does, before
 // its first job.
 func (p *Pool) recoveredLocked(w *worker) {
-	if w.life.state != Stale || !w.life.missed || p.fleet.target != "" || w.load.inflight > 0 { // not while an operation runs, nor before a hung job ends
+	if w.life.state != Stale || !w.life.missed || p.fleet.target() != "" || w.load.inflight > 0 { // not while an operation runs, nor before a hung job ends
 		return
 	}
 	w.life.state, w.life.missed = Serving, false
