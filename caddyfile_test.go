@@ -501,7 +501,7 @@ func TestMaxHeldAnswerOff(t *testing.T) {
 	if err := h.provisionOptions(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.answers.budget.Hold(1); err == nil {
+	if _, err := h.attempts.Budget.Hold(1); err == nil {
 		t.Fatal("max_held_answer off, yet an answer of 1 byte is held")
 	}
 }

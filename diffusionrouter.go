@@ -25,6 +25,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
@@ -130,7 +131,7 @@ type Handler struct {
 	costs    request.Model
 	weights  fleet.Config
 	health   scheduler.HealthConfig
-	answers  heldAnswers
+	attempts attempt.Runner
 	metrics  poolMetrics
 	tenants  map[string]bool // the tenants listed; nil: every name is one
 	allow    []netip.Prefix
@@ -207,7 +208,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.metrics = newPoolMetrics(p.Name(), h.LoadBalancing.Policy)
-	h.answers.streamed = h.metrics.streamed
+	h.attempts.Pool, h.attempts.Kinds, h.attempts.Proxy = p.jobs, jobKinds{p.jobs}, reverseProxy
+	h.attempts.UpstreamTimeout, h.attempts.RetryOn = time.Duration(h.UpstreamTimeout), h.LoadBalancing.RetryOn
+	h.attempts.Metrics, h.attempts.Logger = h.metrics.runs, h.logger
 	app, err := ctx.App("diffusion_health")
 	if err != nil {
 		return err
@@ -239,7 +242,7 @@ func (h *Handler) Cleanup() error {
 // reverse_proxy that follows.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	h.pool.store.AwaitReady(r.Context()) // as the process starts: the fleet read back from storage first
-	rec := &recorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	rec := attempt.NewRecorder(w)
 	route := request.Endpoints.Match(r.Method, r.URL)
 	dotted := hasDotSegment(r.URL.Path)
 	answered := !dotted && h.isControl(r, route)
@@ -266,7 +269,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	default:
 		h.control.ServeHTTP(rec, r) // sets the path values Handler does not
 	}
-	h.metrics.requests.WithLabelValues(class, statusClass(rec.status)).Inc()
+	h.metrics.requests.WithLabelValues(class, statusClass(rec.Status())).Inc()
 	return err
 }
 

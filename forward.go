@@ -17,45 +17,45 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
-// requestIDHeader carries a request's id: the client's, or one the router
-// makes; the response echoes it and the worker sees it.
-const requestIDHeader = "X-Request-Id"
-
 // errRequestID refuses a client's request id that could not go out again
 // as it came.
-var errRequestID = fmt.Errorf("%s must be at most %d printable ASCII characters", requestIDHeader, request.MaxID)
+var errRequestID = fmt.Errorf("%s must be at most %d printable ASCII characters", request.IDHeader, request.MaxID)
 
-// requestID returns r's id: the client's, or one the router makes when
-// the client sent none.
-func requestID(r *http.Request) (string, error) {
-	id := r.Header.Get(requestIDHeader)
+// requestID returns r's id, the client's or one the router makes when the
+// client sent none, as the header value that holds it in r. The answer
+// echoes that value as it is: one allocation per job fewer, and its
+// capacity of one lets nothing added to one header reach the other's.
+func requestID(r *http.Request) ([]string, error) {
+	id := r.Header.Get(request.IDHeader)
 	if id == "" {
-		id = strconv.FormatUint(rand.Uint64()|1<<63, 16) // 16 hex digits
-		r.Header.Set(requestIDHeader, id)
-		return id, nil
+		ids := []string{strconv.FormatUint(rand.Uint64()|1<<63, 16)} // 16 hex digits
+		r.Header[request.IDHeader] = ids
+		return ids, nil
 	}
 	if !request.ValidID(id) {
-		return "", errRequestID
+		return nil, errRequestID
 	}
-	return id, nil
+	return r.Header[request.IDHeader][:1:1], nil
 }
 
 // forward proxies a request to a worker through next. It first gets the
 // request a worker from the pool (a generation may wait in the pool's queue
-// for one), and releases that worker once the response has been written.
-func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, next caddyhttp.Handler) error {
+// for one); its attempts then run (see internal/attempt).
+func (h *Handler) forward(rec *attempt.Recorder, r *http.Request, route request.Route, next caddyhttp.Handler) error {
 	arrived := time.Now()
-	id, err := requestID(r)
+	ids, err := requestID(r)
 	if err != nil {
 		return control.WriteError(rec, http.StatusBadRequest, err.Error())
 	}
-	rec.Header().Set(requestIDHeader, id)
-	rec.tracer = tracerOf(r)
+	rec.Header()[request.IDHeader] = ids
+	id := ids[0]
+	rec.Tracer = tracerOf(r)
 	t, r, status, msg := h.admit(rec, r, route)
 	if status != 0 {
 		return control.WriteError(rec, status, msg)
@@ -73,15 +73,18 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 			zap.String("strategy", h.LoadBalancing.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
 	}
 	if list := h.filterVideoList(rec, r, t); list != nil {
-		err = list.finish(h.proxy(rec, r, t, next))
+		err = list.finish(h.attempts.Run(rec, r, t, next))
 	} else {
-		err = h.proxy(rec, r, t, next)
+		err = h.attempts.Run(rec, r, t, next)
 	}
-	if cause := scheduler.CancelledBy(r.Context()); cause != nil && rec.status == 0 {
+	if err != nil && rec.Status() == 0 {
+		err = h.proxyError(rec, t, err)
+	}
+	if cause := scheduler.CancelledBy(r.Context()); cause != nil && rec.Status() == 0 {
 		err = control.WriteError(rec, cancelStatus(cause), cause.Error())
 	}
 	if t.Job {
-		h.logJob(id, r, t, rec.status, dispatched.Sub(arrived), time.Since(dispatched))
+		h.logJob(id, r, t, rec.Status(), dispatched.Sub(arrived), time.Since(dispatched))
 	}
 	return err
 }
@@ -91,7 +94,7 @@ func (h *Handler) forward(rec *recorder, r *http.Request, route request.Route, n
 // that status and message (409 for a job aborted, or whose id an abort
 // remembers); a nil ticket means the client left. A job is registered by
 // its id until the caller's Untrack, so that an abort finds it.
-func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*scheduler.Ticket, *http.Request, int, string) {
+func (h *Handler) admit(rec *attempt.Recorder, r *http.Request, route request.Route) (*scheduler.Ticket, *http.Request, int, string) {
 	t, status, msg := h.ticketFor(r, route)
 	if status == 0 {
 		status, msg = h.readBody(rec, r, t)
@@ -100,8 +103,8 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*s
 		return nil, r, status, msg
 	}
 	if t.Job {
-		r = r.WithContext(withTicket(t.WithCancel(r.Context()), t))
-		t.RID = r.Header.Get(requestIDHeader)
+		r = r.WithContext(scheduler.WithTicket(t.WithCancel(r.Context()), t))
+		t.RID = r.Header.Get(request.IDHeader)
 		if err := h.pool.Track(t); err != nil {
 			return nil, r, http.StatusConflict, err.Error()
 		}
@@ -122,11 +125,11 @@ func (h *Handler) admit(rec *recorder, r *http.Request, route request.Route) (*s
 }
 
 // acquire gets t a worker from the pool, tracing a job's wait for one.
-func (h *Handler) acquire(rec *recorder, r *http.Request, t *scheduler.Ticket) error {
+func (h *Handler) acquire(rec *attempt.Recorder, r *http.Request, t *scheduler.Ticket) error {
 	if !t.Job {
 		return h.pool.Acquire(r.Context(), t)
 	}
-	ctx, end := traceQueue(r.Context(), rec.tracer, t)
+	ctx, end := traceQueue(r.Context(), rec.Tracer, t)
 	err := h.pool.Acquire(ctx, t)
 	end(err, attribute.String("diffusion.worker", t.ServedBy()))
 	return err
@@ -183,7 +186,7 @@ func retryAfter(t *scheduler.Ticket) int {
 // non-zero status means r must be refused with that status and message.
 func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ticket, int, string) {
 	t := h.pool.NewTicket(&h.dispatch)
-	t.Route, t.Job, t.WantVersion = route, route.Job(r.Method), r.Header.Get(weightVersionHeader)
+	t.Route, t.Job, t.WantVersion = route, route.Job(r.Method), r.Header.Get(request.VersionHeader)
 	if route.Err != nil {
 		return nil, http.StatusBadRequest, route.Err.Error()
 	}
@@ -300,7 +303,7 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *scheduler.
 	}
 	body, err := readAll(r.Body, r.ContentLength)
 	if err != nil {
-		if isMaxBytes(err) {
+		if request.OverMaxBody(err) {
 			w.Header().Set("Connection", "close") // the rest of the body stays unread
 			return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
 		}
@@ -349,7 +352,8 @@ func tooLarge(limit int64) string {
 }
 
 // proxyError answers a request whose proxying failed before any response
-// was written, with a JSON error a client can act on.
+// was written, with a JSON error a client can act on. It returns a
+// non-nil error only when that answer could not be written.
 func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err error) error {
 	status := http.StatusBadGateway
 	if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.StatusCode != 0 {
@@ -361,9 +365,13 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err err
 		return nil // the client went away; nobody reads an answer
 	case t.Cancelled() != nil:
 		return nil // forward answers with the cause
-	case errors.Is(err, errUpstreamTimeout):
-		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("%v (%s)", errUpstreamTimeout, time.Duration(h.UpstreamTimeout))
-	case isMaxBytes(err):
+	case errors.Is(err, scheduler.ErrAsleep):
+		w.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
+		status, msg := queueError(h.pool, t, err)
+		return control.WriteError(w, status, msg)
+	case errors.Is(err, attempt.ErrUpstreamTimeout):
+		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("%v (%s)", attempt.ErrUpstreamTimeout, time.Duration(h.UpstreamTimeout))
+	case request.OverMaxBody(err):
 		w.Header().Set("Connection", "close") // the rest of the body stays unread
 		status, msg = http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
 	case status == http.StatusServiceUnavailable:
@@ -387,11 +395,6 @@ func cause(err error) error {
 		return he.Err
 	}
 	return err
-}
-
-func isMaxBytes(err error) bool {
-	_, ok := errors.AsType[*http.MaxBytesError](err)
-	return ok
 }
 
 // pathSet is a set of paths and path prefixes (written with a trailing *).

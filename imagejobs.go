@@ -21,17 +21,6 @@ import (
 // The rest, megabytes of base64, streams through unread.
 const maxImageAnswerPeek = 1 << 10
 
-// learnImageJobs has rec read, from the start of r's answer and before it
-// goes out, the image job it made (then remembered as t's worker's), or
-// whether the image job it deleted is gone (then forgotten). A client can
-// thus use an id as soon as it reads it, even while the rest of the answer,
-// or of the stream, is on its way.
-func learnImageJobs(rec *recorder, r *http.Request, t *scheduler.Ticket) {
-	if rec.learn = imageLearningOf(r, t); rec.learn != learnNothing {
-		rec.peekLimit = maxImageAnswerPeek
-	}
-}
-
 // imageLearning is what an answer tells of the worker's image jobs.
 type imageLearning uint8
 
@@ -55,28 +44,32 @@ func imageLearningOf(r *http.Request, t *scheduler.Ticket) imageLearning {
 	return learnNothing
 }
 
-// learnImage learns what answer, the start of a 2xx answer to t, tells,
-// and reports whether it had what it needed.
-func (h *Handler) learnImage(learn imageLearning, answer []byte, t *scheduler.Ticket) bool {
-	switch learn {
+// Learn reads, from the start of a 2xx answer to t's attempt r and before
+// it goes out, the image job it made (then remembered as t's worker's),
+// or whether the image job it deleted is gone (then forgotten), and
+// reports whether it had what it needed. A client can thus use an id as
+// soon as it reads it, even while the rest of the answer, or of the
+// stream, is on its way.
+func (k jobKinds) Learn(r *http.Request, t *scheduler.Ticket, answer []byte) bool {
+	switch imageLearningOf(r, t) {
 	case learnStreamed:
-		return h.rememberImage(firstEventData(answer), t)
+		return k.rememberImage(firstEventData(answer), t)
 	case learnMade:
-		return h.rememberImage(answer, t)
+		return k.rememberImage(answer, t)
 	}
 	status, ok := leadingString(answer, "status")
 	if status == "deleted" { // not "cancelling": a stream still running is still there
-		h.pool.Images().Forget(t.Route.JobID)
+		k.pool.Images().Forget(t.Route.JobID)
 	}
 	return ok
 }
 
 // rememberImage remembers the image job that answer, a JSON object, names
 // as t's worker's, and reports whether answer named one.
-func (h *Handler) rememberImage(answer []byte, t *scheduler.Ticket) bool {
+func (k jobKinds) rememberImage(answer []byte, t *scheduler.Ticket) bool {
 	id, ok := leadingString(answer, "id")
 	if ok && request.ValidJobID(id) {
-		h.pool.Images().Remember(id, t.ServedBy(), t.Tenant)
+		k.pool.Images().Remember(id, t.ServedBy(), t.Tenant)
 	}
 	return ok
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
@@ -228,10 +229,7 @@ type poolMetrics struct {
 	queueWait, jobDuration, predictionError, attempts prometheus.Observer
 	decisions                                         prometheus.Counter
 	requests                                          *prometheus.CounterVec // by endpoint and code
-	reruns                                            *prometheus.CounterVec // by cause
-	broken                                            *prometheus.CounterVec // by delivery
-	streamed                                          *prometheus.CounterVec // by reason
-	hedges                                            *prometheus.CounterVec // by outcome
+	runs                                              attempt.Metrics        // what becomes of attempts
 }
 
 func newPoolMetrics(pool, strategy string) poolMetrics {
@@ -241,11 +239,13 @@ func newPoolMetrics(pool, strategy string) poolMetrics {
 		predictionError: predictionError.WithLabelValues(pool),
 		decisions:       routingDecisions.WithLabelValues(pool, strategy),
 		requests:        requests.MustCurryWith(prometheus.Labels{"pool": pool}),
-		reruns:          reruns.MustCurryWith(prometheus.Labels{"pool": pool}),
-		broken:          brokenAnswers.MustCurryWith(prometheus.Labels{"pool": pool}),
-		streamed:        streamedAnswers.MustCurryWith(prometheus.Labels{"pool": pool}),
-		hedges:          hedges.MustCurryWith(prometheus.Labels{"pool": pool}),
-		attempts:        jobAttempts.WithLabelValues(pool),
+		runs: attempt.Metrics{
+			Reruns:   reruns.MustCurryWith(prometheus.Labels{"pool": pool}),
+			Broken:   brokenAnswers.MustCurryWith(prometheus.Labels{"pool": pool}),
+			Streamed: streamedAnswers.MustCurryWith(prometheus.Labels{"pool": pool}),
+			Hedges:   hedges.MustCurryWith(prometheus.Labels{"pool": pool}),
+		},
+		attempts: jobAttempts.WithLabelValues(pool),
 	}
 }
 

@@ -763,7 +763,7 @@ func (h *Handler) provisionAnswers() error {
 	case o.StallTimeout < 0:
 		return optionError("answer_stall_timeout", "answers.stall_timeout", "must be positive, got %s", time.Duration(o.StallTimeout))
 	}
-	h.answers.budget, h.answers.stallTimeout = answer.NewBudget(o.MaxHeld, o.MaxHeldTotal), time.Duration(o.StallTimeout)
+	h.attempts.Budget, h.attempts.StallTimeout = answer.NewBudget(o.MaxHeld, o.MaxHeldTotal), time.Duration(o.StallTimeout)
 	return nil
 }
 

@@ -8,6 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
@@ -54,7 +55,7 @@ func (s *DiffusionSelection) Select(upstreams reverseproxy.UpstreamPool, r *http
 }
 
 func (s *DiffusionSelection) pick(upstreams reverseproxy.UpstreamPool, r *http.Request) *reverseproxy.Upstream {
-	t := ticketFrom(r.Context())
+	t := scheduler.TicketFrom(r.Context())
 	if t == nil {
 		return s.pool.pickUntracked(upstreams)
 	}

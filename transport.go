@@ -7,6 +7,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
 func init() {
@@ -55,7 +57,7 @@ func (t *DiffusionTransport) Provision(ctx caddy.Context) error {
 // it would be noticed only by its length, and the route the directive
 // generates has none.
 func (t *DiffusionTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if job := ticketFrom(req.Context()); job != nil && len(job.Body) > 0 &&
+	if job := scheduler.TicketFrom(req.Context()); job != nil && len(job.Body) > 0 &&
 		req.ContentLength == int64(len(job.Body)) && len(req.TransferEncoding) == 0 {
 		held := *req // a RoundTripper leaves the request it is given as it is
 		held.Body = io.NopCloser(bytes.NewReader(job.Body))

@@ -38,7 +38,7 @@ func TestDiffusionTransportSendsTheHeldBody(t *testing.T) {
 	}
 	job := &scheduler.Ticket{Body: []byte(`{"prompt":"x","size":"1x1"}`)}
 	wrapped := new(unreadBody)
-	req, _ := http.NewRequestWithContext(withTicket(context.Background(), job), http.MethodPost, srv.URL, wrapped)
+	req, _ := http.NewRequestWithContext(scheduler.WithTicket(context.Background(), job), http.MethodPost, srv.URL, wrapped)
 	req.ContentLength = int64(len(job.Body))
 	res, err := tr.RoundTrip(req)
 	if err != nil {

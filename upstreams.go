@@ -35,7 +35,7 @@ func (DiffusionUpstreams) CaddyModule() caddy.ModuleInfo {
 // without a ticket gets every serving worker. Upstreams are new values each
 // time because reverse_proxy writes into the upstreams it is given.
 func (s *DiffusionUpstreams) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
-	t := ticketFrom(r.Context())
+	t := scheduler.TicketFrom(r.Context())
 	if t == nil {
 		return upstreamsOf(s.pool.ServingDials()), nil
 	}

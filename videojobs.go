@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -35,39 +36,40 @@ func readsVideoJob(r *http.Request, route request.Route) bool {
 	return false
 }
 
-// trackVideoJob keeps the router's view of video jobs: which worker made a
-// new job (whose ticket it then holds, reporting true), and when a job
-// ended or was deleted (releasing its worker).
-func (h *Handler) trackVideoJob(r *http.Request, t *scheduler.Ticket, rec *recorder, err error) bool {
+// Ended keeps the router's view of video jobs as t's attempt r ended:
+// which worker made a new job (whose ticket it then holds, reporting
+// true), and when a job ended or was deleted (releasing its worker).
+func (k jobKinds) Ended(r *http.Request, t *scheduler.Ticket, e attempt.Ending) bool {
 	if t.Route.Kind != request.Video && t.Route.Kind != request.VideoPoll {
 		return false
 	}
+	reads := readsVideoJob(r, t.Route)
 	// A status poll answered 404 is a job its worker no longer has; a
 	// content poll's 404 may only mean the video is not done yet.
-	denied := err == nil && heldStatus(rec) == http.StatusNotFound && readsVideoJob(r, t.Route)
-	if t.Route.Poll && r.Context().Err() == nil && (err != nil || denied) {
-		h.loseVideo(t.Route.JobID, denied)
+	denied := e.Err == nil && e.Status == http.StatusNotFound && reads
+	if t.Route.Poll && r.Context().Err() == nil && (e.Err != nil || denied) {
+		k.loseVideo(t.Route.JobID, denied)
 		return false
 	}
-	if err != nil || rec.status < 200 || rec.status > 299 {
+	if e.Err != nil || e.Sent < 200 || e.Sent > 299 {
 		return false
 	}
 	var job videoJobStatus
-	if rec.peekLimit > 0 && json.Unmarshal(rec.peek, &job) != nil {
+	if reads && json.Unmarshal(e.Peek, &job) != nil {
 		return false
 	}
 	switch {
 	case r.Method == http.MethodPost && t.Job && request.ValidJobID(job.ID):
-		h.pool.Videos().Remember(job.ID, t.ServedBy(), t.Tenant)
-		return h.pool.HoldVideo(t, job.ID)
+		k.pool.Videos().Remember(job.ID, t.ServedBy(), t.Tenant)
+		return k.pool.HoldVideo(t, job.ID)
 	case r.Method == http.MethodDelete && t.Pin != "":
 		id := t.Route.JobID
-		h.pool.Videos().Forget(id)
-		h.pool.EndVideo(id, scheduler.Abandoned)
+		k.pool.Videos().Forget(id)
+		k.pool.EndVideo(id, scheduler.Abandoned)
 	case job.Status == "completed":
-		h.pool.EndVideo(job.ID, scheduler.Succeeded)
+		k.pool.EndVideo(job.ID, scheduler.Succeeded)
 	case job.Status == "failed" || job.Status == "cancelled":
-		h.pool.EndVideo(job.ID, scheduler.Failed)
+		k.pool.EndVideo(job.ID, scheduler.Failed)
 	}
 	return false
 }
@@ -76,9 +78,9 @@ func (h *Handler) trackVideoJob(r *http.Request, t *scheduler.Ticket, rec *recor
 // answer a poll of it, or answered that it has no such job (a worker that
 // restarted): the job failed. A worker that denies the job is no longer
 // asked about it.
-func (h *Handler) loseVideo(id string, denied bool) {
-	h.pool.EndVideo(id, scheduler.Failed)
+func (k jobKinds) loseVideo(id string, denied bool) {
+	k.pool.EndVideo(id, scheduler.Failed)
 	if denied {
-		h.pool.Videos().Forget(id)
+		k.pool.Videos().Forget(id)
 	}
 }

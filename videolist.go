@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
@@ -45,7 +46,7 @@ type tenantList struct {
 
 // filterVideoList puts a tenantList for t under rec, when r lists video
 // jobs while tenants are on; nil otherwise.
-func (h *Handler) filterVideoList(rec *recorder, r *http.Request, t *scheduler.Ticket) *tenantList {
+func (h *Handler) filterVideoList(rec *attempt.Recorder, r *http.Request, t *scheduler.Ticket) *tenantList {
 	if h.Queue.Tenant == "" || !listsVideos(r, t.Route) {
 		return nil
 	}

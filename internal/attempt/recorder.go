@@ -1,52 +1,34 @@
-package diffusionrouter
+package attempt
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"strconv"
 	"strings"
-	"sync/atomic"
-	"time"
 
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
-type ticketKey struct{}
-
-// withTicket carries a ticket through reverse_proxy, whose request clone
-// keeps the context.
-func withTicket(ctx context.Context, t *scheduler.Ticket) context.Context {
-	return context.WithValue(ctx, ticketKey{}, t)
-}
-
-func ticketFrom(ctx context.Context) *scheduler.Ticket {
-	t, _ := ctx.Value(ticketKey{}).(*scheduler.Ticket)
-	return t
-}
-
-// weightVersionHeader names the weight version that served a generation,
-// and, on a request, the only version that may serve it.
-const weightVersionHeader = "X-Weight-Version"
-
-// recorder notes the status of a proxied response, names the weight version
-// of the worker that served it, and, when asked, keeps its first bytes or
-// holds the answer back; everything else streams straight through.
-type recorder struct {
-	// A value, not a pointer: one allocation per request rather than two.
-	caddyhttp.ResponseWriterWrapper
-	ticket *scheduler.Ticket
+// Recorder is the client's end of a request: it notes the status the
+// client got, names the weight version of the worker that served a proxied
+// answer, and, while an attempt runs, keeps the answer's first bytes for
+// its kind of job or holds the answer back until it is the client's;
+// everything else streams straight through.
+type Recorder struct {
+	http.ResponseWriter // the client's
+	// Tracer is the job's, when its site traces requests; nil: not traced.
+	Tracer trace.Tracer
+	run    *Runner           // the rules of the attempt under way; nil before the first
+	ticket *scheduler.Ticket // the attempt's
 	// slot is the claim of the attempt under way on its worker, kept here
-	// by value: a recorder serves one attempt at a time, and the slot
+	// by value: a Recorder serves one attempt at a time, and the slot
 	// costs no allocation of its own.
 	slot      slot
 	freeEarly bool // release slot as the answer begins (see send)
@@ -54,29 +36,28 @@ type recorder struct {
 	peekLimit int
 	peek      []byte
 	held      *heldAnswer // the answer of an attempt, until it is known to be the client's
-	// heldBuf is where held points while an answer is held: a recorder
+	// heldBuf is where held points while an answer is held: a Recorder
 	// holds one answer at a time, which thus costs no allocation of its own.
 	heldBuf heldAnswer
-	// answers, when set, are the answers held back until they are whole
-	// (a worker's, not the router's own); nil holds and checks nothing.
-	answers *heldAnswers
-	stream  *answer.Stream // the check of a 2xx answer streaming to the client
-	// learn, when set, is what the peek tells of the worker's image jobs:
-	// it is read each time it grows, before the bytes that grew it go out,
-	// until it had what it needs (see learnImageJobs).
-	learn  imageLearning
-	tracer trace.Tracer // the job's, when its site traces requests; nil: not traced
+	// checks says the attempt's 2xx answers are held back until whole, or
+	// checked as they stream: a worker's answer with a body (not a HEAD's).
+	checks bool
+	stream *answer.Stream // the check of a 2xx answer streaming to the client
+	// learns says the peek is read (Kinds.Learn) each time it grows, before
+	// the bytes that grew it go out, until it had what it needs.
+	learns bool
 	// stall ends the attempt under way if its held answer stops coming.
 	stall *stallWatch
 }
 
-// heldAnswers are a handler's rules for holding answers back: its budget,
-// and the count of answers that stream instead.
-type heldAnswers struct {
-	budget       *answer.Budget
-	streamed     *prometheus.CounterVec // by reason: size, budget
-	stallTimeout time.Duration          // answers.stall_timeout
-}
+// NewRecorder is the client's end of a request answered through w.
+func NewRecorder(w http.ResponseWriter) *Recorder { return &Recorder{ResponseWriter: w} }
+
+// Status is the status the client got; 0 until then.
+func (rec *Recorder) Status() int { return rec.status }
+
+// Unwrap is the client's writer, for http.ResponseController.
+func (rec *Recorder) Unwrap() http.ResponseWriter { return rec.ResponseWriter }
 
 // heldAnswer is a worker's answer kept from the client until it is judged
 // to be the client's: while the job may still run on another worker, or
@@ -87,7 +68,7 @@ type heldAnswer struct {
 	// race, when set, is the hedge's race the answer is in, as racer's:
 	// it becomes the client's only if no other copy's already is. It is
 	// claimed as the answer is let through.
-	race      *hedge
+	race      *race
 	racer     *scheduler.Ticket
 	rerun     bool // the job may run again after this answer
 	state     verdict
@@ -119,24 +100,24 @@ const heldBodyLimit = 16 << 10
 
 // hold makes rec keep the next answer from the client until j lets it
 // through; rerun says whether the job may run again after it.
-func (rec *recorder) hold(j judge, rerun bool) *heldAnswer {
+func (rec *Recorder) hold(j judge, rerun bool) *heldAnswer {
 	rec.heldBuf = heldAnswer{header: make(http.Header), judge: j, rerun: rerun}
 	rec.held = &rec.heldBuf
 	return rec.held
 }
 
 // Header is the held answer's header while one is held.
-func (rec *recorder) Header() http.Header {
+func (rec *Recorder) Header() http.Header {
 	if rec.held != nil {
 		return rec.held.header
 	}
-	return rec.ResponseWriterWrapper.Header()
+	return rec.ResponseWriter.Header()
 }
 
 // WriteHeader records the final status; informational ones pass by. The
 // weight version a proxied answer names is the router's record of the
 // worker that served it, never the worker's word: sglang reports none.
-func (rec *recorder) WriteHeader(status int) {
+func (rec *Recorder) WriteHeader(status int) {
 	if a := rec.held; a != nil {
 		if status < 200 || a.state != undecided {
 			return
@@ -152,19 +133,19 @@ func (rec *recorder) WriteHeader(status int) {
 		rec.status = status
 		if t := rec.ticket; t != nil {
 			if v := t.VersionServed(); v != "" {
-				rec.Header().Set(weightVersionHeader, v)
+				rec.Header().Set(request.VersionHeader, v)
 			} else {
-				rec.Header().Del(weightVersionHeader)
+				rec.Header().Del(request.VersionHeader)
 			}
 		}
 		rec.answered(status)
 	}
-	rec.ResponseWriterWrapper.WriteHeader(status)
+	rec.ResponseWriter.WriteHeader(status)
 }
 
 // answered releases the attempt's worker, once, as its answer begins,
 // when the attempt frees it early.
-func (rec *recorder) answered(status int) {
+func (rec *Recorder) answered(status int) {
 	if rec.freeEarly {
 		rec.freeEarly = false
 		s := &rec.slot
@@ -175,8 +156,8 @@ func (rec *recorder) answered(status int) {
 // keep holds a's answer whole when it is a 2xx with a body (not a stream
 // of events) that fits what may be held, and reports whether it does.
 // Either way, the worker's answer has begun.
-func (rec *recorder) keep(a *heldAnswer) bool {
-	if rec.answers == nil || !checked(a.status) {
+func (rec *Recorder) keep(a *heldAnswer) bool {
+	if !rec.checks || !checked(a.status) {
 		return false
 	}
 	contentType := a.header.Get("Content-Type")
@@ -184,9 +165,9 @@ func (rec *recorder) keep(a *heldAnswer) bool {
 		return false
 	}
 	a.format, a.length = rec.formatOf(contentType), contentLength(a.header)
-	whole, err := rec.answers.budget.Hold(a.length)
+	whole, err := rec.run.Budget.Hold(a.length)
 	if err != nil {
-		rec.answers.streamedFor(err)
+		rec.run.streamedFor(err)
 		return false
 	}
 	a.whole, a.state = whole, kept
@@ -202,12 +183,12 @@ func checked(status int) bool {
 
 // streamedFor counts an answer that streams because of err, the budget's
 // refusal.
-func (ha *heldAnswers) streamedFor(err error) {
+func (run *Runner) streamedFor(err error) {
 	reason := "size"
 	if err == answer.ErrNoRoom {
 		reason = "budget"
 	}
-	ha.streamed.WithLabelValues(reason).Inc()
+	run.Metrics.Streamed.WithLabelValues(reason).Inc()
 }
 
 // contentLength is the length h declares, or -1.
@@ -221,8 +202,8 @@ func contentLength(h http.Header) int64 {
 
 // checkStream checks a's answer, which streams to the client, as it
 // passes, when it is a worker's 2xx whose format has a structure.
-func (rec *recorder) checkStream(a *heldAnswer) {
-	if rec.answers != nil && checked(a.status) {
+func (rec *Recorder) checkStream(a *heldAnswer) {
+	if rec.checks && checked(a.status) {
 		rec.stream = answer.NewStream(rec.formatOf(a.header.Get("Content-Type")), contentLength(a.header))
 	}
 }
@@ -230,7 +211,7 @@ func (rec *recorder) checkStream(a *heldAnswer) {
 // formatOf is the format a 2xx answer labelled contentType is checked for:
 // a job's, what its endpoint answers (see request.Endpoint.Answers), so
 // that the worker's label alone cannot make a success of a page of HTML.
-func (rec *recorder) formatOf(contentType string) answer.Format {
+func (rec *Recorder) formatOf(contentType string) answer.Format {
 	if t := rec.ticket; t != nil && t.Job {
 		return t.Route.Answers.Expect(contentType)
 	}
@@ -239,7 +220,7 @@ func (rec *recorder) formatOf(contentType string) answer.Format {
 
 // letThrough ends the hold, unless the answer lost its race to another
 // copy's: the held header becomes the client's.
-func (rec *recorder) letThrough() bool {
+func (rec *Recorder) letThrough() bool {
 	a := rec.held
 	if a.race != nil && !a.race.claim(a.racer) {
 		a.state = lost
@@ -247,7 +228,7 @@ func (rec *recorder) letThrough() bool {
 	}
 	rec.held = nil
 	rec.stall.disarm() // from now on the client's pace sets the answer's
-	h := rec.ResponseWriterWrapper.Header()
+	h := rec.ResponseWriter.Header()
 	for k, v := range a.header {
 		h[k] = v
 	}
@@ -259,7 +240,7 @@ func (rec *recorder) letThrough() bool {
 
 // passHeld gives the client the answer that was set aside, if any: a
 // broken one as the error it is.
-func (rec *recorder) passHeld() error {
+func (rec *Recorder) passHeld() error {
 	a := rec.held
 	switch {
 	case a == nil:
@@ -287,7 +268,7 @@ func (rec *recorder) passHeld() error {
 }
 
 // dropHeld lets go of the held answer, and of the room a whole one took.
-func (rec *recorder) dropHeld() {
+func (rec *Recorder) dropHeld() {
 	if a := rec.held; a != nil {
 		a.whole.Release()
 		rec.held = nil
@@ -300,7 +281,7 @@ func (rec *recorder) dropHeld() {
 // is broken. ended says the router ended the attempt (upstream_timeout, a
 // copy that won, the client gone): its answer is lost, no fault of the
 // worker's.
-func (rec *recorder) settle(err error, ended bool) error {
+func (rec *Recorder) settle(err error, ended bool) error {
 	a := rec.held
 	if a == nil || a.state != kept {
 		return nil
@@ -322,7 +303,7 @@ func (rec *recorder) settle(err error, ended bool) error {
 }
 
 // passKept gives the client a kept answer that came whole.
-func (rec *recorder) passKept(a *heldAnswer) error {
+func (rec *Recorder) passKept(a *heldAnswer) error {
 	if !rec.letThrough() {
 		return nil
 	}
@@ -334,7 +315,7 @@ func (rec *recorder) passKept(a *heldAnswer) error {
 // outgrown passes on a kept answer that grew past what may be held: the
 // client gets what came so far and b, and the rest streams, checked as it
 // passes.
-func (rec *recorder) outgrown(a *heldAnswer, b []byte) (int, error) {
+func (rec *Recorder) outgrown(a *heldAnswer, b []byte) (int, error) {
 	defer a.whole.Release()
 	a.state = pass
 	if !rec.letThrough() {
@@ -350,7 +331,7 @@ func (rec *recorder) outgrown(a *heldAnswer, b []byte) (int, error) {
 
 // Write keeps up to peekLimit bytes of the body; an answer held whole is
 // kept whole, an answer set aside keeps its first bytes only.
-func (rec *recorder) Write(b []byte) (int, error) {
+func (rec *Recorder) Write(b []byte) (int, error) {
 	if rec.status == 0 {
 		rec.WriteHeader(http.StatusOK)
 	}
@@ -361,38 +342,38 @@ func (rec *recorder) Write(b []byte) (int, error) {
 		rec.observe(b[:min(room, len(b))])
 	}
 	if rec.stream != nil {
-		return rec.stream.Pass(&rec.ResponseWriterWrapper, b)
+		return rec.stream.Pass(rec.ResponseWriter, b)
 	}
-	return rec.ResponseWriterWrapper.Write(b)
+	return rec.ResponseWriter.Write(b)
 }
 
 // observe keeps b, the next bytes of the answer within peekLimit, or
 // learns from them. What is learned from the first write alone (an
 // answer's start usually comes whole) is not copied.
-func (rec *recorder) observe(b []byte) {
+func (rec *Recorder) observe(b []byte) {
 	if len(rec.peek) == 0 && rec.learned(b) {
-		rec.learn, rec.peekLimit = learnNothing, 0
+		rec.learns, rec.peekLimit = false, 0
 		return
 	}
 	rec.peek = append(rec.peek, b...)
 	if rec.learned(rec.peek) {
-		rec.learn, rec.peekLimit = learnNothing, len(rec.peek)
+		rec.learns, rec.peekLimit = false, len(rec.peek)
 	}
 }
 
-// learned learns what peek, the start of the attempt's answer, tells of
-// the worker's image jobs, and reports whether it had all it needed:
-// an answer that is no 2xx tells nothing.
-func (rec *recorder) learned(peek []byte) bool {
-	if rec.learn == learnNothing {
+// learned has the job's kind learn what peek, the start of the
+// attempt's answer, tells, and reports whether it had all it needed: an
+// answer that is no 2xx tells nothing.
+func (rec *Recorder) learned(peek []byte) bool {
+	if !rec.learns {
 		return false
 	}
 	s := &rec.slot
-	return rec.status < 200 || rec.status > 299 || s.h.learnImage(rec.learn, peek, s.t)
+	return rec.status < 200 || rec.status > 299 || rec.run.Kinds.Learn(s.r, s.t, peek)
 }
 
 // holdBytes keeps b, the next bytes of a held answer.
-func (rec *recorder) holdBytes(a *heldAnswer, b []byte) (int, error) {
+func (rec *Recorder) holdBytes(a *heldAnswer, b []byte) (int, error) {
 	rec.stall.arm()
 	switch {
 	case a.state == kept:
@@ -400,7 +381,7 @@ func (rec *recorder) holdBytes(a *heldAnswer, b []byte) (int, error) {
 		if err == nil {
 			return len(b), nil
 		}
-		rec.answers.streamedFor(err)
+		rec.run.streamedFor(err)
 		return rec.outgrown(a, b)
 	case a.state == read && len(a.body)+len(b) > heldBodyLimit:
 		// Too long to be the short answer being looked for.
@@ -417,13 +398,13 @@ func (rec *recorder) holdBytes(a *heldAnswer, b []byte) (int, error) {
 // finishStream ends the check of an answer that streamed to the client:
 // whole, its withheld last byte goes out; not, the client's answer is
 // aborted, as for an answer that broke off (see send).
-func (rec *recorder) finishStream() {
+func (rec *Recorder) finishStream() {
 	s := rec.stream
 	if s == nil {
 		return
 	}
 	rec.stream = nil
-	if err := s.Finish(&rec.ResponseWriterWrapper); err != nil {
+	if err := s.Finish(rec.ResponseWriter); err != nil {
 		panic(http.ErrAbortHandler)
 	}
 }
@@ -434,8 +415,8 @@ func (rec *recorder) finishStream() {
 // cleanly either. Where the connection is not the answer's own (HTTP/2,
 // HTTP/3), the caller's abort resets the stream; where Caddy wrapped it
 // (for its access log), it is closed.
-func (rec *recorder) reset() {
-	conn, _, err := http.NewResponseController(rec.ResponseWriterWrapper.ResponseWriter).Hijack()
+func (rec *Recorder) reset() {
+	conn, _, err := http.NewResponseController(rec.ResponseWriter).Hijack()
 	if err != nil {
 		return
 	}
@@ -450,69 +431,27 @@ func (rec *recorder) reset() {
 
 // ReadFrom keeps the fast path of the underlying writer unless the body is
 // being peeked at, held or checked.
-func (rec *recorder) ReadFrom(r io.Reader) (int64, error) {
+func (rec *Recorder) ReadFrom(r io.Reader) (int64, error) {
 	if rec.peekLimit > 0 || rec.held != nil || rec.stream != nil {
 		return io.Copy(writerOnly{rec}, r)
 	}
 	if rec.status == 0 {
 		rec.WriteHeader(http.StatusOK)
 	}
-	return rec.ResponseWriterWrapper.ReadFrom(r)
+	if rf, ok := rec.ResponseWriter.(io.ReaderFrom); ok {
+		return rf.ReadFrom(r)
+	}
+	return io.Copy(writerOnly{rec.ResponseWriter}, r)
 }
 
 // FlushError flushes what the client has been sent; a held answer has
 // nothing to flush.
-func (rec *recorder) FlushError() error {
+func (rec *Recorder) FlushError() error {
 	if rec.held != nil {
 		return nil
 	}
-	return http.NewResponseController(rec.ResponseWriterWrapper.ResponseWriter).Flush()
+	return http.NewResponseController(rec.ResponseWriter).Flush()
 }
 
 // writerOnly hides ReadFrom so io.Copy goes through Write.
 type writerOnly struct{ io.Writer }
-
-// errStalled ends an attempt whose held answer went answers.stall_timeout
-// without a byte.
-var errStalled = errors.New("no byte of it came within answer_stall_timeout")
-
-// stallWatch ends an attempt whose answer, held back, stops coming: no
-// byte for its bound. It watches only while the answer is held: bytes
-// held are copied into memory as they come, so a pause is the worker's;
-// once the answer streams, a slow client may pause it too. One watch
-// serves one attempt: a timer that fires late cancels nothing after it.
-type stallWatch struct {
-	bound  time.Duration
-	cancel context.CancelCauseFunc // the attempt's
-	timer  *time.Timer             // made at the first arm
-	fired  atomic.Bool
-}
-
-// watchStalls watches the attempt that cancel ends, within bound.
-func watchStalls(bound time.Duration, cancel context.CancelCauseFunc) *stallWatch {
-	return &stallWatch{bound: bound, cancel: cancel}
-}
-
-// arm starts the bound again: the answer is held, and a byte just came.
-func (s *stallWatch) arm() {
-	switch {
-	case s == nil:
-	case s.timer == nil:
-		s.timer = time.AfterFunc(s.bound, func() {
-			s.fired.Store(true)
-			s.cancel(errStalled)
-		})
-	default:
-		s.timer.Reset(s.bound)
-	}
-}
-
-// disarm stops watching: the answer streams, or the attempt ended.
-func (s *stallWatch) disarm() {
-	if s != nil && s.timer != nil {
-		s.timer.Stop()
-	}
-}
-
-// stalled reports whether the watch ended its attempt.
-func (s *stallWatch) stalled() bool { return s != nil && s.fired.Load() }

@@ -1,4 +1,4 @@
-package diffusionrouter
+package attempt
 
 import (
 	"bytes"
@@ -10,7 +10,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
@@ -31,16 +30,16 @@ import (
 // not failed the job. An attempt that fails while copies run frees its
 // worker at once and leaves the race to them.
 
-// hedge is one job's race between its attempt and the copies launched
+// race is one job's race between its attempt and the copies launched
 // when the last one overran. Its mutex orders the claims of the answers,
 // so exactly one reaches the client.
-type hedge struct {
-	h     *Handler
-	rec   *recorder // the client's
+type race struct {
+	run   *Runner
+	rec   *Recorder // the client's
 	r     *http.Request
-	next  caddyhttp.Handler
-	vars  map[string]any // a copy of the request's variables, cloned for each copy's reverse_proxy
-	timer *time.Timer
+	next  Next
+	vars  map[string]any // a copy of the request's variables as the race began, cloned for each copy
+	timer Timer
 
 	mu      sync.Mutex // taken before the pool's lock, never after (see pool)
 	primary *scheduler.Ticket
@@ -56,7 +55,7 @@ type hedge struct {
 	budget    int       // copies the job's max_attempts leave room for
 	running   int       // copies not yet over
 	copyOver  sync.Cond // on mu: signalled as each copy ends
-	copyRec   *recorder // the winning copy's
+	copyRec   *Recorder // the winning copy's
 	copyPanic any       // an answer of a copy that broke off, to abort the client's with
 }
 
@@ -65,7 +64,7 @@ type hedge struct {
 // video job answered at once), with room left in its budget of
 // max_attempts GPU jobs for both the attempt and a copy. One client
 // request never costs the fleet more, however its jobs overrun and fail.
-func (h *Handler) hedges(t *scheduler.Ticket) bool {
+func (run *Runner) hedges(t *scheduler.Ticket) bool {
 	return t.Config().HedgeAfter > 0 && t.Job && t.Route.Hedged && t.Attempts+2 <= t.Config().MaxAttempts
 }
 
@@ -73,20 +72,19 @@ func (h *Handler) hedges(t *scheduler.Ticket) bool {
 // while the attempt, and then each copy, overruns. j is the attempt's
 // own rule for answers, rerun whether
 // the job may run again after it.
-func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket, next caddyhttp.Handler, j judge, rerun bool) error {
-	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-	hd := &hedge{h: h, rec: rec, r: r, next: next, vars: maps.Clone(vars), primary: t, last: t, lastSince: time.Now(),
-		budget: t.Config().MaxAttempts - t.Attempts - 1}
+func (run *Runner) sendHedged(rec *Recorder, r *http.Request, t *scheduler.Ticket, next Next, j judge, rerun bool) error {
+	hd := &race{run: run, rec: rec, r: r, next: next, vars: maps.Clone(run.Proxy.Vars(r.Context())), primary: t, last: t,
+		lastSince: run.clock().Now(), budget: t.Config().MaxAttempts - t.Attempts - 1}
 	// Every job that may be hedged sets a race up: none of it is
-	// allocated apart from the hedge until a copy is launched.
+	// allocated apart from the race until a copy is launched.
 	hd.live = append(hd.liveBuf[:0], liveAttempt{t: t})
 	hd.copyOver.L = &hd.mu
 	hd.enter(rec.hold(j, rerun), t)
 	hd.mu.Lock()
-	hd.timer = time.AfterFunc(hd.wait(), hd.fire)
+	hd.timer = run.clock().AfterFunc(hd.wait(), hd.fire)
 	hd.mu.Unlock()
 
-	err := h.send(rec, r, r.Context(), t, next, hd)
+	err := run.send(rec, r, r.Context(), t, next, hd)
 
 	copies := hd.finish(rec, t)
 	if copies == 0 {
@@ -100,16 +98,16 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 	if hd.winner != nil && hd.winner != t {
 		copyOn = hd.winner
 	}
-	traceEvent(r.Context(), rec.tracer, "diffusion_router.hedge", attribute.String("diffusion.copy_on", copyOn.ServedBy()),
+	event(r.Context(), rec.Tracer, "diffusion_router.hedge", attribute.String("diffusion.copy_on", copyOn.ServedBy()),
 		attribute.Bool("diffusion.copy_won", copyOn == hd.winner), attribute.Int("diffusion.copies", copies))
 	switch hd.winner {
 	case nil:
 		return err
 	case t:
-		h.metrics.hedges.WithLabelValues("cancelled").Inc()
+		run.Metrics.Hedges.WithLabelValues("cancelled").Inc()
 		return err
 	}
-	h.metrics.hedges.WithLabelValues("won").Inc()
+	run.Metrics.Hedges.WithLabelValues("won").Inc()
 	rec.dropHeld()
 	rec.status = hd.copyRec.status
 	t.AnsweredBy(hd.winner)
@@ -122,12 +120,12 @@ func (h *Handler) sendHedged(rec *recorder, r *http.Request, t *scheduler.Ticket
 // the job may run again after kept its worker for that re-run to free
 // (see send); once copies ran, frees it now: the copies may answer, or
 // use up max_attempts, and then no re-run comes.
-func (hd *hedge) finish(rec *recorder, t *scheduler.Ticket) int {
+func (hd *race) finish(rec *Recorder, t *scheduler.Ticket) int {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
 	hd.endAttempt(t)
 	if hd.copies > 0 && hd.winner != t && rec.slot.kept {
-		hd.h.pool.Leave(t, rec.slot.keptAs)
+		hd.run.Pool.Leave(t, rec.slot.keptAs)
 		rec.slot.kept = false // free now; a re-run that follows gets a worker of its own
 	}
 	for hd.running > 0 {
@@ -146,21 +144,21 @@ func (hd *hedge) finish(rec *recorder, t *scheduler.Ticket) int {
 // and may shrink meanwhile: the first jobs completed anywhere set the
 // speed of a worker that has completed none. So the race looks again at
 // least every probe timeout, the earliest a copy can ever be due.
-func (hd *hedge) wait() time.Duration {
+func (hd *race) wait() time.Duration {
 	t := hd.last
 	floor := t.Config().Health.Timeout
 	due := max(time.Duration(float64(t.Due())*t.Config().HedgeAfter), floor)
-	return min(due-time.Since(hd.lastSince), floor)
+	return min(due-hd.run.clock().Now().Sub(hd.lastSince), floor)
 }
 
 // enter enters a, the answer held for t's attempt, in the race.
-func (hd *hedge) enter(a *heldAnswer, t *scheduler.Ticket) {
+func (hd *race) enter(a *heldAnswer, t *scheduler.Ticket) {
 	a.race, a.racer = hd, t
 }
 
 // claim makes t's answer the client's unless another's already is, and
 // cancels the others.
-func (hd *hedge) claim(t *scheduler.Ticket) bool {
+func (hd *race) claim(t *scheduler.Ticket) bool {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
 	if hd.winner != nil {
@@ -194,7 +192,7 @@ func (a liveAttempt) stop() {
 
 // endAttempt forgets t, which runs no more, and ends its context if it
 // is a copy's.
-func (hd *hedge) endAttempt(t *scheduler.Ticket) {
+func (hd *race) endAttempt(t *scheduler.Ticket) {
 	hd.live = slices.DeleteFunc(hd.live, func(a liveAttempt) bool {
 		if a.t == t && a.cancel != nil {
 			a.cancel()
@@ -206,7 +204,7 @@ func (hd *hedge) endAttempt(t *scheduler.Ticket) {
 // outcome is what t's attempt says of its worker: a copy that lost the
 // race says nothing (its worker may still be computing it); an attempt a
 // copy overtook overran its prediction many times over.
-func (hd *hedge) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Outcome {
+func (hd *race) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Outcome {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
 	switch {
@@ -221,7 +219,7 @@ func (hd *hedge) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Out
 // fire launches a copy once the attempt or copy launched last is overdue,
 // if the budget has room and the pool has an idle worker for it then, and
 // otherwise looks again after a while.
-func (hd *hedge) fire() {
+func (hd *race) fire() {
 	hd.mu.Lock()
 	defer hd.mu.Unlock()
 	if hd.ended || hd.winner != nil || hd.copies >= hd.budget {
@@ -231,18 +229,18 @@ func (hd *hedge) fire() {
 		hd.timer.Reset(wait)
 		return
 	}
-	c := hd.h.pool.HedgeCopy(hd.primary)
+	c := hd.run.Pool.HedgeCopy(hd.primary)
 	if c == nil {
 		hd.timer.Reset(min(max(hd.primary.Predicted()/4, 10*time.Millisecond), time.Second))
 		return
 	}
 	ctx, cancel := hd.primary.CopyContext()
-	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, maps.Clone(hd.vars))
+	ctx = hd.run.Proxy.WithVars(ctx, maps.Clone(hd.vars))
 	hd.live = append(hd.live, liveAttempt{c, cancel})
-	hd.last, hd.lastSince = c, time.Now()
+	hd.last, hd.lastSince = c, hd.run.clock().Now()
 	hd.copies++
 	hd.running++
-	hd.h.metrics.hedges.WithLabelValues("launched").Inc()
+	hd.run.Metrics.Hedges.WithLabelValues("launched").Inc()
 	go hd.runCopy(ctx, c)
 	hd.timer.Reset(hd.wait())
 }
@@ -250,8 +248,8 @@ func (hd *hedge) fire() {
 // runCopy sends the copy c of the job to its worker. Its answer reaches
 // the client only if it wins the race. A copy that failed makes way for
 // another, on another worker, while the budget lasts.
-func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
-	rec := &recorder{ResponseWriterWrapper: hd.rec.ResponseWriterWrapper, tracer: hd.rec.tracer}
+func (hd *race) runCopy(ctx context.Context, c *scheduler.Ticket) {
+	rec := &Recorder{ResponseWriter: hd.rec.ResponseWriter, Tracer: hd.rec.Tracer}
 	defer func() {
 		v := recover() // an answer that broke off after it began
 		hd.mu.Lock()
@@ -260,7 +258,7 @@ func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
 		}
 		hd.endAttempt(c)
 		if hd.winner == nil && hd.r.Context().Err() == nil { // it failed
-			hd.h.pool.Avoid(hd.primary, c.ServedBy())
+			hd.run.Pool.Avoid(hd.primary, c.ServedBy())
 			if hd.copies < hd.budget {
 				hd.timer.Reset(0)
 			}
@@ -268,12 +266,12 @@ func (hd *hedge) runCopy(ctx context.Context, c *scheduler.Ticket) {
 		hd.running--
 		hd.copyOver.Broadcast()
 		hd.mu.Unlock()
-		hd.h.pool.EndHedge()
+		hd.run.Pool.EndHedge()
 	}()
 	// A copy's failure is no answer, and never runs the job again: the
 	// attempt goes on.
-	hd.enter(rec.hold(judge{h: hd.h, t: c, copy: true}, false), c)
+	hd.enter(rec.hold(judge{run: hd.run, t: c, copy: true}, false), c)
 	r := hd.r.WithContext(ctx) // reverse_proxy copies what it changes of a request
 	r.Body = io.NopCloser(bytes.NewReader(c.Body))
-	hd.h.send(rec, r, ctx, c, hd.next, hd)
+	hd.run.send(rec, r, ctx, c, hd.next, hd)
 }

@@ -1,0 +1,137 @@
+package attempt
+
+import (
+	"errors"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+)
+
+// A job its worker answers 502 runs again on another worker; the client
+// gets that worker's answer alone, and neither worker stays claimed.
+func TestABadGatewayRunsTheJobAgainElsewhere(t *testing.T) {
+	f := newFleet(t, 2)
+	j := f.job("bad-gateway")
+	first := j.t.ServedBy()
+	f.serve(first, answers(http.StatusBadGateway, `{"error":"upstream"}`))
+	f.serve(f.other(first), answers(http.StatusOK, imageAnswer))
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	if j.t.ServedBy() == first || j.t.Attempts != 2 {
+		t.Fatalf("served by %s in %d attempts; want the other worker, in 2", j.t.ServedBy(), j.t.Attempts)
+	}
+	expectCount(t, f.run.Metrics.Reruns, "status", 1)
+	f.expectIdle()
+}
+
+// A 2xx answer that breaks off while it is held reached no client: the
+// job runs again, and the worker that broke it is counted as failed.
+func TestAnAnswerCutShortRunsAgain(t *testing.T) {
+	f := newFleet(t, 2)
+	j := f.job("cut-short")
+	first := j.t.ServedBy()
+	f.serve(first, func(w http.ResponseWriter, _ *http.Request) error {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(len(imageAnswer)))
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write([]byte(imageAnswer[:10]))
+		panic(http.ErrAbortHandler) // as reverse_proxy aborts an answer that broke off
+	})
+	f.serve(f.other(first), answers(http.StatusOK, imageAnswer))
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	expectCount(t, f.run.Metrics.Reruns, "cut_short", 1)
+	expectCount(t, f.run.Metrics.Broken, "held", 1)
+	if info, _ := f.pool.Worker(first); info.Failures != 1 {
+		t.Fatalf("the worker that broke its answer has %d failures; want 1", info.Failures)
+	}
+	f.expectIdle()
+}
+
+// An answer held back that stops coming ends its attempt once the clock
+// passes the stall bound, and the job runs on another worker.
+func TestAStalledAnswerRunsAgainElsewhere(t *testing.T) {
+	f := newFleet(t, 2)
+	j := f.job("stalled")
+	first := j.t.ServedBy()
+	wrote := make(chan struct{})
+	f.serve(first, func(w http.ResponseWriter, r *http.Request) error {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write([]byte(imageAnswer[:10]))
+		close(wrote)
+		<-r.Context().Done()
+		return r.Context().Err()
+	})
+	f.serve(f.other(first), answers(http.StatusOK, imageAnswer))
+	go func() {
+		<-wrote
+		f.clock.Advance(f.run.StallTimeout)
+	}()
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	expectCount(t, f.run.Metrics.Reruns, "stalled", 1)
+	f.expectIdle()
+}
+
+// A job that every worker answers asleep ends with ErrAsleep and nothing
+// written, for the caller to answer 503.
+func TestAJobEveryWorkerSleepsThroughEndsAsleep(t *testing.T) {
+	f := newFleet(t, 2)
+	j := f.job("asleep")
+	for _, u := range f.urls {
+		f.serve(u, answers(http.StatusInternalServerError, `{"message":"`+string(asleepMessage)+`"}`))
+	}
+
+	if err := f.runJob(j); !errors.Is(err, scheduler.ErrAsleep) || j.rec.Status() != 0 {
+		t.Fatalf("Run: %v with %d written; want ErrAsleep and nothing", err, j.rec.Status())
+	}
+	f.expectIdle()
+}
+
+// A job whose first worker could not be reached runs on another; one
+// whose every attempt fails so ends with the proxy's error, nothing
+// written, after max_attempts workers.
+func TestUnreachableWorkersUseUpMaxAttempts(t *testing.T) {
+	f := newFleet(t, 3)
+	j := f.job("unreachable")
+	for _, u := range f.urls {
+		f.serve(u, func(http.ResponseWriter, *http.Request) error { return errDial })
+	}
+
+	if err := f.runJob(j); !errors.Is(err, errDial) || j.rec.Status() != 0 {
+		t.Fatalf("Run: %v with %d written; want the dial error and nothing", err, j.rec.Status())
+	}
+	if j.t.Attempts != f.cfg.MaxAttempts {
+		t.Fatalf("%d attempts; want max_attempts, %d", j.t.Attempts, f.cfg.MaxAttempts)
+	}
+	f.expectIdle()
+}
+
+// An attempt that outlives upstream_timeout ends with ErrUpstreamTimeout,
+// which runs no job again: the next worker would take as long.
+func TestUpstreamTimeoutEndsTheJob(t *testing.T) {
+	f := newFleet(t, 2)
+	f.run.UpstreamTimeout = time.Millisecond
+	j := f.job("timeout")
+	for _, u := range f.urls {
+		f.serve(u, hangs(nil))
+	}
+
+	if err := f.runJob(j); !errors.Is(err, ErrUpstreamTimeout) || j.t.Attempts != 1 {
+		t.Fatalf("Run: %v after %d attempts; want ErrUpstreamTimeout after 1", err, j.t.Attempts)
+	}
+	f.expectIdle()
+}

@@ -1,0 +1,200 @@
+package attempt
+
+import (
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
+	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+)
+
+// hedged is a fleet of n workers whose jobs get a copy once they overrun
+// twice their prediction.
+func hedged(t *testing.T, n int) *testFleet {
+	f := newFleet(t, n)
+	f.cfg.HedgeAfter = 2
+	return f
+}
+
+// overrun moves the clock past any job's prediction once entered is
+// closed: the job's attempt is on its worker.
+func (f *testFleet) overrun(entered chan struct{}) {
+	go func() {
+		<-entered
+		f.clock.Advance(time.Hour)
+	}()
+}
+
+// A hung attempt gets a copy on the idle worker once it overruns; the
+// copy's answer is the client's, the attempt ends, and the copy's worker
+// goes free.
+func TestAHungAttemptIsOvertakenByACopy(t *testing.T) {
+	f := hedged(t, 2)
+	j := f.job("hung")
+	first := j.t.ServedBy()
+	entered := make(chan struct{})
+	f.serve(first, hangs(entered))
+	f.serve(f.other(first), answers(http.StatusOK, imageAnswer))
+	f.overrun(entered)
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	if j.t.ServedBy() != f.other(first) {
+		t.Fatalf("answered by %s; want the copy's worker", j.t.ServedBy())
+	}
+	expectCount(t, f.run.Metrics.Hedges, "launched", 1)
+	expectCount(t, f.run.Metrics.Hedges, "won", 1)
+	if info, _ := f.pool.Worker(f.other(first)); info.Inflight != 0 {
+		t.Fatalf("the copy's worker holds %d jobs; want 0", info.Inflight)
+	}
+}
+
+// failsOnceCopied is a worker whose attempt fails with a 502 as its copy
+// runs: it waits until the copy began, and lets the copy go on as it
+// answers. entered is closed as its job arrives.
+func failsOnceCopied(entered, copied, failing chan struct{}) worker {
+	return func(w http.ResponseWriter, r *http.Request) error {
+		close(entered)
+		<-copied
+		close(failing)
+		return answers(http.StatusBadGateway, `{"error":"upstream"}`)(w, r)
+	}
+}
+
+// An attempt that fails as its copy answers, in either order, leaves no
+// worker claimed: the attempt kept its worker for a re-run that the
+// copy's win makes needless, and that worker must go free all the same.
+// The client gets the copy's answer.
+func TestACopyWinningAsTheAttemptFailsFreesEveryWorker(t *testing.T) {
+	for range 20 {
+		f := hedged(t, 2)
+		j := f.job("copy-wins")
+		first := j.t.ServedBy()
+		entered, copied, failing := make(chan struct{}), make(chan struct{}), make(chan struct{})
+		f.serve(first, failsOnceCopied(entered, copied, failing))
+		f.serve(f.other(first), func(w http.ResponseWriter, r *http.Request) error {
+			close(copied)
+			<-failing
+			return answers(http.StatusOK, imageAnswer)(w, r)
+		})
+		f.overrun(entered)
+
+		if err := f.runJob(j); err != nil {
+			t.Fatal(err)
+		}
+		expectAnswer(t, j, http.StatusOK, imageAnswer)
+		expectCount(t, f.run.Metrics.Reruns, "status", 0) // the copy answered
+		f.expectIdle()
+	}
+}
+
+// A client that leaves after the attempt failed, while its copy still
+// runs, frees the worker the attempt kept for a re-run: no re-run comes.
+func TestAClientLeavingWhileTheCopyRunsFreesTheAttemptsWorker(t *testing.T) {
+	f := hedged(t, 2)
+	j := f.job("client-leaves")
+	first := j.t.ServedBy()
+	entered, copied, failing := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	f.serve(first, failsOnceCopied(entered, copied, failing))
+	copyDone := make(chan struct{})
+	f.serve(f.other(first), func(w http.ResponseWriter, r *http.Request) error {
+		defer close(copyDone)
+		close(copied)
+		<-r.Context().Done()
+		return r.Context().Err()
+	})
+	f.overrun(entered)
+	go func() {
+		<-failing
+		eventually(t, "the failed attempt's worker is free while its copy runs", func() bool {
+			info, _ := f.pool.Worker(first)
+			return info.Inflight == 0
+		})
+		j.leave()
+	}()
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	<-copyDone
+	expectCount(t, f.run.Metrics.Reruns, "status", 0) // its client left
+	if info, _ := f.pool.Worker(first); info.Inflight != 0 {
+		t.Fatalf("the failed attempt's worker holds %d jobs; want 0", info.Inflight)
+	}
+}
+
+// An abort that comes once a copy's answer won, while that answer still
+// streams to the client, ends nothing: the job has its answer, and the
+// client gets it whole.
+func TestAnAbortAfterACopyWonLetsItsAnswerEnd(t *testing.T) {
+	f := hedged(t, 2)
+	f.run.Budget = answer.NewBudget(-1, 0) // answers stream: the copy wins as its answer begins
+	j := f.job("abort-after-win")
+	first := j.t.ServedBy()
+	entered, won, aborted := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	f.serve(first, hangs(entered))
+	f.serve(f.other(first), func(w http.ResponseWriter, _ *http.Request) error {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write([]byte(imageAnswer[:10]))
+		close(won)
+		<-aborted
+		_, err := w.Write([]byte(imageAnswer[10:]))
+		return err
+	})
+	f.overrun(entered)
+	go func() {
+		<-won
+		f.pool.Abort(scheduler.Abort{RID: "abort-after-win", By: "test"})
+		close(aborted)
+	}()
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	if cause := j.t.Cancelled(); cause != nil {
+		t.Fatalf("the job answered by its copy reads as cancelled: %v", cause)
+	}
+	if info, _ := f.pool.Worker(f.other(first)); info.Inflight != 0 {
+		t.Fatalf("the copy's worker holds %d jobs; want 0", info.Inflight)
+	}
+}
+
+// A copy that fails is followed by another on a worker that has not
+// failed the job, while max_attempts leaves room; the client gets the
+// answer of the one that answers.
+func TestAFailedCopyIsFollowedByAnother(t *testing.T) {
+	f := hedged(t, 3)
+	f.cfg.MaxAttempts = 4
+	j := f.job("copy-fails")
+	first := j.t.ServedBy()
+	entered, copyFailing := make(chan struct{}), make(chan struct{})
+	f.serve(first, hangs(entered))
+	var once sync.Once
+	for _, u := range f.urls {
+		if u != first {
+			f.serve(u, func(w http.ResponseWriter, r *http.Request) error {
+				failing := false
+				once.Do(func() { failing = true })
+				if failing {
+					defer close(copyFailing)
+					return answers(http.StatusBadGateway, `{"error":"upstream"}`)(w, r)
+				}
+				return answers(http.StatusOK, imageAnswer)(w, r)
+			})
+		}
+	}
+	f.overrun(entered)
+	f.overrun(copyFailing) // the next copy is due once the one that failed launched
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	expectCount(t, f.run.Metrics.Hedges, "launched", 2) // the failed copy and the next
+}

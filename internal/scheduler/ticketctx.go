@@ -1,0 +1,18 @@
+package scheduler
+
+import "context"
+
+type ticketKey struct{}
+
+// WithTicket carries t in ctx through the proxy that sends its attempt,
+// whose request clone keeps the context, to the transport and the
+// upstream selection that read it.
+func WithTicket(ctx context.Context, t *Ticket) context.Context {
+	return context.WithValue(ctx, ticketKey{}, t)
+}
+
+// TicketFrom is the ticket ctx carries, or nil.
+func TicketFrom(ctx context.Context) *Ticket {
+	t, _ := ctx.Value(ticketKey{}).(*Ticket)
+	return t
+}
