@@ -17,22 +17,22 @@ import (
 // root package imports, so that the scheduler and a router without
 // `ha etcd` carry no etcd code path.
 func TestCoreIsFreeOfCaddy(t *testing.T) {
-	pkgs, err := exec.Command("go", "list", "./internal/...").Output()
+	// One go list for every package, its tests and their dependencies:
+	// a line per package, test package and test binary.
+	out, err := goList("-test", "-f", `{{.ImportPath}}: {{join .Deps " "}}`, "./internal/...")
 	if err != nil {
 		t.Fatalf("go list: %v", err)
 	}
 	checked := 0
-	for _, pkg := range strings.Fields(string(pkgs)) {
-		if strings.Contains(pkg+"/", "/internal/testrouter/") {
+	for line := range strings.Lines(string(out)) {
+		name, deps, _ := strings.Cut(line, ": ")
+		pkg := corePackage(name)
+		if strings.HasSuffix(pkg, "/internal/testrouter") {
 			continue
 		}
-		deps, err := exec.Command("go", "list", "-deps", "-test", "-f", "{{.ImportPath}}", pkg).Output()
-		if err != nil {
-			t.Fatalf("go list %s: %v", pkg, err)
-		}
-		for _, dep := range strings.Fields(string(deps)) {
+		for dep := range strings.FieldsSeq(deps) {
 			if strings.HasPrefix(dep, "github.com/caddyserver/") || !isHA(pkg) && reachesEtcd(dep) {
-				t.Errorf("%s depends on %s", pkg, dep)
+				t.Errorf("%s depends on %s", name, dep)
 				break
 			}
 		}
@@ -41,6 +41,25 @@ func TestCoreIsFreeOfCaddy(t *testing.T) {
 	if checked == 0 {
 		t.Fatal("no package under internal/ was checked")
 	}
+}
+
+// corePackage is the package a line of go list -test names: itself, or
+// the package whose test package or test binary it is.
+func corePackage(name string) string {
+	pkg, _, _ := strings.Cut(name, " ") // "p [p.test]": p as its tests build it
+	pkg = strings.TrimSuffix(pkg, ".test")
+	return strings.TrimSuffix(pkg, "_test")
+}
+
+// startEnv is the environment the test binary started with, before its
+// TestMain moved HOME, through which the go command finds its module cache.
+var startEnv = os.Environ()
+
+// goList runs go list with args.
+func goList(args ...string) ([]byte, error) {
+	cmd := exec.Command("go", append([]string{"list"}, args...)...)
+	cmd.Env = startEnv
+	return cmd.Output()
 }
 
 const haPkg = "github.com/miles-rollout/miles-diffusion-router/internal/ha"
@@ -54,7 +73,7 @@ func reachesEtcd(dep string) bool {
 // TestNothingImportsTheExamples keeps examples/ what a user copies: code
 // the router, its tests or its tools need lives under internal/ or cmd/.
 func TestNothingImportsTheExamples(t *testing.T) {
-	out, err := exec.Command("go", "list", "-f", `{{.ImportPath}}: {{join .Imports " "}} {{join .TestImports " "}} {{join .XTestImports " "}}`, "./...").Output()
+	out, err := goList("-f", `{{.ImportPath}}: {{join .Imports " "}} {{join .TestImports " "}} {{join .XTestImports " "}}`, "./...")
 	if err != nil {
 		t.Fatalf("go list: %v", err)
 	}
