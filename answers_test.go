@@ -9,7 +9,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/msgpack"
@@ -144,45 +143,6 @@ func TestHTMLPageIsNoAnswer(t *testing.T) {
 			}
 		})
 	}
-}
-
-// TestStalledAnswerNeverRunsAgainOnItsWorker: a worker that sent the
-// header and half its answer, then nothing, held its client for minutes
-// while it got the job again and again. An answer held back that stalls
-// for answer_stall_timeout fails its attempt, and the job never goes back
-// to that worker: it runs on another, or the client gets a 504.
-func TestStalledAnswerNeverRunsAgainOnItsWorker(t *testing.T) {
-	const bound = "1s"
-	t.Run("alone", func(t *testing.T) {
-		ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "stalls", StallRate: 1})
-		r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n answer_stall_timeout "+bound+"\n max_fails 100\n}")
-		began := time.Now()
-		a := post(t, r, imageJob)
-		rp := testrouter.Reply{Status: a.status, Body: a.body}
-		testrouter.ExpectStatus(t, "a job whose only worker stalls", rp, http.StatusGatewayTimeout)
-		if msg := rp.ErrorText(t); !strings.Contains(msg, "stalled") {
-			t.Fatalf("error %q does not say the answer stalled", msg)
-		}
-		if took := time.Since(began); took > 20*time.Second {
-			t.Errorf("the client waited %s for a worker that stalls within %s", took, bound)
-		}
-		if n := ws[0].Stats().Broken; n != 1 {
-			t.Errorf("the stalling worker got the job %d times; want once", n)
-		}
-	})
-	t.Run("beside a good worker", func(t *testing.T) {
-		ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "stalls", StallRate: 1}, fakeworker.Config{Name: "good"})
-		r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n answer_stall_timeout "+bound+"\n max_fails 100\n}")
-		for i := range 4 {
-			a := post(t, r, imageJob)
-			if a.status != http.StatusOK || a.worker != "good" || imageJob.decode(a.body) != nil {
-				t.Fatalf("job %d: status %d from %q; want a whole answer from the good worker", i, a.status, a.worker)
-			}
-		}
-		if n := ws[0].Stats().Broken; n == 0 || n > 4 {
-			t.Errorf("the stalling worker got %d of the 4 jobs; want at least one, and none twice", n)
-		}
-	})
 }
 
 func TestBrokenVideoJobAnswerDoesNotRunAgain(t *testing.T) {

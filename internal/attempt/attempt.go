@@ -139,8 +139,9 @@ var ErrUpstreamTimeout = errors.New("worker did not answer within upstream_timeo
 // one the client gets. It returns an error with nothing written to rec
 // (rec.Status() is 0) for the caller to answer with: the proxy's, or
 // scheduler.ErrAsleep when every worker that could run the job again is
-// asleep. A job cancelled meanwhile returns no error and gets no answer
-// here: the caller answers with its cause.
+// asleep. A job cancelled meanwhile gets no answer here, whatever error
+// its attempt ended with: the caller answers with its cause
+// (t.Cancelled()).
 func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next Next) error {
 	for {
 		var j judge // the zero judge: every answer is the client's

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net/http"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -64,14 +65,7 @@ func TestAStalledAnswerRunsAgainElsewhere(t *testing.T) {
 	j := f.job("stalled")
 	first := j.t.ServedBy()
 	wrote := make(chan struct{})
-	f.serve(first, func(w http.ResponseWriter, r *http.Request) error {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(http.StatusOK)
-		_, _ = w.Write([]byte(imageAnswer[:10]))
-		close(wrote)
-		<-r.Context().Done()
-		return r.Context().Err()
-	})
+	f.serve(first, stalls(wrote))
 	f.serve(f.other(first), answers(http.StatusOK, imageAnswer))
 	go func() {
 		<-wrote
@@ -83,6 +77,27 @@ func TestAStalledAnswerRunsAgainElsewhere(t *testing.T) {
 	}
 	expectAnswer(t, j, http.StatusOK, imageAnswer)
 	expectCount(t, f.run.Metrics.Reruns, "stalled", 1)
+	f.expectIdle()
+}
+
+// A job whose only worker stalls gets a 504 that says so: it never goes
+// back to the worker that stalled.
+func TestAStalledAnswerWithNoOtherWorkerIsA504(t *testing.T) {
+	f := newFleet(t, 1)
+	j := f.job("stalled-alone")
+	wrote := make(chan struct{})
+	f.serve(j.t.ServedBy(), stalls(wrote))
+	go func() {
+		<-wrote
+		f.clock.Advance(f.run.StallTimeout)
+	}()
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	if j.client.Code != http.StatusGatewayTimeout || !strings.Contains(j.client.Body.String(), "stalled") || j.t.Attempts != 1 {
+		t.Fatalf("client got %d %s after %d attempts; want a 504 that says the answer stalled, after 1", j.client.Code, j.client.Body, j.t.Attempts)
+	}
 	f.expectIdle()
 }
 

@@ -51,10 +51,7 @@ func newFleet(t *testing.T, n int) *testFleet {
 	for i := range n {
 		f.urls = append(f.urls, "http://10.0.0."+strconv.Itoa(i+1)+":30000")
 	}
-	f.pool.Declare(f.urls)
-	for _, u := range f.urls {
-		f.pool.SetCapabilities(u, []string{"T2I"}, "fake/model")
-	}
+	f.join(f.urls...)
 	f.cfg = scheduler.Config{Strategy: scheduler.LeastWork{}, MaxAttempts: 3, MaxQueue: 100,
 		Health: &scheduler.HealthConfig{Timeout: time.Second, StallFactor: 5, MaxFails: 100, FailWindow: time.Minute, EjectTime: time.Minute, MaxEjectTime: time.Minute}}
 	f.run = &Runner{
@@ -65,6 +62,14 @@ func newFleet(t *testing.T, n int) *testFleet {
 		Logger:  zap.NewNop(), Clock: f.clock,
 	}
 	return f
+}
+
+// join has the workers at urls join the pool, ready to serve.
+func (f *testFleet) join(urls ...string) {
+	f.pool.Declare(urls)
+	for _, u := range urls {
+		f.pool.SetCapabilities(u, []string{"T2I"}, "fake/model")
+	}
 }
 
 func counters(label string) *prometheus.CounterVec {
@@ -194,6 +199,19 @@ func hangs(entered chan struct{}) worker {
 		if entered != nil {
 			close(entered)
 		}
+		<-r.Context().Done()
+		return r.Context().Err()
+	}
+}
+
+// stalls is a worker whose 200 stops after its first bytes; wrote is
+// closed once they went out.
+func stalls(wrote chan struct{}) worker {
+	return func(w http.ResponseWriter, r *http.Request) error {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write([]byte(imageAnswer[:10]))
+		close(wrote)
 		<-r.Context().Done()
 		return r.Context().Err()
 	}

@@ -2,7 +2,6 @@ package attempt
 
 import (
 	"net/http"
-	"sync"
 	"testing"
 	"time"
 
@@ -23,6 +22,16 @@ func hedged(t *testing.T, n int) *testFleet {
 func (f *testFleet) overrun(entered chan struct{}) {
 	go func() {
 		<-entered
+		f.clock.Advance(time.Hour)
+	}()
+}
+
+// joinOnce has the worker at url join once ready is closed, and moves
+// the clock past the due time of the job's next copy.
+func (f *testFleet) joinOnce(ready chan struct{}, url string) {
+	go func() {
+		<-ready
+		f.join(url)
 		f.clock.Advance(time.Hour)
 	}()
 }
@@ -165,36 +174,83 @@ func TestAnAbortAfterACopyWonLetsItsAnswerEnd(t *testing.T) {
 	}
 }
 
-// A copy that fails is followed by another on a worker that has not
-// failed the job, while max_attempts leaves room; the client gets the
-// answer of the one that answers.
+// A copy that fails leaves the job on the worker it was to overtake,
+// which may hang for good: the job gets another copy, on a worker that
+// has not failed it, while max_attempts leaves room. Here the only other
+// worker fails the first copy, and the second goes to a worker that
+// joined meanwhile.
 func TestAFailedCopyIsFollowedByAnother(t *testing.T) {
-	f := hedged(t, 3)
-	f.cfg.MaxAttempts = 4
+	f := hedged(t, 2)
 	j := f.job("copy-fails")
-	first := j.t.ServedBy()
-	entered, copyFailing := make(chan struct{}), make(chan struct{})
-	f.serve(first, hangs(entered))
-	var once sync.Once
-	for _, u := range f.urls {
-		if u != first {
-			f.serve(u, func(w http.ResponseWriter, r *http.Request) error {
-				failing := false
-				once.Do(func() { failing = true })
-				if failing {
-					defer close(copyFailing)
-					return answers(http.StatusBadGateway, `{"error":"upstream"}`)(w, r)
-				}
-				return answers(http.StatusOK, imageAnswer)(w, r)
-			})
-		}
-	}
+	hung := j.t.ServedBy()
+	failing, good := f.other(hung), "http://10.0.0.9:30000"
+	entered, failed := make(chan struct{}), make(chan struct{})
+	f.serve(hung, hangs(entered))
+	copies := 0
+	f.serve(failing, func(w http.ResponseWriter, r *http.Request) error {
+		copies++
+		defer close(failed)
+		return answers(http.StatusBadGateway, `{"error":"upstream"}`)(w, r)
+	})
+	f.serve(good, answers(http.StatusOK, imageAnswer))
 	f.overrun(entered)
-	f.overrun(copyFailing) // the next copy is due once the one that failed launched
+	f.joinOnce(failed, good)
 
 	if err := f.runJob(j); err != nil {
 		t.Fatal(err)
 	}
 	expectAnswer(t, j, http.StatusOK, imageAnswer)
-	expectCount(t, f.run.Metrics.Hedges, "launched", 2) // the failed copy and the next
+	if j.t.ServedBy() != good || copies != 1 {
+		t.Fatalf("answered by %s, the failing worker ran %d copies; want the good worker, and 1", j.t.ServedBy(), copies)
+	}
+	expectCount(t, f.run.Metrics.Hedges, "launched", 2)
+}
+
+// A copy that hangs in its turn gets a copy of its own while max_attempts
+// leaves room: here the job's worker and its first copy's never answer,
+// and the second copy goes to a worker that joined meanwhile.
+func TestACopyThatHangsGetsACopyOfItsOwn(t *testing.T) {
+	f := hedged(t, 2)
+	j := f.job("copy-hangs")
+	hung := j.t.ServedBy()
+	hungToo, good := f.other(hung), "http://10.0.0.9:30000"
+	entered, copied := make(chan struct{}), make(chan struct{})
+	f.serve(hung, hangs(entered))
+	f.serve(hungToo, hangs(copied))
+	f.serve(good, answers(http.StatusOK, imageAnswer))
+	f.overrun(entered)
+	f.joinOnce(copied, good)
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	if j.t.ServedBy() != good {
+		t.Fatalf("answered by %s; want the worker that joined", j.t.ServedBy())
+	}
+}
+
+// Aborting a job ends its copies too: here the job's worker and its
+// copy's both hang, and the job ends at the abort, its cause the abort's,
+// rather than waiting for a copy that never ends.
+func TestAbortEndsTheCopiesOfAJob(t *testing.T) {
+	f := hedged(t, 2)
+	j := f.job("abort-copies")
+	hung := j.t.ServedBy()
+	entered, copied := make(chan struct{}), make(chan struct{})
+	f.serve(hung, hangs(entered))
+	f.serve(f.other(hung), hangs(copied))
+	f.overrun(entered)
+	go func() {
+		<-copied
+		f.pool.Abort(scheduler.Abort{RID: "abort-copies", By: "test"})
+	}()
+
+	_ = f.runJob(j) // the attempt ended with its context's error
+	if j.rec.Status() != 0 {
+		t.Fatalf("%d written; want nothing, for the caller to answer with the abort", j.rec.Status())
+	}
+	if _, aborted := j.t.Cancelled().(*scheduler.AbortedError); !aborted {
+		t.Fatalf("the job's cause: %v; want the abort", j.t.Cancelled())
+	}
 }
