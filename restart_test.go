@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -24,22 +25,32 @@ import (
 // TestMain moved HOME: the go command finds its build cache through it.
 var buildEnv = os.Environ()
 
-// buildCaddy builds the repository's Caddy (cmd/caddy) into a folder of
-// the test's own; with the build cache warm it takes seconds.
+// buildCaddy returns the repository's Caddy (cmd/caddy), built once for
+// all the tests of this binary: linking it takes seconds each time, even
+// with the build cache warm.
 func buildCaddy(t *testing.T) string {
 	t.Helper()
-	goTool, err := exec.LookPath("go")
-	if err != nil {
+	if _, err := exec.LookPath("go"); err != nil {
 		t.Skip("no go command to build Caddy with")
 	}
-	bin := filepath.Join(t.TempDir(), "caddy")
-	cmd := exec.Command(goTool, "build", "-buildvcs=false", "-o", bin, "./cmd/caddy")
-	cmd.Env = buildEnv
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/caddy: %v\n%s", err, out)
+	bin, err := builtCaddy()
+	if err != nil {
+		t.Fatal(err)
 	}
 	return bin
 }
+
+// builtCaddy builds Caddy into the home TestMain made for the tests,
+// which it removes when they end.
+var builtCaddy = sync.OnceValues(func() (string, error) {
+	bin := filepath.Join(os.Getenv("HOME"), "caddy")
+	cmd := exec.Command("go", "build", "-buildvcs=false", "-o", bin, "./cmd/caddy")
+	cmd.Env = buildEnv
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build ./cmd/caddy: %w\n%s", err, out)
+	}
+	return bin, nil
+})
 
 // caddyProcess is the built Caddy running as a process of its own.
 type caddyProcess struct {
