@@ -1,6 +1,7 @@
 package diffusionrouter_test
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -540,21 +541,22 @@ func TestBadCostFieldsAreRefusedBeforeAnyWorker(t *testing.T) {
 func TestFullQueueAnswers429(t *testing.T) {
 	// One worker busy for 4 s; one job may wait; the third is refused.
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w", UnitMs: 1000})
-	// The worker is closed at the end: the job still waiting then gives up
-	// after queue_timeout rather than the client's timeout.
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_queue 1\n queue_timeout 10s\n}")
 	slow := `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":4}`
 	running := busyWith(t, r, ws[0].URL(), slow)
-	var wg sync.WaitGroup
-	wg.Go(func() { r.Post("/v1/images/generations", slow) })
+	ctx, leave := context.WithCancel(t.Context())
+	waiting := postJob(ctx, r, "/v1/images/generations", slow, "")
 	testrouter.WaitFor(t, func() bool { return r.Get("/health").JSON(t)["queued_requests"] == 1.0 })
 	rp := r.Post("/v1/images/generations", smallImage)
 	testrouter.ExpectStatus(t, "third job", rp, 429)
 	if !strings.Contains(rp.ErrorText(t), "max_queue") || rp.Header.Get("Retry-After") == "" {
 		t.Fatalf("429 answer: %s %v", rp.Body, rp.Header)
 	}
-	ws[0].Close() // end the test without waiting 8 s for the jobs
-	wg.Wait()
+	// End the test without waiting 8 s for the jobs: the waiting job's
+	// client leaves the queue, and the running one's worker closes.
+	leave()
+	ws[0].Close()
+	<-waiting
 	<-running
 }
 
