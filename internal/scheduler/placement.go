@@ -112,7 +112,9 @@ const placementTick = time.Second
 
 // tickPlacement runs placement once a tick while the pool lives.
 func (p *Pool) tickPlacement(ctx context.Context) {
-	tick := time.NewTicker(placementTick)
+	p.mu.Lock()
+	tick := time.NewTimer(p.placementTickLocked())
+	p.mu.Unlock()
 	defer tick.Stop()
 	for {
 		select {
@@ -123,9 +125,20 @@ func (p *Pool) tickPlacement(ctx context.Context) {
 			if p.placement.on {
 				p.dispatchLocked()
 			}
+			tick.Reset(p.placementTickLocked())
 			p.mu.Unlock()
 		}
 	}
+}
+
+// placementTickLocked is how long placement waits before it looks again:
+// a tick, or adapter_retry when that is shorter, so that a failed LoRA
+// call is tried again when its retry is due rather than at the next tick.
+func (p *Pool) placementTickLocked() time.Duration {
+	if r := p.placement.cfg.Retry; r > 0 && r < placementTick {
+		return r
+	}
+	return placementTick
 }
 
 // placeLocked runs a pass of placement: it starts the calls workers are
