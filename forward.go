@@ -27,21 +27,19 @@ import (
 // as it came.
 var errRequestID = fmt.Errorf("%s must be at most %d printable ASCII characters", request.IDHeader, request.MaxID)
 
-// requestID returns r's id, the client's or one the router makes when the
-// client sent none, as the header value that holds it in r. The answer
-// echoes that value as it is: one allocation per job fewer, and its
-// capacity of one lets nothing added to one header reach the other's.
-func requestID(r *http.Request) ([]string, error) {
+// requestID returns r's id: the client's, or one the router makes when
+// the client sent none.
+func requestID(r *http.Request) (string, error) {
 	id := r.Header.Get(request.IDHeader)
 	if id == "" {
-		ids := []string{strconv.FormatUint(rand.Uint64()|1<<63, 16)} // 16 hex digits
-		r.Header[request.IDHeader] = ids
-		return ids, nil
+		id = strconv.FormatUint(rand.Uint64()|1<<63, 16) // 16 hex digits
+		r.Header.Set(request.IDHeader, id)
+		return id, nil
 	}
 	if !request.ValidID(id) {
-		return nil, errRequestID
+		return "", errRequestID
 	}
-	return r.Header[request.IDHeader][:1:1], nil
+	return id, nil
 }
 
 // forward proxies a request to a worker through next. It first gets the
@@ -49,12 +47,11 @@ func requestID(r *http.Request) ([]string, error) {
 // for one); its attempts then run (see internal/attempt).
 func (h *Handler) forward(rec *attempt.Recorder, r *http.Request, route request.Route, next caddyhttp.Handler) error {
 	arrived := time.Now()
-	ids, err := requestID(r)
+	id, err := requestID(r)
 	if err != nil {
 		return control.WriteError(rec, http.StatusBadRequest, err.Error())
 	}
-	rec.Header()[request.IDHeader] = ids
-	id := ids[0]
+	rec.Header().Set(request.IDHeader, id)
 	rec.Tracer = tracerOf(r)
 	t, r, status, msg := h.admit(rec, r, route)
 	if status != 0 {
@@ -103,7 +100,7 @@ func (h *Handler) admit(rec *attempt.Recorder, r *http.Request, route request.Ro
 		return nil, r, status, msg
 	}
 	if t.Job {
-		r = r.WithContext(scheduler.WithTicket(t.WithCancel(r.Context()), t))
+		r = r.WithContext(t.WithCancel(r.Context()))
 		t.RID = r.Header.Get(request.IDHeader)
 		if err := h.pool.Track(t); err != nil {
 			return nil, r, http.StatusConflict, err.Error()
@@ -370,7 +367,7 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err err
 		status, msg := queueError(h.pool, t, err)
 		return control.WriteError(w, status, msg)
 	case errors.Is(err, attempt.ErrUpstreamTimeout):
-		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("%v (%s)", attempt.ErrUpstreamTimeout, time.Duration(h.UpstreamTimeout))
+		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("%v (%s)", attempt.ErrUpstreamTimeout, h.attempts.UpstreamTimeout)
 	case request.OverMaxBody(err):
 		w.Header().Set("Connection", "close") // the rest of the body stays unread
 		status, msg = http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)

@@ -56,12 +56,15 @@ func (k jobKinds) Learn(r *http.Request, t *scheduler.Ticket, answer []byte) boo
 		return k.rememberImage(firstEventData(answer), t)
 	case learnMade:
 		return k.rememberImage(answer, t)
+	case learnDeleted:
+		status, ok := leadingString(answer, "status")
+		if status == "deleted" { // not "cancelling": a stream still running is still there
+			k.pool.Images().Forget(t.Route.JobID)
+		}
+		return ok
 	}
-	status, ok := leadingString(answer, "status")
-	if status == "deleted" { // not "cancelling": a stream still running is still there
-		k.pool.Images().Forget(t.Route.JobID)
-	}
-	return ok
+	return true // nothing to learn
+
 }
 
 // rememberImage remembers the image job that answer, a JSON object, names

@@ -39,7 +39,8 @@ type Next interface {
 }
 
 // Pool is the pool as a job's attempts use it: re-runs, hedged copies,
-// and the release of a worker with what its attempt says of it.
+// and the release of a worker with what its attempt says of it. Each
+// method is the scheduler.Pool method of its name.
 type Pool interface {
 	Retry(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
 	RetryElsewhere(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
@@ -111,8 +112,11 @@ type Metrics struct {
 
 // Runner runs the attempts of one handler's jobs, by its rules.
 type Runner struct {
-	Pool  Pool
+	// Pool is the pool whose workers the attempts run on.
+	Pool Pool
+	// Proxy says what the proxy's errors mean, and forks its variables.
 	Proxy Proxy
+	// Kinds read what the jobs of each kind learn from their answers.
 	Kinds Kinds
 	// Budget bounds the 2xx answers held whole until they are checked.
 	Budget *answer.Budget
@@ -122,8 +126,10 @@ type Runner struct {
 	UpstreamTimeout time.Duration
 	// RetryOn lists the statuses, besides 5xx, that run a job again.
 	RetryOn []int
+	// Metrics count re-runs, broken and streamed answers, and hedges.
 	Metrics Metrics
-	Logger  *zap.Logger
+	// Logger logs re-runs, answers cut short and ejections.
+	Logger *zap.Logger
 	// Clock runs the timers of hedges and stall watches; nil: the wall
 	// clock.
 	Clock Clock
@@ -136,12 +142,13 @@ var ErrUpstreamTimeout = errors.New("worker did not answer within upstream_timeo
 // Run sends r, whose ticket t holds a worker, through next, and to other
 // workers in turn while the answers are ones the job may run again
 // after, keeping each answer from the client until it is known to be the
-// one the client gets. It returns an error with nothing written to rec
-// (rec.Status() is 0) for the caller to answer with: the proxy's, or
-// scheduler.ErrAsleep when every worker that could run the job again is
-// asleep. A job cancelled meanwhile gets no answer here, whatever error
-// its attempt ended with: the caller answers with its cause
-// (t.Cancelled()).
+// one the client gets. An error it returns with nothing written to rec
+// (rec.Status() is 0) is for the caller to answer with: the proxy's,
+// ErrUpstreamTimeout, or scheduler.ErrAsleep when every worker that could
+// run the job again is asleep; a job cancelled meanwhile gets no answer
+// here, whatever error its attempt ended with, and the caller answers
+// with its cause (t.Cancelled()). One returned once the answer began is
+// only to be logged: the client's answer was cut off.
 func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next Next) error {
 	for {
 		var j judge // the zero judge: every answer is the client's

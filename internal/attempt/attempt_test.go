@@ -80,6 +80,44 @@ func TestAStalledAnswerRunsAgainElsewhere(t *testing.T) {
 	f.expectIdle()
 }
 
+// An answer that keeps coming never stalls, however long it takes in all:
+// each byte starts answer_stall_timeout again.
+func TestAnAnswerThatKeepsComingNeverStalls(t *testing.T) {
+	f := newFleet(t, 1)
+	j := f.job("slow-answer")
+	pieces := []string{imageAnswer[:10], imageAnswer[10:20], imageAnswer[20:]}
+	wrote, advanced := make(chan struct{}), make(chan struct{})
+	f.serve(j.t.ServedBy(), func(w http.ResponseWriter, r *http.Request) error {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(len(imageAnswer)))
+		w.WriteHeader(http.StatusOK)
+		for _, p := range pieces {
+			if _, err := w.Write([]byte(p)); err != nil {
+				return err
+			}
+			wrote <- struct{}{}
+			<-advanced
+			if err := r.Context().Err(); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	go func() {
+		for range pieces {
+			<-wrote
+			f.clock.Advance(f.run.StallTimeout * 2 / 3) // twice the bound in all
+			advanced <- struct{}{}
+		}
+	}()
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	expectCount(t, f.run.Metrics.Reruns, "stalled", 0)
+}
+
 // A job whose only worker stalls gets a 504 that says so: it never goes
 // back to the worker that stalled.
 func TestAStalledAnswerWithNoOtherWorkerIsA504(t *testing.T) {

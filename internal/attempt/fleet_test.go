@@ -122,7 +122,7 @@ func (f *testFleet) job(rid string) *job {
 	tk := f.pool.NewTicket(&f.cfg)
 	tk.Job, tk.Cost, tk.Body, tk.RID = true, 1, []byte(jobBody), rid
 	tk.Route = request.Endpoints.Match(http.MethodPost, &url.URL{Path: "/v1/images/generations"})
-	ctx = scheduler.WithTicket(tk.WithCancel(ctx), tk)
+	ctx = tk.WithCancel(ctx)
 	if err := f.pool.Track(tk); err != nil {
 		f.t.Fatal(err)
 	}
@@ -135,8 +135,26 @@ func (f *testFleet) job(rid string) *job {
 	return &job{t: tk, r: r, client: client, rec: NewRecorder(client), leave: leave}
 }
 
-// runJob runs j to its end and returns what Run returned.
-func (f *testFleet) runJob(j *job) error { return f.run.Run(j.rec, j.r, j.t, f) }
+// runJob runs j to its end and returns what Run returned; a job that
+// does not end within a bound no healthy run nears fails the test.
+func (f *testFleet) runJob(j *job) error {
+	f.t.Helper()
+	select {
+	case err := <-f.startJob(j):
+		return err
+	case <-time.After(10 * time.Second):
+		f.t.Fatal("the job never ended")
+		return nil
+	}
+}
+
+// startJob runs j in the background; what Run returned arrives on the
+// channel.
+func (f *testFleet) startJob(j *job) <-chan error {
+	ended := make(chan error, 1)
+	go func() { ended <- f.run.Run(j.rec, j.r, j.t, f) }()
+	return ended
+}
 
 // other is a worker of the fleet that is not url.
 func (f *testFleet) other(url string) string {

@@ -16,9 +16,8 @@ import (
 )
 
 // A job still unanswered after hedge_after times its predicted time (and
-// at least health_timeout), while
-// a worker that may serve it is idle and no job waits, gets a second copy
-// on that worker. The first answer the client may get wins; the others
+// at least health_timeout), while a worker that may serve it is idle and
+// no job waits, gets a second copy on that worker. The first answer the client may get wins; the others
 // are cancelled. A hung worker whose /health still answers then costs a
 // step one job's time, not the client's timeout, from the router's start:
 // its first job, predicted at the speed assumed before anything was
@@ -70,37 +69,36 @@ func (run *Runner) hedges(t *scheduler.Ticket) bool {
 
 // sendHedged is send with copies of the job launched on idle workers
 // while the attempt, and then each copy, overruns. j is the attempt's
-// own rule for answers, rerun whether
-// the job may run again after it.
+// own rule for answers, rerun whether the job may run again after it.
 func (run *Runner) sendHedged(rec *Recorder, r *http.Request, t *scheduler.Ticket, next Next, j judge, rerun bool) error {
-	hd := &race{run: run, rec: rec, r: r, next: next, vars: maps.Clone(run.Proxy.Vars(r.Context())), primary: t, last: t,
+	rc := &race{run: run, rec: rec, r: r, next: next, vars: maps.Clone(run.Proxy.Vars(r.Context())), primary: t, last: t,
 		lastSince: run.clock().Now(), budget: t.Config().MaxAttempts - t.Attempts - 1}
 	// Every job that may be hedged sets a race up: none of it is
 	// allocated apart from the race until a copy is launched.
-	hd.live = append(hd.liveBuf[:0], liveAttempt{t: t})
-	hd.copyOver.L = &hd.mu
-	hd.enter(rec.hold(j, rerun), t)
-	hd.mu.Lock()
-	hd.timer = run.clock().AfterFunc(hd.wait(), hd.fire)
-	hd.mu.Unlock()
+	rc.live = append(rc.liveBuf[:0], liveAttempt{t: t})
+	rc.copyOver.L = &rc.mu
+	rc.enter(rec.hold(j, rerun), t)
+	rc.mu.Lock()
+	rc.timer = run.clock().AfterFunc(rc.wait(), rc.fire)
+	rc.mu.Unlock()
 
-	err := run.send(rec, r, r.Context(), t, next, hd)
+	err := run.send(rec, r, r.Context(), t, next, rc)
 
-	copies := hd.finish(rec, t)
+	copies := rc.finish(rec, t)
 	if copies == 0 {
 		return err
 	}
 	t.Attempts += copies // they ran on GPUs too
-	if hd.copyPanic != nil {
-		panic(hd.copyPanic)
+	if rc.copyPanic != nil {
+		panic(rc.copyPanic)
 	}
-	copyOn := hd.last // the copy launched last, unless another won
-	if hd.winner != nil && hd.winner != t {
-		copyOn = hd.winner
+	copyOn := rc.last // the copy launched last, unless another won
+	if rc.winner != nil && rc.winner != t {
+		copyOn = rc.winner
 	}
 	event(r.Context(), rec.Tracer, "diffusion_router.hedge", attribute.String("diffusion.copy_on", copyOn.ServedBy()),
-		attribute.Bool("diffusion.copy_won", copyOn == hd.winner), attribute.Int("diffusion.copies", copies))
-	switch hd.winner {
+		attribute.Bool("diffusion.copy_won", copyOn == rc.winner), attribute.Int("diffusion.copies", copies))
+	switch rc.winner {
 	case nil:
 		return err
 	case t:
@@ -109,8 +107,8 @@ func (run *Runner) sendHedged(rec *Recorder, r *http.Request, t *scheduler.Ticke
 	}
 	run.Metrics.Hedges.WithLabelValues("won").Inc()
 	rec.dropHeld()
-	rec.status = hd.copyRec.status
-	t.AnsweredBy(hd.winner)
+	rec.status = rc.copyRec.status
+	t.AnsweredBy(rc.winner)
 	return nil
 }
 
@@ -120,20 +118,20 @@ func (run *Runner) sendHedged(rec *Recorder, r *http.Request, t *scheduler.Ticke
 // the job may run again after kept its worker for that re-run to free
 // (see send); once copies ran, frees it now: the copies may answer, or
 // use up max_attempts, and then no re-run comes.
-func (hd *race) finish(rec *Recorder, t *scheduler.Ticket) int {
-	hd.mu.Lock()
-	defer hd.mu.Unlock()
-	hd.endAttempt(t)
-	if hd.copies > 0 && hd.winner != t && rec.slot.kept {
-		hd.run.Pool.Leave(t, rec.slot.keptAs)
+func (rc *race) finish(rec *Recorder, t *scheduler.Ticket) int {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	rc.endAttempt(t)
+	if rc.copies > 0 && rc.winner != t && rec.slot.kept {
+		rc.run.Pool.Leave(t, rec.slot.keptAs)
 		rec.slot.kept = false // free now; a re-run that follows gets a worker of its own
 	}
-	for hd.running > 0 {
-		hd.copyOver.Wait()
+	for rc.running > 0 {
+		rc.copyOver.Wait()
 	}
-	hd.ended = true
-	hd.timer.Stop()
-	return hd.copies
+	rc.ended = true
+	rc.timer.Stop()
+	return rc.copies
 }
 
 // wait is how long the attempt or copy launched last still runs before
@@ -144,28 +142,28 @@ func (hd *race) finish(rec *Recorder, t *scheduler.Ticket) int {
 // and may shrink meanwhile: the first jobs completed anywhere set the
 // speed of a worker that has completed none. So the race looks again at
 // least every probe timeout, the earliest a copy can ever be due.
-func (hd *race) wait() time.Duration {
-	t := hd.last
+func (rc *race) wait() time.Duration {
+	t := rc.last
 	floor := t.Config().Health.Timeout
 	due := max(time.Duration(float64(t.Due())*t.Config().HedgeAfter), floor)
-	return min(due-hd.run.clock().Now().Sub(hd.lastSince), floor)
+	return min(due-rc.run.clock().Now().Sub(rc.lastSince), floor)
 }
 
 // enter enters a, the answer held for t's attempt, in the race.
-func (hd *race) enter(a *heldAnswer, t *scheduler.Ticket) {
-	a.race, a.racer = hd, t
+func (rc *race) enter(a *heldAnswer, t *scheduler.Ticket) {
+	a.race, a.racer = rc, t
 }
 
 // claim makes t's answer the client's unless another's already is, and
 // cancels the others.
-func (hd *race) claim(t *scheduler.Ticket) bool {
-	hd.mu.Lock()
-	defer hd.mu.Unlock()
-	if hd.winner != nil {
-		return hd.winner == t
+func (rc *race) claim(t *scheduler.Ticket) bool {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	if rc.winner != nil {
+		return rc.winner == t
 	}
-	hd.winner = t
-	for _, other := range hd.live {
+	rc.winner = t
+	for _, other := range rc.live {
 		if other.t != t {
 			other.stop()
 		}
@@ -192,8 +190,8 @@ func (a liveAttempt) stop() {
 
 // endAttempt forgets t, which runs no more, and ends its context if it
 // is a copy's.
-func (hd *race) endAttempt(t *scheduler.Ticket) {
-	hd.live = slices.DeleteFunc(hd.live, func(a liveAttempt) bool {
+func (rc *race) endAttempt(t *scheduler.Ticket) {
+	rc.live = slices.DeleteFunc(rc.live, func(a liveAttempt) bool {
 		if a.t == t && a.cancel != nil {
 			a.cancel()
 		}
@@ -204,13 +202,13 @@ func (hd *race) endAttempt(t *scheduler.Ticket) {
 // outcome is what t's attempt says of its worker: a copy that lost the
 // race says nothing (its worker may still be computing it); an attempt a
 // copy overtook overran its prediction many times over.
-func (hd *race) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Outcome {
-	hd.mu.Lock()
-	defer hd.mu.Unlock()
+func (rc *race) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Outcome {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
 	switch {
-	case hd.winner == nil || hd.winner == t:
+	case rc.winner == nil || rc.winner == t:
 		return o
-	case t == hd.primary:
+	case t == rc.primary:
 		return scheduler.Overtaken
 	}
 	return scheduler.Abandoned
@@ -219,59 +217,59 @@ func (hd *race) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Outc
 // fire launches a copy once the attempt or copy launched last is overdue,
 // if the budget has room and the pool has an idle worker for it then, and
 // otherwise looks again after a while.
-func (hd *race) fire() {
-	hd.mu.Lock()
-	defer hd.mu.Unlock()
-	if hd.ended || hd.winner != nil || hd.copies >= hd.budget {
+func (rc *race) fire() {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	if rc.ended || rc.winner != nil || rc.copies >= rc.budget {
 		return
 	}
-	if wait := hd.wait(); wait > 0 {
-		hd.timer.Reset(wait)
+	if wait := rc.wait(); wait > 0 {
+		rc.timer.Reset(wait)
 		return
 	}
-	c := hd.run.Pool.HedgeCopy(hd.primary)
+	c := rc.run.Pool.HedgeCopy(rc.primary)
 	if c == nil {
-		hd.timer.Reset(min(max(hd.primary.Predicted()/4, 10*time.Millisecond), time.Second))
+		rc.timer.Reset(min(max(rc.primary.Predicted()/4, 10*time.Millisecond), time.Second))
 		return
 	}
-	ctx, cancel := hd.primary.CopyContext()
-	ctx = hd.run.Proxy.WithVars(ctx, maps.Clone(hd.vars))
-	hd.live = append(hd.live, liveAttempt{c, cancel})
-	hd.last, hd.lastSince = c, hd.run.clock().Now()
-	hd.copies++
-	hd.running++
-	hd.run.Metrics.Hedges.WithLabelValues("launched").Inc()
-	go hd.runCopy(ctx, c)
-	hd.timer.Reset(hd.wait())
+	ctx, cancel := rc.primary.CopyContext()
+	ctx = rc.run.Proxy.WithVars(ctx, maps.Clone(rc.vars))
+	rc.live = append(rc.live, liveAttempt{c, cancel})
+	rc.last, rc.lastSince = c, rc.run.clock().Now()
+	rc.copies++
+	rc.running++
+	rc.run.Metrics.Hedges.WithLabelValues("launched").Inc()
+	go rc.runCopy(ctx, c)
+	rc.timer.Reset(rc.wait())
 }
 
 // runCopy sends the copy c of the job to its worker. Its answer reaches
 // the client only if it wins the race. A copy that failed makes way for
 // another, on another worker, while the budget lasts.
-func (hd *race) runCopy(ctx context.Context, c *scheduler.Ticket) {
-	rec := &Recorder{ResponseWriter: hd.rec.ResponseWriter, Tracer: hd.rec.Tracer}
+func (rc *race) runCopy(ctx context.Context, c *scheduler.Ticket) {
+	rec := &Recorder{ResponseWriter: rc.rec.ResponseWriter, Tracer: rc.rec.Tracer}
 	defer func() {
 		v := recover() // an answer that broke off after it began
-		hd.mu.Lock()
-		if hd.winner == c || v != nil {
-			hd.copyRec, hd.copyPanic = rec, v
+		rc.mu.Lock()
+		if rc.winner == c || v != nil {
+			rc.copyRec, rc.copyPanic = rec, v
 		}
-		hd.endAttempt(c)
-		if hd.winner == nil && hd.r.Context().Err() == nil { // it failed
-			hd.run.Pool.Avoid(hd.primary, c.ServedBy())
-			if hd.copies < hd.budget {
-				hd.timer.Reset(0)
+		rc.endAttempt(c)
+		if rc.winner == nil && rc.r.Context().Err() == nil { // it failed
+			rc.run.Pool.Avoid(rc.primary, c.ServedBy())
+			if rc.copies < rc.budget {
+				rc.timer.Reset(0)
 			}
 		}
-		hd.running--
-		hd.copyOver.Broadcast()
-		hd.mu.Unlock()
-		hd.run.Pool.EndHedge()
+		rc.running--
+		rc.copyOver.Broadcast()
+		rc.mu.Unlock()
+		rc.run.Pool.EndHedge()
 	}()
 	// A copy's failure is no answer, and never runs the job again: the
 	// attempt goes on.
-	hd.enter(rec.hold(judge{run: hd.run, t: c, copy: true}, false), c)
-	r := hd.r.WithContext(ctx) // reverse_proxy copies what it changes of a request
+	rc.enter(rec.hold(judge{run: rc.run, t: c, copy: true}, false), c)
+	r := rc.r.WithContext(ctx) // reverse_proxy copies what it changes of a request
 	r.Body = io.NopCloser(bytes.NewReader(c.Body))
-	hd.run.send(rec, r, ctx, c, hd.next, hd)
+	rc.run.send(rec, r, ctx, c, rc.next, rc)
 }

@@ -55,6 +55,9 @@ func TestAHungAttemptIsOvertakenByACopy(t *testing.T) {
 	if j.t.ServedBy() != f.other(first) {
 		t.Fatalf("answered by %s; want the copy's worker", j.t.ServedBy())
 	}
+	if info, _ := f.pool.Worker(first); info.Failures != 1 {
+		t.Fatalf("the overtaken worker has %d failures; want 1: it overran its prediction many times", info.Failures)
+	}
 	expectCount(t, f.run.Metrics.Hedges, "launched", 1)
 	expectCount(t, f.run.Metrics.Hedges, "won", 1)
 	if info, _ := f.pool.Worker(f.other(first)); info.Inflight != 0 {
@@ -74,10 +77,10 @@ func failsOnceCopied(entered, copied, failing chan struct{}) worker {
 	}
 }
 
-// An attempt that fails as its copy answers, in either order, leaves no
-// worker claimed: the attempt kept its worker for a re-run that the
-// copy's win makes needless, and that worker must go free all the same.
-// The client gets the copy's answer.
+// An attempt that fails as its copy runs leaves no worker claimed: the
+// attempt kept its worker for a re-run that the copy's win, just after,
+// makes needless, and that worker must go free all the same. The client
+// gets the copy's answer.
 func TestACopyWinningAsTheAttemptFailsFreesEveryWorker(t *testing.T) {
 	for range 20 {
 		f := hedged(t, 2)
@@ -101,6 +104,70 @@ func TestACopyWinningAsTheAttemptFailsFreesEveryWorker(t *testing.T) {
 	}
 }
 
+// A copy that wins while the attempt is still running, its answer
+// streaming to the client, ends the attempt: the attempt's own answer,
+// a 502 that comes after, is nobody's, runs the job nowhere, and its
+// worker is released as overtaken.
+func TestAnAttemptFailingAfterItsCopyWonRunsNothingAgain(t *testing.T) {
+	f := hedged(t, 2)
+	f.run.Budget = answer.NewBudget(-1, 0) // answers stream: the copy wins as its answer begins
+	j := f.job("copy-won-first")
+	first := j.t.ServedBy()
+	entered, won := make(chan struct{}), make(chan struct{})
+	f.serve(first, func(w http.ResponseWriter, r *http.Request) error {
+		close(entered)
+		<-won
+		return answers(http.StatusBadGateway, `{"error":"upstream"}`)(w, r)
+	})
+	f.serve(f.other(first), func(w http.ResponseWriter, r *http.Request) error {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		close(won)
+		_, err := w.Write([]byte(imageAnswer))
+		return err
+	})
+	f.overrun(entered)
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	expectCount(t, f.run.Metrics.Reruns, "status", 0)
+	if info, _ := f.pool.Worker(first); info.Failures != 1 {
+		t.Fatalf("the overtaken worker has %d failures; want 1", info.Failures)
+	}
+	if info, _ := f.pool.Worker(f.other(first)); info.Inflight != 0 {
+		t.Fatalf("the copy's worker holds %d jobs; want 0", info.Inflight)
+	}
+}
+
+// A job still within hedge_after times its prediction gets no copy, even
+// with a worker idle: a copy would double its GPU work for nothing.
+func TestAJobWithinItsPredictionGetsNoCopy(t *testing.T) {
+	f := hedged(t, 2)
+	j := f.job("in-time")
+	entered, advanced := make(chan struct{}), make(chan struct{})
+	f.serve(j.t.ServedBy(), func(w http.ResponseWriter, r *http.Request) error {
+		close(entered)
+		<-advanced
+		return answers(http.StatusOK, imageAnswer)(w, r)
+	})
+	f.serve(f.other(j.t.ServedBy()), answers(http.StatusOK, `{"created":2,"data":[]}`))
+	go func() {
+		<-entered
+		// Past health_timeout, the earliest look, within 2 times the
+		// prediction (a job of cost 1 at the assumed 1 unit/s: 2 s).
+		f.clock.Advance(1500 * time.Millisecond)
+		close(advanced)
+	}()
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	expectCount(t, f.run.Metrics.Hedges, "launched", 0)
+}
+
 // A client that leaves after the attempt failed, while its copy still
 // runs, frees the worker the attempt kept for a re-run: no re-run comes.
 func TestAClientLeavingWhileTheCopyRunsFreesTheAttemptsWorker(t *testing.T) {
@@ -117,16 +184,15 @@ func TestAClientLeavingWhileTheCopyRunsFreesTheAttemptsWorker(t *testing.T) {
 		return r.Context().Err()
 	})
 	f.overrun(entered)
-	go func() {
-		<-failing
-		eventually(t, "the failed attempt's worker is free while its copy runs", func() bool {
-			info, _ := f.pool.Worker(first)
-			return info.Inflight == 0
-		})
-		j.leave()
-	}()
+	ended := f.startJob(j)
+	<-failing
+	eventually(t, "the failed attempt's worker is free while its copy runs", func() bool {
+		info, _ := f.pool.Worker(first)
+		return info.Inflight == 0
+	})
+	j.leave()
 
-	if err := f.runJob(j); err != nil {
+	if err := <-ended; err != nil {
 		t.Fatal(err)
 	}
 	<-copyDone
@@ -146,12 +212,15 @@ func TestAnAbortAfterACopyWonLetsItsAnswerEnd(t *testing.T) {
 	first := j.t.ServedBy()
 	entered, won, aborted := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	f.serve(first, hangs(entered))
-	f.serve(f.other(first), func(w http.ResponseWriter, _ *http.Request) error {
+	f.serve(f.other(first), func(w http.ResponseWriter, r *http.Request) error {
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusOK)
 		_, _ = w.Write([]byte(imageAnswer[:10]))
 		close(won)
 		<-aborted
+		if err := r.Context().Err(); err != nil {
+			return err // as reverse_proxy ends an answer whose request ended
+		}
 		_, err := w.Write([]byte(imageAnswer[10:]))
 		return err
 	})

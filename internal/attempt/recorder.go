@@ -59,6 +59,15 @@ func (rec *Recorder) Status() int { return rec.status }
 // Unwrap is the client's writer, for http.ResponseController.
 func (rec *Recorder) Unwrap() http.ResponseWriter { return rec.ResponseWriter }
 
+// Push passes an HTTP/2 server push on to the client's writer, as Caddy's
+// own response wrappers do.
+func (rec *Recorder) Push(target string, opts *http.PushOptions) error {
+	if p, ok := rec.ResponseWriter.(http.Pusher); ok {
+		return p.Push(target, opts)
+	}
+	return http.ErrNotSupported
+}
+
 // heldAnswer is a worker's answer kept from the client until it is judged
 // to be the client's: while the job may still run on another worker, or
 // while a 2xx answer has not all come and been checked.

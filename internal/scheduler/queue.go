@@ -103,6 +103,7 @@ type Ticket struct {
 	policy    *policy                 // the adapter t's job runs with, while adapters are declared
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
 	ctx       context.Context         // the job's context, which cancel ends
+	job       jobContext              // what ctx points to: a context of its own costs no allocation
 	parent    context.Context         // the client's context, which ctx is a child of
 
 	RID     string  // the request's id (X-Request-Id), by which it can be aborted
@@ -118,10 +119,13 @@ func (e *errCancelled) Error() string { return e.cause.Error() }
 func (e *errCancelled) Unwrap() error { return e.cause }
 
 // WithCancel makes t cancellable: its job waits for a worker and runs on
-// it in the context returned, a child of ctx.
+// it in the context returned, a child of ctx that carries t (TicketFrom).
 func (t *Ticket) WithCancel(ctx context.Context) context.Context {
 	t.parent = ctx
-	t.ctx, t.cancel = context.WithCancelCause(ctx)
+	var cancellable context.Context
+	cancellable, t.cancel = context.WithCancelCause(ctx)
+	t.job = jobContext{Context: cancellable, t: t}
+	t.ctx = &t.job
 	return t.ctx
 }
 
