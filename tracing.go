@@ -8,8 +8,8 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"github.com/miles-rollout/miles-diffusion-router/internal/spans"
 )
 
 // A site with Caddy's tracing directive traces each job under the span
@@ -34,11 +34,11 @@ func tracerOf(r *http.Request) trace.Tracer {
 }
 
 // traceQueue starts the span of t's wait for a worker, when tracer is set.
-func traceQueue(ctx context.Context, tracer trace.Tracer, t *scheduler.Ticket) (context.Context, attempt.EndSpan) {
+func traceQueue(ctx context.Context, tracer trace.Tracer, t *scheduler.Ticket) (context.Context, spans.End) {
 	if tracer == nil {
-		return ctx, attempt.NoSpan
+		return ctx, spans.None
 	}
-	return attempt.StartSpan(ctx, tracer, "diffusion_router.queue",
+	return spans.Start(ctx, tracer, "diffusion_router.queue",
 		attribute.String("diffusion.endpoint", t.Route.Class), attribute.Float64("diffusion.cost", t.Cost),
 		attribute.Int("diffusion.priority", t.Priority), attribute.String("diffusion.tenant", t.Tenant))
 }

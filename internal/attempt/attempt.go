@@ -29,6 +29,7 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"github.com/miles-rollout/miles-diffusion-router/internal/spans"
 )
 
 // Next sends an attempt's request to the worker its ticket holds and
@@ -186,7 +187,7 @@ func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next
 			return lastAnswer(rec, t, cause, err, retryErr)
 		}
 		run.Metrics.Reruns.WithLabelValues(cause.String()).Inc()
-		event(r.Context(), rec.Tracer, "diffusion_router.rerun", attribute.String("diffusion.cause", cause.String()),
+		spans.Event(r.Context(), rec.Tracer, "diffusion_router.rerun", attribute.String("diffusion.cause", cause.String()),
 			attribute.String("diffusion.from", from), attribute.String("diffusion.to", t.ServedBy()))
 		run.Logger.Info("job runs again on another worker", zap.String("request_id", r.Header.Get(request.IDHeader)),
 			zap.String("from", from), zap.String("to", t.ServedBy()), zap.Stringer("cause", cause), zap.Int("attempt", t.Attempts+1))

@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"github.com/miles-rollout/miles-diffusion-router/internal/spans"
 )
 
 // A job still unanswered after hedge_after times its predicted time (and
@@ -96,7 +97,7 @@ func (run *Runner) sendHedged(rec *Recorder, r *http.Request, t *scheduler.Ticke
 	if rc.winner != nil && rc.winner != t {
 		copyOn = rc.winner
 	}
-	event(r.Context(), rec.Tracer, "diffusion_router.hedge", attribute.String("diffusion.copy_on", copyOn.ServedBy()),
+	spans.Event(r.Context(), rec.Tracer, "diffusion_router.hedge", attribute.String("diffusion.copy_on", copyOn.ServedBy()),
 		attribute.Bool("diffusion.copy_won", copyOn == rc.winner), attribute.Int("diffusion.copies", copies))
 	switch rc.winner {
 	case nil:
