@@ -203,7 +203,7 @@ func (a *aborts) unlinkAllLocked(victims []*Ticket, rid string, head *Ticket) []
 // victim gets a worker from now on (admitLocked). Cancelling a context
 // only closes channels (context.AfterFunc runs its function in a
 // goroutine of its own), so it may be done under the lock.
-func (p *Pool) endLocked(victims []*Ticket, by string) AbortCounts {
+func (d *dispatchState) endLocked(victims []*Ticket, by string) AbortCounts {
 	var c AbortCounts
 	if len(victims) == 0 {
 		return c
@@ -212,7 +212,7 @@ func (p *Pool) endLocked(victims []*Ticket, by string) AbortCounts {
 	for _, t := range victims {
 		dequeued[t] = false
 	}
-	p.queue = slices.DeleteFunc(p.queue, func(wt *waiter) bool {
+	d.queue = slices.DeleteFunc(d.queue, func(wt *waiter) bool {
 		_, hit := dequeued[wt.t]
 		if hit {
 			dequeued[wt.t], wt.gone = true, true // gone, as dequeueLocked marks it: see arrivals

@@ -69,15 +69,15 @@ func (p *Pool) backlogLocked(byTenant map[*tenant]float64) float64 {
 // heads of the highest priority, the tenant with the lowest counter,
 // charged as it goes. It runs under the lock at each scrape: a scan of the
 // tenants with jobs waiting (at most max_tenants + 1) per job, no map.
-func (p *Pool) playOrderLocked() []*waiter {
+func (d *dispatchState) playOrderLocked() []*waiter {
 	type share struct {
 		tn     *tenant
 		served float64
 		next   int
 	}
-	out := make([]*waiter, 0, len(p.queue))
+	out := make([]*waiter, 0, len(d.queue))
 	var active []share
-	for _, tn := range p.tenancy.list {
+	for _, tn := range d.tenancy.list {
 		if len(tn.queue) > 0 {
 			active = append(active, share{tn, tn.served, 0})
 		}

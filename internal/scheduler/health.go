@@ -78,7 +78,7 @@ func (p *Pool) RecordProbe(url string, err error, cfg *HealthConfig) HealthChang
 func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) HealthChange {
 	w.evidence.probeFails = 0
 	w.evidence.probePasses++
-	p.recoveredLocked(w)
+	p.fleet.recoveredLocked(w)
 	if w.health.suspect && !p.overrunningLocked(w, now, cfg) {
 		w.health.suspect = false
 	}
@@ -104,8 +104,8 @@ func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) Health
 
 // othersServeLocked reports whether a worker other than w is serving a
 // kind of request w makes.
-func (p *Pool) othersServeLocked(w *worker, now int64) bool {
-	for _, o := range p.workers {
+func (reg *registry) othersServeLocked(w *worker, now int64) bool {
+	for _, o := range reg.workers {
 		if o != w && o.caps.makes&w.caps.makes != 0 && o.serving(now) {
 			return true
 		}
@@ -121,8 +121,8 @@ func isTimeout(err error) bool {
 // busyLocked reports whether a slow probe answer is explained by work: a job
 // still within twice its predicted time, or one finished within the last
 // interval.
-func (p *Pool) busyLocked(w *worker, now int64, cfg *HealthConfig) bool {
-	if w.load.inflight > 0 && float64(now-w.load.headSince) < 2*p.predictedHeadLocked(w) {
+func (d *dispatchState) busyLocked(w *worker, now int64, cfg *HealthConfig) bool {
+	if w.load.inflight > 0 && float64(now-w.load.headSince) < 2*d.predictedHeadLocked(w) {
 		return true
 	}
 	return w.load.lastFinish > 0 && now-w.load.lastFinish < int64(cfg.Interval)
@@ -130,17 +130,17 @@ func (p *Pool) busyLocked(w *worker, now int64, cfg *HealthConfig) bool {
 
 // predictedHeadLocked is how long the running job of w is predicted to take, in
 // nanoseconds.
-func (p *Pool) predictedHeadLocked(w *worker) float64 {
-	return w.load.headCost / p.speedOfLocked(w) * float64(time.Second)
+func (d *dispatchState) predictedHeadLocked(w *worker) float64 {
+	return w.load.headCost / d.speedOfLocked(w) * float64(time.Second)
 }
 
 // overrunningLocked reports whether w's running job has overrun its prediction
 // by the stall factor (and at least the probe timeout).
-func (p *Pool) overrunningLocked(w *worker, now int64, cfg *HealthConfig) bool {
+func (d *dispatchState) overrunningLocked(w *worker, now int64, cfg *HealthConfig) bool {
 	if w.load.inflight == 0 || w.headUnwatched() {
 		return false
 	}
-	return float64(now-w.load.headSince) > p.stallLimitLocked(w, cfg)
+	return float64(now-w.load.headSince) > d.stallLimitLocked(w, cfg)
 }
 
 // headUnwatched reports whether w's running job is one whose end nobody
@@ -156,8 +156,8 @@ func (w *worker) headUnwatched() bool {
 // stallLimitLocked is how long w's running job may run before it is taken
 // for stalled, in nanoseconds: the stall factor times its prediction, and
 // at least the probe timeout.
-func (p *Pool) stallLimitLocked(w *worker, cfg *HealthConfig) float64 {
-	return max(cfg.StallFactor*p.predictedHeadLocked(w), float64(cfg.Timeout))
+func (d *dispatchState) stallLimitLocked(w *worker, cfg *HealthConfig) float64 {
+	return max(cfg.StallFactor*d.predictedHeadLocked(w), float64(cfg.Timeout))
 }
 
 // CheckStalls marks suspect the workers whose running job has overrun its
@@ -269,14 +269,14 @@ func (p *Pool) Forgive(url string) {
 // never more than MaxEjectionPercent of the workers at once, but always
 // one, as Envoy's outlier detection does. Jobs failing everywhere say
 // more of the jobs than of the workers, and a fleet must keep serving.
-func (p *Pool) mayEjectLocked(now int64, cfg *HealthConfig) bool {
+func (reg *registry) mayEjectLocked(now int64, cfg *HealthConfig) bool {
 	out := 0
-	for _, w := range p.workers {
+	for _, w := range reg.workers {
 		if now < w.health.ejectedUntil {
 			out++
 		}
 	}
-	return out == 0 || (out+1)*100 <= cfg.MaxEjectionPercent*len(p.workers)
+	return out == 0 || (out+1)*100 <= cfg.MaxEjectionPercent*len(reg.workers)
 }
 
 // Bounds of how long a worker that said it is asleep is left alone.

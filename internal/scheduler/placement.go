@@ -153,7 +153,7 @@ func (p *Pool) placeLocked() {
 	for p.switchOneLocked(now) {
 	}
 	for _, w := range p.workers {
-		if p.callDueLocked(w, now) {
+		if p.fleet.callDueLocked(w, now) {
 			p.callLocked(w, now)
 		}
 	}
@@ -421,9 +421,9 @@ func (p *Pool) startSwitchLocked(w *worker, pol *policy, now int64) {
 
 // callDueLocked reports whether a call to w is due now: it switches, or
 // its adapter is unknown, and it runs no job and no other call.
-func (p *Pool) callDueLocked(w *worker, now int64) bool {
+func (fs *fleetState) callDueLocked(w *worker, now int64) bool {
 	wa := &w.adapter
-	if wa.calling || (wa.known && !wa.switching) || w.load.inflight > 0 || now < wa.retryAt || p.fleet.target() != "" {
+	if wa.calling || (wa.known && !wa.switching) || w.load.inflight > 0 || now < wa.retryAt || fs.target() != "" {
 		return false // not while a fleet operation changes the weights
 	}
 	return !w.life.dead && !w.life.removed && w.life.state == Serving && !w.health.down
@@ -648,11 +648,11 @@ func learnSwitchCost(cost, secs float64) float64 {
 
 // wakeWaitersLocked wakes what waits for a worker to change: drains and
 // publishes.
-func (p *Pool) wakeWaitersLocked() {
-	for _, c := range p.onRelease {
+func (d *dispatchState) wakeWaitersLocked() {
+	for _, c := range d.onRelease {
 		close(c)
 	}
-	p.onRelease = p.onRelease[:0]
+	d.onRelease = d.onRelease[:0]
 }
 
 // remergeLocked notes that w loaded new base weights under its adapter:

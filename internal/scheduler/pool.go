@@ -24,7 +24,11 @@ import (
 // once and needs one consistent view of them, and a decision is a scan of
 // microseconds even for a large fleet. Nothing outside this package can
 // take it; a method whose name ends in Locked must be called with mu
-// held, and every other method takes it itself.
+// held, and every other method takes it itself. The state falls into
+// groups, each a type of its own (registry, dispatchState, fleetState,
+// placement): a method that reads or changes one group only is that
+// group's, so that its receiver says what it touches; those that span
+// groups are the Pool's.
 //
 // The lock order, outermost first; a goroutine holding one lock takes only
 // locks after it:
@@ -376,18 +380,18 @@ func (p *Pool) Undeclare(urls []string) {
 }
 
 // heldLocked reports whether anything keeps w in the pool.
-func (p *Pool) heldLocked(w *worker) bool {
-	return w.registered || p.declared[w.url] > 0 || p.discovered[w.url] > 0
+func (reg *registry) heldLocked(w *worker) bool {
+	return w.registered || reg.declared[w.url] > 0 || reg.discovered[w.url] > 0
 }
 
 // sourceLocked names what keeps w in the pool, the longest-lived first: a
 // registration outlives every config, and a config's list outlives the
 // DNS answers.
-func (p *Pool) sourceLocked(w *worker) string {
+func (reg *registry) sourceLocked(w *worker) string {
 	switch {
 	case w.registered:
 		return "registered"
-	case p.declared[w.url] == 0 && p.discovered[w.url] > 0:
+	case reg.declared[w.url] == 0 && reg.discovered[w.url] > 0:
 		return "dns"
 	}
 	return "config"
@@ -440,7 +444,7 @@ func (p *Pool) addLocked(u string) *worker {
 	} else {
 		w = &worker{url: u, dial: dial, caps: capabilities{makes: request.Unprobed}}
 	}
-	p.holdIfBehindLocked(w)
+	p.fleet.holdIfBehindLocked(w)
 	p.forgetAdapterLocked(w)
 	if w.caps.taskTypes == nil {
 		p.unknown.Add(1)
@@ -451,7 +455,7 @@ func (p *Pool) addLocked(u string) *worker {
 }
 
 func (p *Pool) removeLocked(w *worker) {
-	p.leaveLocked(w)
+	p.fleet.leaveLocked(w)
 	if w.caps.taskTypes == nil {
 		p.unknown.Add(-1)
 	}
@@ -482,7 +486,7 @@ func (p *Pool) SetDead(url string, dead bool) (WorkerInfo, bool) {
 	if !dead {
 		p.forgetAdapterLocked(w) // held back, perhaps to be restarted
 	}
-	p.holdIfBehindLocked(w) // back after an update it was held out of
+	p.fleet.holdIfBehindLocked(w) // back after an update it was held out of
 	p.dispatchLocked()
 	p.Changed()
 	return p.infoLocked(w), true
@@ -541,8 +545,8 @@ func (p *Pool) ServingDials() []string {
 
 // findLocked looks a worker up by URL; URLs that dial the same address name the
 // same worker (http://h and http://h:80).
-func (p *Pool) findLocked(url string) *worker {
-	return p.byDial[workerurl.AddressKey(workerurl.DialAddress(url))]
+func (reg *registry) findLocked(url string) *worker {
+	return reg.byDial[workerurl.AddressKey(workerurl.DialAddress(url))]
 }
 
 // Stats are the pool-wide figures.

@@ -10,17 +10,17 @@ package scheduler
 // arriveLocked notes that wt joined the queue. Jobs that left are taken
 // off the front as they are met, and all at once when they are most of
 // the list, so it stays within twice the queue.
-func (p *Pool) arriveLocked(wt *waiter) {
-	p.arrivals = append(p.arrivals, wt)
-	if len(p.arrivals) > 2*len(p.queue)+64 {
-		kept := p.arrivals[:0]
-		for _, a := range p.arrivals {
+func (d *dispatchState) arriveLocked(wt *waiter) {
+	d.arrivals = append(d.arrivals, wt)
+	if len(d.arrivals) > 2*len(d.queue)+64 {
+		kept := d.arrivals[:0]
+		for _, a := range d.arrivals {
 			if !a.gone {
 				kept = append(kept, a)
 			}
 		}
-		clear(p.arrivals[len(kept):])
-		p.arrivals = kept
+		clear(d.arrivals[len(kept):])
+		d.arrivals = kept
 	}
 }
 

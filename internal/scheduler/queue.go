@@ -250,11 +250,11 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 // goesFirstLocked reports whether t, a job, goes ahead of every waiting
 // one. With tenants, only a higher priority is sure to: among jobs of one
 // priority the tenants' counters decide, so t waits and dispatch decides.
-func (p *Pool) goesFirstLocked(t *Ticket) bool {
-	if p.tenancy.on {
-		return t.Priority > p.queue[0].t.Priority
+func (d *dispatchState) goesFirstLocked(t *Ticket) bool {
+	if d.tenancy.on {
+		return t.Priority > d.queue[0].t.Priority
 	}
-	return t.before(p.queue[0].t)
+	return t.before(d.queue[0].t)
 }
 
 // wait waits for wt's ticket to be given a worker.
@@ -442,8 +442,8 @@ func (p *Pool) choosePinnedLocked(t *Ticket, now int64) (*worker, bool) {
 }
 
 // viewLocked is w as a strategy sees it at now (Unix nanoseconds).
-func (p *Pool) viewLocked(w *worker, now int64) Candidate {
-	return Candidate{URL: w.url, Inflight: w.load.inflight, WorkLeft: p.workLeftLocked(w, now), Speed: p.speedOfLocked(w)}
+func (d *dispatchState) viewLocked(w *worker, now int64) Candidate {
+	return Candidate{URL: w.url, Inflight: w.load.inflight, WorkLeft: d.workLeftLocked(w, now), Speed: d.speedOfLocked(w)}
 }
 
 // prefetchWindow: a worker whose jobs are predicted to end within it gets
@@ -481,8 +481,8 @@ func fits(job bool, limit int, w *worker, now int64) bool {
 
 // updateEndsLocked predicts when w's jobs will be done, from when the
 // running one started: what fits checks for every full worker.
-func (p *Pool) updateEndsLocked(w *worker) {
-	w.load.endsAt = w.load.headSince + int64(p.timeForLocked(w, w.load.work))
+func (d *dispatchState) updateEndsLocked(w *worker) {
+	w.load.endsAt = w.load.headSince + int64(d.timeForLocked(w, w.load.work))
 }
 
 // versionOn is the weight version t's job is served with by a worker on
@@ -736,18 +736,18 @@ func (t *Ticket) queueKey() float64 {
 
 // dequeueLocked takes a waiter out of the queue; false means it had already
 // been given a worker.
-func (p *Pool) dequeueLocked(wt *waiter) bool {
+func (d *dispatchState) dequeueLocked(wt *waiter) bool {
 	if wt.gone {
 		return false
 	}
-	i, found := slices.BinarySearchFunc(p.queue, wt, compareWaiters)
-	if !found || p.queue[i] != wt {
-		i = slices.Index(p.queue, wt)
+	i, found := slices.BinarySearchFunc(d.queue, wt, compareWaiters)
+	if !found || d.queue[i] != wt {
+		i = slices.Index(d.queue, wt)
 	}
 	if i < 0 {
 		return false
 	}
-	p.queue = slices.Delete(p.queue, i, i+1)
+	d.queue = slices.Delete(d.queue, i, i+1)
 	if wt.t.tenant != nil {
 		dequeueTenantLocked(wt.t.tenant, wt)
 	}
@@ -757,11 +757,11 @@ func (p *Pool) dequeueLocked(wt *waiter) bool {
 
 // speedOfLocked is w's learned speed, or the pool's median speed while w has
 // completed nothing.
-func (p *Pool) speedOfLocked(w *worker) float64 {
+func (d *dispatchState) speedOfLocked(w *worker) float64 {
 	if w.load.speed.Value() > 0 {
 		return w.load.speed.Value()
 	}
-	return p.defaultSpeed
+	return d.defaultSpeed
 }
 
 // DefaultInitialSpeed is the speed, in cost units per second, assumed for
@@ -803,17 +803,17 @@ func (p *Pool) refreshDefaultSpeedLocked() {
 const maxPrediction = 30 * 24 * time.Hour
 
 // timeForLocked is how long w is predicted to take over work of cost.
-func (p *Pool) timeForLocked(w *worker, cost float64) time.Duration {
-	return time.Duration(min(cost/p.speedOfLocked(w), maxPrediction.Seconds()) * float64(time.Second))
+func (d *dispatchState) timeForLocked(w *worker, cost float64) time.Duration {
+	return time.Duration(min(cost/d.speedOfLocked(w), maxPrediction.Seconds()) * float64(time.Second))
 }
 
 // workLeftLocked is the predicted cost w still has to process at now (Unix
 // nanoseconds): its jobs' costs, less what the running one has done.
-func (p *Pool) workLeftLocked(w *worker, now int64) float64 {
+func (d *dispatchState) workLeftLocked(w *worker, now int64) float64 {
 	if w.load.inflight == 0 {
 		return 0
 	}
-	done := float64(now-w.load.headSince) / float64(time.Second) * p.speedOfLocked(w)
+	done := float64(now-w.load.headSince) / float64(time.Second) * d.speedOfLocked(w)
 	return w.load.work - min(w.load.headCost, max(0, done))
 }
 

@@ -147,14 +147,14 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 			w.life.version = r.WeightVersion
 		}
 		if adopted && r.Stale {
-			p.missedLocked(w)
+			p.fleet.missedLocked(w)
 		}
 	}
 	if adopted && len(rec.Updates) > 0 {
 		f.version, f.history = rec.WeightVersion, rec.history()
 	}
 	for _, w := range p.workers {
-		p.holdIfBehindLocked(w)
+		p.fleet.holdIfBehindLocked(w)
 	}
 	if running != nil {
 		p.inheritLocked(running)
@@ -218,7 +218,7 @@ func (p *Pool) inheritLocked(running *RunningRecord) {
 		if slices.Contains(running.Loaded, w.url) {
 			p.fleet.loaded = append(p.fleet.loaded, w.url)
 		} else {
-			p.behindLocked(w)
+			p.fleet.behindLocked(w)
 		}
 	}
 }
@@ -268,9 +268,9 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 	p.fleet.version, p.fleet.history, p.fleet.inherited = rec.WeightVersion, rec.history(), nil
 	for _, w := range p.workers {
 		if slices.Contains(stale, w) {
-			p.missedLocked(w)
+			p.fleet.missedLocked(w)
 		} else {
-			p.matchVersionLocked(w)
+			p.fleet.matchVersionLocked(w)
 		}
 	}
 	p.takePublishesLocked(rec.Adapters, false)

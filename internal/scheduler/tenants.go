@@ -77,16 +77,16 @@ func (cfg *Config) weight(name string) float64 {
 }
 
 // joinTenantLocked sets t's tenant, tracking it if it is new.
-func (p *Pool) joinTenantLocked(t *Ticket) {
-	ts := &p.tenancy
+func (d *dispatchState) joinTenantLocked(t *Ticket) {
+	ts := &d.tenancy
 	if !ts.on {
-		p.startTenancyLocked()
+		d.startTenancyLocked()
 	}
 	name := cmp.Or(t.Tenant, OtherTenant)
 	tn := ts.byName[name]
 	if tn == nil {
 		tn = ts.other
-		if len(ts.list)-1 < cmp.Or(t.cfg.MaxTenants, DefaultMaxTenants) || p.evictIdleTenantLocked() {
+		if len(ts.list)-1 < cmp.Or(t.cfg.MaxTenants, DefaultMaxTenants) || d.evictIdleTenantLocked() {
 			tn = &tenant{name: name}
 			ts.byName[name] = tn
 			ts.list = append(ts.list, tn)
@@ -97,13 +97,13 @@ func (p *Pool) joinTenantLocked(t *Ticket) {
 
 // startTenancyLocked turns tenants on: the jobs waiting so far named
 // none, so they are the other tenant's.
-func (p *Pool) startTenancyLocked() {
-	ts := &p.tenancy
+func (d *dispatchState) startTenancyLocked() {
+	ts := &d.tenancy
 	ts.on = true
 	ts.other = &tenant{name: OtherTenant}
 	ts.byName = map[string]*tenant{OtherTenant: ts.other}
 	ts.list = []*tenant{ts.other}
-	for _, wt := range p.queue {
+	for _, wt := range d.queue {
 		wt.t.tenant = ts.other
 		ts.other.queue = append(ts.other.queue, wt)
 	}
@@ -111,8 +111,8 @@ func (p *Pool) startTenancyLocked() {
 
 // evictIdleTenantLocked stops tracking an idle tenant, to make room for
 // a new one; false when every tracked tenant is active.
-func (p *Pool) evictIdleTenantLocked() bool {
-	ts := &p.tenancy
+func (d *dispatchState) evictIdleTenantLocked() bool {
+	ts := &d.tenancy
 	for i, tn := range ts.list {
 		if tn != ts.other && tn.idle() {
 			tn.evicted = true
@@ -126,9 +126,9 @@ func (p *Pool) evictIdleTenantLocked() bool {
 
 // activateLocked lifts the counter of tn, which is idle and about to have
 // a job waiting or running, to the lowest counter of the active tenants.
-func (p *Pool) activateLocked(tn *tenant) {
+func (d *dispatchState) activateLocked(tn *tenant) {
 	low, found := 0.0, false
-	for _, u := range p.tenancy.list {
+	for _, u := range d.tenancy.list {
 		if u != tn && !u.idle() && (!found || u.served < low) {
 			low, found = u.served, true
 		}
@@ -139,9 +139,9 @@ func (p *Pool) activateLocked(tn *tenant) {
 }
 
 // chargeLocked notes that t's job, of tenant tn, got a worker.
-func (p *Pool) chargeLocked(tn *tenant, t *Ticket) {
+func (d *dispatchState) chargeLocked(tn *tenant, t *Ticket) {
 	if tn.idle() {
-		p.activateLocked(tn)
+		d.activateLocked(tn)
 	}
 	tn.running++
 	if !t.charged {
@@ -159,9 +159,9 @@ func tenantQueueFullLocked(t *Ticket) bool {
 }
 
 // enqueueTenantLocked adds wt to its tenant's queue.
-func (p *Pool) enqueueTenantLocked(tn *tenant, wt *waiter) {
+func (d *dispatchState) enqueueTenantLocked(tn *tenant, wt *waiter) {
 	if tn.idle() {
-		p.activateLocked(tn)
+		d.activateLocked(tn)
 	}
 	i, _ := slices.BinarySearchFunc(tn.queue, wt, compareWaiters)
 	tn.queue = slices.Insert(tn.queue, i, wt)

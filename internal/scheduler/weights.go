@@ -116,7 +116,7 @@ func (p *Pool) BeginUpdate(u Update) (targets, done []string) {
 		case f.retrying && w.life.state == Serving && slices.Contains(f.loaded, w.url):
 			done = append(done, w.url)
 		case f.retrying:
-			p.leaveLocked(w) // its catch-up is this call
+			p.fleet.leaveLocked(w) // its catch-up is this call
 			targets = append(targets, w.url)
 		case w.life.behind == upToDate: // the catch-up replays this update after those it missed
 			targets = append(targets, w.url)
@@ -143,7 +143,7 @@ func (p *Pool) FinishUpdate(url, version string, ok, answered bool) {
 		if ok {
 			w.life.version, w.life.state, w.life.missed = version, Serving, false
 			p.remergeLocked(w)
-			p.loadedLocked(url, version)
+			p.fleet.loadedLocked(url, version)
 		} else {
 			w.life.state, w.life.missed = Stale, !answered
 		}
@@ -154,8 +154,8 @@ func (p *Pool) FinishUpdate(url, version string, ok, answered bool) {
 
 // loadedLocked notes that the worker at url loaded version, if that is
 // the version of the update in progress or of the one inherited.
-func (p *Pool) loadedLocked(url, version string) {
-	f := &p.fleet
+func (fs *fleetState) loadedLocked(url, version string) {
+	f := fs
 	u := f.running
 	if u == nil {
 		u = f.inherited
@@ -200,7 +200,7 @@ func (p *Pool) Moved(urls []string, s State) {
 		if s == Serving { // awake now, whatever it said or did before
 			p.wokeLocked(w)
 		}
-		p.holdIfBehindLocked(w)
+		p.fleet.holdIfBehindLocked(w)
 	})
 }
 
@@ -363,33 +363,33 @@ func (p *Pool) LeaveOut(urls []string) {
 // not answer its update (it was down, or restarted on its old weights):
 // once a probe finds it again, it catches up as a late joiner does, before
 // its first job.
-func (p *Pool) recoveredLocked(w *worker) {
-	if w.life.state != Stale || !w.life.missed || p.fleet.target() != "" || w.load.inflight > 0 { // not while an operation runs, nor before a hung job ends
+func (fs *fleetState) recoveredLocked(w *worker) {
+	if w.life.state != Stale || !w.life.missed || fs.target() != "" || w.load.inflight > 0 { // not while an operation runs, nor before a hung job ends
 		return
 	}
 	w.life.state, w.life.missed = Serving, false
-	p.behindLocked(w) // it missed an update, whatever version it shows
+	fs.behindLocked(w) // it missed an update, whatever version it shows
 }
 
 // missedLocked takes w for a worker a record shows as not on the fleet's
 // weights: stale until a probe finds it and a catch-up brings it there.
-func (p *Pool) missedLocked(w *worker) {
+func (fs *fleetState) missedLocked(w *worker) {
 	if w.life.state == Serving || w.life.state == Stale {
-		p.leaveLocked(w) // a catch-up is due once a probe passes, not before
+		fs.leaveLocked(w) // a catch-up is due once a probe passes, not before
 		w.life.state, w.life.missed = Stale, true
 	}
 }
 
 // behindLocked holds w out of serving, stale, until a catch-up has
 // brought it to the pool's version, whatever version it shows.
-func (p *Pool) behindLocked(w *worker) {
-	if len(p.fleet.history) == 0 || w.life.dead || w.life.state != Serving {
+func (fs *fleetState) behindLocked(w *worker) {
+	if len(fs.history) == 0 || w.life.dead || w.life.state != Serving {
 		return
 	}
 	w.life.state = Stale
 	if w.life.behind == upToDate {
 		w.life.behind = lagging
-		p.fleet.behind.Add(1)
+		fs.behind.Add(1)
 	}
 }
 
@@ -397,27 +397,27 @@ func (p *Pool) behindLocked(w *worker) {
 // later, slept through it, was held back by an operator, or was down)
 // out of serving, stale, until it has caught up with the pool's version.
 // One whose catch-up is under way already (woken meanwhile) waits for it.
-func (p *Pool) holdIfBehindLocked(w *worker) {
-	if w.life.version != p.fleet.version {
-		p.behindLocked(w)
+func (fs *fleetState) holdIfBehindLocked(w *worker) {
+	if w.life.version != fs.version {
+		fs.behindLocked(w)
 	}
 }
 
 // matchVersionLocked holds w back, stale, when a mirrored record says it
 // is behind the fleet's weights, and lets it serve again when one says it
 // has caught up.
-func (p *Pool) matchVersionLocked(w *worker) {
-	if w.life.state == Stale && (len(p.fleet.history) == 0 || w.life.version == p.fleet.version) {
-		p.leaveLocked(w) // no catch-up is due
+func (fs *fleetState) matchVersionLocked(w *worker) {
+	if w.life.state == Stale && (len(fs.history) == 0 || w.life.version == fs.version) {
+		fs.leaveLocked(w) // no catch-up is due
 		w.life.state, w.life.missed = Serving, false
 	}
-	p.holdIfBehindLocked(w)
+	fs.holdIfBehindLocked(w)
 }
 
 // leaveLocked forgets a worker that leaves before it caught up.
-func (p *Pool) leaveLocked(w *worker) {
+func (fs *fleetState) leaveLocked(w *worker) {
 	if w.life.behind == lagging {
-		p.fleet.behind.Add(-1)
+		fs.behind.Add(-1)
 	}
 	w.life.behind = upToDate
 }
