@@ -41,7 +41,7 @@ type Next interface {
 
 // Pool is the pool as a job's attempts use it: re-runs, hedged copies,
 // and the release of a worker with what its attempt says of it. Each
-// method is the scheduler.Pool method of its name.
+// method is the scheduler pool's of that name.
 type Pool interface {
 	Retry(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
 	RetryElsewhere(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"slices"
 	"sync"
@@ -110,20 +111,56 @@ func (f *Fleet) Probe(ctx context.Context, workerURL string) error {
 }
 
 // ProbeUnknown probes, in parallel, the workers whose capabilities are not
-// known yet: the workers a config lists are probed on first need rather
-// than at provisioning, which must not dial out. Once every worker is known
-// it costs an atomic load, not the pool's lock: it runs on every image and
-// video request.
+// known yet, and waits for those probes and any other request's still
+// under way: the workers a config lists are probed on first need rather
+// than at provisioning, which must not dial out, and a batch of jobs that
+// arrives together must not be judged by the first one's probe half done
+// (a video job would be told no worker makes videos). Once every worker is
+// known it costs an atomic load, not the pool's lock: it runs on every
+// image and video request.
 func (f *Fleet) ProbeUnknown(ctx context.Context) {
 	if f.pool.AllProbed() {
 		return
 	}
-	urls := f.pool.Unprobed(time.Now(), reprobeInterval)
-	var wg sync.WaitGroup
-	for _, u := range urls {
-		scheduler.GoSafely(&wg, f.logger, "capability probe of "+u, func() { _ = f.Probe(ctx, u) })
+	due := f.pool.Unprobed(time.Now(), reprobeInterval)
+	f.probes.mu.Lock()
+	if f.probes.running == nil {
+		f.probes.running = make(map[string]chan struct{})
 	}
-	wg.Wait()
+	for _, u := range due {
+		done := make(chan struct{})
+		f.probes.running[u] = done
+		// Its own context: it serves every request that waits for it,
+		// whichever of them leaves.
+		scheduler.GoSafely(&f.probes.wg, f.logger, "capability probe of "+u, func() { f.probeFor(context.WithoutCancel(ctx), u, done) })
+	}
+	waits := slices.Collect(maps.Values(f.probes.running))
+	f.probes.mu.Unlock()
+	for _, done := range waits {
+		select {
+		case <-done:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// probes are the capability probes of ProbeUnknown under way.
+type probes struct {
+	mu      sync.Mutex
+	running map[string]chan struct{} // by worker URL; closed as the probe ends
+	wg      sync.WaitGroup
+}
+
+// probeFor probes the worker at url for the requests that wait on done.
+func (f *Fleet) probeFor(ctx context.Context, url string, done chan struct{}) {
+	defer func() {
+		f.probes.mu.Lock()
+		delete(f.probes.running, url)
+		f.probes.mu.Unlock()
+		close(done)
+	}()
+	_ = f.Probe(ctx, url)
 }
 
 // Welcome learns what a worker that just joined can generate. One that

@@ -5,8 +5,10 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -82,4 +84,36 @@ func TestProbeUnknownAsksOnlyTheWorkersNotKnownYet(t *testing.T) {
 	if n := calls.Load(); n != 1 || !p.CanServe(request.VideoTask) {
 		t.Fatalf("two rounds asked the worker %d times and the pool can serve video: %v; want once, true", n, p.CanServe(request.VideoTask))
 	}
+}
+
+// Jobs that arrive together while a worker's first probe is under way
+// wait for it: the second must not be judged with the worker unknown,
+// which would tell a video job that no worker makes videos.
+func TestRequestsDuringAProbeWaitForIt(t *testing.T) {
+	called, answer := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		once.Do(func() { close(called) })
+		<-answer
+		_, _ = w.Write([]byte(wanModels))
+	}))
+	t.Cleanup(srv.Close)
+	f, p := newProbingFleet(t, srv.URL)
+	first := make(chan struct{})
+	go func() {
+		defer close(first)
+		f.ProbeUnknown(context.Background())
+	}()
+	<-called
+	second := make(chan bool)
+	go func() {
+		f.ProbeUnknown(context.Background())
+		second <- p.CanServe(request.VideoTask)
+	}()
+	time.Sleep(50 * time.Millisecond) // the second request arrives while the probe runs
+	close(answer)
+	if !<-second {
+		t.Fatal("a request that came during the probe was judged before it ended: no worker makes videos")
+	}
+	<-first
 }

@@ -37,6 +37,8 @@ type Fleet struct {
 
 	mu   sync.Mutex // guards last
 	last *Report    // the operation running or run last
+
+	probes probes // capability probes requests wait for
 }
 
 // New returns the fleet of pool, which logs to logger.
@@ -71,6 +73,7 @@ func (f *Fleet) Client() *http.Client { return f.client }
 
 // Close drops the idle connections to the workers: the pool is done with.
 func (f *Fleet) Close() {
+	f.probes.wg.Wait() // each ends within probeTimeout
 	f.client.CloseIdleConnections()
 }
 
