@@ -6,6 +6,8 @@ import (
 	"net"
 	"regexp"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // HealthConfig is how one diffusion_router config judges its workers.
@@ -102,15 +104,18 @@ func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) Health
 	return change
 }
 
-// othersServeLocked reports whether a worker other than w is serving a
-// kind of request w makes.
+// othersServeLocked reports whether workers other than w serve every
+// kind of request w makes. Every worker takes the requests of no kind
+// (rollouts): a video worker ejected beside image workers alone is the
+// only one its video jobs have.
 func (reg *registry) othersServeLocked(w *worker, now int64) bool {
+	var served request.Tasks
 	for _, o := range reg.workers {
-		if o != w && o.caps.makes&w.caps.makes != 0 && o.serving(now) {
-			return true
+		if o != w && o.serving(now) {
+			served |= o.caps.makes
 		}
 	}
-	return false
+	return w.caps.makes&^served == 0
 }
 
 func isTimeout(err error) bool {

@@ -250,6 +250,25 @@ func TestPassedProbeEndsTheEjectionOfTheLastWorker(t *testing.T) {
 	}
 }
 
+// An ejection runs its course only while other workers serve every kind
+// of job the ejected one makes: the only video worker, beside image
+// workers, has its ejection ended by a passed probe, as the last worker's
+// is, while one of two video workers waits its ejection out.
+func TestPassedProbeEndsTheEjectionOfTheLastWorkerOfAKind(t *testing.T) {
+	for _, c := range []struct {
+		other string
+		want  HealthChange
+	}{{"T2I", EjectionEnded}, {"T2V", Unchanged}} {
+		p, _ := ejectingPool(t, 2)
+		p.SetCapabilities("http://a:1", []string{"T2V"}, "video-model")
+		p.SetCapabilities("http://b:1", []string{c.other}, "other-model")
+		p.workers[0].health.ejectedUntil = p.now().Add(time.Minute).UnixNano()
+		if change := p.RecordProbe("http://a:1", nil, testHealth); change != c.want {
+			t.Errorf("a passed probe of an ejected video worker beside a %s worker changed %v; want %v", c.other, change, c.want)
+		}
+	}
+}
+
 // A job given to a worker on probation is told so: its worker's slot is
 // to be released once its answer is known whole or broken, not as the
 // answer begins, so that a second job waits for that verdict.
