@@ -124,9 +124,6 @@ func (f *Fleet) ProbeUnknown(ctx context.Context) {
 	}
 	due := f.pool.Unprobed(time.Now(), reprobeInterval)
 	f.probes.mu.Lock()
-	if f.probes.running == nil {
-		f.probes.running = make(map[string]chan struct{})
-	}
 	for _, u := range due {
 		done := make(chan struct{})
 		f.probes.running[u] = done

@@ -43,7 +43,7 @@ type Fleet struct {
 
 // New returns the fleet of pool, which logs to logger.
 func New(pool Operated, logger *zap.Logger) *Fleet {
-	f := &Fleet{pool: pool, logger: logger, turn: make(chan struct{}, 1)}
+	f := &Fleet{pool: pool, logger: logger, turn: make(chan struct{}, 1), probes: probes{running: make(map[string]chan struct{})}}
 	f.client = workerurl.GuardedClient(func() *workerurl.Guard { return f.guard.Load() })
 	return f
 }
