@@ -61,7 +61,7 @@ func postJob(ctx context.Context, r *testrouter.Router, path, body, rid string) 
 // abortSite is a router of one pool with its metrics and the given
 // options, in front of ws.
 func abortSite(ws []*fakeworker.Worker, options string) string {
-	return metricsSite("diffusion_router abort-pool {\n workers " + testrouter.URLs(ws) + "\n" + abortSpeed + options + "}")
+	return testrouter.MetricsSite("diffusion_router abort-pool {\n workers " + testrouter.URLs(ws) + "\n" + abortSpeed + options + "}")
 }
 
 func abortWorkers(t *testing.T, names ...string) []*fakeworker.Worker {
@@ -131,7 +131,7 @@ func expectAborted(t *testing.T, what string, a clientGot, rid, by string) {
 
 func abortedTotal(t *testing.T, r *testrouter.Router, state string) float64 {
 	t.Helper()
-	return value(t, r, "caddy_diffusion_aborted_total", map[string]string{"pool": "abort-pool", "state": state})
+	return testrouter.Value(t, r, "caddy_diffusion_aborted_total", map[string]string{"pool": "abort-pool", "state": state})
 }
 
 // Waiting jobs aborted by id and by prefix end at once with 409 and never
@@ -139,11 +139,11 @@ func abortedTotal(t *testing.T, r *testrouter.Router, state string) float64 {
 func TestAbortWaitingJobsNeverReachAWorker(t *testing.T) {
 	w, r, running := busyRouter(t, "", "step-1-a")
 	ctx := t.Context()
-	byID := postJob(ctx, r, "/v1/images/generations", smallImage, "step-1-b")
+	byID := postJob(ctx, r, "/v1/images/generations", testrouter.SmallImage, "step-1-b")
 	waitQueued(t, r, 1)
-	byPrefix := postJob(ctx, r, "/v1/images/generations", smallImage, "step-2-a")
+	byPrefix := postJob(ctx, r, "/v1/images/generations", testrouter.SmallImage, "step-2-a")
 	waitQueued(t, r, 2)
-	unnamed := postJob(ctx, r, "/v1/images/generations", smallImage, "")
+	unnamed := postJob(ctx, r, "/v1/images/generations", testrouter.SmallImage, "")
 	waitQueued(t, r, 3)
 
 	abort(t, r, `{"rid": "step-1-b"}`, 1, 0)
@@ -198,7 +198,7 @@ func TestAbortRunningJobKeepsItsWorkerBusy(t *testing.T) {
 		t.Fatalf("the aborted job was answered after %s, as if it had run to its end", a.took)
 	}
 	for i := range 3 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		testrouter.ExpectStatus(t, "a job after the abort", rp, 200)
 		if got := rp.Header.Get("X-Fake-Worker"); got != other {
 			t.Fatalf("job %d after the abort went to %s; want %s, %s still computes the aborted job", i, got, other, busy)
@@ -221,7 +221,7 @@ func TestAbortedResendsAreRefusedAtOnce(t *testing.T) {
 
 	for _, c := range []struct{ rid, by string }{{"step-4-a", `{"rid": "step-4-a"}`}, {"step-5-x", `{"rid_prefix": "step-5-"}`}} {
 		start := time.Now()
-		rp := r.Post("/v1/images/generations", smallImage, requestIDHeader, c.rid)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage, requestIDHeader, c.rid)
 		expectAborted(t, "a resend of "+c.rid, clientGot{Reply: rp}, c.rid, c.by)
 		if msg := rp.ErrorText(t); !strings.Contains(msg, "refused until") || time.Since(start) > 500*time.Millisecond {
 			t.Fatalf("resend of %s: %q after %s; want a refusal at once that says until when", c.rid, msg, time.Since(start))
@@ -235,7 +235,7 @@ func TestAbortedResendsAreRefusedAtOnce(t *testing.T) {
 	}
 	testrouter.ExpectStatus(t, "the job before", (<-running).Reply, 200)
 	time.Sleep(2 * time.Second)
-	testrouter.ExpectStatus(t, "a resend after abort_memory", r.Post("/v1/images/generations", smallImage, requestIDHeader, "step-4-a"), 200)
+	testrouter.ExpectStatus(t, "a resend after abort_memory", r.Post("/v1/images/generations", testrouter.SmallImage, requestIDHeader, "step-4-a"), 200)
 	if st := w.Stats(); st.Jobs != 2 {
 		t.Fatalf("the worker ran %d jobs; want 2: the refused ones never reached it", st.Jobs)
 	}
@@ -247,7 +247,7 @@ func TestAbortAll(t *testing.T) {
 	_, r, running := busyRouter(t, "", "a")
 	ctx := t.Context()
 	withID := postJob(ctx, r, "/rollout/generate", `{"prompt":"p","width":64,"height":64,"num_inference_steps":2,"seed":1}`, "b")
-	noID := postJob(ctx, r, "/v1/images/generations", smallImage, "")
+	noID := postJob(ctx, r, "/v1/images/generations", testrouter.SmallImage, "")
 	waitQueued(t, r, 2)
 
 	abort(t, r, `{"abort_all": true}`, 2, 1)
@@ -258,8 +258,8 @@ func TestAbortAll(t *testing.T) {
 	if a.Header.Get(requestIDHeader) == "" {
 		t.Fatal("the aborted job's answer does not carry the id the router gave it")
 	}
-	testrouter.ExpectStatus(t, "a resend of b", r.Post("/v1/images/generations", smallImage, requestIDHeader, "b"), http.StatusConflict)
-	testrouter.ExpectStatus(t, "new work", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "a resend of b", r.Post("/v1/images/generations", testrouter.SmallImage, requestIDHeader, "b"), http.StatusConflict)
+	testrouter.ExpectStatus(t, "new work", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 }
 
 // A streamed answer that began before the abort cannot become a 409: the
@@ -298,7 +298,7 @@ func TestAbortResetsAStreamThatBegan(t *testing.T) {
 func TestClientThatLeavesLeavesTheQueue(t *testing.T) {
 	w, r, running := busyRouter(t, "", "")
 	ctx, leave := context.WithCancel(t.Context())
-	left := postJob(ctx, r, "/v1/images/generations", smallImage, "")
+	left := postJob(ctx, r, "/v1/images/generations", testrouter.SmallImage, "")
 	waitQueued(t, r, 1)
 	leave()
 	<-left
@@ -368,9 +368,9 @@ func TestAbortWhileTheAnswerIsHeld(t *testing.T) {
 		<-r.Context().Done() // the rest never comes
 	}))
 	t.Cleanup(stand.Close)
-	r := testrouter.Start(t, metricsSite("diffusion_router abort-pool {\n workers "+stand.URL+"\n"+abortSpeed+"}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router abort-pool {\n workers "+stand.URL+"\n"+abortSpeed+"}"))
 
-	job := postJob(t.Context(), r, "/v1/images/generations", smallImage, "held-1")
+	job := postJob(t.Context(), r, "/v1/images/generations", testrouter.SmallImage, "held-1")
 	<-began
 	abort(t, r, `{"rid": "held-1"}`, 0, 1)
 	a := <-job
@@ -381,7 +381,7 @@ func TestAbortWhileTheAnswerIsHeld(t *testing.T) {
 	if w := r.Workers()[stand.URL]; w["failures"] != 0.0 || w["consecutive_failures"] != 0.0 {
 		t.Fatalf("the abort counted against the worker: %v failures", w["failures"])
 	}
-	if got := value(t, r, "caddy_diffusion_broken_answers_total", map[string]string{"pool": "abort-pool"}); got != 0 {
+	if got := testrouter.Value(t, r, "caddy_diffusion_broken_answers_total", map[string]string{"pool": "abort-pool"}); got != 0 {
 		t.Fatalf("the answer the abort cut off counted as %g broken answers", got)
 	}
 }
@@ -395,7 +395,7 @@ func TestAbortJobWaitingToRunAgain(t *testing.T) {
 	testrouter.ExpectStatus(t, "register the failing worker", r.Post("/workers", `{"url": "`+failing+`"}`), 200)
 	testrouter.WaitFor(t, func() bool { return r.Workers()[failing]["state"] == "serving" })
 
-	job := postJob(t.Context(), r, "/v1/images/generations", smallImage, "again-1")
+	job := postJob(t.Context(), r, "/v1/images/generations", testrouter.SmallImage, "again-1")
 	waitQueued(t, r, 1) // behind the long job, for the worker that did not fail it
 	if failed.Load() != 1 {
 		t.Fatalf("the failing worker saw %d jobs; want the one now waiting", failed.Load())
@@ -415,6 +415,6 @@ func TestAbortMemorySurvivesAReload(t *testing.T) {
 	r := testrouter.Start(t, site)
 	abort(t, r, `{"rid_prefix": "step-9-"}`, 0, 0)
 	r.Load(site + "\n# reloaded")
-	rp := r.Post("/v1/images/generations", smallImage, requestIDHeader, "step-9-1")
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage, requestIDHeader, "step-9-1")
 	expectAborted(t, "a job of the aborted step after a reload", clientGot{Reply: rp}, "step-9-1", `{"rid_prefix": "step-9-"}`)
 }

@@ -68,7 +68,7 @@ func TestNoLinePerJobAtInfo(t *testing.T) {
 	}
 	ws := testrouter.StartWorkers(t, fakeworker.Config{})
 	r := testrouter.StartWith(t, logAt("info", "INFO", infoLog)+logAt("debug", "DEBUG", debugLog), "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
-	testrouter.ExpectStatus(t, "image", r.Post("/v1/images/generations", smallImage, requestIDHeader, "req-quiet"), 200)
+	testrouter.ExpectStatus(t, "image", r.Post("/v1/images/generations", testrouter.SmallImage, requestIDHeader, "req-quiet"), 200)
 	// The job's DEBUG line is written once the job is done with: any INFO
 	// line about it would have been written by then.
 	testrouter.WaitFor(t, func() bool { return logEntry(t, debugLog, `"job finished"`, "req-quiet") != nil })

@@ -101,7 +101,7 @@ func TestRequestsNameTheirPolicyOrTheBase(t *testing.T) {
 func TestASiteCanNameItsPolicyForAnUnmodifiedTrainer(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{})
 	r := testrouter.Start(t, policySite(ws, "adapter_from c"))
-	rp := r.Post("/v1/images/generations", smallImage) // no model field at all
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage) // no model field at all
 	testrouter.ExpectStatus(t, "a job", rp, 200)
 	if got := rp.Header.Get(fakeworker.AdapterHeader); got != "c" {
 		t.Fatalf("ran on adapter %q; want the site's, c", got)
@@ -208,22 +208,22 @@ func TestAPublishOutlivesARestart(t *testing.T) {
 
 func TestAdapterMetricsCountSwitchesAndWaitingWork(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{LoraSwitch: 20 * time.Millisecond})
-	r := testrouter.Start(t, metricsSite(policySite(ws, "")))
+	r := testrouter.Start(t, testrouter.MetricsSite(policySite(ws, "")))
 	testrouter.ExpectStatus(t, "a job of a", r.Post("/v1/images/generations", policyImage("a")), 200)
 	testrouter.ExpectStatus(t, "a job of b", r.Post("/v1/images/generations", policyImage("b")), 200)
 	for _, name := range []string{"a", "b"} {
 		labels := map[string]string{"pool": "default", "adapter": name}
-		if n := value(t, r, "caddy_diffusion_adapter_switches_total", labels); n != 1 {
+		if n := testrouter.Value(t, r, "caddy_diffusion_adapter_switches_total", labels); n != 1 {
 			t.Errorf("switches to %s: %v; want 1", name, n)
 		}
-		if s := value(t, r, "caddy_diffusion_adapter_switch_seconds_total", labels); s < 0.02 {
+		if s := testrouter.Value(t, r, "caddy_diffusion_adapter_switch_seconds_total", labels); s < 0.02 {
 			t.Errorf("time switching to %s: %vs; want at least the fake's 20ms", name, s)
 		}
-		if c := value(t, r, "caddy_diffusion_adapter_waiting_cost", labels); c != 0 {
+		if c := testrouter.Value(t, r, "caddy_diffusion_adapter_waiting_cost", labels); c != 0 {
 			t.Errorf("cost waiting for %s: %v; want 0 with nothing waiting", name, c)
 		}
 	}
-	if n := value(t, r, "caddy_diffusion_adapter_workers", map[string]string{"adapter": "b"}); n != 1 {
+	if n := testrouter.Value(t, r, "caddy_diffusion_adapter_workers", map[string]string{"adapter": "b"}); n != 1 {
 		t.Errorf("workers holding b: %v; want the one that served it last", n)
 	}
 }

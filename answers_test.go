@@ -34,7 +34,7 @@ type generation struct {
 }
 
 var (
-	imageJob   = generation{"/v1/images/generations", smallImage, func(b []byte) error { return json.Unmarshal(b, new(map[string]any)) }}
+	imageJob   = generation{"/v1/images/generations", testrouter.SmallImage, func(b []byte) error { return json.Unmarshal(b, new(map[string]any)) }}
 	rolloutJob = generation{"/rollout/generate", `{"prompt":"a cat","seed":1,"width":8,"height":8,"num_inference_steps":1}`,
 		func(b []byte) error { _, err := msgpack.Unmarshal(b); return err }}
 )
@@ -72,7 +72,7 @@ func TestBrokenAnswerRunsAgainOnAnotherWorker(t *testing.T) {
 				// soon leave none, and a broken answer would then stream
 				// to its client.
 				pool := fmt.Sprintf("held-%s-%s", strings.Split(g.path, "/")[1], b) // counters of their own
-				r := testrouter.Start(t, metricsSite("diffusion_router "+pool+" {\n workers "+testrouter.URLs(ws)+
+				r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router "+pool+" {\n workers "+testrouter.URLs(ws)+
 					"\n policy round_robin\n max_fails 100\n max_held_total 16KiB\n}"))
 				reruns, held := counter(t, r, "job_reruns_total", "pool", pool, "cause", "cut_short"), counter(t, r, "broken_answers_total", "pool", pool, "delivery", "held")
 				for i := range 8 {
@@ -169,8 +169,8 @@ func counter(t *testing.T, r *testrouter.Router, name string, labels ...string) 
 	for i := 0; i+1 < len(labels); i += 2 {
 		want[labels[i]] = labels[i+1]
 	}
-	before := value(t, r, "caddy_diffusion_"+name, want)
-	return func() float64 { return value(t, r, "caddy_diffusion_"+name, want) - before }
+	before := testrouter.Value(t, r, "caddy_diffusion_"+name, want)
+	return func() float64 { return testrouter.Value(t, r, "caddy_diffusion_"+name, want) - before }
 }
 
 // connectionReset reports whether err, from reading an answer, is the
@@ -184,7 +184,7 @@ func TestBrokenAnswerTooLargeToHoldResetsTheClient(t *testing.T) {
 		t.Run(b.String(), func(t *testing.T) {
 			ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks", ImageBytes: 256 << 10})
 			pool := "streamed-" + b.String() // counters of its own
-			r := testrouter.Start(t, metricsSite("diffusion_router "+pool+" {\n workers "+testrouter.URLs(ws)+"\n max_fails 100\n max_held_answer 64KiB\n}"))
+			r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router "+pool+" {\n workers "+testrouter.URLs(ws)+"\n max_fails 100\n max_held_answer 64KiB\n}"))
 			broken, streamed := counter(t, r, "broken_answers_total", "pool", pool, "delivery", "streamed"), counter(t, r, "streamed_answers_total", "pool", pool, "reason", "size")
 			whole := post(t, r, imageJob)
 			if whole.status != http.StatusOK || whole.err != nil || imageJob.decode(whole.body) != nil {
@@ -211,7 +211,7 @@ func TestBrokenAnswerTooLargeToHoldResetsTheClient(t *testing.T) {
 func TestAnswersStreamWhenTheHoldBudgetIsTaken(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks", ImageBytes: 64 << 10})
 	ws[0].SetBreakRate(fakeworker.BreakTruncate, 1)
-	r := testrouter.Start(t, metricsSite("diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_fails 100\n max_held_total 16KiB\n}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_fails 100\n max_held_total 16KiB\n}"))
 	streamed := counter(t, r, "streamed_answers_total", "reason", "budget")
 	a := post(t, r, imageJob)
 	if a.status != http.StatusOK || !connectionReset(a.err) {

@@ -59,10 +59,10 @@ func generations(r *http.Request) bool {
 func TestJobRunsAgainAfterBadGateway(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "bad"}, fakeworker.Config{Name: "good"})
 	bad, failed := fronted(t, ws[0], http.StatusServiceUnavailable, generations)
-	r := testrouter.Start(t, metricsSite("diffusion_router {\n workers "+bad+" "+ws[1].URL()+"\n policy round_robin\n max_fails 100\n}"))
-	before := value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "status"})
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router {\n workers "+bad+" "+ws[1].URL()+"\n policy round_robin\n max_fails 100\n}"))
+	before := testrouter.Value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "status"})
 	for i := range 6 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		testrouter.ExpectStatus(t, "a job its first worker answered 503", rp, 200)
 		if got := rp.Header.Get("X-Fake-Worker"); got != "good" {
 			t.Fatalf("request %d answered by %q", i, got)
@@ -71,7 +71,7 @@ func TestJobRunsAgainAfterBadGateway(t *testing.T) {
 	if failed.Load() == 0 {
 		t.Fatal("no job reached the failing worker; the test proves nothing")
 	}
-	if got := value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "status"}) - before; got != float64(failed.Load()) {
+	if got := testrouter.Value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "status"}) - before; got != float64(failed.Load()) {
 		t.Fatalf("job_reruns_total{cause=status} rose by %g; the failing worker answered %d jobs", got, failed.Load())
 	}
 	if got := r.Workers()[bad]["failures"]; got != float64(failed.Load()) {
@@ -87,7 +87,7 @@ func TestJobFailingOnTwoWorkersIsTheJobsFault(t *testing.T) {
 	a, failedA := fronted(t, ws[0], http.StatusBadGateway, generations)
 	b, failedB := fronted(t, ws[1], http.StatusBadGateway, generations)
 	r := testrouter.Start(t, "diffusion_router {\n workers "+a+" "+b+" "+ws[2].URL()+"\n policy round_robin\n max_attempts 3\n max_fails 100\n}")
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "a job two workers fail", rp, http.StatusBadGateway)
 	if !strings.Contains(string(rp.Body), "upstream unavailable") {
 		t.Fatalf("body %s; want the second worker's answer", rp.Body)
@@ -110,7 +110,7 @@ func TestJobAnswered503ByTwoWorkersRunsOnTheThird(t *testing.T) {
 	a, _ := fronted(t, ws[0], http.StatusServiceUnavailable, generations)
 	b, _ := fronted(t, ws[1], http.StatusServiceUnavailable, generations)
 	r := testrouter.Start(t, "diffusion_router {\n workers "+a+" "+b+" "+ws[2].URL()+"\n policy round_robin\n max_attempts 3\n max_fails 100\n}")
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "a job two workers answer 503", rp, http.StatusOK)
 	if ws[2].Stats().Jobs != 1 {
 		t.Fatalf("the third worker ran %d jobs; want the one two others answered 503", ws[2].Stats().Jobs)
@@ -123,7 +123,7 @@ func TestA500RunsAgainElsewhere(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "bad", FailRate: 1}, fakeworker.Config{Name: "good"})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n max_fails 100\n}")
 	for i := range 4 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		testrouter.ExpectStatus(t, "a job beside a worker that fails every job with 500", rp, 200)
 		if got := rp.Header.Get("X-Fake-Worker"); got != "good" {
 			t.Fatalf("request %d answered by %q", i, got)
@@ -144,7 +144,7 @@ func TestNoRunAgainOnceTheAnswerBegan(t *testing.T) {
 	r := testrouter.Start(t, "diffusion_router {\n workers "+breaks+" "+ws[1].URL()+"\n policy round_robin\n max_held_answer off\n}")
 	broken, whole := 0, 0
 	for failed.Load() == 0 && whole < 10 {
-		resp, err := testrouter.Client.Post(r.Base+"/v1/images/generations", "application/json", strings.NewReader(smallImage))
+		resp, err := testrouter.Client.Post(r.Base+"/v1/images/generations", "application/json", strings.NewReader(testrouter.SmallImage))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -182,10 +182,10 @@ func TestVideoJobAnsweredIsNotRunAgain(t *testing.T) {
 
 func TestAsleepWorkerIsSleepingNotFailing(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "slept"}, fakeworker.Config{Name: "awake"})
-	r := testrouter.Start(t, metricsSite("diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n}"))
 	// A trainer puts one engine to sleep directly, not through the router.
 	testrouter.ExpectStatus(t, "sleep", testrouter.Do(t, "POST", ws[0].URL()+"/release_memory_occupation", strings.NewReader("{}")), 200)
-	before := value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "asleep"})
+	before := testrouter.Value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "asleep"})
 	rollout := `{"prompt":"a cat","width":null,"height":null,"num_inference_steps":2,"seed":7}`
 	began := time.Now()
 	for i := range 4 {
@@ -195,7 +195,7 @@ func TestAsleepWorkerIsSleepingNotFailing(t *testing.T) {
 			t.Fatalf("request %d answered by %q", i, got)
 		}
 	}
-	if got, want := value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "asleep"})-before, asleepFindings(time.Since(began)); got < 1 || got > want {
+	if got, want := testrouter.Value(t, r, "caddy_diffusion_job_reruns_total", map[string]string{"cause": "asleep"})-before, asleepFindings(time.Since(began)); got < 1 || got > want {
 		t.Fatalf("job_reruns_total{cause=asleep} rose by %g; one job found the engine asleep and then at most %g went there to look again", got, want)
 	}
 	st := r.Workers()[ws[0].URL()]

@@ -56,8 +56,8 @@ func TestTenantsExampleTakesTheTenantFromTheAuthenticatedUser(t *testing.T) {
 	}
 
 	for what, rp := range map[string]testrouter.Reply{
-		"no credentials":           as(t, r, "", "", "POST", "/v1/images/generations", smallImage, "X-Tenant", "team-a"),
-		"a wrong password":         as(t, r, "team-a", "guess", "POST", "/v1/images/generations", smallImage),
+		"no credentials":           as(t, r, "", "", "POST", "/v1/images/generations", testrouter.SmallImage, "X-Tenant", "team-a"),
+		"a wrong password":         as(t, r, "team-a", "guess", "POST", "/v1/images/generations", testrouter.SmallImage),
 		"the worker list, no user": as(t, r, "", "", "GET", "/workers", ""),
 	} {
 		testrouter.ExpectStatus(t, what, rp, 401)
@@ -66,10 +66,10 @@ func TestTenantsExampleTakesTheTenantFromTheAuthenticatedUser(t *testing.T) {
 		t.Fatalf("the worker ran %d jobs of clients that were refused", n)
 	}
 
-	made := teamA("POST", "/v1/images/generations", smallImage, "X-Tenant", "team-b")
+	made := teamA("POST", "/v1/images/generations", testrouter.SmallImage, "X-Tenant", "team-b")
 	testrouter.ExpectStatus(t, "team-a's image, claiming team-b", made, 200)
 	id := made.JSON(t)["id"].(string)
-	testrouter.ExpectStatus(t, "team-b's image, claiming team-a", teamB("POST", "/v1/images/generations", smallImage, "X-Tenant", "team-a"), 200)
+	testrouter.ExpectStatus(t, "team-b's image, claiming team-a", teamB("POST", "/v1/images/generations", testrouter.SmallImage, "X-Tenant", "team-a"), 200)
 	var names []string
 	for _, tn := range teamA("GET", "/workers", "").JSON(t)["tenants"].([]any) {
 		if tn := tn.(map[string]any); tn["cost_served"].(float64) > 0 {

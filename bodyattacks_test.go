@@ -98,7 +98,7 @@ func TestGenerationKeyTricksReachNoWorker(t *testing.T) {
 	if q := r.Get("/health").JSON(t)["queued_requests"]; q != 0.0 {
 		t.Fatalf("%v requests left queued", q)
 	}
-	testrouter.ExpectStatus(t, "a plain request after the refused ones", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "a plain request after the refused ones", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 }
 
 func TestControlKeyTricksChangeNothing(t *testing.T) {
@@ -129,5 +129,5 @@ func TestControlKeyTricksChangeNothing(t *testing.T) {
 	if st := r.Workers()[a]["state"]; st != "serving" {
 		t.Fatalf("refused control calls left the worker %v", st)
 	}
-	testrouter.ExpectStatus(t, "a generation after the refused calls", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "a generation after the refused calls", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 }

@@ -17,7 +17,7 @@ import (
 // work it ran, which follows sglang-diffusion's reading.
 func TestRouterCostsWhatTheWorkerRuns(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w", UnitMs: 1})
-	r := testrouter.Start(t, metricsSite("diffusion_router cost-pool {\n workers "+testrouter.URLs(ws)+"\n}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router cost-pool {\n workers "+testrouter.URLs(ws)+"\n}"))
 	worker := map[string]string{"pool": "cost-pool", "worker": ws[0].URL()}
 	const image = `"prompt":"p","response_format":"b64_json",`
 	for _, tc := range []struct {
@@ -31,11 +31,11 @@ func TestRouterCostsWhatTheWorkerRuns(t *testing.T) {
 		{"/v1/images/generations", `{` + image + `"size":"abc","num_inference_steps":1}`, 1},
 		{"/v1/images/generations", `{` + image + `"size":"1536*1536","num_inference_steps":1}`, 1},
 	} {
-		routerBefore, workerBefore := value(t, r, "caddy_diffusion_worker_cost_total", worker), ws[0].Stats().Cost
+		routerBefore, workerBefore := testrouter.Value(t, r, "caddy_diffusion_worker_cost_total", worker), ws[0].Stats().Cost
 		testrouter.ExpectStatus(t, tc.body, r.Post(tc.path, tc.body), 200)
 		var counted, ran float64
 		testrouter.WaitFor(t, func() bool {
-			counted = value(t, r, "caddy_diffusion_worker_cost_total", worker) - routerBefore
+			counted = testrouter.Value(t, r, "caddy_diffusion_worker_cost_total", worker) - routerBefore
 			ran = ws[0].Stats().Cost - workerBefore
 			return counted > 0 && ran > 0
 		})

@@ -285,7 +285,7 @@ func TestDNSLookupFailureKeepsWorkers(t *testing.T) {
 			t.Fatalf("%s: the pool has workers %v; want the last ones DNS named", fault.name, got)
 		}
 		testrouter.ExpectStatus(t, fault.name+": /health", r.Get("/health"), 200)
-		testrouter.ExpectStatus(t, fault.name+": a generation", r.Post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, fault.name+": a generation", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	}
 
 	dnsSrv.set(t, name, pods.records(name, "b")...)
@@ -316,7 +316,7 @@ func TestDiscoveredListedAndRegisteredWorkersCoexist(t *testing.T) {
 		t.Fatalf("sources %v; want %v", got, want)
 	}
 	for range 6 {
-		testrouter.ExpectStatus(t, "a generation", r.Post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, "a generation", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	}
 }
 
@@ -333,7 +333,7 @@ func TestDNSWorkerJoinsAtThePoolsWeights(t *testing.T) {
 	waitForWorkers(t, r, pods.urls("a", "b")...)
 	servedByB := 0
 	for servedByB == 0 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		testrouter.ExpectStatus(t, "a generation", rp, 200)
 		if v := rp.Header.Get(weightVersionHeader); v != "/ckpt/step-1" {
 			t.Fatalf("%s answered from weights %q, after the update to /ckpt/step-1", rp.Header.Get("X-Fake-Worker"), v)
@@ -396,7 +396,7 @@ func TestDNSWorkersSurviveReload(t *testing.T) {
 	site := dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port))
 	r := testrouter.Start(t, site)
 	waitForWorkers(t, r, pods.urls("a")...)
-	testrouter.ExpectStatus(t, "a generation", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "a generation", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 
 	r.Load(site)
 	a := r.Workers()[pods.urls("a")[0]]
@@ -427,7 +427,7 @@ func TestDNSDiscoveryAAAA(t *testing.T) {
 	dnsSrv.set(t, name, name+" 0 IN AAAA ::1")
 	r := testrouter.Start(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, port)))
 	waitForWorkers(t, r, fmt.Sprintf("http://[::1]:%d", port))
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "a generation", rp, 200)
 	if got := rp.Header.Get("X-Fake-Worker"); got != "v6" {
 		t.Fatalf("served by %q; want the worker of the AAAA record", got)

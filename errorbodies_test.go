@@ -25,10 +25,10 @@ func TestErrorBodiesShowNoInternals(t *testing.T) {
 		name, site, method, path, body string
 		status                         int
 	}{
-		{"unreachable worker", "workers " + dead + "\n max_attempts 2", "POST", "/v1/images/generations", smallImage, 502},
+		{"unreachable worker", "workers " + dead + "\n max_attempts 2", "POST", "/v1/images/generations", testrouter.SmallImage, 502},
 		{"a request that is no job, to an unreachable worker", "workers " + dead + "\n max_attempts 1", "GET", "/server_info", "", 502},
 		{"upstream timeout", "workers " + slow[0].URL() + "\n upstream_timeout 200ms", "POST", "/v1/images/generations", slowJob, 504},
-		{"no worker", "", "POST", "/v1/images/generations", smallImage, 503},
+		{"no worker", "", "POST", "/v1/images/generations", testrouter.SmallImage, 503},
 		{"unknown video", "workers " + dead, "GET", "/v1/videos/no-such-job", "", 404},
 		{"bad image id", "workers " + dead, "GET", "/v1/images/a%2Fb/content", "", 400},
 		{"dotted path", "workers " + dead, "GET", "/v1/videos/../update_weights_from_disk", "", 400},

@@ -35,7 +35,7 @@ func TestExternalProxyWithoutTicket(t *testing.T) {
 		t.Helper()
 		served := map[string]int{}
 		for range n {
-			rp := r.Post("/direct/v1/images/generations", smallImage)
+			rp := r.Post("/direct/v1/images/generations", testrouter.SmallImage)
 			testrouter.ExpectStatus(t, "generation without a ticket", rp, 200)
 			if data, _ := rp.JSON(t)["data"].([]any); len(data) != 1 {
 				t.Fatalf("generation without a ticket answered %.200s", rp.Body)
@@ -46,7 +46,7 @@ func TestExternalProxyWithoutTicket(t *testing.T) {
 	}
 
 	// A request through the handler still gets its worker from the pool.
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "generation through the router", rp, 200)
 	if w := rp.Header.Get("X-Fake-Worker"); w != "a" && w != "b" && w != "c" {
 		t.Fatalf("generation through the router served by %q", w)
@@ -95,7 +95,7 @@ func TestExternalProxyWithoutTicket(t *testing.T) {
 	mark(0, true)
 	mark(2, true)
 	before := ws[0].Stats().Jobs + ws[1].Stats().Jobs + ws[2].Stats().Jobs
-	rp = r.Post("/direct/v1/images/generations", smallImage)
+	rp = r.Post("/direct/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "generation without a ticket, every worker dead", rp, 503)
 	if after := ws[0].Stats().Jobs + ws[1].Stats().Jobs + ws[2].Stats().Jobs; after != before {
 		t.Fatal("a dead worker was sent a job")

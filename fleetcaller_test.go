@@ -57,7 +57,7 @@ func TestUpdateOutlivesItsCaller(t *testing.T) {
 		}
 	}
 	testrouter.ExpectStatus(t, "health after the update", r.Get("/health"), 200)
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "generation after the update", rp, 200)
 	if v := rp.Header.Get(weightVersionHeader); v != "/ckpt/G" {
 		t.Fatalf("served on %q", v)
@@ -79,9 +79,9 @@ func TestSleepOutlivesItsCaller(t *testing.T) {
 	if h := r.Get("/health").JSON(t); h["sleeping_workers"] != 2.0 {
 		t.Fatalf("health after the sleep its caller left: %v", h)
 	}
-	testrouter.ExpectStatus(t, "generation while asleep", r.Post("/v1/images/generations", smallImage), 503)
+	testrouter.ExpectStatus(t, "generation while asleep", r.Post("/v1/images/generations", testrouter.SmallImage), 503)
 	testrouter.ExpectStatus(t, "wake", r.Post("/resume_memory_occupation", ""), 200)
-	testrouter.ExpectStatus(t, "generation after wake", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "generation after wake", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 }
 
 // A worker put to sleep and registered again looks serving to the router,
@@ -95,7 +95,7 @@ func TestWakeReachesAWorkerRegisteredAgainWhileAsleep(t *testing.T) {
 	testrouter.ExpectStatus(t, "remove", r.Post("/remove_worker", `{"url":"`+ws[0].URL()+`"}`), 200)
 	testrouter.ExpectStatus(t, "register again", r.Post("/workers", `{"url":"`+ws[0].URL()+`"}`), 200)
 
-	if rp := r.Post("/v1/images/generations", smallImage); rp.Status == 200 {
+	if rp := r.Post("/v1/images/generations", testrouter.SmallImage); rp.Status == 200 {
 		t.Fatal("a sleeping worker served an image")
 	}
 	rp := r.Post("/resume_memory_occupation", "")
@@ -106,5 +106,5 @@ func TestWakeReachesAWorkerRegisteredAgainWhileAsleep(t *testing.T) {
 	if ws[0].Asleep() {
 		t.Fatal("the worker sleeps on after the wake")
 	}
-	testrouter.ExpectStatus(t, "generation after wake", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "generation after wake", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 }

@@ -72,7 +72,7 @@ func TestUnreadableRecordIsKeptAside(t *testing.T) {
 	if kept, _ := os.ReadFile(aside[0]); string(kept) != string(broken) {
 		t.Fatalf("kept aside: %q; want the record as it was", kept)
 	}
-	var rec struct{ Workers []storedWorker }
+	var rec struct{ Workers []testrouter.StoredWorker }
 	data, _ := os.ReadFile(filepath.Join(folder, "fleet.json"))
 	if err := json.Unmarshal(data, &rec); err != nil || len(rec.Workers) != 2 {
 		t.Fatalf("the new record: %s (%v)", data, err)

@@ -18,15 +18,6 @@ import (
 // TestFleetKeyStaysInItsFolder pins it.
 const fleetKey = "diffusion_router/default/fleet.json"
 
-// storedWorker is a worker as the fleet record holds it: the record is read
-// back by a later process, so its JSON is a format to keep.
-type storedWorker struct {
-	URL           string `json:"url"`
-	Registered    bool   `json:"registered,omitempty"`
-	IsDead        bool   `json:"is_dead,omitempty"`
-	WeightVersion string `json:"weight_version,omitempty"`
-}
-
 // A write that fails is retried in the background, with the state as it
 // is by then; generations meanwhile are answered at once, whatever storage
 // does, and a write that hangs holds up the others for storeTimeout at
@@ -48,10 +39,10 @@ func TestFleetRecordWriteRetriedWithoutBlockingRequests(t *testing.T) {
 	testrouter.ExpectStatus(t, "add_worker", r.Post("/add_worker?url="+ws[1].URL(), ""), 200)
 	testrouter.ExpectStatus(t, "POST /workers", r.Post("/workers", `{"url":"`+ws[2].URL()+`"}`), 200)
 	testrouter.ExpectStatus(t, "hold back", testrouter.Do(t, "PUT", r.Base+"/workers/"+url.QueryEscape(ws[2].URL()), strings.NewReader(`{"is_dead":true}`)), 200)
-	testrouter.ExpectStatus(t, "generation", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "generation", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	release() // the hung write fails
 
-	want := []storedWorker{{URL: ws[0].URL()}, {URL: ws[1].URL(), Registered: true}, {URL: ws[2].URL(), Registered: true, IsDead: true}}
+	want := []testrouter.StoredWorker{{URL: ws[0].URL()}, {URL: ws[1].URL(), Registered: true}, {URL: ws[2].URL(), Registered: true, IsDead: true}}
 	var data []byte
 	if !testkit.WaitUntil(30*time.Second, func() bool {
 		var ok bool
@@ -60,7 +51,7 @@ func TestFleetRecordWriteRetriedWithoutBlockingRequests(t *testing.T) {
 	}) {
 		t.Fatal("the failed write was not retried within 30 s")
 	}
-	var rec struct{ Workers []storedWorker }
+	var rec struct{ Workers []testrouter.StoredWorker }
 	if err := json.Unmarshal(data, &rec); err != nil {
 		t.Fatalf("stored record is not JSON: %v", err)
 	}

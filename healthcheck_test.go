@@ -22,7 +22,7 @@ func TestHealthFailTakesWorkerOutAndBack(t *testing.T) {
 		t.Fatalf("readyz with one of two serving: %d %s", rd.Status, rd.Body)
 	}
 	for range 6 {
-		if rp := r.Post("/v1/images/generations", smallImage); rp.Header.Get("X-Fake-Worker") != "a" {
+		if rp := r.Post("/v1/images/generations", testrouter.SmallImage); rp.Header.Get("X-Fake-Worker") != "a" {
 			t.Fatalf("served by %q while b is unhealthy", rp.Header.Get("X-Fake-Worker"))
 		}
 	}
@@ -31,7 +31,7 @@ func TestHealthFailTakesWorkerOutAndBack(t *testing.T) {
 	testrouter.WaitFor(t, func() bool { return r.Get("/readyz").Status == 503 })
 	testrouter.ExpectStatus(t, "healthz", r.Get("/healthz"), 200)
 	done := make(chan testrouter.Reply)
-	go func() { done <- r.Post("/v1/images/generations", smallImage) }()
+	go func() { done <- r.Post("/v1/images/generations", testrouter.SmallImage) }()
 	testrouter.WaitFor(t, func() bool { return r.Get("/health").JSON(t)["queued_requests"] == 1.0 })
 	ws[1].SetHealthFail(false)
 	if rp := <-done; rp.Status != 200 || rp.Header.Get("X-Fake-Worker") != "b" {
@@ -51,7 +51,7 @@ func TestCrashLosesNoUnsentRequest(t *testing.T) {
 	for range 6 {
 		wg.Go(func() {
 			for range 15 {
-				if rp := r.Post("/v1/images/generations", smallImage); rp.Status != 200 {
+				if rp := r.Post("/v1/images/generations", testrouter.SmallImage); rp.Status != 200 {
 					mu.Lock()
 					failures++
 					mu.Unlock()
@@ -79,19 +79,19 @@ func TestHangIsDetectedAsStall(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b", HangAfter: 1})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n health_interval 20ms\n health_timeout 50ms\n stall_factor 2\n hedge_after off\n}")
 	for range 2 {
-		testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	}
 	// Round robin sends one of two jobs to each worker; b hangs on its second.
 	hung := make(chan testrouter.Reply, 2)
 	for range 2 {
-		go func() { hung <- r.Post("/v1/images/generations", smallImage) }()
+		go func() { hung <- r.Post("/v1/images/generations", testrouter.SmallImage) }()
 	}
 	if rp := <-hung; rp.Header.Get("X-Fake-Worker") != "a" {
 		t.Fatalf("the job that returned came from %q", rp.Header.Get("X-Fake-Worker"))
 	}
 	testrouter.WaitFor(t, func() bool { return r.Workers()[ws[1].URL()]["state"] == "suspect" })
 	for range 6 {
-		if rp := r.Post("/v1/images/generations", smallImage); rp.Header.Get("X-Fake-Worker") != "a" {
+		if rp := r.Post("/v1/images/generations", testrouter.SmallImage); rp.Header.Get("X-Fake-Worker") != "a" {
 			t.Fatalf("served by %q while b is stalled", rp.Header.Get("X-Fake-Worker"))
 		}
 	}
@@ -138,7 +138,7 @@ func TestDeadWorkerIsEjected(t *testing.T) {
 	dead := fmt.Sprintf("http://127.0.0.1:%d", testrouter.Port(t))
 	r := testrouter.Start(t, "diffusion_router {\n workers "+dead+" "+ws[0].URL()+"\n policy round_robin\n max_fails 2\n eject_time 1m\n health_interval 1h\n}")
 	for i := range 20 {
-		testrouter.ExpectStatus(t, fmt.Sprint("request ", i), r.Post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, fmt.Sprint("request ", i), r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	}
 	st := r.Workers()[dead]
 	if st["failures"] != 2.0 || st["state"] != "ejected" || st["ejected_until"] == nil {
@@ -150,7 +150,7 @@ func TestRetryOnListedStatus(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "flaky", FailRate: 1}, fakeworker.Config{Name: "good"})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n policy round_robin\n retry_on 500\n max_fails 100\n}")
 	for range 6 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		if rp.Status != 200 || rp.Header.Get("X-Fake-Worker") != "good" {
 			t.Fatalf("%d from %q; a 500 listed in retry_on goes to another worker", rp.Status, rp.Header.Get("X-Fake-Worker"))
 		}
@@ -201,7 +201,7 @@ func TestFailingWorkersGetLittleAndShowIt(t *testing.T) {
 			for range 6 {
 				wg.Go(func() {
 					for range 20 {
-						rp := r.Post("/v1/images/generations", smallImage)
+						rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 						if rp.Status != 200 {
 							t.Errorf("a job beside a failing worker: %d %s", rp.Status, rp.Body)
 						}
@@ -250,7 +250,7 @@ func TestWorkerBreakingEveryAnswerDrawsFewJobs(t *testing.T) {
 	for range 6 {
 		wg.Go(func() {
 			for time.Now().Before(end) {
-				rp := r.Post("/v1/images/generations", smallImage)
+				rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 				if rp.Status != 200 {
 					t.Errorf("a job beside a worker breaking its answers: %d %s", rp.Status, rp.Body)
 				}

@@ -48,7 +48,7 @@ func stepWithFault(t *testing.T, pool string, fault fakeworker.Config) (time.Dur
 		fakeworker.Config{Name: "c", UnitMs: 10}, fault)
 	// Jobs of 100-200 ms: a copy is considered once a job overruns 5 times
 	// its prediction and health_timeout, here 1 s.
-	r := testrouter.Start(t, metricsSite("diffusion_router "+pool+" {\n workers "+testrouter.URLs(ws)+"\n health_timeout 1s\n}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router "+pool+" {\n workers "+testrouter.URLs(ws)+"\n health_timeout 1s\n}"))
 	took, failed := batchOf(t, r, 60, heavyImage)
 	return took, failed, r
 }
@@ -58,13 +58,13 @@ func TestHungWorkerCostsAStepLittleMoreThanACrashedOne(t *testing.T) {
 	// run's hedges (-count), so the step's are what it adds.
 	hungWon := map[string]string{"pool": "hung", "outcome": "won"}
 	crashed, lostToCrash, r := stepWithFault(t, "crashed", fakeworker.Config{CrashAfter: 5})
-	wonBefore := value(t, r, "caddy_diffusion_hedges_total", hungWon)
+	wonBefore := testrouter.Value(t, r, "caddy_diffusion_hedges_total", hungWon)
 	hung, lostToHang, r := stepWithFault(t, "hung", fakeworker.Config{HangAfter: 5})
 	t.Logf("step with a crashed worker %v, with a hung one %v (%.2fx)", crashed, hung, hung.Seconds()/crashed.Seconds())
 	if lostToCrash+lostToHang > 0 {
 		t.Fatalf("%d jobs failed with a crashed worker, %d with a hung one; want none", lostToCrash, lostToHang)
 	}
-	if won := value(t, r, "caddy_diffusion_hedges_total", hungWon) - wonBefore; won < 1 {
+	if won := testrouter.Value(t, r, "caddy_diffusion_hedges_total", hungWon) - wonBefore; won < 1 {
 		t.Fatalf("hedges won: %g; the jobs the hung worker held end by their copies", won)
 	}
 	// The bar is 1.15x; a loaded test machine gets some slack.
@@ -75,9 +75,9 @@ func TestHungWorkerCostsAStepLittleMoreThanACrashedOne(t *testing.T) {
 
 func TestHedgingCanBeTurnedOff(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "hangs", HangAfter: 1, UnitMs: 10}, fakeworker.Config{Name: "idle", UnitMs: 10})
-	r := testrouter.Start(t, metricsSite("diffusion_router {\n workers "+ws[0].URL()+"\n hedge_after off\n}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router {\n workers "+ws[0].URL()+"\n hedge_after off\n}"))
 	testrouter.ExpectStatus(t, "first job", r.Post("/v1/images/generations", heavyImage), 200)
-	launched := value(t, r, "caddy_diffusion_hedges_total", map[string]string{"outcome": "launched"})
+	launched := testrouter.Value(t, r, "caddy_diffusion_hedges_total", map[string]string{"outcome": "launched"})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
 	hung := make(chan error, 1)
@@ -96,7 +96,7 @@ func TestHedgingCanBeTurnedOff(t *testing.T) {
 	if err := <-hung; err == nil {
 		t.Fatal("the job that hung was answered")
 	}
-	if n := value(t, r, "caddy_diffusion_hedges_total", map[string]string{"outcome": "launched"}) - launched; n != 0 || ws[1].Stats().Jobs != 0 {
+	if n := testrouter.Value(t, r, "caddy_diffusion_hedges_total", map[string]string{"outcome": "launched"}) - launched; n != 0 || ws[1].Stats().Jobs != 0 {
 		t.Fatalf("%g copies launched, %d jobs on the idle worker, with hedge_after off", n, ws[1].Stats().Jobs)
 	}
 }
@@ -137,7 +137,7 @@ func TestAWorkerHungFromTheStartCostsABatchOneHedge(t *testing.T) {
 	hung := testrouter.StartWorkers(t, fakeworker.Config{Name: "hung", UnitMs: 10})[0]
 	hung.Hang() // accepts jobs, never answers them; /health still answers
 	site := func(pool string, ws []*fakeworker.Worker) string {
-		return metricsSite("diffusion_router " + pool + " {\n workers " + testrouter.URLs(ws) + "\n health_timeout 1s\n}")
+		return testrouter.MetricsSite("diffusion_router " + pool + " {\n workers " + testrouter.URLs(ws) + "\n health_timeout 1s\n}")
 	}
 	// Far beyond the batch's second or so, far short of the 100 s that
 	// hedge_after times the 20 s predicted at 1 unit/s would wait.
@@ -155,14 +155,14 @@ func TestAWorkerHungFromTheStartCostsABatchOneHedge(t *testing.T) {
 	// Fresh pools: nothing is learned when the batch starts.
 	r = testrouter.Start(t, site("with_hung", slices.Concat(good, []*fakeworker.Worker{hung})))
 	won := map[string]string{"pool": "with_hung", "outcome": "won"}
-	wonBefore := value(t, r, "caddy_diffusion_hedges_total", won)
+	wonBefore := testrouter.Value(t, r, "caddy_diffusion_hedges_total", won)
 	with, by := served(t, r, jobs, heavyImage, limit)
 	for _, w := range by {
 		if w != "a" && w != "b" && w != "c" {
 			t.Fatalf("with a worker hung from the start, a job got %q; want every job answered by a, b or c: %q", w, by)
 		}
 	}
-	if n := value(t, r, "caddy_diffusion_hedges_total", won) - wonBefore; n < 1 {
+	if n := testrouter.Value(t, r, "caddy_diffusion_hedges_total", won) - wonBefore; n < 1 {
 		t.Fatalf("hedges won: %g; the job the hung worker took ends by its copy", n)
 	}
 	// The documented bound: the hung worker holds its job until it has
@@ -183,9 +183,9 @@ func TestAWorkerHungFromTheStartCostsABatchOneHedge(t *testing.T) {
 // though it runs longer than health_timeout.
 func TestASlowFirstJobWithinItsBoundGetsNoCopy(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "fast", UnitMs: 10}, fakeworker.Config{Name: "slow", UnitMs: 10, Speed: 0.4})
-	r := testrouter.Start(t, metricsSite("diffusion_router slow_first {\n workers "+testrouter.URLs(ws)+"\n health_timeout 400ms\n}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router slow_first {\n workers "+testrouter.URLs(ws)+"\n health_timeout 400ms\n}"))
 	launched := map[string]string{"pool": "slow_first", "outcome": "launched"}
-	before := value(t, r, "caddy_diffusion_hedges_total", launched)
+	before := testrouter.Value(t, r, "caddy_diffusion_hedges_total", launched)
 	// 200 ms on the fast worker, 500 ms on the slow one: a copy would be
 	// due after 5 x 200 ms.
 	_, by := served(t, r, 2, heavyImage, 20*time.Second)
@@ -193,7 +193,7 @@ func TestASlowFirstJobWithinItsBoundGetsNoCopy(t *testing.T) {
 	if by[0] != "fast" || by[1] != "slow" {
 		t.Fatalf("two jobs on two idle workers were answered by %q; want one each", by)
 	}
-	if n := value(t, r, "caddy_diffusion_hedges_total", launched) - before; n != 0 {
+	if n := testrouter.Value(t, r, "caddy_diffusion_hedges_total", launched) - before; n != 0 {
 		t.Fatalf("%g copies of a first job running 2.5x the others' time", n)
 	}
 }

@@ -21,7 +21,7 @@ func TestDrainLeavesOutAWorkerWithAHungJob(t *testing.T) {
 	ws := namedWorkers(t, 3, fakeworker.Config{})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_timeout 1s\n max_inflight 1\n}")
 	for range 9 { // every worker learns its speed
-		testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	}
 	start := time.Now()
 	testrouter.ExpectStatus(t, "an update on a healthy fleet", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/1"}`), 200)
@@ -31,7 +31,7 @@ func TestDrainLeavesOutAWorkerWithAHungJob(t *testing.T) {
 	var wg sync.WaitGroup
 	replies := make([]testrouter.Reply, 12)
 	for i := range replies {
-		wg.Go(func() { replies[i] = r.Post("/v1/images/generations", smallImage) })
+		wg.Go(func() { replies[i] = r.Post("/v1/images/generations", testrouter.SmallImage) })
 	}
 	testrouter.WaitFor(t, func() bool { return r.Workers()[ws[0].URL()]["active_requests"].(float64) >= 1 })
 

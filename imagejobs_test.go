@@ -17,7 +17,7 @@ import (
 // worker that made it.
 func makeImage(t *testing.T, r *testrouter.Router) (id, worker string) {
 	t.Helper()
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "make an image", rp, 200)
 	id, _ = rp.JSON(t)["id"].(string)
 	if id == "" {

@@ -11,7 +11,7 @@ import (
 func TestLoraReachesEveryWorkerAsABarrier(t *testing.T) {
 	ws := namedWorkers(t, 2, fakeworker.Config{})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n weights_path_prefix /ckpt\n}")
-	testrouter.ExpectStatus(t, "a job before", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "a job before", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 
 	rp := r.Post("/v1/set_lora", `{"lora_nickname":"step1","lora_path":"/ckpt/lora-1"}`)
 	testrouter.ExpectStatus(t, "set_lora", rp, 200)
@@ -20,7 +20,7 @@ func TestLoraReachesEveryWorkerAsABarrier(t *testing.T) {
 		t.Fatalf("set_lora answered %s; want both workers and the adapter in the version", rp.Body)
 	}
 	for range 4 {
-		if v := r.Post("/v1/images/generations", smallImage).Header.Get(weightVersionHeader); v != oldVersion+"+lora:step1" {
+		if v := r.Post("/v1/images/generations", testrouter.SmallImage).Header.Get(weightVersionHeader); v != oldVersion+"+lora:step1" {
 			t.Fatalf("a job after set_lora was served by %q", v)
 		}
 	}
@@ -41,7 +41,7 @@ func TestLoraReachesEveryWorkerAsABarrier(t *testing.T) {
 	late := testrouter.StartWorkers(t, fakeworker.Config{Name: "late"})
 	testrouter.ExpectStatus(t, "register", r.Post("/add_worker?url="+late[0].URL(), ""), 200)
 	for range 6 {
-		if v := r.Post("/v1/images/generations", smallImage).Header.Get(weightVersionHeader); v != oldVersion+"+lora:step2" {
+		if v := r.Post("/v1/images/generations", testrouter.SmallImage).Header.Get(weightVersionHeader); v != oldVersion+"+lora:step2" {
 			t.Fatalf("a job after a worker joined was served by %q", v)
 		}
 	}
@@ -56,7 +56,7 @@ func TestLoraReachesEveryWorkerAsABarrier(t *testing.T) {
 func TestBadLoraCallsChangeNothing(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n weights_path_prefix /ckpt\n}")
-	testrouter.ExpectStatus(t, "a job", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "a job", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	for _, tc := range []struct {
 		path, body string
 		want       int

@@ -1,7 +1,6 @@
 package diffusionrouter_test
 
 import (
-	"bufio"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -18,78 +17,9 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
-// metricsSite serves Caddy's metrics at /metrics beside the router.
-func metricsSite(router string) string {
-	return "handle /metrics {\n metrics\n}\nhandle {\n" + router + "\n}"
-}
-
-// metric is one sample of the Prometheus text format.
-type metric struct {
-	labels map[string]string
-	value  float64
-}
-
-// scrape reads the named series from the router's /metrics.
-func scrape(t *testing.T, r *testrouter.Router, name string) []metric {
-	t.Helper()
-	return series(scrapeAll(t, r), name)
-}
-
-// scrapeAll reads the router's /metrics whole.
-func scrapeAll(t *testing.T, r *testrouter.Router) string {
-	t.Helper()
-	rp := r.Get("/metrics")
-	testrouter.ExpectStatus(t, "metrics", rp, 200)
-	return string(rp.Body)
-}
-
-// series reads the named series from a scrape.
-func series(scraped, name string) []metric {
-	var out []metric
-	sc := bufio.NewScanner(strings.NewReader(scraped))
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if !strings.HasPrefix(line, name+"{") && !strings.HasPrefix(line, name+" ") {
-			continue
-		}
-		m := metric{labels: map[string]string{}}
-		series, value, _ := strings.Cut(line[len(name):], " ")
-		m.value, _ = strconv.ParseFloat(value, 64)
-		for _, pair := range strings.Split(strings.Trim(series, "{}"), `",`) {
-			if k, v, ok := strings.Cut(pair, `="`); ok {
-				m.labels[k] = strings.TrimSuffix(v, `"`)
-			}
-		}
-		out = append(out, m)
-	}
-	return out
-}
-
-// value is the sum of the series of name whose labels include want.
-func value(t *testing.T, r *testrouter.Router, name string, want map[string]string) float64 {
-	t.Helper()
-	return valueIn(scrapeAll(t, r), name, want)
-}
-
-// valueIn is value in a scrape.
-func valueIn(scraped, name string, want map[string]string) float64 {
-	sum := 0.0
-	for _, m := range series(scraped, name) {
-		match := true
-		for k, v := range want {
-			match = match && m.labels[k] == v
-		}
-		if match {
-			sum += m.value
-		}
-	}
-	return sum
-}
-
 func TestMetricsCountWhatHappened(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
-	r := testrouter.Start(t, metricsSite("diffusion_router metrics-pool {\n workers "+testrouter.URLs(ws)+"\n}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router metrics-pool {\n workers "+testrouter.URLs(ws)+"\n}"))
 
 	pool := map[string]string{"pool": "metrics-pool"}
 	with := func(kv ...string) map[string]string {
@@ -119,7 +49,7 @@ func TestMetricsCountWhatHappened(t *testing.T) {
 	}
 	start := make([]float64, len(grown))
 	for i, c := range grown {
-		start[i] = value(t, r, c.name, c.want)
+		start[i] = testrouter.Value(t, r, c.name, c.want)
 	}
 
 	for range 3 {
@@ -130,7 +60,7 @@ func TestMetricsCountWhatHappened(t *testing.T) {
 	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/m","weight_version":"m1"}`), 200)
 
 	for i, c := range grown {
-		if got := value(t, r, c.name, c.want) - start[i]; got != c.v {
+		if got := testrouter.Value(t, r, c.name, c.want) - start[i]; got != c.v {
 			t.Errorf("%s%v grew by %v, want %v", c.name, c.want, got, c.v)
 		}
 	}
@@ -149,27 +79,27 @@ func TestMetricsCountWhatHappened(t *testing.T) {
 		{"caddy_diffusion_worker_inflight_jobs", pool, 0},
 		{"caddy_diffusion_worker_failures_total", pool, 0},
 	} {
-		if got := value(t, r, c.name, c.want); got != c.v {
+		if got := testrouter.Value(t, r, c.name, c.want); got != c.v {
 			t.Errorf("%s%v = %v, want %v", c.name, c.want, got, c.v)
 		}
 	}
-	if speeds := scrape(t, r, "caddy_diffusion_worker_speed"); len(speeds) != 2 {
+	if speeds := testrouter.Scrape(t, r, "caddy_diffusion_worker_speed"); len(speeds) != 2 {
 		t.Errorf("%d speed series; want one per worker", len(speeds))
 	}
 }
 
 func TestMetricsOfRemovedWorkerDisappear(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a"}, fakeworker.Config{Name: "b"})
-	r := testrouter.Start(t, metricsSite("diffusion_router removal-pool {\n workers "+ws[0].URL()+"\n}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router removal-pool {\n workers "+ws[0].URL()+"\n}"))
 	testrouter.ExpectStatus(t, "register", r.Post("/workers", `{"url":"`+ws[1].URL()+`"}`), 200)
-	series := func() int { return len(scrape(t, r, "caddy_diffusion_worker_inflight_jobs")) }
+	series := func() int { return len(testrouter.Scrape(t, r, "caddy_diffusion_worker_inflight_jobs")) }
 	if n := series(); n != 2 {
 		t.Fatalf("%d in-flight series with two workers", n)
 	}
 	testrouter.ExpectStatus(t, "remove", testrouter.Do(t, "DELETE", r.Base+"/workers/"+url.QueryEscape(ws[1].URL()), nil), 200)
-	for _, m := range scrape(t, r, "caddy_diffusion_worker_state") {
-		if m.labels["worker"] == ws[1].URL() {
-			t.Fatalf("removed worker still has series: %v", m.labels)
+	for _, m := range testrouter.Scrape(t, r, "caddy_diffusion_worker_state") {
+		if m.Labels["worker"] == ws[1].URL() {
+			t.Fatalf("removed worker still has series: %v", m.Labels)
 		}
 	}
 	if n := series(); n != 1 {
@@ -179,13 +109,13 @@ func TestMetricsOfRemovedWorkerDisappear(t *testing.T) {
 
 func TestMetricsSurviveReloads(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{})
-	site := metricsSite("diffusion_router reload-pool {\n workers " + testrouter.URLs(ws) + "\n}")
+	site := testrouter.MetricsSite("diffusion_router reload-pool {\n workers " + testrouter.URLs(ws) + "\n}")
 	r := testrouter.Start(t, site)
 	for i := range 5 {
 		r.Load(site + "\n# reload " + strconv.Itoa(i))
-		testrouter.ExpectStatus(t, "image", r.Post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, "image", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	}
-	if got := value(t, r, "caddy_diffusion_worker_jobs_total", map[string]string{"pool": "reload-pool"}); got != 5 {
+	if got := testrouter.Value(t, r, "caddy_diffusion_worker_jobs_total", map[string]string{"pool": "reload-pool"}); got != 5 {
 		t.Fatalf("jobs after 5 reloads: %v", got)
 	}
 }
@@ -200,7 +130,7 @@ func TestFinishedJobIsLogged(t *testing.T) {
 	if rp.Header.Get(requestIDHeader) != "req-42" {
 		t.Fatalf("request id echoed as %q", rp.Header.Get(requestIDHeader))
 	}
-	if id := r.Post("/v1/images/generations", smallImage).Header.Get(requestIDHeader); len(id) != 16 {
+	if id := r.Post("/v1/images/generations", testrouter.SmallImage).Header.Get(requestIDHeader); len(id) != 16 {
 		t.Fatalf("generated request id %q", id)
 	}
 	var entry map[string]any
@@ -237,7 +167,7 @@ func TestFinishedJobIsLogged(t *testing.T) {
 // a factor of 1.6 of the truth either way once speeds are learned.
 func TestBacklogPredictsTheBatch(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{UnitMs: 20}, fakeworker.Config{UnitMs: 20}, fakeworker.Config{UnitMs: 20})
-	r := testrouter.Start(t, metricsSite("diffusion_router backlog-pool {\n workers "+testrouter.URLs(ws)+"\n}"))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router backlog-pool {\n workers "+testrouter.URLs(ws)+"\n}"))
 	pool := map[string]string{"pool": "backlog-pool"}
 	image := func(steps int) string {
 		return fmt.Sprintf(`{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":%d}`, steps)
@@ -245,7 +175,7 @@ func TestBacklogPredictsTheBatch(t *testing.T) {
 	for range 2 { // every worker learns its speed
 		batch(t, r, []string{image(2), image(2), image(2)})
 	}
-	if got := value(t, r, "caddy_diffusion_backlog_seconds", pool); got != 0 {
+	if got := testrouter.Value(t, r, "caddy_diffusion_backlog_seconds", pool); got != 0 {
 		t.Fatalf("backlog of an idle pool %v; want 0", got)
 	}
 
@@ -254,7 +184,7 @@ func TestBacklogPredictsTheBatch(t *testing.T) {
 	for i := range bodies {
 		bodies[i] = image(2 + rng.IntN(7)) // 40 to 160 ms
 	}
-	done := value(t, r, "caddy_diffusion_worker_jobs_total", pool)
+	done := testrouter.Value(t, r, "caddy_diffusion_worker_jobs_total", pool)
 	answers := batchAsync(r, bodies)
 	// The gauge is read in the scrape that shows the batch arrived, and
 	// the batch timed from just before it: on a loaded machine a scrape
@@ -264,11 +194,11 @@ func TestBacklogPredictsTheBatch(t *testing.T) {
 	var read time.Time
 	for {
 		read = time.Now()
-		scraped := scrapeAll(t, r)
-		arrived := valueIn(scraped, "caddy_diffusion_queue_length", pool) + valueIn(scraped, "caddy_diffusion_worker_inflight_jobs", pool) +
-			valueIn(scraped, "caddy_diffusion_worker_jobs_total", pool) - done
+		scraped := testrouter.ScrapeAll(t, r)
+		arrived := testrouter.ValueIn(scraped, "caddy_diffusion_queue_length", pool) + testrouter.ValueIn(scraped, "caddy_diffusion_worker_inflight_jobs", pool) +
+			testrouter.ValueIn(scraped, "caddy_diffusion_worker_jobs_total", pool) - done
 		if arrived >= float64(len(bodies)) {
-			predicted = time.Duration(valueIn(scraped, "caddy_diffusion_backlog_seconds", pool) * float64(time.Second))
+			predicted = time.Duration(testrouter.ValueIn(scraped, "caddy_diffusion_backlog_seconds", pool) * float64(time.Second))
 			break
 		}
 		if read.After(deadline) {
@@ -286,7 +216,7 @@ func TestBacklogPredictsTheBatch(t *testing.T) {
 	if ratio := took.Seconds() / predicted.Seconds(); ratio > 1.6 || ratio < 1/1.6 {
 		t.Errorf("backlog %v; the batch took %v: off by more than 1.6x", predicted, took)
 	}
-	if got := value(t, r, "caddy_diffusion_backlog_seconds", pool); got != 0 {
+	if got := testrouter.Value(t, r, "caddy_diffusion_backlog_seconds", pool); got != 0 {
 		t.Errorf("backlog after the batch %v; want 0", got)
 	}
 }

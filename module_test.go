@@ -32,13 +32,11 @@ const (
 	requestIDHeader     = "X-Request-Id"
 )
 
-const smallImage = `{"response_format":"b64_json","prompt":"a cat","size":"256x256","num_inference_steps":2}`
-
 func TestForwardsEveryEndpoint(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "img"}, fakeworker.Config{Name: "vid", TaskType: "T2V"})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "images/generations", rp, 200)
 	if rp.Header.Get("X-Fake-Worker") != "img" {
 		t.Fatalf("image job served by %q; want the image worker", rp.Header.Get("X-Fake-Worker"))
@@ -49,7 +47,7 @@ func TestForwardsEveryEndpoint(t *testing.T) {
 
 	body, ctype := multipartEdit(t)
 	testrouter.ExpectStatus(t, "images/edits", r.Post("/v1/images/edits", body, "Content-Type", ctype), 200)
-	testrouter.ExpectStatus(t, "diffusion/generate", r.Post("/v1/diffusion/generate", smallImage), 200)
+	testrouter.ExpectStatus(t, "diffusion/generate", r.Post("/v1/diffusion/generate", testrouter.SmallImage), 200)
 
 	rp = r.Post("/rollout/generate", `{"prompt":"a cat","width":64,"height":64,"num_inference_steps":2,"seed":7}`)
 	testrouter.ExpectStatus(t, "rollout/generate", rp, 200)
@@ -82,16 +80,6 @@ func TestForwardsEveryEndpoint(t *testing.T) {
 func multipartEdit(t *testing.T) (string, string) {
 	t.Helper()
 	return testkit.MultipartForm([]byte("\x89PNG fake image bytes"), "prompt", "make it blue", "size", "256x256", "num_inference_steps", "2")
-}
-
-// busyWith starts a job on the router that keeps the given worker busy and
-// waits until the worker has it; the job's answer arrives on the channel.
-func busyWith(t *testing.T, r *testrouter.Router, worker string, body string) <-chan testrouter.Reply {
-	t.Helper()
-	done := make(chan testrouter.Reply, 1)
-	go func() { done <- r.Post("/v1/images/generations", body) }()
-	testrouter.WaitFor(t, func() bool { return r.Workers()[worker]["active_requests"] == 1.0 })
-	return done
 }
 
 // createVideo starts a video job and checks which worker took it.
@@ -173,7 +161,7 @@ func TestHealthFollowsServingWorkers(t *testing.T) {
 	if h := rp.JSON(t); h["status"] != "unhealthy" || h["total_workers"] != 0.0 {
 		t.Fatalf("health: %s", rp.Body)
 	}
-	rp = r.Post("/v1/images/generations", smallImage)
+	rp = r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "generation with no workers", rp, 503)
 	if rp.ErrorText(t) != "No healthy workers available in the pool" {
 		t.Fatalf("no workers: %s", rp.Body)
@@ -188,13 +176,13 @@ func TestHealthFollowsServingWorkers(t *testing.T) {
 			t.Fatalf("health %s = %v, want %v", k, got, v)
 		}
 	}
-	testrouter.ExpectStatus(t, "generation", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "generation", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 
 	id := url.QueryEscape(ws[0].URL())
 	testrouter.ExpectStatus(t, "mark dead", testrouter.Do(t, "PUT", r.Base+"/workers/"+id, strings.NewReader(`{"is_dead":true}`)), 200)
 	testrouter.ExpectStatus(t, "health with a dead worker", r.Get("/health"), 503)
 	// The job waits in the queue for the worker to come back, up to queue_timeout.
-	rp = r.Post("/v1/images/generations", smallImage)
+	rp = r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "generation on a dead pool", rp, 503)
 	if !strings.Contains(rp.ErrorText(t), "queue") || rp.Header.Get("Retry-After") == "" {
 		t.Fatalf("queue timeout answer: %s %v", rp.Body, rp.Header)
@@ -230,7 +218,7 @@ func TestBadRequestsAreRefusedCleanly(t *testing.T) {
 	if n := ws[0].Stats().Jobs; n != 0 {
 		t.Fatalf("a refused request reached the worker (%d jobs)", n)
 	}
-	testrouter.ExpectStatus(t, "good request after bad ones", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "good request after bad ones", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 
 	// A worker's own 4xx passes through unchanged.
 	rp = r.Post("/v1/images/generations", `{"size":"256x256"}`)
@@ -242,7 +230,7 @@ func TestBadRequestsAreRefusedCleanly(t *testing.T) {
 func TestUnreachableWorker(t *testing.T) {
 	dead := "http://127.0.0.1:" + fmt.Sprint(testrouter.Port(t))
 	r := testrouter.Start(t, "diffusion_router {\n workers "+dead+"\n max_attempts 2\n}")
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "unreachable worker", rp, 502)
 	if !strings.HasPrefix(rp.ErrorText(t), "Worker request failed") {
 		t.Fatalf("502 error: %s", rp.Body)
@@ -259,7 +247,7 @@ func TestFailedConnectionIsRetriedElsewhere(t *testing.T) {
 	dead := "http://127.0.0.1:" + fmt.Sprint(testrouter.Port(t))
 	r := testrouter.Start(t, "diffusion_router {\n workers "+dead+" "+ws[0].URL()+"\n policy round_robin\n}")
 	for i := range 6 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		testrouter.ExpectStatus(t, fmt.Sprintf("request %d", i), rp, 200)
 	}
 	if n := ws[0].Stats().Jobs; n != 6 {
@@ -289,7 +277,7 @@ func TestControlEndpointsNeedTrust(t *testing.T) {
 	rp := r.Post("/workers", register, "Authorization", "Bearer s3cret")
 	testrouter.ExpectStatus(t, "register with token", rp, 200)
 	testrouter.ExpectStatus(t, "read-only list", r.Get("/list_workers"), 200)
-	testrouter.ExpectStatus(t, "generation", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "generation", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 }
 
 func TestWorkersAPI(t *testing.T) {
@@ -391,8 +379,8 @@ func TestLeastRequestSpreadsABatch(t *testing.T) {
 func TestLargeResponseStreamsIntact(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "big", ImageBytes: 15 << 20})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
-	direct := testrouter.Do(t, "POST", ws[0].URL()+"/v1/images/generations", strings.NewReader(smallImage))
-	proxied := r.Post("/v1/images/generations", smallImage)
+	direct := testrouter.Do(t, "POST", ws[0].URL()+"/v1/images/generations", strings.NewReader(testrouter.SmallImage))
+	proxied := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "20 MB image", proxied, 200)
 	if len(proxied.Body) < 20<<20 {
 		t.Fatalf("response is %d bytes; want over 20 MiB", len(proxied.Body))
@@ -418,7 +406,7 @@ func TestRegisteredWorkersSurviveReload(t *testing.T) {
 		t.Fatalf("after reloads the pool holds %s; want only the registered worker", rp.Body)
 	}
 	for range 3 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		testrouter.ExpectStatus(t, "after reload", rp, 200)
 		if rp.Header.Get("X-Fake-Worker") != "joined" {
 			t.Fatalf("served by %q", rp.Header.Get("X-Fake-Worker"))
@@ -499,8 +487,8 @@ func TestWorkerErrorsPassThrough(t *testing.T) {
 	// The first job's three attempts eject the only worker; the next job
 	// waits for its next passed probe, which lets it back on probation.
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_interval 500ms\n}")
-	rp := r.Post("/v1/images/generations", smallImage)
-	direct := testrouter.Do(t, "POST", ws[0].URL()+"/v1/images/generations", strings.NewReader(smallImage))
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
+	direct := testrouter.Do(t, "POST", ws[0].URL()+"/v1/images/generations", strings.NewReader(testrouter.SmallImage))
 	if rp.Status != 500 || direct.Status != 500 || string(rp.Body) != string(direct.Body) ||
 		rp.Header.Get("Content-Type") != direct.Header.Get("Content-Type") {
 		t.Fatalf("worker's 500 %s became %d %s", direct.Body, rp.Status, rp.Body)
@@ -535,7 +523,7 @@ func TestBadCostFieldsAreRefusedBeforeAnyWorker(t *testing.T) {
 	if ws[0].Stats().Jobs+ws[1].Stats().Jobs != 0 {
 		t.Fatal("a refused request reached a worker")
 	}
-	testrouter.ExpectStatus(t, "good request after bad ones", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "good request after bad ones", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 }
 
 func TestFullQueueAnswers429(t *testing.T) {
@@ -543,11 +531,11 @@ func TestFullQueueAnswers429(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w", UnitMs: 1000})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_queue 1\n queue_timeout 10s\n}")
 	slow := `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":4}`
-	running := busyWith(t, r, ws[0].URL(), slow)
+	running := testrouter.BusyWith(t, r, ws[0].URL(), slow)
 	ctx, leave := context.WithCancel(t.Context())
 	waiting := postJob(ctx, r, "/v1/images/generations", slow, "")
 	testrouter.WaitFor(t, func() bool { return r.Get("/health").JSON(t)["queued_requests"] == 1.0 })
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "third job", rp, 429)
 	if !strings.Contains(rp.ErrorText(t), "max_queue") || rp.Header.Get("Retry-After") == "" {
 		t.Fatalf("429 answer: %s %v", rp.Body, rp.Header)

@@ -15,7 +15,7 @@ import (
 // prioritySite is a router over ws whose jobs take their priority from
 // X-Priority, with /metrics beside it.
 func prioritySite(ws []*fakeworker.Worker, extra string) string {
-	return metricsSite("diffusion_router priority-pool {\n workers " + testrouter.URLs(ws) +
+	return testrouter.MetricsSite("diffusion_router priority-pool {\n workers " + testrouter.URLs(ws) +
 		"\n priority {http.request.header.X-Priority}\n" + extra + "}")
 }
 
@@ -56,17 +56,17 @@ func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
 	// rest of the batch and the urgent jobs to queue behind it and be seen
 	// there, even under the race detector; then jobs of 300 ms.
 	go sendJob(r, "batch-0", "", 20, done)
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) == 1 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) == 1 })
 	for i := 1; i < 10; i++ {
 		go sendJob(r, fmt.Sprintf("batch-%d", i), "", 2, done)
 	}
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) == 9 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_queue_length", pool) == 9 })
 	go sendJob(r, "urgent-1", "5", 2, done)
 	go sendJob(r, "urgent-2", "5", 2, done)
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) == 11 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_queue_length", pool) == 11 })
 	// What waits, by priority, as the metrics, /health, /workers and the
 	// status page show it.
-	if n := value(t, r, "caddy_diffusion_priority_queue_length", map[string]string{"pool": "priority-pool", "priority": "5"}); n != 2 {
+	if n := testrouter.Value(t, r, "caddy_diffusion_priority_queue_length", map[string]string{"pool": "priority-pool", "priority": "5"}); n != 2 {
 		t.Errorf("priority_queue_length{priority=5} = %v; want the 2 urgent jobs", n)
 	}
 	for _, path := range []string{"/health", "/workers", "/dashboard/data"} {

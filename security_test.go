@@ -370,7 +370,7 @@ func TestUnreachableRegistrationsDrawNoJobs(t *testing.T) {
 		}
 	}
 	for i := range 30 {
-		testrouter.ExpectStatus(t, fmt.Sprint("generation ", i), r.Post("/v1/images/generations", smallImage), http.StatusOK)
+		testrouter.ExpectStatus(t, fmt.Sprint("generation ", i), r.Post("/v1/images/generations", testrouter.SmallImage), http.StatusOK)
 	}
 	if h := r.Get("/health").JSON(t); h["healthy_workers"] != 1.0 || h["unhealthy_workers"] != 50.0 {
 		t.Fatalf("health after 50 unreachable registrations: %v", h)
@@ -383,7 +383,7 @@ func TestRequestIDIsBounded(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	for name, id := range map[string]string{"129 bytes": strings.Repeat("r", 129), "not ASCII": "step-é"} {
-		rp := r.Post("/v1/images/generations", smallImage, requestIDHeader, id)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage, requestIDHeader, id)
 		testrouter.ExpectStatus(t, "request id of "+name, rp, 400)
 		if !strings.Contains(rp.ErrorText(t), "X-Request-Id") {
 			t.Fatalf("refusal of a request id of %s: %s", name, rp.Body)
@@ -392,7 +392,7 @@ func TestRequestIDIsBounded(t *testing.T) {
 	if ws[0].Stats().Jobs != 0 {
 		t.Fatal("a request with a refused id reached a worker")
 	}
-	rp := r.Post("/v1/images/generations", smallImage, requestIDHeader, strings.Repeat("r", 128))
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage, requestIDHeader, strings.Repeat("r", 128))
 	testrouter.ExpectStatus(t, "request id of 128 bytes", rp, 200)
 	if rp.Header.Get(requestIDHeader) != strings.Repeat("r", 128) {
 		t.Fatalf("request id echoed as %q", rp.Header.Get(requestIDHeader))

@@ -109,7 +109,7 @@ func TestAnImageJobIsItsTenantsOnly(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "img"})
 	r := testrouter.Start(t, tenantSite(ws, ""))
 	teamA, mallory := tenantClient{t, r, "team-a"}, tenantClient{t, r, "mallory"}
-	rp := teamA.do("POST", "/v1/images/generations", smallImage)
+	rp := teamA.do("POST", "/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "team-a makes an image", rp, 200)
 	id := rp.JSON(t)["id"].(string)
 

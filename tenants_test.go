@@ -13,7 +13,7 @@ import (
 // tenantSite is a router over ws whose jobs name their tenant in
 // X-Tenant, with /metrics beside it.
 func tenantSite(ws []*fakeworker.Worker, extra string) string {
-	return metricsSite("diffusion_router tenant-pool {\n workers " + testrouter.URLs(ws) +
+	return testrouter.MetricsSite("diffusion_router tenant-pool {\n workers " + testrouter.URLs(ws) +
 		"\n tenant {http.request.header.X-Tenant}\n" + extra + "}")
 }
 
@@ -39,14 +39,14 @@ func TestTenantsShareTheWorkerByCostNotRequests(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 64)
 	go sendTenantJob(r, "warmup", 100, done) // holds the worker for 2 s while the others queue
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for range 30 {
 		go sendTenantJob(r, "many-small", 1, done)
 	}
 	for range 6 {
 		go sendTenantJob(r, "few-large", 5, done)
 	}
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 35 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_queue_length", pool) >= 35 })
 	work := map[string]int{}
 	var order []string
 	for range 37 {
@@ -74,10 +74,10 @@ func TestTenantMaxQueueRefusesOnlyThatTenant(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 8)
 	go sendTenantJob(r, "a", 100, done) // holds the worker for 2 s
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	go sendTenantJob(r, "a", 1, done)
 	go sendTenantJob(r, "a", 1, done)
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 2 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_queue_length", pool) >= 2 })
 	go sendTenantJob(r, "a", 1, done)
 	refused := <-done
 	if refused.status != 429 || !strings.Contains(refused.body, `tenant \"a\"`) || !strings.Contains(refused.body, "tenant_max_queue") {
@@ -117,21 +117,21 @@ func TestTenantsBeyondMaxTenantsShareOther(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 16)
 	go sendTenantJob(r, "t0", 100, done) // holds the worker for 2 s
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for i := range 10 {
 		go sendTenantJob(r, fmt.Sprint("t", i), 1, done)
 	}
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 10 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_queue_length", pool) >= 10 })
 	labels := map[string]float64{}
-	for _, m := range scrape(t, r, "caddy_diffusion_tenant_queue_length") {
-		labels[m.labels["tenant"]] += m.value
+	for _, m := range testrouter.Scrape(t, r, "caddy_diffusion_tenant_queue_length") {
+		labels[m.Labels["tenant"]] += m.Value
 	}
 	if len(labels) != 3 || labels["other"] < 8 {
 		t.Fatalf("tenants waiting by label %v; want three labels (other and two tenants), other with the 8 or more jobs of the tenants beyond max_tenants 2", labels)
 	}
 	backlog := map[string]float64{}
-	for _, m := range scrape(t, r, "caddy_diffusion_tenant_backlog_seconds") {
-		backlog[m.labels["tenant"]] = m.value
+	for _, m := range testrouter.Scrape(t, r, "caddy_diffusion_tenant_backlog_seconds") {
+		backlog[m.Labels["tenant"]] = m.Value
 	}
 	if len(backlog) != 3 || backlog["other"] <= 0 {
 		t.Fatalf("tenant backlogs %v; want one per tracked tenant, other's above 0", backlog)
@@ -156,14 +156,14 @@ func TestInventedTenantNamesShareOneShare(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 128)
 	go sendTenantJob(r, "team-b", 100, done) // holds the worker for 2 s while the others queue
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for i := range 63 {
 		go sendTenantJob(r, fmt.Sprint("mallory-", i), 1, done)
 	}
 	for range 20 {
 		go sendTenantJob(r, "team-a", 1, done)
 	}
-	testrouter.WaitFor(t, func() bool { return value(t, r, "caddy_diffusion_queue_length", pool) >= 83 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_queue_length", pool) >= 83 })
 	var names []string
 	for _, tn := range r.Get("/workers").JSON(t)["tenants"].([]any) {
 		names = append(names, tn.(map[string]any)["name"].(string))

@@ -139,14 +139,14 @@ func TestDrainUpdateUnderLoad(t *testing.T) {
 func TestJobsInFlightFinishOnOldWeights(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 100})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
-	job := busyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":5}`)
+	job := testrouter.BusyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":5}`)
 	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/2","weight_version":"step-2"}`), 200)
 	long := <-job
 	testrouter.ExpectStatus(t, "job in flight", long, 200)
 	if long.Header.Get(weightVersionHeader) != oldVersion {
 		t.Fatalf("job in flight when the update came was served by %q", long.Header.Get(weightVersionHeader))
 	}
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	if rp.Header.Get(weightVersionHeader) != "step-2" {
 		t.Fatalf("after the update: %q", rp.Header.Get(weightVersionHeader))
 	}
@@ -202,7 +202,7 @@ func TestFailedUpdateKeepsWorkerOut(t *testing.T) {
 		t.Fatalf("failed worker is %v; want stale", st)
 	}
 	for range 10 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		if rp.Header.Get("X-Fake-Worker") != "good" || rp.Header.Get(weightVersionHeader) != "/ckpt/3" {
 			t.Fatalf("served by %q on %q", rp.Header.Get("X-Fake-Worker"), rp.Header.Get(weightVersionHeader))
 		}
@@ -212,7 +212,7 @@ func TestFailedUpdateKeepsWorkerOut(t *testing.T) {
 func TestUpdatesAreSerialised(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 300})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
-	busyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":3}`)
+	testrouter.BusyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":3}`)
 	var wg sync.WaitGroup
 	var first, second testrouter.Reply
 	wg.Go(func() { first = r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/a"}`) })
@@ -231,14 +231,14 @@ func TestUpdatesAreSerialised(t *testing.T) {
 func TestDrainTimeoutChangesNothing(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{UnitMs: 500})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n drain_timeout 100ms\n}")
-	job := busyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":3}`)
+	job := testrouter.BusyWith(t, r, ws[0].URL(), `{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":3}`)
 	rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/late"}`)
 	testrouter.ExpectStatus(t, "update behind a long job", rp, 504)
 	if !strings.Contains(rp.ErrorText(t), "drain_timeout") {
 		t.Fatalf("504 answer: %s", rp.Body)
 	}
 	testrouter.ExpectStatus(t, "the long job", <-job, 200)
-	rp = r.Post("/v1/images/generations", smallImage)
+	rp = r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "after the timed-out update", rp, 200)
 	if ws[0].Weights() != oldVersion || rp.Header.Get(weightVersionHeader) != oldVersion {
 		t.Fatalf("a timed-out update changed the weights to %q", ws[0].Weights())
@@ -248,7 +248,7 @@ func TestDrainTimeoutChangesNothing(t *testing.T) {
 func TestSleepAndWake(t *testing.T) {
 	ws := namedWorkers(t, 2, fakeworker.Config{})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n queue_timeout 200ms\n}")
-	testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	jobs := ws[0].Stats().Jobs + ws[1].Stats().Jobs
 
 	testrouter.ExpectStatus(t, "sleep", r.Post("/release_memory_occupation", `{}`), 200)
@@ -260,14 +260,14 @@ func TestSleepAndWake(t *testing.T) {
 	if h := r.Get("/health"); h.Status != 503 || h.JSON(t)["sleeping_workers"] != 2.0 {
 		t.Fatalf("health while asleep: %d %s", h.Status, h.Body)
 	}
-	testrouter.ExpectStatus(t, "generation while asleep", r.Post("/v1/images/generations", smallImage), 503)
+	testrouter.ExpectStatus(t, "generation while asleep", r.Post("/v1/images/generations", testrouter.SmallImage), 503)
 	if n := ws[0].Stats().Jobs + ws[1].Stats().Jobs; n != jobs {
 		t.Fatalf("sleeping workers were sent %d jobs", n-jobs)
 	}
 
 	testrouter.ExpectStatus(t, "wake", r.Post("/resume_memory_occupation", ""), 200)
 	testrouter.ExpectStatus(t, "wake again", r.Post("/resume_memory_occupation", ""), 200)
-	testrouter.ExpectStatus(t, "generation after wake", r.Post("/v1/images/generations", smallImage), 200)
+	testrouter.ExpectStatus(t, "generation after wake", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 }
 
 func TestJoiningWorkerIsBroughtToCurrentWeights(t *testing.T) {
@@ -285,7 +285,7 @@ func TestJoiningWorkerIsBroughtToCurrentWeights(t *testing.T) {
 		t.Fatalf("late worker on %q", ws[1].Weights())
 	}
 	for range 6 {
-		if v := r.Post("/v1/images/generations", smallImage).Header.Get(weightVersionHeader); v != "step-7" {
+		if v := r.Post("/v1/images/generations", testrouter.SmallImage).Header.Get(weightVersionHeader); v != "step-7" {
 			t.Fatalf("served by %q", v)
 		}
 	}
@@ -298,9 +298,9 @@ func TestRequestedWeightVersion(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{})
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/9","weight_version":"step-9"}`), 200)
-	rp := r.Post("/v1/images/generations", smallImage, weightVersionHeader, "step-9")
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage, weightVersionHeader, "step-9")
 	testrouter.ExpectStatus(t, "current version", rp, 200)
-	rp = r.Post("/v1/images/generations", smallImage, weightVersionHeader, "step-8")
+	rp = r.Post("/v1/images/generations", testrouter.SmallImage, weightVersionHeader, "step-8")
 	testrouter.ExpectStatus(t, "a version nobody has", rp, 409)
 	if !strings.Contains(rp.ErrorText(t), "step-8") {
 		t.Fatalf("409 answer: %s", rp.Body)
@@ -417,7 +417,7 @@ func TestWorkerThatMissedAnUpdateCatchesUpWhenBack(t *testing.T) {
 		t.Fatalf("the worker came back on %q", back.Weights())
 	}
 	for range 8 {
-		if v := r.Post("/v1/images/generations", smallImage).Header.Get(weightVersionHeader); v != "step-8" {
+		if v := r.Post("/v1/images/generations", testrouter.SmallImage).Header.Get(weightVersionHeader); v != "step-8" {
 			t.Fatalf("served by %q", v)
 		}
 	}
@@ -497,7 +497,7 @@ func TestWorkersUpdatedServeWhileAStragglerLoads(t *testing.T) {
 		return s[ws[0].URL()]["state"] == "serving" && s[ws[1].URL()]["weight_version"] == "step-10" && s[straggler.URL]["state"] == "updating"
 	})
 	for range 6 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		testrouter.ExpectStatus(t, "a job while the straggler loads", rp, 200)
 		if v := rp.Header.Get(weightVersionHeader); v != "step-10" {
 			t.Fatalf("served by %q while the update runs", v)

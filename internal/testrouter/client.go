@@ -111,3 +111,18 @@ func WaitFor(t testing.TB, cond func() bool) {
 		t.Fatal("condition never held")
 	}
 }
+
+// SmallImage is the body of a small image job: two steps at 256x256,
+// answered as base64.
+const SmallImage = `{"response_format":"b64_json","prompt":"a cat","size":"256x256","num_inference_steps":2}`
+
+// BusyWith starts an image job with body on r that keeps the given worker
+// busy, and waits until the worker has it; the job's answer arrives on the
+// channel.
+func BusyWith(t testing.TB, r *Router, worker string, body string) <-chan Reply {
+	t.Helper()
+	done := make(chan Reply, 1)
+	go func() { done <- r.Post("/v1/images/generations", body) }()
+	WaitFor(t, func() bool { return r.Workers()[worker]["active_requests"] == 1.0 })
+	return done
+}

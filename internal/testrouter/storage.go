@@ -55,3 +55,12 @@ func (memStorage) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next()
 	return nil
 }
+
+// StoredWorker is a worker as the fleet record holds it: the record is read
+// back by a later process, so its JSON is a format to keep.
+type StoredWorker struct {
+	URL           string `json:"url"`
+	Registered    bool   `json:"registered,omitempty"`
+	IsDead        bool   `json:"is_dead,omitempty"`
+	WeightVersion string `json:"weight_version,omitempty"`
+}

@@ -1,4 +1,4 @@
-package diffusionrouter_test
+package e2e
 
 import (
 	"fmt"
@@ -51,7 +51,7 @@ func TestFailoverUnderLoadLosesNoRequest(t *testing.T) {
 	for range clients {
 		wg.Go(func() {
 			for range queue {
-				status, header, text := miles.Post(front.Base+"/v1/images/generations", smallImage)
+				status, header, text := miles.Post(front.Base+"/v1/images/generations", testrouter.SmallImage)
 				mu.Lock()
 				if status == http.StatusOK {
 					byWorker[header.Get("X-Fake-Worker")]++
@@ -135,7 +135,7 @@ func TestUpdateInterruptedByAFailoverIsFinished(t *testing.T) {
 	// Jobs meanwhile: none from the old weights.
 	var miles testkit.Miles
 	for range 10 {
-		_, header, _ := miles.Post(b.Base+"/v1/images/generations", smallImage)
+		_, header, _ := miles.Post(b.Base+"/v1/images/generations", testrouter.SmallImage)
 		if v := header.Get("X-Weight-Version"); v != "/ckpt/2" || header.Get("X-Fake-Worker") != "quick" {
 			bProcess.fail("a job during the inherited update was answered by %s on %q; want quick on /ckpt/2",
 				header.Get("X-Fake-Worker"), v)
@@ -151,7 +151,7 @@ func TestUpdateInterruptedByAFailoverIsFinished(t *testing.T) {
 	testrouter.WaitFor(t, func() bool { return b.Workers()[slow.URL()]["state"] == "serving" })
 	seen := map[string]bool{}
 	testrouter.WaitFor(t, func() bool {
-		_, header, _ := miles.Post(b.Base+"/v1/images/generations", smallImage)
+		_, header, _ := miles.Post(b.Base+"/v1/images/generations", testrouter.SmallImage)
 		if v := header.Get("X-Weight-Version"); v != "/ckpt/2" {
 			t.Fatalf("a job after the retried update was answered on %q", v)
 		}
@@ -173,7 +173,7 @@ func TestStoppingRouterHandsOverBeforeItsJobsEnd(t *testing.T) {
 		t.Skip("builds Caddy and runs two routers as processes")
 	}
 	etcd := etcdtest.Start(t)
-	// smallImage costs 0.125: 10 s on "slow".
+	// testrouter.SmallImage costs 0.125: 10 s on "slow".
 	workers := testrouter.StartWorkers(t, fakeworker.Config{Name: "slow", UnitMs: 80000}, fakeworker.Config{Name: "quick"})
 	bin := buildCaddy(t)
 	slow, quick := workers[:1], workers[1].URL()
@@ -181,7 +181,7 @@ func TestStoppingRouterHandsOverBeforeItsJobsEnd(t *testing.T) {
 	testrouter.WaitFor(t, func() bool { return leads(t, a) })
 	b, bProcess := startHAProcess(t, bin, etcd, slow)
 	testrouter.WaitFor(t, func() bool { return standingOf(t, b.Get("/health")).names(a.Base) })
-	held := busyWith(t, a, slow[0].URL(), smallImage)
+	held := testrouter.BusyWith(t, a, slow[0].URL(), testrouter.SmallImage)
 
 	aProcess.terminate()
 	stopped := time.Now()

@@ -1,4 +1,4 @@
-package diffusionrouter_test
+package e2e
 
 // Browser tests of the status page at /dashboard: headless Chromium driven
 // over the DevTools protocol with chromedp. They need the chromium binary
@@ -61,7 +61,7 @@ func TestDashboardInBrowser(t *testing.T) {
 		t.Fatalf("completed jobs shows %q", tab.text("#completed-jobs"))
 	}
 	for i := range 5 {
-		testrouter.ExpectStatus(t, fmt.Sprintf("generation %d", i), r.Post("/v1/images/generations", smallImage), 200)
+		testrouter.ExpectStatus(t, fmt.Sprintf("generation %d", i), r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	}
 	waitUntil(t, 20*time.Second, "completed jobs to grow by 5", func() bool { return completedJobs(tab) >= before+5 })
 	if got := completedJobs(tab); got != before+5 {

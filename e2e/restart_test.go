@@ -1,4 +1,4 @@
-package diffusionrouter_test
+package e2e
 
 import (
 	"encoding/json"
@@ -44,10 +44,10 @@ func buildCaddy(t *testing.T) string {
 // which it removes when they end.
 var builtCaddy = sync.OnceValues(func() (string, error) {
 	bin := filepath.Join(os.Getenv("HOME"), "caddy")
-	cmd := exec.Command("go", "build", "-buildvcs=false", "-o", bin, "./cmd/caddy")
+	cmd := exec.Command("go", "build", "-buildvcs=false", "-o", bin, "github.com/miles-rollout/miles-diffusion-router/cmd/caddy")
 	cmd.Env = buildEnv
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go build ./cmd/caddy: %w\n%s", err, out)
+		return "", fmt.Errorf("go build cmd/caddy: %w\n%s", err, out)
 	}
 	return bin, nil
 })
@@ -221,12 +221,12 @@ func TestFleetSurvivesKill9(t *testing.T) {
 		second.fail("fleet after kill -9 and a start: %+v; want %+v", after, before)
 	}
 	for i := range 10 {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		testrouter.ExpectStatus(t, fmt.Sprintf("job %d after the start", i), rp, 200)
 		if by := rp.Header.Get("X-Fake-Worker"); by != "a" {
 			second.fail("job %d served by %s; only a may serve (b failed its probe, c is held back)", i, by)
 		}
-		if v := rp.Header.Get(weightVersionHeader); v != "step-7+lora:x" {
+		if v := rp.Header.Get("X-Weight-Version"); v != "step-7+lora:x" {
 			second.fail("job %d served on weights %q; want step-7+lora:x", i, v)
 		}
 	}

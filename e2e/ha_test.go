@@ -1,4 +1,4 @@
-package diffusionrouter_test
+package e2e
 
 import (
 	"bytes"
@@ -27,7 +27,7 @@ const haLeaseTTL = 2 * time.Second
 // haRouter is the site of a router of the pool "ha-pool" in the group
 // elected through etcd; block is the `ha etcd` block's options.
 func haRouter(etcd *etcdtest.Server, workers []*fakeworker.Worker, block string) string {
-	return metricsSite(fmt.Sprintf("diffusion_router ha-pool {\n workers %s\n health_interval 200ms\n ha etcd %s {\n lease_ttl %s\n %s\n }\n}",
+	return testrouter.MetricsSite(fmt.Sprintf("diffusion_router ha-pool {\n workers %s\n health_interval 200ms\n ha etcd %s {\n lease_ttl %s\n %s\n }\n}",
 		testrouter.URLs(workers), etcd.Endpoint, haLeaseTTL, block))
 }
 
@@ -52,9 +52,9 @@ func (s standing) names(leader string) bool { return s.Leader != nil && *s.Leade
 // haLeader reads the caddy_diffusion_ha_leader of ha-pool.
 func haLeader(t *testing.T, r *testrouter.Router) float64 {
 	t.Helper()
-	for _, m := range scrape(t, r, "caddy_diffusion_ha_leader") {
-		if m.labels["pool"] == "ha-pool" {
-			return m.value
+	for _, m := range testrouter.Scrape(t, r, "caddy_diffusion_ha_leader") {
+		if m.Labels["pool"] == "ha-pool" {
+			return m.Value
 		}
 	}
 	t.Fatal("no caddy_diffusion_ha_leader series for ha-pool")
@@ -126,7 +126,7 @@ func TestStandbyNamesTheLeaderAndTakesOver(t *testing.T) {
 	if s := standingOf(t, a.Get("/readyz")); !s.names(leader) {
 		t.Fatalf("the leader names %v as leader; want its default identity %s", s.Leader, leader)
 	}
-	testrouter.ExpectStatus(t, "job on the leader", a.Post("/v1/images/generations", smallImage), http.StatusOK)
+	testrouter.ExpectStatus(t, "job on the leader", a.Post("/v1/images/generations", testrouter.SmallImage), http.StatusOK)
 
 	b, bProcess := startStandbyProcess(t, etcd, workers)
 	testrouter.WaitFor(t, func() bool { return standingOf(t, b.Get("/health")).names(leader) })
@@ -135,7 +135,7 @@ func TestStandbyNamesTheLeaderAndTakesOver(t *testing.T) {
 	if body := ready.JSON(t); body["standby"] != true || body["ready"] != false {
 		t.Errorf("standby's /readyz says %s; want ready false, standby true", ready.Body)
 	}
-	expectStandbyRefusal(t, "image job on the standby", b.Post("/v1/images/generations", smallImage), leader)
+	expectStandbyRefusal(t, "image job on the standby", b.Post("/v1/images/generations", testrouter.SmallImage), leader)
 	expectStandbyRefusal(t, "worker registration on the standby", b.Post("/workers", `{"url":"http://127.0.0.1:1"}`), leader)
 	expectStandbyRefusal(t, "weight update on the standby", b.Post("/update_weights_from_disk", `{"model_path":"/ckpt/1"}`), leader)
 	for _, r := range []struct {
@@ -170,7 +170,7 @@ func TestStandbyNamesTheLeaderAndTakesOver(t *testing.T) {
 	}
 	t.Logf("the standby led %v after the leader stopped", time.Since(stopped).Round(time.Millisecond))
 	testrouter.WaitFor(t, func() bool { return leads(t, b) })
-	rp := b.Post("/v1/images/generations", smallImage)
+	rp := b.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "job on the new leader", rp, http.StatusOK)
 	if by := rp.Header.Get("X-Fake-Worker"); by != "w1" && by != "w2" {
 		t.Fatalf("the new leader's job was served by %q", by)
@@ -189,16 +189,16 @@ func TestStandbyNamesTheLeaderAndTakesOver(t *testing.T) {
 // answering as a standby, and finishes the job it holds.
 func TestLeaderCutOffFromEtcdFinishesItsJobs(t *testing.T) {
 	etcd := etcdtest.Start(t)
-	// smallImage costs 0.125: 12.5 s on this worker, past the lease.
+	// testrouter.SmallImage costs 0.125: 12.5 s on this worker, past the lease.
 	workers := testrouter.StartWorkers(t, fakeworker.Config{Name: "slow", UnitMs: 100000})
 	r := testrouter.Start(t, haRouter(etcd, workers, "advertise http://router-a:8080"))
 	testrouter.WaitFor(t, func() bool { return leads(t, r) })
-	held := busyWith(t, r, workers[0].URL(), smallImage)
+	held := testrouter.BusyWith(t, r, workers[0].URL(), testrouter.SmallImage)
 	etcd.Stop()
 	if !testkit.WaitUntil(haLeaseTTL+5*time.Second, func() bool { return r.Get("/readyz").Status == http.StatusServiceUnavailable }) {
 		t.Fatal("the leader still says it is ready well past its lease after etcd stopped")
 	}
-	rp := r.Post("/v1/images/generations", smallImage)
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 	testrouter.ExpectStatus(t, "new job once the lease is lost", rp, http.StatusServiceUnavailable)
 	if rp.Header.Get("Retry-After") != "1" || !strings.Contains(rp.ErrorText(t), "standby") {
 		t.Fatalf("new job once the lease is lost: %v %s; want Retry-After 1 and a standby's error", rp.Header, rp.Body)
@@ -266,7 +266,7 @@ func TestReloadKeepsTheLead(t *testing.T) {
 	if after := electionKeys(t, etcd); after != before {
 		t.Fatalf("election keys %s after the reload; want %s, the campaign kept", after, before)
 	}
-	testrouter.ExpectStatus(t, "job after the reload", r.Post("/v1/images/generations", smallImage), http.StatusOK)
+	testrouter.ExpectStatus(t, "job after the reload", r.Post("/v1/images/generations", testrouter.SmallImage), http.StatusOK)
 
 	// A reload that changes `ha` campaigns again, with the new identity.
 	r.Load(haRouter(etcd, workers, "advertise http://router-b:8080"))
@@ -275,7 +275,7 @@ func TestReloadKeepsTheLead(t *testing.T) {
 		t.Fatalf("election keys %s after a reload that changed ha; want a new campaign's, not %s", after, before)
 	}
 	// One that drops it resigns: the router is the pool's only one again.
-	r.Load(metricsSite("diffusion_router ha-pool {\n workers " + testrouter.URLs(workers) + "\n}"))
+	r.Load(testrouter.MetricsSite("diffusion_router ha-pool {\n workers " + testrouter.URLs(workers) + "\n}"))
 	ready := r.Get("/readyz")
 	testrouter.ExpectStatus(t, "/readyz without ha", ready, http.StatusOK)
 	if ready.JSON(t)["ha"] != nil {
@@ -284,7 +284,7 @@ func TestReloadKeepsTheLead(t *testing.T) {
 	if keys := electionKeys(t, etcd); strings.Contains(keys, "create_revision") {
 		t.Fatalf("election keys %s left in etcd after a reload that dropped ha", keys)
 	}
-	testrouter.ExpectStatus(t, "job without ha", r.Post("/v1/images/generations", smallImage), http.StatusOK)
+	testrouter.ExpectStatus(t, "job without ha", r.Post("/v1/images/generations", testrouter.SmallImage), http.StatusOK)
 }
 
 // etcdValue reads key from etcd; "" when it is not there.
@@ -354,7 +354,7 @@ func TestStandbyTakesOverTheFleetAsTheLeaderLeftIt(t *testing.T) {
 	}
 	served := map[string]bool{}
 	testrouter.WaitFor(t, func() bool {
-		rp := b.Post("/v1/images/generations", smallImage)
+		rp := b.Post("/v1/images/generations", testrouter.SmallImage)
 		served[rp.Header.Get("X-Fake-Worker")] = rp.Status == http.StatusOK
 		return served["w1"] && served["joiner"]
 	})
@@ -371,7 +371,7 @@ func TestFirstLeaderSeedsTheRecordFromStorage(t *testing.T) {
 	workers := testrouter.StartWorkers(t, fakeworker.Config{Name: "w1"}, fakeworker.Config{Name: "kept"})
 	store := memstore.New()
 	seed, _ := json.Marshal(map[string]any{
-		"workers":        []storedWorker{{URL: workers[1].URL(), Registered: true, WeightVersion: "step-3"}},
+		"workers":        []testrouter.StoredWorker{{URL: workers[1].URL(), Registered: true, WeightVersion: "step-3"}},
 		"weight_version": "step-3",
 		"updates":        []map[string]any{{"path": "/update_weights_from_disk", "weight_version": "step-3", "body": map[string]string{"model_path": "/ckpt/3"}}},
 	})
@@ -408,7 +408,7 @@ func TestRouterLeadsAgainOnceEtcdIsBack(t *testing.T) {
 	if !testkit.WaitUntil(haLeaseTTL+5*time.Second, func() bool { return r.Get("/readyz").Status == http.StatusServiceUnavailable }) {
 		t.Fatal("the router still says it is ready well past its lease after etcd stopped")
 	}
-	testrouter.ExpectStatus(t, "job while etcd is down", r.Post("/v1/images/generations", smallImage), http.StatusServiceUnavailable)
+	testrouter.ExpectStatus(t, "job while etcd is down", r.Post("/v1/images/generations", testrouter.SmallImage), http.StatusServiceUnavailable)
 
 	if err := etcd.Restart(); err != nil {
 		t.Fatal(err)
@@ -421,7 +421,7 @@ func TestRouterLeadsAgainOnceEtcdIsBack(t *testing.T) {
 	}
 	served := map[string]bool{}
 	testrouter.WaitFor(t, func() bool {
-		rp := r.Post("/v1/images/generations", smallImage)
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		served[rp.Header.Get("X-Fake-Worker")] = rp.Status == http.StatusOK
 		return served["w1"] && served["joiner"]
 	})
