@@ -90,7 +90,11 @@ func TestTenantsExampleTakesTheTenantFromTheAuthenticatedUser(t *testing.T) {
 		body := fmt.Sprintf(`{"response_format":"b64_json","prompt":"x","size":"1024x1024","num_inference_steps":%d}`, steps)
 		held <- do("POST", "/v1/images/generations", body, header...).Status
 	}
-	go send(teamB, 100) // holds the worker for 2 s
+	release := ws[0].Hold()
+	// Held until the others are seen waiting, and of so many steps that the
+	// router, which learned the worker's speed from the images above,
+	// predicts it to run long and sends the worker no second job meanwhile.
+	go send(teamB, 1000)
 	testrouter.WaitFor(t, func() bool {
 		return teamA("GET", "/workers", "").JSON(t)["workers"].([]any)[0].(map[string]any)["active_requests"] == 1.0
 	})
@@ -104,6 +108,7 @@ func TestTenantsExampleTakesTheTenantFromTheAuthenticatedUser(t *testing.T) {
 	if queued["10"] != nil {
 		t.Errorf("jobs waiting by priority: %v; want one at 5 (team-a's) and one at 0 (team-b's X-Priority: 10 is ignored)", queued)
 	}
+	release()
 	for range 3 {
 		if status := <-held; status != 200 {
 			t.Fatalf("a job got %d", status)

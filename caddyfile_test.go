@@ -520,6 +520,23 @@ func TestAbortMemoryOff(t *testing.T) {
 	}
 }
 
+// hedge_after off reaches the pool as no hedging at all; that a job then
+// gets no copy however long it overruns is internal/attempt's
+// TestHedgingOffGivesAHungJobNoCopy.
+func TestHedgeAfterOff(t *testing.T) {
+	cfg, err := adapt(t, "diffusion_router {\nhedge_after off\n}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(cfg, `"hedge_after":-1`) {
+		t.Fatalf("hedge_after off adapted to %s; want load_balancing.hedge_after -1", cfg)
+	}
+	h := handlerFrom(t, cfg)
+	if err := h.provisionOptions(); err != nil || h.dispatch.HedgeAfter != 0 {
+		t.Fatalf("hedge_after off provisioned as %g (%v); want 0, no copies", h.dispatch.HedgeAfter, err)
+	}
+}
+
 func TestMaxInflightDefaultsByPolicy(t *testing.T) {
 	for _, tc := range []struct {
 		h    Handler

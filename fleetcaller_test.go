@@ -37,11 +37,11 @@ func lastOperation(t *testing.T, r *testrouter.Router) map[string]any {
 }
 
 func TestUpdateOutlivesItsCaller(t *testing.T) {
-	ws := namedWorkers(t, 3, fakeworker.Config{UnitMs: 400}) // an update takes 2 s
+	ws := namedWorkers(t, 3, fakeworker.Config{UnitMs: 100}) // an update takes 500 ms
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
 	testrouter.ExpectStatus(t, "no operation yet", r.Get("/fleet_operation"), 404)
 
-	giveUp(t, r, "/update_weights_from_disk", `{"model_path":"/ckpt/G"}`, 800*time.Millisecond)
+	giveUp(t, r, "/update_weights_from_disk", `{"model_path":"/ckpt/G"}`, 200*time.Millisecond)
 	op := lastOperation(t, r)
 	if op["operation"] != "update_weights" || op["weight_version"] != "/ckpt/G" || op["error"] != nil || len(op["results"].([]any)) != 3 {
 		t.Fatalf("the update the caller left: %v", op)
@@ -65,9 +65,9 @@ func TestUpdateOutlivesItsCaller(t *testing.T) {
 }
 
 func TestSleepOutlivesItsCaller(t *testing.T) {
-	ws := namedWorkers(t, 2, fakeworker.Config{UnitMs: 1000}) // a sleep takes 1 s
+	ws := namedWorkers(t, 2, fakeworker.Config{UnitMs: 400}) // a sleep takes 400 ms
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n queue_timeout 200ms\n}")
-	giveUp(t, r, "/release_memory_occupation", "", 200*time.Millisecond)
+	giveUp(t, r, "/release_memory_occupation", "", 100*time.Millisecond)
 	if op := lastOperation(t, r); op["operation"] != "sleep" || op["error"] != nil {
 		t.Fatalf("the sleep the caller left: %v", op)
 	}

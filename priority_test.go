@@ -38,6 +38,16 @@ func postImage(r *testrouter.Router, steps int, name, value string) (int, string
 	return resp.StatusCode, string(b)
 }
 
+// heldSpeed is the initial_speed of routers whose tests hold a job on its
+// worker (fakeworker's Hold) while others queue behind it, and then look at
+// the order the others run in. A job held is predicted to run long, so the
+// router sends its worker no second job meanwhile. The held job is no
+// larger than the others, so the speed the router learns from it once
+// released is no faster than theirs: learning a GPU far faster than the
+// fake would have the router send the worker its next jobs all at once, in
+// no order.
+const heldSpeed = "initial_speed 0.1\n"
+
 // sendJob sends an image job of steps steps with the given X-Priority
 // (none when empty) and names it on done once answered.
 func sendJob(r *testrouter.Router, name, prio string, steps int, done chan<- string) {
@@ -48,14 +58,14 @@ func sendJob(r *testrouter.Router, name, prio string, steps int, done chan<- str
 }
 
 func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
-	ws := testrouter.StartWorkers(t, fakeworker.Config{UnitMs: 150})
-	r := testrouter.Start(t, prioritySite(ws, ""))
+	ws := testrouter.StartWorkers(t, fakeworker.Config{UnitMs: 20})
+	r := testrouter.Start(t, prioritySite(ws, heldSpeed))
 	pool := map[string]string{"pool": "priority-pool"}
 	done := make(chan string, 12)
-	// The batch's first job holds the worker for 3 s, long enough for the
-	// rest of the batch and the urgent jobs to queue behind it and be seen
-	// there, even under the race detector; then jobs of 300 ms.
-	go sendJob(r, "batch-0", "", 20, done)
+	// The batch's first job holds the worker until the rest of the batch
+	// and the urgent jobs have queued behind it and been seen there.
+	release := ws[0].Hold()
+	go sendJob(r, "batch-0", "", 2, done)
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) == 1 })
 	for i := 1; i < 10; i++ {
 		go sendJob(r, fmt.Sprintf("batch-%d", i), "", 2, done)
@@ -74,6 +84,7 @@ func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
 			t.Errorf("%s queued_by_priority[5] = %v; want 2", path, got)
 		}
 	}
+	release()
 	var order []string
 	for range 12 {
 		order = append(order, <-done)

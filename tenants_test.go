@@ -11,10 +11,11 @@ import (
 )
 
 // tenantSite is a router over ws whose jobs name their tenant in
-// X-Tenant, with /metrics beside it.
+// X-Tenant, with /metrics beside it; its tests hold a job on the worker
+// (see heldSpeed).
 func tenantSite(ws []*fakeworker.Worker, extra string) string {
 	return testrouter.MetricsSite("diffusion_router tenant-pool {\n workers " + testrouter.URLs(ws) +
-		"\n tenant {http.request.header.X-Tenant}\n" + extra + "}")
+		"\n tenant {http.request.header.X-Tenant}\n" + heldSpeed + extra + "}")
 }
 
 // tenantAnswer is what one job's client got.
@@ -38,7 +39,8 @@ func TestTenantsShareTheWorkerByCostNotRequests(t *testing.T) {
 	r := testrouter.Start(t, tenantSite(ws, ""))
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 64)
-	go sendTenantJob(r, "warmup", 100, done) // holds the worker for 2 s while the others queue
+	release := ws[0].Hold()
+	go sendTenantJob(r, "warmup", 1, done) // holds the worker while the others queue
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for range 30 {
 		go sendTenantJob(r, "many-small", 1, done)
@@ -46,7 +48,8 @@ func TestTenantsShareTheWorkerByCostNotRequests(t *testing.T) {
 	for range 6 {
 		go sendTenantJob(r, "few-large", 5, done)
 	}
-	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_queue_length", pool) >= 35 })
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_queue_length", pool) >= 36 })
+	release()
 	work := map[string]int{}
 	var order []string
 	for range 37 {
@@ -73,7 +76,8 @@ func TestTenantMaxQueueRefusesOnlyThatTenant(t *testing.T) {
 	r := testrouter.Start(t, tenantSite(ws, "tenant_max_queue 2\n"))
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 8)
-	go sendTenantJob(r, "a", 100, done) // holds the worker for 2 s
+	release := ws[0].Hold()
+	go sendTenantJob(r, "a", 1, done) // holds the worker
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	go sendTenantJob(r, "a", 1, done)
 	go sendTenantJob(r, "a", 1, done)
@@ -84,6 +88,8 @@ func TestTenantMaxQueueRefusesOnlyThatTenant(t *testing.T) {
 		t.Fatalf("a's third waiting job got %d %s; want 429 naming tenant a and tenant_max_queue", refused.status, refused.body)
 	}
 	go sendTenantJob(r, "b", 1, done)
+	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_queue_length", pool) >= 3 })
+	release()
 	for range 4 {
 		if a := <-done; a.status != 200 {
 			t.Fatalf("%s's job got %d %s; want 200: b is under its own limit, a's first three were admitted", a.tenant, a.status, a.body)
@@ -116,7 +122,8 @@ func TestTenantsBeyondMaxTenantsShareOther(t *testing.T) {
 	r := testrouter.Start(t, tenantSite(ws, "max_tenants 2\n"))
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 16)
-	go sendTenantJob(r, "t0", 100, done) // holds the worker for 2 s
+	release := ws[0].Hold()
+	go sendTenantJob(r, "t0", 1, done) // holds the worker
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for i := range 10 {
 		go sendTenantJob(r, fmt.Sprint("t", i), 1, done)
@@ -140,6 +147,7 @@ func TestTenantsBeyondMaxTenantsShareOther(t *testing.T) {
 	if len(tenants) != 3 {
 		t.Fatalf("/workers shows tenants %v; want other and two", tenants)
 	}
+	release()
 	for range 11 {
 		if a := <-done; a.status != 200 {
 			t.Fatalf("%s's job got %d %s", a.tenant, a.status, a.body)
@@ -155,7 +163,8 @@ func TestInventedTenantNamesShareOneShare(t *testing.T) {
 	r := testrouter.Start(t, tenantSite(ws, "tenants team-a team-b\n"))
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 128)
-	go sendTenantJob(r, "team-b", 100, done) // holds the worker for 2 s while the others queue
+	release := ws[0].Hold()
+	go sendTenantJob(r, "team-b", 1, done) // holds the worker while the others queue
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for i := range 63 {
 		go sendTenantJob(r, fmt.Sprint("mallory-", i), 1, done)
@@ -171,6 +180,7 @@ func TestInventedTenantNamesShareOneShare(t *testing.T) {
 	if !slices.Equal(names, []string{"other", "team-b", "team-a"}) {
 		t.Errorf("/workers shows tenants %v; want other, team-b and team-a: the invented names are other", names)
 	}
+	release()
 	served := map[bool]int{} // of the first 40 jobs after the warm-up: team-a's, and the others'
 	for range 84 {
 		a := <-done

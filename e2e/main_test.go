@@ -1,8 +1,9 @@
-// Package e2e tests the router as its users run it: Caddy built from
-// cmd/caddy and run as processes, a group of routers electing a leader
-// through etcd, a router killed and started again, and the dashboard in a
-// real browser. It holds only tests; they are slower than the root
-// package's, which test the Caddy adapter in one process.
+// Package e2e tests the router as its users run it, in scenarios that take
+// seconds each: Caddy built from cmd/caddy and run as processes, a group
+// of routers electing a leader through etcd, a router killed and started
+// again, the dashboard in a real browser, and a rollout step's batch timed
+// with a worker that hangs. It holds only tests; the root package's test
+// the Caddy adapter, and each internal package's its own behaviour.
 package e2e
 
 import (

@@ -2,6 +2,7 @@ package attempt
 
 import (
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
@@ -166,6 +167,85 @@ func TestAJobWithinItsPredictionGetsNoCopy(t *testing.T) {
 	}
 	expectAnswer(t, j, http.StatusOK, imageAnswer)
 	expectCount(t, f.run.Metrics.Hedges, "launched", 0)
+}
+
+// With hedging off (hedge_after off) a job stays on its worker however
+// long it overruns, though another worker is idle.
+func TestHedgingOffGivesAHungJobNoCopy(t *testing.T) {
+	f := newFleet(t, 2)
+	j := f.job("alone")
+	entered, advanced := make(chan struct{}), make(chan struct{})
+	f.serve(j.t.ServedBy(), func(w http.ResponseWriter, r *http.Request) error {
+		close(entered)
+		<-advanced
+		return answers(http.StatusOK, imageAnswer)(w, r)
+	})
+	idle := f.other(j.t.ServedBy())
+	f.serve(idle, func(http.ResponseWriter, *http.Request) error {
+		t.Errorf("a copy reached the idle worker %s with hedging off", idle)
+		return nil
+	})
+	go func() {
+		<-entered
+		f.clock.Advance(time.Hour)
+		close(advanced)
+	}()
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	expectCount(t, f.run.Metrics.Hedges, "launched", 0)
+}
+
+// One client request costs the fleet at most max_attempts GPU jobs,
+// copies and re-runs together: here each attempt overruns until a copy
+// of it starts, then fails. The third, the last max_attempts (3) allows,
+// overruns too, and fails once no copy came within a while; a copy beyond
+// the budget would come at once.
+func TestCopiesAndRerunsShareMaxAttempts(t *testing.T) {
+	f := hedged(t, 6)
+	j := f.job("fails-everywhere")
+	var mu sync.Mutex
+	var entries []string
+	started := [...]chan struct{}{make(chan struct{}), make(chan struct{}), make(chan struct{}), make(chan struct{})}
+	failing := func(w http.ResponseWriter, r *http.Request) error {
+		mu.Lock()
+		i := len(entries)
+		entries = append(entries, scheduler.TicketFrom(r.Context()).ServedBy())
+		mu.Unlock()
+		if i+1 < len(started) {
+			close(started[i])
+			f.clock.Advance(time.Hour) // overdue: a copy is due
+			wait := time.After(time.Hour)
+			if i == 2 {
+				wait = time.After(50 * time.Millisecond)
+			}
+			select {
+			case <-started[i+1]:
+			case <-wait:
+			case <-r.Context().Done():
+			}
+		}
+		return answers(http.StatusInternalServerError, `{"error":"boom"}`)(w, r)
+	}
+	for _, u := range f.urls {
+		f.serve(u, failing)
+	}
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	if j.client.Code != http.StatusInternalServerError {
+		t.Fatalf("client got %d %q; want the last attempt's 500", j.client.Code, j.client.Body.String())
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(entries) != 3 {
+		t.Fatalf("one request ran %d GPU jobs (%v); max_attempts is 3", len(entries), entries)
+	}
+	expectCount(t, f.run.Metrics.Hedges, "launched", 2)
+	f.expectIdle()
 }
 
 // A client that leaves after the attempt failed, while its copy still

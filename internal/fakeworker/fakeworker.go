@@ -168,6 +168,9 @@ type Worker struct {
 	// HangAfter at first, then what SetFailRate and Hang make them.
 	failRate float64
 	hung     bool
+	// held is the end of the next job, set by Hold: it runs until the
+	// channel closes rather than for its service time.
+	held chan struct{}
 	// updateHung is Config.UpdateHang, or set by HangUpdates.
 	updateHung bool
 	// breakRates are CloseRate, ResetRate, TruncateRate, HTMLRate and
@@ -410,6 +413,18 @@ func (w *Worker) Hang() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.hung = true
+}
+
+// Hold makes the next job that gets the worker run until release is
+// called, instead of for its service time: a job whose end the test
+// decides, behind which others queue for as long as the test needs. The
+// jobs after it run as before. release may be called more than once.
+func (w *Worker) Hold() (release func()) {
+	end := make(chan struct{})
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.held = end
+	return sync.OnceFunc(func() { close(end) })
 }
 
 // HangUpdates makes every weight update from now on (from disk or from

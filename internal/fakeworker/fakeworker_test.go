@@ -1041,6 +1041,31 @@ func TestHangAfter(t *testing.T) {
 	}
 }
 
+// A held job keeps the worker, with jobs queued behind it, until the test
+// releases it; then it and they end as any job does.
+func TestHoldEndsTheNextJobWhenReleased(t *testing.T) {
+	w := start(t, Config{UnitMs: 1})
+	release := w.Hold()
+	answers := make(chan reply, 2)
+	go func() { answers <- call(t, w, "POST", "/v1/images/generations", imageBody(1)) }()
+	waitQueue(t, w, 0) // the held job runs
+	go func() { answers <- call(t, w, "POST", "/v1/images/generations", imageBody(1)) }()
+	waitQueue(t, w, 1)
+	select {
+	case r := <-answers:
+		t.Fatalf("a job was answered (%d) while the worker was held", r.status)
+	case <-time.After(100 * time.Millisecond):
+	}
+	release()
+	release()
+	for range 2 {
+		(<-answers).expect(t, 200)
+	}
+	if s := w.Stats(); s.Jobs != 2 {
+		t.Errorf("%d jobs, want 2", s.Jobs)
+	}
+}
+
 func TestFaultsChangedAtRunTime(t *testing.T) {
 	w := start(t, Config{Name: "w"})
 	w.SetFailRate(1)

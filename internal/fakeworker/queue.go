@@ -99,7 +99,7 @@ func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration
 	}
 	d := w.serviceTime(cost)
 	switch {
-	case v.hang:
+	case v.hang, v.held != nil:
 		d = forever
 	case v.oom:
 		// The first denoising step's activations are what no longer fit:
@@ -114,7 +114,7 @@ func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration
 
 	run := jobRun{adapter: v.adapter}
 	var completed bool
-	done := w.occupy(d, func(elapsed time.Duration, ok bool) {
+	done := w.occupy(d, v.held, func(elapsed time.Duration, ok bool) {
 		run.took, completed = elapsed, ok
 		w.record(cost, elapsed, ok, failure != nil, v.adapter)
 	})
@@ -132,7 +132,9 @@ func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration
 
 // verdict is what becomes of a job that got the slot.
 type verdict struct {
-	hang    bool  // it holds the worker until the worker closes
+	hang bool // it holds the worker until the worker closes
+	// held, if not nil, ends the job when it closes (see Hold).
+	held    <-chan struct{}
 	failure error // the scheduler error it ends with, after running
 	oom     bool  // it runs out of GPU memory in its first step
 	// adapter is the LoRA adapter in effect: one job or LoRA call runs at
@@ -147,7 +149,8 @@ func (w *Worker) admit(s shape) (verdict, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	finished := w.stats.Jobs + w.stats.Failed
-	v := verdict{adapter: w.lora.inEffect()}
+	v := verdict{adapter: w.lora.inEffect(), held: w.held}
+	w.held = nil
 	switch {
 	case w.asleep:
 		return verdict{}, errAsleep
@@ -199,7 +202,7 @@ func (w *Worker) runControl(ctx context.Context, start func() time.Duration, app
 	d := start()
 	w.mu.Unlock()
 	var completed bool
-	done := w.occupy(d, func(_ time.Duration, ok bool) {
+	done := w.occupy(d, nil, func(_ time.Duration, ok bool) {
 		completed = ok
 		if !ok || apply == nil {
 			return
@@ -227,31 +230,34 @@ func (w *Worker) acquire(ctx context.Context) error {
 }
 
 // occupy holds the slot, which the caller owns, for d in the background,
-// then calls finish and frees the slot. completed is false when the worker
-// closed first. The returned channel closes once the slot is free.
-func (w *Worker) occupy(d time.Duration, finish func(elapsed time.Duration, completed bool)) <-chan struct{} {
+// or until end closes if it is not nil, then calls finish and frees the
+// slot. completed is false when the worker closed first. The returned
+// channel closes once the slot is free.
+func (w *Worker) occupy(d time.Duration, end <-chan struct{}, finish func(elapsed time.Duration, completed bool)) <-chan struct{} {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		defer w.slot.release()
 		start := time.Now()
-		completed := w.sleep(d)
+		completed := w.sleep(d, end)
 		finish(time.Since(start), completed)
 	}()
 	return done
 }
 
-// sleep waits for d, or forever if d < 0, and reports false if the worker
-// closed first.
-func (w *Worker) sleep(d time.Duration) bool {
-	if d < 0 {
-		<-w.life.Done()
-		return false
+// sleep waits for d, or forever if d < 0, or until end closes if it is
+// not nil, and reports false if the worker closed first.
+func (w *Worker) sleep(d time.Duration, end <-chan struct{}) bool {
+	var timeout <-chan time.Time
+	if d >= 0 {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		timeout = t.C
 	}
-	t := time.NewTimer(d)
-	defer t.Stop()
 	select {
-	case <-t.C:
+	case <-timeout:
+		return true
+	case <-end:
 		return true
 	case <-w.life.Done():
 		return false

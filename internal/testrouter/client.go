@@ -116,6 +116,10 @@ func WaitFor(t testing.TB, cond func() bool) {
 // answered as base64.
 const SmallImage = `{"response_format":"b64_json","prompt":"a cat","size":"256x256","num_inference_steps":2}`
 
+// HeavyImage is the body of an image job of 20 cost units (1024x1024, 20
+// steps): 200 ms on a fake worker of speed 1 at 10 ms a unit.
+const HeavyImage = `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":20}`
+
 // BusyWith starts an image job with body on r that keeps the given worker
 // busy, and waits until the worker has it; the job's answer arrives on the
 // channel.

@@ -1,4 +1,8 @@
-package diffusionrouter_test
+package e2e
+
+// A rollout step's batch on a fleet with a faulty worker, timed against
+// the same batch without the fault, and a stream of jobs beside a worker
+// that breaks its answers: what hedging and ejection buy a step.
 
 import (
 	"context"
@@ -14,9 +18,6 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
-
-// heavyImage costs 20 units: 200 ms on a speed-1 worker at 10 ms a unit.
-const heavyImage = `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":20}`
 
 // batchOf sends n jobs at once, as a rollout step does, and reports how
 // long the last took and how many did not answer 200.
@@ -49,7 +50,7 @@ func stepWithFault(t *testing.T, pool string, fault fakeworker.Config) (time.Dur
 	// Jobs of 100-200 ms: a copy is considered once a job overruns 5 times
 	// its prediction and health_timeout, here 1 s.
 	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router "+pool+" {\n workers "+testrouter.URLs(ws)+"\n health_timeout 1s\n}"))
-	took, failed := batchOf(t, r, 60, heavyImage)
+	took, failed := batchOf(t, r, 60, testrouter.HeavyImage)
 	return took, failed, r
 }
 
@@ -70,34 +71,6 @@ func TestHungWorkerCostsAStepLittleMoreThanACrashedOne(t *testing.T) {
 	// The issue's bar is 1.15x; a loaded test machine gets some slack.
 	if hung > crashed*115/100+300*time.Millisecond {
 		t.Fatalf("a step with a hung worker took %v, against %v with a crashed one", hung, crashed)
-	}
-}
-
-func TestHedgingCanBeTurnedOff(t *testing.T) {
-	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "hangs", HangAfter: 1, UnitMs: 10}, fakeworker.Config{Name: "idle", UnitMs: 10})
-	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router {\n workers "+ws[0].URL()+"\n hedge_after off\n}"))
-	testrouter.ExpectStatus(t, "first job", r.Post("/v1/images/generations", heavyImage), 200)
-	launched := testrouter.Value(t, r, "caddy_diffusion_hedges_total", map[string]string{"outcome": "launched"})
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-	defer cancel()
-	hung := make(chan error, 1)
-	go func() {
-		req, _ := http.NewRequestWithContext(ctx, "POST", r.Base+"/v1/images/generations", strings.NewReader(heavyImage))
-		resp, err := testrouter.Client.Do(req)
-		if err == nil {
-			resp.Body.Close()
-		}
-		hung <- err
-	}()
-	testrouter.WaitFor(t, func() bool { return r.Workers()[ws[0].URL()]["active_requests"] == 1.0 })
-	// An idle worker joins while the job hangs: with hedging off the job
-	// stays where it is, however long it overruns.
-	testrouter.ExpectStatus(t, "register", testrouter.Do(t, "POST", r.Base+"/workers", strings.NewReader(`{"url":"`+ws[1].URL()+`"}`)), 200)
-	if err := <-hung; err == nil {
-		t.Fatal("the job that hung was answered")
-	}
-	if n := testrouter.Value(t, r, "caddy_diffusion_hedges_total", map[string]string{"outcome": "launched"}) - launched; n != 0 || ws[1].Stats().Jobs != 0 {
-		t.Fatalf("%g copies launched, %d jobs on the idle worker, with hedge_after off", n, ws[1].Stats().Jobs)
 	}
 }
 
@@ -145,7 +118,7 @@ func TestAWorkerHungFromTheStartCostsABatchOneHedge(t *testing.T) {
 	const jobs = 12 // of 200 ms: four rounds on three workers
 
 	r := testrouter.Start(t, site("without_hung", good))
-	without, by := served(t, r, jobs, heavyImage, limit)
+	without, by := served(t, r, jobs, testrouter.HeavyImage, limit)
 	for _, w := range by {
 		if w != "a" && w != "b" && w != "c" {
 			t.Fatalf("without the hung worker a job got %q", w)
@@ -156,7 +129,7 @@ func TestAWorkerHungFromTheStartCostsABatchOneHedge(t *testing.T) {
 	r = testrouter.Start(t, site("with_hung", slices.Concat(good, []*fakeworker.Worker{hung})))
 	won := map[string]string{"pool": "with_hung", "outcome": "won"}
 	wonBefore := testrouter.Value(t, r, "caddy_diffusion_hedges_total", won)
-	with, by := served(t, r, jobs, heavyImage, limit)
+	with, by := served(t, r, jobs, testrouter.HeavyImage, limit)
 	for _, w := range by {
 		if w != "a" && w != "b" && w != "c" {
 			t.Fatalf("with a worker hung from the start, a job got %q; want every job answered by a, b or c: %q", w, by)
@@ -188,7 +161,7 @@ func TestASlowFirstJobWithinItsBoundGetsNoCopy(t *testing.T) {
 	before := testrouter.Value(t, r, "caddy_diffusion_hedges_total", launched)
 	// 200 ms on the fast worker, 500 ms on the slow one: a copy would be
 	// due after 5 x 200 ms.
-	_, by := served(t, r, 2, heavyImage, 20*time.Second)
+	_, by := served(t, r, 2, testrouter.HeavyImage, 20*time.Second)
 	slices.Sort(by)
 	if by[0] != "fast" || by[1] != "slow" {
 		t.Fatalf("two jobs on two idle workers were answered by %q; want one each", by)
@@ -198,38 +171,49 @@ func TestASlowFirstJobWithinItsBoundGetsNoCopy(t *testing.T) {
 	}
 }
 
-func TestInitialSpeedIsAssumedUntilOneIsLearned(t *testing.T) {
-	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "a", UnitMs: 10})
-	r := testrouter.Start(t, "diffusion_router initial_speed {\n workers "+ws[0].URL()+"\n initial_speed 4\n}")
-	if got := r.Workers()[ws[0].URL()]["speed"]; got != 4.0 {
-		t.Fatalf("speed before any job: %v; want initial_speed 4", got)
+// A worker that breaks every answer it begins as a 200, each way a worker
+// can (reset, closed short, truncated JSON), passes its health probes all
+// along. Ejected at its third broken answer, it is back only when its
+// ejection ends, however often its probes pass, and out again at its
+// first answer back, for twice as long: beside two good workers it draws
+// a few jobs of a stream.
+func TestWorkerBreakingEveryAnswerDrawsFewJobs(t *testing.T) {
+	// Jobs of tens of milliseconds, where the GPU's take seconds: jobs of
+	// none would dwarf what a broken worker draws while it is back.
+	const unitMs = 200
+	third := 1.0 / 3
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "breaks", UnitMs: unitMs, CloseRate: third, ResetRate: third, TruncateRate: third},
+		fakeworker.Config{Name: "good1", UnitMs: unitMs}, fakeworker.Config{Name: "good2", UnitMs: unitMs})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+
+		"\n max_fails 3\n eject_time 1s\n max_eject_time 1m\n health_interval 100ms\n}")
+	const run = 6 * time.Second // ejections of 1 s, 2 s and 4 s: it is back at 1 s and 3 s
+	end := time.Now().Add(run)
+	var mu sync.Mutex
+	by := map[string]int{}
+	var wg sync.WaitGroup
+	for range 6 {
+		wg.Go(func() {
+			for time.Now().Before(end) {
+				rp := r.Post("/v1/images/generations", testrouter.SmallImage)
+				if rp.Status != 200 {
+					t.Errorf("a job beside a worker breaking its answers: %d %s", rp.Status, rp.Body)
+				}
+				mu.Lock()
+				by[rp.Header.Get("X-Fake-Worker")]++
+				mu.Unlock()
+			}
+		})
 	}
-	testrouter.ExpectStatus(t, "a job", r.Post("/v1/images/generations", heavyImage), 200)
-	if got := r.Workers()[ws[0].URL()]["speed"]; got == 4.0 {
-		t.Fatal("speed after a job of 200 ms is still the initial 4 units/s")
+	bad := ws[0].URL()
+	testrouter.WaitFor(t, func() bool { return r.Workers()[bad]["state"] == "ejected" })
+	if got := ws[0].Stats().Broken; got > 4 {
+		t.Errorf("the worker breaking every answer was first ejected after %d jobs; want out by its 4th", got)
 	}
-}
-
-// One client request costs the fleet at most max_attempts GPU jobs,
-// hedged copies and re-runs together, however its jobs overrun their
-// predictions and fail.
-func TestHedgesAndRerunsShareMaxAttempts(t *testing.T) {
-	cfgs := make([]fakeworker.Config, 6)
-	for i := range cfgs {
-		cfgs[i] = fakeworker.Config{Name: string(rune('a' + i)), FailRate: 1, UnitMs: 50} // each job fails after a second or so
-	}
-	ws := testrouter.StartWorkers(t, cfgs...)
-	// The prediction is far below the time the job takes, as for a job
-	// whose cost was hidden from the router: every attempt is overdue at
-	// health_timeout and gets a copy while it may.
-	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n initial_speed 1000\n health_timeout 300ms\n retry_on 500\n max_attempts 3\n}")
-	rp := r.Post("/v1/images/generations", `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":20}`)
-	testrouter.ExpectStatus(t, "a job that fails everywhere", rp, 500)
-	jobs := 0
-	for _, w := range ws {
-		jobs += w.Stats().Failed
-	}
-	if jobs != 3 {
-		t.Fatalf("one request ran %d GPU jobs; max_attempts is 3", jobs)
+	wg.Wait()
+	broken := ws[0].Stats().Broken
+	jobs := broken + ws[1].Stats().Jobs + ws[2].Stats().Jobs
+	t.Logf("the worker breaking every answer drew %d of %d jobs", broken, jobs)
+	if by["breaks"] != 0 || broken*100 > jobs*5 {
+		t.Fatalf("the worker breaking every answer drew %d of %d jobs in %v (answers by worker: %v); want at most 5%%", broken, jobs, run, by)
 	}
 }
