@@ -28,6 +28,7 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
+	"github.com/miles-rollout/miles-diffusion-router/internal/jobkinds"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
@@ -208,7 +209,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.metrics = newPoolMetrics(p.Name(), h.LoadBalancing.Policy)
-	h.attempts.Pool, h.attempts.Kinds, h.attempts.Proxy = p.jobs, jobKinds{p.jobs}, reverseProxy
+	h.attempts.Pool, h.attempts.Kinds, h.attempts.Proxy = p.jobs, jobkinds.New(p.jobs), reverseProxy
 	h.attempts.UpstreamTimeout, h.attempts.RetryOn = time.Duration(h.UpstreamTimeout), h.LoadBalancing.RetryOn
 	h.attempts.Metrics, h.attempts.Logger = h.metrics.runs, h.logger
 	app, err := ctx.App("diffusion_health")

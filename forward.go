@@ -19,6 +19,7 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
+	"github.com/miles-rollout/miles-diffusion-router/internal/jobkinds"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -70,7 +71,7 @@ func (h *Handler) forward(rec *attempt.Recorder, r *http.Request, route request.
 			zap.String("strategy", h.LoadBalancing.Policy), zap.Duration("queue_wait", dispatched.Sub(arrived)))
 	}
 	if list := h.filterVideoList(rec, r, t); list != nil {
-		err = list.finish(h.attempts.Run(rec, r, t, next))
+		err = list.Finish(h.attempts.Run(rec, r, t, next))
 	} else {
 		err = h.attempts.Run(rec, r, t, next)
 	}
@@ -193,7 +194,7 @@ func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ti
 			return nil, http.StatusBadRequest, err.Error()
 		}
 	}
-	if h.Queue.Tenant != "" && (t.Job || route.Poll || listsVideos(r, route)) {
+	if h.Queue.Tenant != "" && (t.Job || route.Poll || jobkinds.ListsVideos(r, route)) {
 		var err error
 		if t.Tenant, err = h.tenantOf(r); err != nil {
 			return nil, http.StatusBadRequest, err.Error()
@@ -420,4 +421,13 @@ func (s pathSet) has(path string) bool {
 		return true
 	}
 	return slices.ContainsFunc(s.prefixes, func(p string) bool { return strings.HasPrefix(path, p) })
+}
+
+// filterVideoList cuts the video list r asks for to t's tenant's jobs,
+// while tenants are on; nil when it does not.
+func (h *Handler) filterVideoList(rec *attempt.Recorder, r *http.Request, t *scheduler.Ticket) *jobkinds.TenantList {
+	if h.Queue.Tenant == "" {
+		return nil
+	}
+	return jobkinds.FilterVideoList(rec, r, t, h.pool.Videos())
 }

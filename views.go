@@ -4,6 +4,8 @@ import (
 	"context"
 	"time"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
+	"github.com/miles-rollout/miles-diffusion-router/internal/jobkinds"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -14,30 +16,20 @@ import (
 // status show. poolref.go alone makes the scheduler's pool and hands it to
 // each; a test may give a fake of one view.
 
-// jobs is a request's way through the pool: its ticket, a worker for it,
-// re-runs and hedged copies, and the jobs the pool remembers.
+// jobs is a request's way through the pool: its ticket and a worker for
+// it (here), then its attempts, re-runs and hedged copies (attempt.Pool),
+// and the video and image jobs the pool remembers (jobkinds.Pool).
 type jobs interface {
+	attempt.Pool
+	jobkinds.Pool
 	NewTicket(cfg *scheduler.Config) *scheduler.Ticket
 	Track(t *scheduler.Ticket) error
 	Untrack(t *scheduler.Ticket)
 	Acquire(ctx context.Context, t *scheduler.Ticket) error
-	Retry(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
-	RetryElsewhere(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
-	Release(t *scheduler.Ticket, o scheduler.Outcome) time.Duration
-	Leave(t *scheduler.Ticket, o scheduler.Outcome)
-	Avoid(t *scheduler.Ticket, workerURL string)
-	Forgive(url string)
-	NoteCutShort(t *scheduler.Ticket) (ejected time.Duration)
-	HedgeCopy(t *scheduler.Ticket) *scheduler.Ticket
-	EndHedge()
 	ResolveAdapter(t *scheduler.Ticket, name string) error
 	PlacesAdapters() bool
 	CanServe(k request.Task) bool
 	AnyMakes(k request.Task) bool
-	HoldVideo(t *scheduler.Ticket, id string) bool
-	EndVideo(id string, o scheduler.Outcome)
-	Videos() *scheduler.JobOwners
-	Images() *scheduler.JobOwners
 	ServingDials() []string
 }
 

@@ -1,4 +1,4 @@
-package diffusionrouter
+package jobkinds
 
 import (
 	"bytes"
@@ -12,7 +12,7 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
-// passList sends a worker's answer, status and body, through a tenantList
+// passList sends a worker's answer, status and body, through a TenantList
 // of team-a, which made the job "mine", and returns what the client got.
 func passList(t *testing.T, status int, body string, attemptErr error) *httptest.ResponseRecorder {
 	t.Helper()
@@ -20,13 +20,13 @@ func passList(t *testing.T, status int, body string, attemptErr error) *httptest
 	owners.Remember("mine", "http://w:1", "team-a")
 	owners.Remember("theirs", "http://w:1", "team-b")
 	client := httptest.NewRecorder()
-	l := &tenantList{ResponseWriter: client, owners: owners, tenant: "team-a"}
+	l := &TenantList{ResponseWriter: client, owners: owners, tenant: "team-a"}
 	l.Header().Set("Content-Length", "999")
 	l.WriteHeader(status)
 	if _, err := l.Write([]byte(body)); err != nil {
 		t.Fatal(err)
 	}
-	if err := l.finish(attemptErr); err != nil && attemptErr == nil {
+	if err := l.Finish(attemptErr); err != nil && attemptErr == nil {
 		t.Fatal(err)
 	}
 	return client

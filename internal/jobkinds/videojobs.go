@@ -1,4 +1,4 @@
-package diffusionrouter
+package jobkinds
 
 import (
 	"encoding/json"
@@ -39,7 +39,7 @@ func readsVideoJob(r *http.Request, route request.Route) bool {
 // Ended keeps the router's view of video jobs as t's attempt r ended:
 // which worker made a new job (whose ticket it then holds, reporting
 // true), and when a job ended or was deleted (releasing its worker).
-func (k jobKinds) Ended(r *http.Request, t *scheduler.Ticket, e attempt.Ending) bool {
+func (k Kinds) Ended(r *http.Request, t *scheduler.Ticket, e attempt.Ending) bool {
 	if t.Route.Kind != request.Video && t.Route.Kind != request.VideoPoll {
 		return false
 	}
@@ -78,7 +78,7 @@ func (k jobKinds) Ended(r *http.Request, t *scheduler.Ticket, e attempt.Ending) 
 // answer a poll of it, or answered that it has no such job (a worker that
 // restarted): the job failed. A worker that denies the job is no longer
 // asked about it.
-func (k jobKinds) loseVideo(id string, denied bool) {
+func (k Kinds) loseVideo(id string, denied bool) {
 	k.pool.EndVideo(id, scheduler.Failed)
 	if denied {
 		k.pool.Videos().Forget(id)

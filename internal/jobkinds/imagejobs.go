@@ -1,4 +1,4 @@
-package diffusionrouter
+package jobkinds
 
 import (
 	"bytes"
@@ -50,7 +50,7 @@ func imageLearningOf(r *http.Request, t *scheduler.Ticket) imageLearning {
 // reports whether it had what it needed. A client can thus use an id as
 // soon as it reads it, even while the rest of the answer, or of the
 // stream, is on its way.
-func (k jobKinds) Learn(r *http.Request, t *scheduler.Ticket, answer []byte) bool {
+func (k Kinds) Learn(r *http.Request, t *scheduler.Ticket, answer []byte) bool {
 	switch imageLearningOf(r, t) {
 	case learnStreamed:
 		return k.rememberImage(firstEventData(answer), t)
@@ -69,7 +69,7 @@ func (k jobKinds) Learn(r *http.Request, t *scheduler.Ticket, answer []byte) boo
 
 // rememberImage remembers the image job that answer, a JSON object, names
 // as t's worker's, and reports whether answer named one.
-func (k jobKinds) rememberImage(answer []byte, t *scheduler.Ticket) bool {
+func (k Kinds) rememberImage(answer []byte, t *scheduler.Ticket) bool {
 	id, ok := leadingString(answer, "id")
 	if ok && request.ValidJobID(id) {
 		k.pool.Images().Remember(id, t.ServedBy(), t.Tenant)

@@ -1,4 +1,4 @@
-package diffusionrouter
+package jobkinds
 
 import (
 	"encoding/json"
@@ -26,16 +26,16 @@ const maxVideoList = 16 << 20
 // errVideoListTooLong refuses a list the router will not hold back whole.
 var errVideoListTooLong = fmt.Errorf("its video list is longer than the %d bytes the router reads to take out other tenants' jobs; ask for fewer with ?limit=", maxVideoList)
 
-// listsVideos reports whether r, on route, asks a worker for its list of
+// ListsVideos reports whether r, on route, asks a worker for its list of
 // video jobs.
-func listsVideos(r *http.Request, route request.Route) bool {
+func ListsVideos(r *http.Request, route request.Route) bool {
 	return route.Kind == request.Video && r.Method == http.MethodGet
 }
 
-// tenantList is the writer a worker's answer to a video list goes through
+// TenantList is the writer a worker's answer to a video list goes through
 // on its way to the client: it holds a 2xx answer back and lets any other
-// pass.
-type tenantList struct {
+// pass, then sends on only the tenant's jobs (Finish).
+type TenantList struct {
 	http.ResponseWriter
 	owners *scheduler.JobOwners
 	tenant string
@@ -44,22 +44,22 @@ type tenantList struct {
 	broken error // why the list held back cannot be read
 }
 
-// filterVideoList puts a tenantList for t under rec, when r lists video
-// jobs while tenants are on; nil otherwise.
-func (h *Handler) filterVideoList(rec *attempt.Recorder, r *http.Request, t *scheduler.Ticket) *tenantList {
-	if h.Queue.Tenant == "" || !listsVideos(r, t.Route) {
+// FilterVideoList puts a TenantList for t's tenant under rec, when r
+// lists video jobs; nil otherwise. owners knows whose each job is.
+func FilterVideoList(rec *attempt.Recorder, r *http.Request, t *scheduler.Ticket, owners *scheduler.JobOwners) *TenantList {
+	if !ListsVideos(r, t.Route) {
 		return nil
 	}
 	r.Header.Del("Accept-Encoding") // a list the router can read
-	l := &tenantList{ResponseWriter: rec.ResponseWriter, owners: h.pool.Videos(), tenant: t.Tenant}
+	l := &TenantList{ResponseWriter: rec.ResponseWriter, owners: owners, tenant: t.Tenant}
 	rec.ResponseWriter = l
 	return l
 }
 
-func (l *tenantList) holds() bool { return l.status >= 200 && l.status <= 299 }
+func (l *TenantList) holds() bool { return l.status >= 200 && l.status <= 299 }
 
 // WriteHeader holds a 2xx status back with its answer.
-func (l *tenantList) WriteHeader(status int) {
+func (l *TenantList) WriteHeader(status int) {
 	switch {
 	case status < 200:
 		l.ResponseWriter.WriteHeader(status)
@@ -72,7 +72,7 @@ func (l *tenantList) WriteHeader(status int) {
 }
 
 // Write holds a 2xx answer's bytes back, up to maxVideoList.
-func (l *tenantList) Write(b []byte) (int, error) {
+func (l *TenantList) Write(b []byte) (int, error) {
 	if l.status == 0 {
 		l.WriteHeader(http.StatusOK)
 	}
@@ -89,7 +89,7 @@ func (l *tenantList) Write(b []byte) (int, error) {
 }
 
 // FlushError flushes nothing held back, nor a status not yet given.
-func (l *tenantList) FlushError() error {
+func (l *TenantList) FlushError() error {
 	if l.status == 0 || l.holds() {
 		return nil
 	}
@@ -97,11 +97,12 @@ func (l *tenantList) FlushError() error {
 }
 
 // Unwrap lets the recorder reach the connection, to break it.
-func (l *tenantList) Unwrap() http.ResponseWriter { return l.ResponseWriter }
+func (l *TenantList) Unwrap() http.ResponseWriter { return l.ResponseWriter }
 
-// finish sends the list held back, with only the tenant's jobs, once the
-// attempt that answered it ended with err.
-func (l *tenantList) finish(err error) error {
+// Finish sends the list held back, with only the tenant's jobs, once the
+// attempt that answered it ended with err, and returns what to return for
+// the request.
+func (l *TenantList) Finish(err error) error {
 	if !l.holds() {
 		return err
 	}
@@ -119,7 +120,7 @@ func (l *tenantList) finish(err error) error {
 // filtered is the list held back with only the tenant's jobs in its data,
 // and its first_id and last_id, where the worker gives them, those of the
 // jobs left. The rest (object, has_more) stays as the worker wrote it.
-func (l *tenantList) filtered(err error) ([]byte, error) {
+func (l *TenantList) filtered(err error) ([]byte, error) {
 	if err = errors.Join(l.broken, err); err != nil {
 		return nil, err
 	}
