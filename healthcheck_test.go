@@ -195,23 +195,7 @@ func TestFailingWorkersGetLittleAndShowIt(t *testing.T) {
 		t.Run(bad.Name, func(t *testing.T) {
 			ws := testrouter.StartWorkers(t, bad, fakeworker.Config{Name: "good1"}, fakeworker.Config{Name: "good2"})
 			r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n max_fails 3\n eject_time 1m\n}")
-			var mu sync.Mutex
-			by := map[string]int{}
-			var wg sync.WaitGroup
-			for range 6 {
-				wg.Go(func() {
-					for range 20 {
-						rp := r.Post("/v1/images/generations", testrouter.SmallImage)
-						if rp.Status != 200 {
-							t.Errorf("a job beside a failing worker: %d %s", rp.Status, rp.Body)
-						}
-						mu.Lock()
-						by[rp.Header.Get("X-Fake-Worker")]++
-						mu.Unlock()
-					}
-				})
-			}
-			wg.Wait()
+			by := testrouter.SendImages(t, r, 6, func(sent int) bool { return sent < 20 })
 			st := r.Workers()[ws[0].URL()]
 			switch {
 			case by[bad.Name] > 12 && bad.FailRate == 1:

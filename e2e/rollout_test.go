@@ -188,28 +188,14 @@ func TestWorkerBreakingEveryAnswerDrawsFewJobs(t *testing.T) {
 		"\n max_fails 3\n eject_time 1s\n max_eject_time 1m\n health_interval 100ms\n}")
 	const run = 6 * time.Second // ejections of 1 s, 2 s and 4 s: it is back at 1 s and 3 s
 	end := time.Now().Add(run)
-	var mu sync.Mutex
-	by := map[string]int{}
-	var wg sync.WaitGroup
-	for range 6 {
-		wg.Go(func() {
-			for time.Now().Before(end) {
-				rp := r.Post("/v1/images/generations", testrouter.SmallImage)
-				if rp.Status != 200 {
-					t.Errorf("a job beside a worker breaking its answers: %d %s", rp.Status, rp.Body)
-				}
-				mu.Lock()
-				by[rp.Header.Get("X-Fake-Worker")]++
-				mu.Unlock()
-			}
-		})
-	}
+	served := make(chan map[string]int, 1)
+	go func() { served <- testrouter.SendImages(t, r, 6, func(int) bool { return time.Now().Before(end) }) }()
 	bad := ws[0].URL()
 	testrouter.WaitFor(t, func() bool { return r.Workers()[bad]["state"] == "ejected" })
 	if got := ws[0].Stats().Broken; got > 4 {
 		t.Errorf("the worker breaking every answer was first ejected after %d jobs; want out by its 4th", got)
 	}
-	wg.Wait()
+	by := <-served
 	broken := ws[0].Stats().Broken
 	jobs := broken + ws[1].Stats().Jobs + ws[2].Stats().Jobs
 	t.Logf("the worker breaking every answer drew %d of %d jobs", broken, jobs)

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -119,6 +120,31 @@ const SmallImage = `{"response_format":"b64_json","prompt":"a cat","size":"256x2
 // HeavyImage is the body of an image job of 20 cost units (1024x1024, 20
 // steps): 200 ms on a fake worker of speed 1 at 10 ms a unit.
 const HeavyImage = `{"response_format":"b64_json","prompt":"a cat","size":"1024x1024","num_inference_steps":20}`
+
+// SendImages sends small image jobs to r from clients clients at once,
+// each client one job after another while more holds for the jobs it has
+// sent, and counts the answers by the fake worker that made them
+// (X-Fake-Worker). A job answered other than 200 fails t.
+func SendImages(t testing.TB, r *Router, clients int, more func(sent int) bool) map[string]int {
+	var mu sync.Mutex
+	by := map[string]int{}
+	var wg sync.WaitGroup
+	for range clients {
+		wg.Go(func() {
+			for sent := 0; more(sent); sent++ {
+				rp := r.Post("/v1/images/generations", SmallImage)
+				if rp.Status != 200 {
+					t.Errorf("a job beside the faulty worker: %d %s", rp.Status, rp.Body)
+				}
+				mu.Lock()
+				by[rp.Header.Get("X-Fake-Worker")]++
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	return by
+}
 
 // BusyWith starts an image job with body on r that keeps the given worker
 // busy, and waits until the worker has it; the job's answer arrives on the
