@@ -65,9 +65,9 @@ func TestUpdateOutlivesItsCaller(t *testing.T) {
 }
 
 func TestSleepOutlivesItsCaller(t *testing.T) {
-	ws := namedWorkers(t, 2, fakeworker.Config{UnitMs: 400}) // a sleep takes 400 ms
+	ws := namedWorkers(t, 2, fakeworker.Config{UnitMs: 500}) // a sleep takes 500 ms
 	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n queue_timeout 200ms\n}")
-	giveUp(t, r, "/release_memory_occupation", "", 100*time.Millisecond)
+	giveUp(t, r, "/release_memory_occupation", "", 200*time.Millisecond)
 	if op := lastOperation(t, r); op["operation"] != "sleep" || op["error"] != nil {
 		t.Fatalf("the sleep the caller left: %v", op)
 	}

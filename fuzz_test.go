@@ -2,9 +2,9 @@ package diffusionrouter
 
 // The fuzz target for what the root package reads: the Caddyfile
 // directive (the bodies' and answers' targets live with their readers
-// under internal/). Each checks a property against an
-// independent reading, not just the absence of a panic. Seeds live in
-// testdata/fuzz/<Name>/ or in the target; CI runs each for a few seconds:
+// under internal/). It checks a property against an independent reading,
+// not just the absence of a panic. Seeds live in testdata/fuzz/<Name>/ or
+// in the target; CI runs it for a few seconds:
 //
 //	go test -run XXX -fuzz '^FuzzCaddyfile$' -fuzztime 30s .
 

@@ -65,6 +65,7 @@ func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
 	// The batch's first job holds the worker until the rest of the batch
 	// and the urgent jobs have queued behind it and been seen there.
 	release := ws[0].Hold()
+	t.Cleanup(release) // a failed test lets the held job end with it
 	go sendJob(r, "batch-0", "", 2, done)
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) == 1 })
 	for i := 1; i < 10; i++ {

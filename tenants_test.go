@@ -40,6 +40,7 @@ func TestTenantsShareTheWorkerByCostNotRequests(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 64)
 	release := ws[0].Hold()
+	t.Cleanup(release) // a failed test lets the held job end with it
 	go sendTenantJob(r, "warmup", 1, done) // holds the worker while the others queue
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for range 30 {
@@ -77,6 +78,7 @@ func TestTenantMaxQueueRefusesOnlyThatTenant(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 8)
 	release := ws[0].Hold()
+	t.Cleanup(release) // a failed test lets the held job end with it
 	go sendTenantJob(r, "a", 1, done) // holds the worker
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	go sendTenantJob(r, "a", 1, done)
@@ -123,6 +125,7 @@ func TestTenantsBeyondMaxTenantsShareOther(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 16)
 	release := ws[0].Hold()
+	t.Cleanup(release) // a failed test lets the held job end with it
 	go sendTenantJob(r, "t0", 1, done) // holds the worker
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for i := range 10 {
@@ -164,6 +167,7 @@ func TestInventedTenantNamesShareOneShare(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 128)
 	release := ws[0].Hold()
+	t.Cleanup(release) // a failed test lets the held job end with it
 	go sendTenantJob(r, "team-b", 1, done) // holds the worker while the others queue
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for i := range 63 {

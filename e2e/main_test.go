@@ -2,8 +2,8 @@
 // seconds each: Caddy built from cmd/caddy and run as processes, a group
 // of routers electing a leader through etcd, a router killed and started
 // again, the dashboard in a real browser, and a rollout step's batch timed
-// with a worker that hangs. It holds only tests; the root package's test
-// the Caddy adapter, and each internal package's its own behaviour.
+// with a worker that hangs. It holds only tests; the root package's tests
+// test the Caddy adapter, and each internal package's its own behaviour.
 package e2e
 
 import (

@@ -117,7 +117,7 @@ func runSoak(ctx context.Context, o options) (*soak, soakResult, error) {
 func (s *soak) warmUp(ctx context.Context, images, videos *client) error {
 	warm := newTally()
 	images.onResend, videos.onResend = warm.resend, warm.resend
-	soakClients(ctx, s.o.clients, s.o.warmup, mixes[s.o.mix], warmupSeed(s.o.seed), images, videos, warm)
+	soakClients(ctx, nil, s.o.clients, s.o.warmup, mixes[s.o.mix], warmupSeed(s.o.seed), images, videos, warm)
 	if n := warm.unanswered(); n > 0 {
 		return fmt.Errorf("%d of %d warm-up requests failed: %v", n, s.o.warmup, warm.reasons)
 	}
@@ -173,26 +173,31 @@ func (s *soak) close() {
 // run sends the measured load, counted in r.t, while the schedule injects
 // its faults, and follows the router meanwhile: it sets how long the load
 // took, the router half way and its peak. The load ends after --n
-// requests, --duration or --rounds of the schedule, or when a fault fails.
+// requests, --duration or --rounds of the schedule, its requests under way
+// running to their end and counted (the last fault's re-runs among them),
+// or at once when a fault fails.
 func (s *soak) run(ctx context.Context, r *soakResult, images, videos *client) error {
 	s.began, s.tally = r.t.began, r.t
-	load, stopLoad := context.WithCancel(ctx)
+	issuing, stopLoad := context.WithCancel(ctx)
 	defer stopLoad()
 	if s.o.durationSet {
 		var stop context.CancelFunc
-		load, stop = context.WithTimeout(load, s.o.duration)
+		issuing, stop = context.WithTimeout(issuing, s.o.duration)
 		defer stop()
 	}
+	sending, abandon := context.WithCancel(ctx)
+	defer abandon()
 	loadDone := make(chan struct{})
 	var err error
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		if err = s.runSchedule(ctx, loadDone, stopLoad); err != nil {
 			stopLoad()
+			abandon()
 		}
 	})
 	wg.Go(func() { r.peak, r.middle = s.watch(ctx, loadDone, r.t) })
-	soakClients(load, s.o.clients, s.o.n, mixes[s.o.mix], s.o.seed, images, videos, r.t)
+	soakClients(sending, issuing.Done(), s.o.clients, s.o.n, mixes[s.o.mix], s.o.seed, images, videos, r.t)
 	r.took = time.Since(s.began)
 	close(loadDone)
 	wg.Wait()

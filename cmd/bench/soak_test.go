@@ -60,7 +60,7 @@ func TestSoakConfig(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`"soak-images"`, `"soak-videos"`, `"retry_on":[500]`, `"order":"fifo"`, `"listen":"127.0.0.1:10003"`,
+	for _, want := range []string{`"soak-images"`, `"soak-videos"`, `"retry_on":[500]`, `"max_attempts":4`, `"order":"fifo"`, `"listen":"127.0.0.1:10003"`,
 		`"initial_speed":2000`, `"timeout":3000000000`, `"drain_timeout":10000000000`, `"max_held":2048`,
 		`"storage":{"module":"file_system","root":"/tmp/soak/storage"}`, f[1].URL(), s.blackhole.URL(), video.URL()} {
 		if !strings.Contains(string(first), want) {

@@ -339,7 +339,9 @@ func (s *soak) controlOK(ctx context.Context, method, path string) (map[string]a
 // for a worker's call, so that a hung one holds it up that long.
 // max_held_answer lies between the image answers and the rollout answers
 // (see soakHeldAnswer), so that images are held until whole and rollouts
-// stream, as rollouts with trajectories do past the default.
+// stream, as rollouts with trajectories do past the default. A job may go
+// to soakAttempts workers (max_attempts), as the schedule may fail one on
+// three.
 func (s *soak) config() ([]byte, error) {
 	workers := s.images.URLs()
 	if s.blackhole != nil {
@@ -349,6 +351,7 @@ func (s *soak) config() ([]byte, error) {
 	diffusion_router soak-images {
 		workers %s
 		retry_on 500
+		max_attempts %d
 		queue_order %s
 		initial_speed %g
 		health_interval %s
@@ -365,7 +368,7 @@ func (s *soak) config() ([]byte, error) {
 		health_timeout %s
 	}
 }
-`, s.ports.images, strings.Join(workers, " "), s.order, 1000/s.o.unitMs,
+`, s.ports.images, strings.Join(workers, " "), soakAttempts, s.order, 1000/s.o.unitMs,
 		soakHealth, soakHealth, soakWeightsTimeout, soakDrainTimeout, soakHeldAnswer,
 		s.ports.videos, s.video.URL(), soakHealth, soakHealth)
 	cfg, _, err := testrouter.Adapt([]byte(text), "soak.Caddyfile")
@@ -381,4 +384,12 @@ const (
 	// soak's load (1.6 KB: a 1 KB image in base64 in JSON) and below its
 	// rollout answers (2.7 KB of msgpack), as the fake worker makes them.
 	soakHeldAnswer = 2048
+	// soakAttempts is max_attempts, one above the default. The first round
+	// may fail an image job on three workers, the default's budget of
+	// copies and re-runs together: the worker crashed at the start refuses
+	// it, its re-run lands on the blackhole, and the blackhole's copy on
+	// the hung worker, whose restart fails the copy; the job then waits on
+	// the blackhole until the blackhole leaves and answers 503. A fourth
+	// attempt is a second copy, on a worker that has not failed the job.
+	soakAttempts = 4
 )

@@ -140,29 +140,40 @@ func (t *tally) unanswered() int { return t.total(refused, reset, broken, lost) 
 // requests is the count of requests that ended, however they did.
 func (t *tally) requests() int { return t.total(answered) + t.unanswered() }
 
-// soakClients runs the load: clients loops until n requests have been sent
-// or ctx ends, counting each request's fate in t. images and videos send to
-// the image pool's site and the video pool's.
-func soakClients(ctx context.Context, clients, n int, mix []share, seed uint64, images, videos *client, t *tally) {
+// soakClients runs the load: clients loop until n requests have been sent
+// or issuing ends, counting each request's fate in t; a request under way
+// when issuing ends runs to its end, in ctx. images and videos send to the
+// image pool's site and the video pool's.
+func soakClients(ctx context.Context, issuing <-chan struct{}, clients, n int, mix []share, seed uint64, images, videos *client, t *tally) {
 	var issued atomic.Int64
 	var wg sync.WaitGroup
 	for k := range clients {
 		wg.Go(func() {
 			rng := rand.New(rand.NewPCG(seed, uint64(k)))
-			for ctx.Err() == nil {
+			for ctx.Err() == nil && !closed(issuing) {
 				i := issued.Add(1)
 				if i > int64(n) {
 					return
 				}
 				kind, err := soakRequest(ctx, rng, int(i), mix, images, videos)
 				if ctx.Err() != nil && err != nil {
-					return // cut short by the end of the run, not by the router
+					return // cut short by a failed run, not by the router
 				}
 				t.add(kind, int(i), err)
 			}
 		})
 	}
 	wg.Wait()
+}
+
+// closed reports whether c is closed.
+func closed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
 }
 
 // soakRequest sends the i-th request, of a kind drawn with rng.

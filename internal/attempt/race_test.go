@@ -188,6 +188,9 @@ func TestHedgingOffGivesAHungJobNoCopy(t *testing.T) {
 	go func() {
 		<-entered
 		f.clock.Advance(time.Hour)
+		// A while for a copy to start, as it would at once with hedging on;
+		// none must.
+		time.Sleep(50 * time.Millisecond)
 		close(advanced)
 	}()
 
@@ -217,13 +220,16 @@ func TestCopiesAndRerunsShareMaxAttempts(t *testing.T) {
 		if i+1 < len(started) {
 			close(started[i])
 			f.clock.Advance(time.Hour) // overdue: a copy is due
-			wait := time.After(time.Hour)
+			wait := time.After(10 * time.Second)
 			if i == 2 {
 				wait = time.After(50 * time.Millisecond)
 			}
 			select {
 			case <-started[i+1]:
 			case <-wait:
+				if i < 2 {
+					t.Errorf("attempt %d overran, yet no copy of it started", i+1)
+				}
 			case <-r.Context().Done():
 			}
 		}

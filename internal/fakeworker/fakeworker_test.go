@@ -1042,27 +1042,43 @@ func TestHangAfter(t *testing.T) {
 }
 
 // A held job keeps the worker, with jobs queued behind it, until the test
-// releases it; then it and they end as any job does.
+// releases it; then it and they end as any job does, the later ones after
+// their service time. A job the worker refuses (asleep) leaves the hold
+// to the next that runs.
 func TestHoldEndsTheNextJobWhenReleased(t *testing.T) {
-	w := start(t, Config{UnitMs: 1})
+	w := start(t, Config{UnitMs: 50})
 	release := w.Hold()
-	answers := make(chan reply, 2)
-	go func() { answers <- call(t, w, "POST", "/v1/images/generations", imageBody(1)) }()
+	call(t, w, "POST", "/release_memory_occupation", "{}").expect(t, 200)
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).plain500(t) // asleep: refused
+	call(t, w, "POST", "/resume_memory_occupation", "{}").expect(t, 200)
+
+	answers := make(chan time.Duration, 2)
+	send := func() {
+		began := time.Now()
+		call(t, w, "POST", "/v1/images/generations", imageBody(1)).expect(t, 200)
+		answers <- time.Since(began)
+	}
+	go send()
 	waitQueue(t, w, 0) // the held job runs
-	go func() { answers <- call(t, w, "POST", "/v1/images/generations", imageBody(1)) }()
+	go send()
 	waitQueue(t, w, 1)
 	select {
-	case r := <-answers:
-		t.Fatalf("a job was answered (%d) while the worker was held", r.status)
+	case <-answers:
+		t.Fatal("a job was answered while the worker was held")
 	case <-time.After(100 * time.Millisecond):
 	}
 	release()
 	release()
 	for range 2 {
-		(<-answers).expect(t, 200)
+		<-answers
 	}
-	if s := w.Stats(); s.Jobs != 2 {
-		t.Errorf("%d jobs, want 2", s.Jobs)
+	began := time.Now()
+	call(t, w, "POST", "/v1/images/generations", imageBody(1)).expect(t, 200)
+	if took := time.Since(began); took < 50*time.Millisecond {
+		t.Fatalf("a job after the held one took %v; want its service time, 50 ms", took)
+	}
+	if s := w.Stats(); s.Jobs != 3 {
+		t.Errorf("%d jobs, want 3", s.Jobs)
 	}
 }
 

@@ -8,7 +8,8 @@ import (
 	"time"
 )
 
-// forever is the duration of a hung job: it ends only when the worker closes.
+// forever is the duration of a hung job, which ends only when the worker
+// closes, and of a held one, which ends when the test releases it.
 const forever = time.Duration(-1)
 
 // slotQueue is the worker's single execution slot. Waiters get it strictly in
@@ -82,7 +83,7 @@ type jobRun struct {
 // If ctx ends while the job waits, the job is dropped; once it runs, it
 // keeps the worker busy for its whole service time whether or not anyone
 // still waits for it, as a GPU kernel would. onStart, if not nil, learns
-// the planned service time (forever for a hung job) and the adapter when
+// the planned service time (forever for a hung or held job) and the adapter when
 // the job starts.
 func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration, string)) (jobRun, error) {
 	if err := w.acquire(ctx); err != nil {
@@ -149,8 +150,7 @@ func (w *Worker) admit(s shape) (verdict, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	finished := w.stats.Jobs + w.stats.Failed
-	v := verdict{adapter: w.lora.inEffect(), held: w.held}
-	w.held = nil
+	v := verdict{adapter: w.lora.inEffect()}
 	switch {
 	case w.asleep:
 		return verdict{}, errAsleep
@@ -162,6 +162,11 @@ func (w *Worker) admit(s shape) (verdict, error) {
 		v.failure, v.oom = oomError(s), true
 	case w.rng.Float64() < w.failRate:
 		v.failure = errInjected
+	}
+	if !v.hang {
+		// A job that runs (not one refused, nor one hung, which only the
+		// worker's end ends) takes the hold.
+		v.held, w.held = w.held, nil
 	}
 	return v, nil
 }

@@ -22,7 +22,7 @@ type Metric struct {
 // Scrape reads the named series from r's /metrics.
 func Scrape(t testing.TB, r *Router, name string) []Metric {
 	t.Helper()
-	return Series(ScrapeAll(t, r), name)
+	return series(ScrapeAll(t, r), name)
 }
 
 // ScrapeAll reads r's /metrics whole.
@@ -33,8 +33,8 @@ func ScrapeAll(t testing.TB, r *Router) string {
 	return string(rp.Body)
 }
 
-// Series reads the named series from a scrape.
-func Series(scraped, name string) []Metric {
+// series reads the named series from a scrape.
+func series(scraped, name string) []Metric {
 	var out []Metric
 	sc := bufio.NewScanner(strings.NewReader(scraped))
 	sc.Buffer(nil, 1<<20)
@@ -44,9 +44,9 @@ func Series(scraped, name string) []Metric {
 			continue
 		}
 		m := Metric{Labels: map[string]string{}}
-		series, value, _ := strings.Cut(line[len(name):], " ")
+		labels, value, _ := strings.Cut(line[len(name):], " ")
 		m.Value, _ = strconv.ParseFloat(value, 64)
-		for _, pair := range strings.Split(strings.Trim(series, "{}"), `",`) {
+		for _, pair := range strings.Split(strings.Trim(labels, "{}"), `",`) {
 			if k, v, ok := strings.Cut(pair, `="`); ok {
 				m.Labels[k] = strings.TrimSuffix(v, `"`)
 			}
@@ -66,7 +66,7 @@ func Value(t testing.TB, r *Router, name string, want map[string]string) float64
 // ValueIn is Value in a scrape.
 func ValueIn(scraped, name string, want map[string]string) float64 {
 	sum := 0.0
-	for _, m := range Series(scraped, name) {
+	for _, m := range series(scraped, name) {
 		match := true
 		for k, v := range want {
 			match = match && m.Labels[k] == v
