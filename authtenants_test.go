@@ -91,7 +91,7 @@ func TestTenantsExampleTakesTheTenantFromTheAuthenticatedUser(t *testing.T) {
 		held <- do("POST", "/v1/images/generations", body, header...).Status
 	}
 	release := ws[0].Hold()
-	t.Cleanup(release) // a failed test lets the held job end with it
+	t.Cleanup(release)
 	// Held until the others are seen waiting, and of so many steps that the
 	// router, which learned the worker's speed from the images above,
 	// predicts it to run long and sends the worker no second job meanwhile.

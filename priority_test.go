@@ -45,7 +45,8 @@ func postImage(r *testrouter.Router, steps int, name, value string) (int, string
 // larger than the others, so the speed the router learns from it once
 // released is no faster than theirs: learning a GPU far faster than the
 // fake would have the router send the worker its next jobs all at once, in
-// no order.
+// no order. Each test also releases the held job as it ends, so that one
+// that fails does not leave its router waiting for the job to end.
 const heldSpeed = "initial_speed 0.1\n"
 
 // sendJob sends an image job of steps steps with the given X-Priority
@@ -65,7 +66,7 @@ func TestUrgentJobsRunNextNotBehindTheBatch(t *testing.T) {
 	// The batch's first job holds the worker until the rest of the batch
 	// and the urgent jobs have queued behind it and been seen there.
 	release := ws[0].Hold()
-	t.Cleanup(release) // a failed test lets the held job end with it
+	t.Cleanup(release)
 	go sendJob(r, "batch-0", "", 2, done)
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) == 1 })
 	for i := 1; i < 10; i++ {

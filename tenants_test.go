@@ -40,7 +40,7 @@ func TestTenantsShareTheWorkerByCostNotRequests(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 64)
 	release := ws[0].Hold()
-	t.Cleanup(release) // a failed test lets the held job end with it
+	t.Cleanup(release)
 	go sendTenantJob(r, "warmup", 1, done) // holds the worker while the others queue
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for range 30 {
@@ -78,7 +78,7 @@ func TestTenantMaxQueueRefusesOnlyThatTenant(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 8)
 	release := ws[0].Hold()
-	t.Cleanup(release) // a failed test lets the held job end with it
+	t.Cleanup(release)
 	go sendTenantJob(r, "a", 1, done) // holds the worker
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	go sendTenantJob(r, "a", 1, done)
@@ -125,7 +125,7 @@ func TestTenantsBeyondMaxTenantsShareOther(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 16)
 	release := ws[0].Hold()
-	t.Cleanup(release) // a failed test lets the held job end with it
+	t.Cleanup(release)
 	go sendTenantJob(r, "t0", 1, done) // holds the worker
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for i := range 10 {
@@ -167,7 +167,7 @@ func TestInventedTenantNamesShareOneShare(t *testing.T) {
 	pool := map[string]string{"pool": "tenant-pool"}
 	done := make(chan tenantAnswer, 128)
 	release := ws[0].Hold()
-	t.Cleanup(release) // a failed test lets the held job end with it
+	t.Cleanup(release)
 	go sendTenantJob(r, "team-b", 1, done) // holds the worker while the others queue
 	testrouter.WaitFor(t, func() bool { return testrouter.Value(t, r, "caddy_diffusion_worker_inflight_jobs", pool) > 0 })
 	for i := range 63 {
