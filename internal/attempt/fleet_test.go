@@ -210,6 +210,17 @@ func answers(status int, body string) worker {
 	}
 }
 
+// answersAfter is a worker that, as its job arrives, moves the fleet's
+// clock by d, gives a copy that is then due a while to start (it would at
+// once), and answers the image.
+func (f *testFleet) answersAfter(d time.Duration) worker {
+	return func(w http.ResponseWriter, r *http.Request) error {
+		f.clock.Advance(d)
+		time.Sleep(50 * time.Millisecond)
+		return answers(http.StatusOK, imageAnswer)(w, r)
+	}
+}
+
 // hangs is a worker that never answers: its attempt ends when the router
 // or the client ends it. entered, when set, is closed as the job arrives.
 func hangs(entered chan struct{}) worker {

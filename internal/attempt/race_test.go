@@ -147,20 +147,10 @@ func TestAnAttemptFailingAfterItsCopyWonRunsNothingAgain(t *testing.T) {
 func TestAJobWithinItsPredictionGetsNoCopy(t *testing.T) {
 	f := hedged(t, 2)
 	j := f.job("in-time")
-	entered, advanced := make(chan struct{}), make(chan struct{})
-	f.serve(j.t.ServedBy(), func(w http.ResponseWriter, r *http.Request) error {
-		close(entered)
-		<-advanced
-		return answers(http.StatusOK, imageAnswer)(w, r)
-	})
+	// Past health_timeout, the earliest look, within 2 times the
+	// prediction (a job of cost 1 at the assumed 1 unit/s: 2 s).
+	f.serve(j.t.ServedBy(), f.answersAfter(1500*time.Millisecond))
 	f.serve(f.other(j.t.ServedBy()), answers(http.StatusOK, `{"created":2,"data":[]}`))
-	go func() {
-		<-entered
-		// Past health_timeout, the earliest look, within 2 times the
-		// prediction (a job of cost 1 at the assumed 1 unit/s: 2 s).
-		f.clock.Advance(1500 * time.Millisecond)
-		close(advanced)
-	}()
 
 	if err := f.runJob(j); err != nil {
 		t.Fatal(err)
@@ -174,25 +164,12 @@ func TestAJobWithinItsPredictionGetsNoCopy(t *testing.T) {
 func TestHedgingOffGivesAHungJobNoCopy(t *testing.T) {
 	f := newFleet(t, 2)
 	j := f.job("alone")
-	entered, advanced := make(chan struct{}), make(chan struct{})
-	f.serve(j.t.ServedBy(), func(w http.ResponseWriter, r *http.Request) error {
-		close(entered)
-		<-advanced
-		return answers(http.StatusOK, imageAnswer)(w, r)
-	})
+	f.serve(j.t.ServedBy(), f.answersAfter(time.Hour))
 	idle := f.other(j.t.ServedBy())
 	f.serve(idle, func(http.ResponseWriter, *http.Request) error {
 		t.Errorf("a copy reached the idle worker %s with hedging off", idle)
 		return nil
 	})
-	go func() {
-		<-entered
-		f.clock.Advance(time.Hour)
-		// A while for a copy to start, as it would at once with hedging on;
-		// none must.
-		time.Sleep(50 * time.Millisecond)
-		close(advanced)
-	}()
 
 	if err := f.runJob(j); err != nil {
 		t.Fatal(err)
