@@ -246,6 +246,8 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    forward_paths    <path|prefix*|sglang...>
 //	    max_workers      <n>
 //	    max_body         <size>
+//	    max_body_total   <size>
+//	    body_timeout     <duration>
 //	    upstream_timeout <duration>
 //	    dashboard        on|off
 //	    persist          on|off
@@ -386,6 +388,8 @@ var handlerOptions = map[string]option{
 	"adapter_switch_timeout": one(func(h *Handler) *caddy.Duration { return &h.Placement.SwitchTimeout }, parseDuration),
 	"adapter_retry":          one(func(h *Handler) *caddy.Duration { return &h.Placement.Retry }, parseDuration),
 	"max_body":               one(func(h *Handler) *int64 { return &h.MaxBody }, parseByteSize),
+	"max_body_total":         one(func(h *Handler) *int64 { return &h.MaxBodyTotal }, parseByteSize),
+	"body_timeout":           one(func(h *Handler) *caddy.Duration { return &h.BodyTimeout }, parseDuration),
 	"upstream_timeout":       one(func(h *Handler) *caddy.Duration { return &h.UpstreamTimeout }, parseDuration),
 	"dashboard":              one(func(h *Handler) *bool { return &h.DashboardOff }, parseOff),
 	"persist":                one(func(h *Handler) *bool { return &h.PersistOff }, parseOff),

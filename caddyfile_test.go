@@ -75,6 +75,8 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		cfg_factor 1.5
 		max_pixels 4194304
 		max_body 8MiB
+		max_body_total 512MiB
+		body_timeout 5m
 		admin_allow 10.0.0.0/8 192.168.1.7
 		admin_token {env.ROUTER_TOKEN}
 		upstream_timeout 30m
@@ -167,6 +169,8 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		Admin:           Admin{Allow: []string{"10.0.0.0/8", "192.168.1.7"}, Token: "{env.ROUTER_TOKEN}"},
 		Answers:         Answers{MaxHeld: 48 << 20, MaxHeldTotal: 1 << 30},
 		MaxBody:         8 << 20,
+		MaxBodyTotal:    512 << 20,
+		BodyTimeout:     caddy.Duration(5 * time.Minute),
 		UpstreamTimeout: caddy.Duration(30 * time.Minute),
 		Adapters:        []Adapter{{Name: "policy-a", Path: "/ckpt/lora/a"}, {Name: "policy-b", Path: "/ckpt/lora/b", Strength: 0.8}},
 		AdapterFrom:     "{http.request.header.X-Policy}",
@@ -230,6 +234,8 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 		"two policies":              "policy random round_robin",
 		"bad size":                  "max_body lots",
 		"zero size":                 "max_body 0",
+		"zero max_body_total":       "max_body_total 0",
+		"bad body_timeout":          "body_timeout slow",
 		"bad duration":              "upstream_timeout soon",
 		"missing value":             "admin_token",
 		"proxy sets upstreams":      "reverse_proxy {\n to 10.0.0.1:1\n }",
@@ -421,12 +427,15 @@ func TestSelectorAndSourceCaddyfile(t *testing.T) {
 
 func TestProvisionRejectsBadJSONConfig(t *testing.T) {
 	for name, h := range map[string]Handler{
-		"max body": {MaxBody: -1},
-		"health":   {HealthChecks: HealthChecks{Active: ActiveHealthChecks{ExpectStatus: 42}}},
-		"passive":  {HealthChecks: HealthChecks{Passive: PassiveHealthChecks{StallFactor: math.Inf(1)}}},
-		"weights":  {Weights: Weights{Timeout: -1}},
-		"held":     {Answers: Answers{MaxHeld: -2}},
-		"total":    {Answers: Answers{MaxHeldTotal: -1}},
+		"max body":                 {MaxBody: -1},
+		"body total below max":     {MaxBody: 8 << 20, MaxBodyTotal: 4 << 20},
+		"body total below default": {MaxBody: 512 << 20, MaxBodyTotal: 256 << 20},
+		"body timeout":             {BodyTimeout: -1},
+		"health":                   {HealthChecks: HealthChecks{Active: ActiveHealthChecks{ExpectStatus: 42}}},
+		"passive":                  {HealthChecks: HealthChecks{Passive: PassiveHealthChecks{StallFactor: math.Inf(1)}}},
+		"weights":                  {Weights: Weights{Timeout: -1}},
+		"held":                     {Answers: Answers{MaxHeld: -2}},
+		"total":                    {Answers: Answers{MaxHeldTotal: -1}},
 	} {
 		if err := h.provisionOptions(); err == nil {
 			t.Errorf("%s: bad config accepted", name)
@@ -448,7 +457,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 		`"active":{"uri":"/health","interval":10000000000,"timeout":5000000000,"fails":3,"passes":2}`,
 		`"min_ready":1`,
 		`"weights":{"mode":"drain","rolling_batch":1,"drain_timeout":600000000000,"timeout":600000000000}`,
-		`"max_body":67108864`,
+		`"max_body":67108864,"max_body_total":268435456,"body_timeout":60000000000`,
 		`"answers":{"max_held":33554432,"max_held_total":268435456,"stall_timeout":30000000000}`,
 		`"placement":{"switch_prior":30000000000,"max_switches":4,"turn":60000000000,"switch_timeout":60000000000,"retry":5000000000}`,
 	} {

@@ -82,6 +82,18 @@ type Handler struct {
 	// MaxBody is the largest request body accepted, in bytes. Default 64 MiB.
 	MaxBody int64 `json:"max_body,omitempty"`
 
+	// MaxBodyTotal bounds the bytes of request bodies held at once, over
+	// every request of this handler. When it is full no body is read
+	// further, and one that waits 5 s for room gets 503. An eighth of it is
+	// kept for bodies of at most 1 MiB, less where a body of max_body would
+	// not fit beside it. Default 256 MiB; never below max_body.
+	MaxBodyTotal int64 `json:"max_body_total,omitempty"`
+
+	// BodyTimeout is the longest a generation's whole body may take to
+	// arrive; past it the request gets 408 and its memory is freed.
+	// Default 60s.
+	BodyTimeout caddy.Duration `json:"body_timeout,omitempty"`
+
 	// UpstreamTimeout bounds a whole proxied exchange with a worker. Default:
 	// none, because a video can take many minutes.
 	UpstreamTimeout caddy.Duration `json:"upstream_timeout,omitempty"`
@@ -130,6 +142,7 @@ type Handler struct {
 	pool     *pool
 	dispatch scheduler.Config
 	costs    request.Model
+	bodies   *request.BodyBudget
 	weights  fleet.Config
 	health   scheduler.HealthConfig
 	attempts attempt.Runner

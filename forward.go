@@ -2,6 +2,7 @@ package diffusionrouter
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -299,13 +300,9 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *scheduler.
 	if !t.Job {
 		return 0, ""
 	}
-	body, err := readAll(r.Body, r.ContentLength)
+	body, err := h.holdBody(w, r)
 	if err != nil {
-		if request.OverMaxBody(err) {
-			w.Header().Set("Connection", "close") // the rest of the body stays unread
-			return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
-		}
-		return http.StatusBadRequest, "reading request body: " + err.Error()
+		return h.bodyRefused(w, err)
 	}
 	t.Body = body
 	r.Body = io.NopCloser(bytes.NewReader(body))
@@ -323,6 +320,47 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *scheduler.
 	return 0, ""
 }
 
+// holdBody reads a job's body whole, its memory taken from max_body_total
+// as the bytes arrive and given back when the request ends, within
+// body_timeout. The connection's read deadline ends a read that is
+// blocked on a silent sender at body_timeout.
+func (h *Handler) holdBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+	deadline := time.Now().Add(time.Duration(h.BodyTimeout))
+	ctx, cancel := context.WithDeadlineCause(r.Context(), deadline, request.ErrBodyTimeout)
+	defer cancel()
+	rc := http.NewResponseController(w)
+	if rc.SetReadDeadline(deadline) == nil {
+		defer rc.SetReadDeadline(time.Time{})
+	}
+	small := r.ContentLength >= 0 && r.ContentLength <= request.SmallBody
+	body, release, err := h.bodies.Read(ctx, r.Body, small)
+	if err != nil {
+		return nil, err
+	}
+	context.AfterFunc(r.Context(), release)
+	return body, nil
+}
+
+// bodyRefused is the answer to a job whose body could not be read whole.
+// The rest of such a body stays unread, so its connection is closed.
+func (h *Handler) bodyRefused(w http.ResponseWriter, err error) (int, string) {
+	switch {
+	case request.OverMaxBody(err):
+		w.Header().Set("Connection", "close")
+		return http.StatusRequestEntityTooLarge, tooLarge(h.MaxBody)
+	case errors.Is(err, request.ErrNoRoom):
+		w.Header().Set("Connection", "close")
+		w.Header().Set("Retry-After", strconv.Itoa(int(request.RoomWait.Seconds())))
+		h.metrics.bodiesRefused.WithLabelValues("budget").Inc()
+		return http.StatusServiceUnavailable, fmt.Sprintf("%v (%d bytes)", err, h.MaxBodyTotal)
+	case errors.Is(err, request.ErrBodyTimeout):
+		w.Header().Set("Connection", "close")
+		h.metrics.bodiesRefused.WithLabelValues("timeout").Inc()
+		return http.StatusRequestTimeout, fmt.Sprintf("%v (%s)", err, time.Duration(h.BodyTimeout))
+	}
+	return http.StatusBadRequest, "reading request body: " + err.Error()
+}
+
 // adapterOf is the adapter r's job names: adapter_from's placeholder, or
 // the body's model field.
 func (h *Handler) adapterOf(r *http.Request, f request.Fields) string {
@@ -331,18 +369,6 @@ func (h *Handler) adapterOf(r *http.Request, f request.Fields) string {
 	}
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	return strings.TrimSpace(repl.ReplaceAll(h.AdapterFrom, ""))
-}
-
-// readAll reads a body whole. One that tells its length (which max_body has
-// bounded) is read into a buffer of just that size, where io.ReadAll would
-// grow one from 512 bytes; others grow as they come.
-func readAll(body io.Reader, contentLength int64) ([]byte, error) {
-	if contentLength <= 0 {
-		return io.ReadAll(body)
-	}
-	buf := make([]byte, contentLength)
-	_, err := io.ReadFull(body, buf)
-	return buf, err
 }
 
 func tooLarge(limit int64) string {

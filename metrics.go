@@ -72,8 +72,16 @@ var (
 		Help:    "Workers each finished generation job was sent to.",
 		Buckets: []float64{1, 2, 3, 5, 10},
 	}, []string{"pool"})
+	bodyBytesHeld = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "request_body_bytes_held",
+		Help: "Bytes of request bodies the router holds at once (max_body_total bounds it).",
+	}, []string{"pool"})
+	bodiesRefused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "request_bodies_refused_total",
+		Help: "Request bodies refused before they were read whole, by reason: budget (no room in max_body_total within 5 s), timeout (body_timeout passed).",
+	}, []string{"pool", "reason"})
 
-	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, brokenAnswers, streamedAnswers, hedges, jobAttempts, poolCollector{}}
+	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, brokenAnswers, streamedAnswers, hedges, jobAttempts, bodyBytesHeld, bodiesRefused, poolCollector{}}
 )
 
 // registerMetrics adds the collectors to the config's registry. Each config
@@ -229,6 +237,7 @@ type poolMetrics struct {
 	queueWait, jobDuration, predictionError, attempts prometheus.Observer
 	decisions                                         prometheus.Counter
 	requests                                          *prometheus.CounterVec // by endpoint and code
+	bodiesRefused                                     *prometheus.CounterVec // by reason
 	runs                                              attempt.Metrics        // what becomes of attempts
 }
 
@@ -239,6 +248,7 @@ func newPoolMetrics(pool, strategy string) poolMetrics {
 		predictionError: predictionError.WithLabelValues(pool),
 		decisions:       routingDecisions.WithLabelValues(pool, strategy),
 		requests:        requests.MustCurryWith(prometheus.Labels{"pool": pool}),
+		bodiesRefused:   bodiesRefused.MustCurryWith(prometheus.Labels{"pool": pool}),
 		runs: attempt.Metrics{
 			Reruns:   reruns.MustCurryWith(prometheus.Labels{"pool": pool}),
 			Broken:   brokenAnswers.MustCurryWith(prometheus.Labels{"pool": pool}),

@@ -340,6 +340,8 @@ type DNSName struct {
 const (
 	defaultPoolName   = "default"
 	defaultMaxBody    = 64 << 20
+	defaultBodyTotal  = 256 << 20
+	defaultBodyTime   = time.Minute
 	defaultMaxQueue   = 10000
 	defaultMaxWorkers = 4096
 	defaultAttempts   = 3
@@ -377,13 +379,30 @@ func (h *Handler) provisionOptions() error {
 	if h.MaxWorkers < 0 {
 		return optionError("max_workers", "max_workers", "must be positive, got %d", h.MaxWorkers)
 	}
-	h.MaxBody = cmp.Or(h.MaxBody, defaultMaxBody)
-	if h.MaxBody < 0 {
-		return optionError("max_body", "max_body", "must be positive, got %d", h.MaxBody)
+	if err := h.provisionBodies(); err != nil {
+		return err
 	}
 	if h.UpstreamTimeout < 0 {
 		return optionError("upstream_timeout", "upstream_timeout", "must not be negative, got %s", time.Duration(h.UpstreamTimeout))
 	}
+	return nil
+}
+
+// provisionBodies reads the bounds of request bodies: each, all at once,
+// and in time.
+func (h *Handler) provisionBodies() error {
+	h.MaxBody = cmp.Or(h.MaxBody, defaultMaxBody)
+	h.MaxBodyTotal = cmp.Or(h.MaxBodyTotal, max(defaultBodyTotal, h.MaxBody))
+	h.BodyTimeout = cmp.Or(h.BodyTimeout, caddy.Duration(defaultBodyTime))
+	switch {
+	case h.MaxBody < 0:
+		return optionError("max_body", "max_body", "must be positive, got %d", h.MaxBody)
+	case h.MaxBodyTotal < h.MaxBody:
+		return optionError("max_body_total", "max_body_total", "must be at least max_body (%d bytes), got %d", h.MaxBody, h.MaxBodyTotal)
+	case h.BodyTimeout < 0:
+		return optionError("body_timeout", "body_timeout", "must be positive, got %s", time.Duration(h.BodyTimeout))
+	}
+	h.bodies = request.NewBodyBudget(h.MaxBodyTotal, h.MaxBody, bodyBytesHeld.WithLabelValues(h.Pool))
 	return nil
 }
 
