@@ -225,6 +225,103 @@ func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
 	}
 }
 
+// ejectFirst ejects p's first worker, beside a second that serves, by
+// failures ending with each of outcomes in turn, and reports how long it
+// is ejected for.
+func ejectFirst(t *testing.T, p *Pool, cfg *Config, outcomes ...Outcome) time.Duration {
+	t.Helper()
+	other := p.workers[1]
+	other.health.down = true // the failures all go to the first
+	for _, o := range outcomes {
+		serveAll(t, p, cfg, o, 1)
+	}
+	other.health.down = false
+	if w := p.Snapshot()[0]; w.State != Ejected {
+		t.Fatalf("after failures %v the worker is %v; want ejected", outcomes, w.State)
+	}
+	return ejectedFor(p)
+}
+
+// passProbes records n passed probes of p's first worker, a second apart,
+// and returns what the last one changed.
+func passProbes(p *Pool, clock *fakeClock, n int) HealthChange {
+	change := Unchanged
+	for range n {
+		clock.advance(time.Second)
+		change = p.RecordProbe("http://a:1", nil, testHealth)
+	}
+	return change
+}
+
+// A worker ejected for connections it did not answer (refused, or closed
+// before any byte of an answer) was down: health_passes passed probes
+// end its ejection, into probation, as they bring an unhealthy worker
+// back, however long its ejection was to last; a failed probe between
+// them starts the count again. Its doubling is kept.
+func TestEjectionOfAWorkerThatWasDownEndsOnPassedProbes(t *testing.T) {
+	p, clock := ejectingPool(t, 2)
+	cfg := ejectingConfig(LeastRequest{}, 100)
+	// An answer it broke longer ago than fail_window is not among the
+	// failures that eject it.
+	serveAll(t, p, cfg, Failed, 1)
+	clock.advance(testHealth.FailWindow + time.Second)
+	if d := ejectFirst(t, p, cfg, Unreachable, Unreachable, Unreachable); d != 10*time.Second {
+		t.Fatalf("ejected for %v; want eject_time, 10s", d)
+	}
+	if change := passProbes(p, clock, 1); change != Unchanged || p.Snapshot()[0].State != Ejected {
+		t.Fatalf("one passed probe of health_passes 2 changed %v; want the worker still ejected", change)
+	}
+	clock.advance(time.Second)
+	p.RecordProbe("http://a:1", errProbe, testHealth)
+	if change := passProbes(p, clock, 1); change != Unchanged || p.Snapshot()[0].State != Ejected {
+		t.Fatalf("a passed probe after a failed one changed %v; want the worker still ejected", change)
+	}
+	if change := passProbes(p, clock, 1); change != BackUp {
+		t.Fatalf("the second passed probe in a row changed %v; want the ejection ended", change)
+	}
+	if w := p.Snapshot()[0]; w.State != Serving || !w.Probation {
+		t.Fatalf("after health_passes passed probes the worker is %v, probation %v; want serving on probation", w.State, w.Probation)
+	}
+	// On probation, out again at its first failure, for twice as long;
+	// down again, it is back again on its passes.
+	if d := ejectFirst(t, p, cfg, Unreachable); d != 20*time.Second {
+		t.Fatalf("ejected again for %v; want twice eject_time, 20s", d)
+	}
+	if change := passProbes(p, clock, 2); change != BackUp {
+		t.Fatalf("health_passes passed probes changed %v; want the second ejection ended", change)
+	}
+}
+
+// An ejection with an answer among its failures (a 5xx, an answer cut
+// short or stalled) holds against passed probes while other workers
+// serve, whatever else failed: the worker answers /health and breaks its
+// answers. Its doubling is kept, for an ejection of connections only
+// that follows, too.
+func TestEjectionWithABadAnswerHoldsAgainstPassedProbes(t *testing.T) {
+	p, clock := ejectingPool(t, 2)
+	cfg := ejectingConfig(LeastRequest{}, 100)
+	if d := ejectFirst(t, p, cfg, Unreachable, Failed, Unreachable); d != 10*time.Second {
+		t.Fatalf("ejected for %v; want eject_time, 10s", d)
+	}
+	if change := passProbes(p, clock, 9); change != Unchanged || p.Snapshot()[0].State != Ejected {
+		t.Fatalf("9 s of passed probes into a 10 s ejection changed %v; want the worker still ejected", change)
+	}
+	clock.advance(ejectedFor(p))
+	if d := ejectFirst(t, p, cfg, Overtaken); d != 20*time.Second {
+		t.Fatalf("on probation, ejected again for %v; want 20s", d)
+	}
+	if change := passProbes(p, clock, 19); change != Unchanged || p.Snapshot()[0].State != Ejected {
+		t.Fatalf("19 s of passed probes into a 20 s ejection changed %v; want the worker still ejected", change)
+	}
+	clock.advance(ejectedFor(p))
+	if d := ejectFirst(t, p, cfg, Unreachable); d != 35*time.Second {
+		t.Fatalf("on probation, ejected for a connection for %v; want max_eject_time, 35s", d)
+	}
+	if change := passProbes(p, clock, 2); change != BackUp {
+		t.Fatalf("health_passes passed probes changed %v; want the ejection for a connection ended", change)
+	}
+}
+
 // With no other worker serving, a passed probe ends an ejection into
 // probation, as Envoy's panic threshold sends traffic to ejected hosts
 // when too few are healthy: one job at a time on a worker that may be
