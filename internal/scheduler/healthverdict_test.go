@@ -226,9 +226,9 @@ func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
 }
 
 // ejectFirst ejects p's first worker, beside a second that serves, by
-// failures ending with each of outcomes in turn, and reports how long it
-// is ejected for.
-func ejectFirst(t *testing.T, p *Pool, cfg *Config, outcomes ...Outcome) time.Duration {
+// failures ending with each of outcomes in turn, and fails t unless it is
+// then ejected for want.
+func ejectFirst(t *testing.T, p *Pool, cfg *Config, want time.Duration, outcomes ...Outcome) {
 	t.Helper()
 	other := p.workers[1]
 	other.health.down = true // the failures all go to the first
@@ -236,21 +236,26 @@ func ejectFirst(t *testing.T, p *Pool, cfg *Config, outcomes ...Outcome) time.Du
 		serveAll(t, p, cfg, o, 1)
 	}
 	other.health.down = false
-	if w := p.Snapshot()[0]; w.State != Ejected {
-		t.Fatalf("after failures %v the worker is %v; want ejected", outcomes, w.State)
+	if w := p.Snapshot()[0]; w.State != Ejected || ejectedFor(p) != want {
+		t.Fatalf("after failures %v the worker is %v for %v; want ejected for %v", outcomes, w.State, ejectedFor(p), want)
 	}
-	return ejectedFor(p)
 }
 
 // passProbes records n passed probes of p's first worker, a second apart,
-// and returns what the last one changed.
-func passProbes(p *Pool, clock *fakeClock, n int) HealthChange {
+// and fails t unless the last ended its ejection into probation (back) or
+// the worker is still ejected (!back).
+func passProbes(t *testing.T, p *Pool, clock *fakeClock, n int, back bool) {
+	t.Helper()
 	change := Unchanged
 	for range n {
 		clock.advance(time.Second)
 		change = p.RecordProbe("http://a:1", nil, testHealth)
 	}
-	return change
+	w := p.Snapshot()[0]
+	if back && (change != BackUp || w.State != Serving || !w.Probation) || !back && w.State != Ejected {
+		t.Fatalf("after %d passed probes the worker is %v, probation %v (the last changed %v); want it back on probation: %v",
+			n, w.State, w.Probation, change, back)
+	}
 }
 
 // A worker ejected for connections it did not answer (refused, or closed
@@ -265,61 +270,33 @@ func TestEjectionOfAWorkerThatWasDownEndsOnPassedProbes(t *testing.T) {
 	// failures that eject it.
 	serveAll(t, p, cfg, Failed, 1)
 	clock.advance(testHealth.FailWindow + time.Second)
-	if d := ejectFirst(t, p, cfg, Unreachable, Unreachable, Unreachable); d != 10*time.Second {
-		t.Fatalf("ejected for %v; want eject_time, 10s", d)
-	}
-	if change := passProbes(p, clock, 1); change != Unchanged || p.Snapshot()[0].State != Ejected {
-		t.Fatalf("one passed probe of health_passes 2 changed %v; want the worker still ejected", change)
-	}
-	clock.advance(time.Second)
+	ejectFirst(t, p, cfg, 10*time.Second, Unreachable, Unreachable, Unreachable)
+	passProbes(t, p, clock, 1, false)
 	p.RecordProbe("http://a:1", errProbe, testHealth)
-	if change := passProbes(p, clock, 1); change != Unchanged || p.Snapshot()[0].State != Ejected {
-		t.Fatalf("a passed probe after a failed one changed %v; want the worker still ejected", change)
-	}
-	if change := passProbes(p, clock, 1); change != BackUp {
-		t.Fatalf("the second passed probe in a row changed %v; want the ejection ended", change)
-	}
-	if w := p.Snapshot()[0]; w.State != Serving || !w.Probation {
-		t.Fatalf("after health_passes passed probes the worker is %v, probation %v; want serving on probation", w.State, w.Probation)
-	}
+	passProbes(t, p, clock, 1, false)
+	passProbes(t, p, clock, 1, true)
 	// On probation, out again at its first failure, for twice as long;
 	// down again, it is back again on its passes.
-	if d := ejectFirst(t, p, cfg, Unreachable); d != 20*time.Second {
-		t.Fatalf("ejected again for %v; want twice eject_time, 20s", d)
-	}
-	if change := passProbes(p, clock, 2); change != BackUp {
-		t.Fatalf("health_passes passed probes changed %v; want the second ejection ended", change)
-	}
+	ejectFirst(t, p, cfg, 20*time.Second, Unreachable)
+	passProbes(t, p, clock, 2, true)
 }
 
 // An ejection with an answer among its failures (a 5xx, an answer cut
-// short or stalled) holds against passed probes while other workers
-// serve, whatever else failed: the worker answers /health and breaks its
-// answers. Its doubling is kept, for an ejection of connections only
-// that follows, too.
+// short or stalled, a job a copy overtook) holds against passed probes
+// while other workers serve, whatever else failed: the worker answers
+// /health and breaks its answers. Its doubling is kept, for an ejection
+// of connections only that follows, too.
 func TestEjectionWithABadAnswerHoldsAgainstPassedProbes(t *testing.T) {
 	p, clock := ejectingPool(t, 2)
 	cfg := ejectingConfig(LeastRequest{}, 100)
-	if d := ejectFirst(t, p, cfg, Unreachable, Failed, Unreachable); d != 10*time.Second {
-		t.Fatalf("ejected for %v; want eject_time, 10s", d)
-	}
-	if change := passProbes(p, clock, 9); change != Unchanged || p.Snapshot()[0].State != Ejected {
-		t.Fatalf("9 s of passed probes into a 10 s ejection changed %v; want the worker still ejected", change)
-	}
+	ejectFirst(t, p, cfg, 10*time.Second, Unreachable, Failed, Unreachable)
+	passProbes(t, p, clock, 9, false)
 	clock.advance(ejectedFor(p))
-	if d := ejectFirst(t, p, cfg, Overtaken); d != 20*time.Second {
-		t.Fatalf("on probation, ejected again for %v; want 20s", d)
-	}
-	if change := passProbes(p, clock, 19); change != Unchanged || p.Snapshot()[0].State != Ejected {
-		t.Fatalf("19 s of passed probes into a 20 s ejection changed %v; want the worker still ejected", change)
-	}
+	ejectFirst(t, p, cfg, 20*time.Second, Overtaken) // on probation: out again at its first failure
+	passProbes(t, p, clock, 19, false)
 	clock.advance(ejectedFor(p))
-	if d := ejectFirst(t, p, cfg, Unreachable); d != 35*time.Second {
-		t.Fatalf("on probation, ejected for a connection for %v; want max_eject_time, 35s", d)
-	}
-	if change := passProbes(p, clock, 2); change != BackUp {
-		t.Fatalf("health_passes passed probes changed %v; want the ejection for a connection ended", change)
-	}
+	ejectFirst(t, p, cfg, 35*time.Second, Unreachable) // max_eject_time
+	passProbes(t, p, clock, 2, true)
 }
 
 // With no other worker serving, a passed probe ends an ejection into
