@@ -241,6 +241,8 @@ func (pr *prober) probe(ctx context.Context, workerURL string) {
 		pr.logger.Info("worker passed its health checks again", zap.String("worker", workerURL))
 	case scheduler.EjectionEnded:
 		pr.logger.Info("ejected worker passed a health check with no other worker serving; it is back on probation", zap.String("worker", workerURL))
+	case scheduler.BackUp:
+		pr.logger.Info("worker ejected for connections it did not answer passed its health checks again; it is back on probation", zap.String("worker", workerURL))
 	}
 }
 

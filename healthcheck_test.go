@@ -214,3 +214,58 @@ func TestFailingWorkersGetLittleAndShowIt(t *testing.T) {
 		})
 	}
 }
+
+// A worker that crashed and was started again on its address serves
+// again once its probes pass: the jobs it refused while down eject it,
+// and an ejection for connections it did not answer ends on
+// health_passes passed probes, not at eject_time (a minute here). It gets
+// a job within health_passes × health_interval + 1 s of its restart.
+// When a weight update ran while it was down, it gets that job after its
+// catch-up has brought it to the update's weights, and serves on them.
+func TestWorkerBackFromACrashServesAgain(t *testing.T) {
+	const interval, passes = 250 * time.Millisecond, 2
+	for _, missed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("missed an update: %v", missed), func(t *testing.T) {
+			ws := namedWorkers(t, 2, fakeworker.Config{})
+			r := testrouter.Start(t, fmt.Sprintf("diffusion_router {\n workers %s\n policy round_robin\n"+
+				" health_interval %v\n health_passes %d\n eject_time 1m\n}", testrouter.URLs(ws), interval, passes))
+			b := testrouter.Member{Name: "b", Worker: ws[1]}
+			url := b.URL()
+			b.Crash()
+			crashed := time.Now()
+			for i := range 6 { // round robin sends b every other job: 3 failures eject it
+				testrouter.ExpectStatus(t, fmt.Sprint("job ", i, " beside the crashed worker"), r.Post("/v1/images/generations", testrouter.SmallImage), 200)
+			}
+			if st := r.Workers()[url]; st["ejected_until"] == nil {
+				t.Fatalf("the crashed worker after 6 jobs: %v; want it ejected", st)
+			}
+			if missed {
+				if rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/8","weight_version":"step-8"}`); rp.Status != 502 {
+					t.Fatalf("update with the crashed worker: %d %s; want 502", rp.Status, rp.Body)
+				}
+			}
+			time.Sleep(time.Until(crashed.Add(time.Second)))
+			b, err := b.Restart()
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(b.Close)
+			restarted := time.Now()
+			bound := passes*interval + time.Second
+			for {
+				rp := r.Post("/v1/images/generations", testrouter.SmallImage)
+				testrouter.ExpectStatus(t, "job after the restart", rp, 200)
+				if rp.Header.Get("X-Fake-Worker") == "b" {
+					break
+				}
+				if time.Since(restarted) > bound {
+					t.Fatalf("the restarted worker served no job within %v: %v", bound, r.Workers()[url])
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			if jobs := b.Stats().JobsOn; missed && (len(jobs) != 1 || jobs["/ckpt/8"] != 1) {
+				t.Fatalf("the restarted worker served jobs on %v; want one, on the update it missed, /ckpt/8", jobs)
+			}
+		})
+	}
+}

@@ -183,7 +183,7 @@ func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next
 		if cause == stalled {
 			retry = run.Pool.RetryElsewhere
 		}
-		if retryErr := retry(r.Context(), t, cause.outcome(rec)); retryErr != nil {
+		if retryErr := retry(r.Context(), t, run.rerunOutcome(cause, rec, err)); retryErr != nil {
 			return lastAnswer(rec, t, cause, err, retryErr)
 		}
 		run.Metrics.Reruns.WithLabelValues(cause.String()).Inc()

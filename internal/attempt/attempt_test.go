@@ -2,9 +2,14 @@ package attempt
 
 import (
 	"errors"
+	"fmt"
+	"io"
+	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -37,13 +42,7 @@ func TestAnAnswerCutShortRunsAgain(t *testing.T) {
 	f := newFleet(t, 2)
 	j := f.job("cut-short")
 	first := j.t.ServedBy()
-	f.serve(first, func(w http.ResponseWriter, _ *http.Request) error {
-		w.Header().Set("Content-Type", "application/json")
-		w.Header().Set("Content-Length", strconv.Itoa(len(imageAnswer)))
-		w.WriteHeader(http.StatusOK)
-		_, _ = w.Write([]byte(imageAnswer[:10]))
-		panic(http.ErrAbortHandler) // as reverse_proxy aborts an answer that broke off
-	})
+	f.serve(first, breaksOff)
 	f.serve(f.other(first), answers(http.StatusOK, imageAnswer))
 
 	if err := f.runJob(j); err != nil {
@@ -187,4 +186,65 @@ func TestUpstreamTimeoutEndsTheJob(t *testing.T) {
 		t.Fatalf("Run: %v after %d attempts; want ErrUpstreamTimeout after 1", err, j.t.Attempts)
 	}
 	f.expectIdle()
+}
+
+// What an attempt's end says of its worker decides how an ejection it
+// caused ends: a worker that could not be reached, or that closed the
+// connection before any byte of an answer, was down, and its passed
+// probes let it back (health_passes 1 here); one that answered badly (a
+// 5xx, an answer malformed or cut short, none in time) stays out while
+// its probes pass. So whether the job runs again or not.
+func TestOnlyAWorkerThatWasDownIsLetBackByItsProbes(t *testing.T) {
+	reset := &net.OpError{Op: "read", Net: "tcp", Err: os.NewSyscallError("read", syscall.ECONNRESET)}
+	timeout := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+	for _, c := range []struct {
+		name   string
+		worker worker
+		down   bool
+	}{
+		{"refused", fails(errDial), true},
+		{"closed before answering", fails(io.EOF), true},
+		{"reset before answering", fails(reset), true},
+		{"answered 502", answers(http.StatusBadGateway, `{"error":"upstream"}`), false},
+		{"answer malformed", fails(io.ErrUnexpectedEOF), false},
+		{"no answer in time", fails(timeout), false},
+		{"answer cut short", breaksOff, false},
+	} {
+		for _, maxAttempts := range []int{1, 2} {
+			t.Run(fmt.Sprintf("%s, max_attempts %d", c.name, maxAttempts), func(t *testing.T) {
+				f := newFleet(t, 2)
+				f.cfg.MaxAttempts = maxAttempts
+				f.cfg.Health = &scheduler.HealthConfig{Timeout: time.Second, StallFactor: 5, Passes: 1,
+					MaxFails: 1, FailWindow: time.Minute, EjectTime: time.Minute, MaxEjectTime: time.Minute, MaxEjectionPercent: 100}
+				j := f.job(c.name)
+				first := j.t.ServedBy()
+				f.serve(first, c.worker)
+				f.serve(f.other(first), answers(http.StatusOK, imageAnswer))
+				_ = f.runJob(j)
+				if info, _ := f.pool.Worker(first); info.State != scheduler.Ejected {
+					t.Fatalf("the worker that failed the job is %v; want ejected", info.State)
+				}
+				back := f.pool.RecordProbe(first, nil, f.cfg.Health) == scheduler.BackUp
+				if info, _ := f.pool.Worker(first); back != c.down || (info.State == scheduler.Ejected) == c.down {
+					t.Fatalf("after a passed probe the worker is %v (back up: %v); want it back only if it was down (%v)", info.State, back, c.down)
+				}
+				f.expectIdle()
+			})
+		}
+	}
+}
+
+// fails is a worker whose attempts end with the proxy's error err,
+// nothing answered.
+func fails(err error) worker {
+	return func(http.ResponseWriter, *http.Request) error { return err }
+}
+
+// breaksOff is a worker whose 200 breaks off after its first bytes.
+func breaksOff(w http.ResponseWriter, _ *http.Request) error {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(imageAnswer)))
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write([]byte(imageAnswer[:10]))
+	panic(http.ErrAbortHandler) // as reverse_proxy aborts an answer that broke off
 }

@@ -158,7 +158,7 @@ func (rec *Recorder) answered(status int) {
 	if rec.freeEarly {
 		rec.freeEarly = false
 		s := &rec.slot
-		s.release(outcomeOf(s.r, s.t, nil, status))
+		s.release(s.run.outcomeOf(s.r, s.t, nil, status))
 	}
 }
 

@@ -76,13 +76,13 @@ func (run *Runner) send(rec *Recorder, r *http.Request, base context.Context, t 
 	end(err, attribute.Int("http.response.status_code", heldStatus(rec)))
 	if rec.held != nil {
 		if cause := run.rerunCause(r, rec, t, err); cause != noRerun {
-			s.kept, s.keptAs = true, cause.outcome(rec)
+			s.kept, s.keptAs = true, run.rerunOutcome(cause, rec, err)
 			return err // the re-run frees the worker: see slot.kept
 		}
 	}
 	e := Ending{Err: err, Status: heldStatus(rec), Sent: rec.status, Peek: rec.peek}
 	if !run.Kinds.Ended(r, t, e) {
-		s.release(outcomeOf(r, t, err, e.Status))
+		s.release(run.outcomeOf(r, t, err, e.Status))
 	}
 	return err
 }

@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
+	"net"
 	"net/http"
 	"slices"
+	"syscall"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
@@ -89,24 +92,49 @@ func (run *Runner) rerunCause(r *http.Request, rec *Recorder, t *scheduler.Ticke
 	return noRerun
 }
 
-// outcome is what the attempt says of its worker.
-func (c rerunCause) outcome(rec *Recorder) scheduler.Outcome {
-	switch c {
-	case fellAsleep:
+// rerunOutcome is what an attempt that ended with err, to be run again
+// for cause c, says of its worker.
+func (run *Runner) rerunOutcome(c rerunCause, rec *Recorder, err error) scheduler.Outcome {
+	switch {
+	case c == fellAsleep:
 		return scheduler.Asleep
-	case badGateway:
+	case c == badGateway:
 		return scheduler.OutcomeOf(context.Background(), nil, rec.held.status)
+	case c == unreachable && run.wasDown(err):
+		return scheduler.Unreachable
 	}
 	return scheduler.Failed
 }
 
 // outcomeOf is what t's attempt on r, ended with err and status, says of
 // its worker; a 5xx that was the job's own fault says nothing.
-func outcomeOf(r *http.Request, t *scheduler.Ticket, err error, status int) scheduler.Outcome {
-	if err == nil && jobsFault(t, status) {
+func (run *Runner) outcomeOf(r *http.Request, t *scheduler.Ticket, err error, status int) scheduler.Outcome {
+	switch {
+	case err == nil && jobsFault(t, status):
 		return scheduler.Refused
+	case status == 0 && r.Context().Err() == nil && run.wasDown(err):
+		return scheduler.Unreachable
 	}
 	return scheduler.OutcomeOf(r.Context(), err, status)
+}
+
+// wasDown reports whether err, which ended an attempt before any byte of
+// its answer, says its worker was down rather than up and failing: no
+// connection could be made, or the one made was closed or reset before
+// anything was read, as when the worker's process dies. A timeout says
+// the worker was up and did not answer; a malformed or broken answer
+// (io.ErrUnexpectedEOF), that it began one.
+func (run *Runner) wasDown(err error) bool {
+	switch {
+	case err == nil || !run.workerDropped(err):
+		return false
+	case run.Proxy.NeverSent(err):
+		return true
+	}
+	if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+		return false
+	}
+	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EPIPE)
 }
 
 // jobsFault reports whether a 5xx answer to t is taken as the job's own

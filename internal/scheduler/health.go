@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"regexp"
+	"slices"
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
@@ -84,16 +85,22 @@ func (p *Pool) probePassedLocked(w *worker, now int64, cfg *HealthConfig) Health
 	if w.health.suspect && !p.overrunningLocked(w, now, cfg) {
 		w.health.suspect = false
 	}
-	// An ejection runs its course while other workers serve what w
-	// makes: a passed probe says the worker's HTTP server answers, not
-	// that its answers are whole. With none, the probe ends it into
-	// probation, as Envoy's panic threshold sends traffic to ejected
-	// hosts when too few are healthy: one job at a time on a worker that
-	// may be broken beats a queue waiting out an ejection of minutes.
+	// An ejection for bad answers runs its course while other workers
+	// serve what w makes: a passed probe says the worker's HTTP server
+	// answers, not that its answers are whole. With none, the probe ends
+	// it into probation, as Envoy's panic threshold sends traffic to
+	// ejected hosts when too few are healthy: one job at a time on a
+	// worker that may be broken beats a queue waiting out an ejection of
+	// minutes. An ejection for connections w did not answer ends after
+	// health_passes passes, as an unhealthy worker's absence does: w was
+	// down, and is up again.
 	change := Unchanged
-	if now < w.health.ejectedUntil && !p.othersServeLocked(w, now) {
-		w.health.ejectedUntil = 0
-		change = EjectionEnded
+	switch {
+	case now >= w.health.ejectedUntil:
+	case w.health.ejectedDown && w.evidence.probePasses >= cfg.Passes:
+		w.health.ejectedUntil, change = 0, BackUp
+	case !p.othersServeLocked(w, now):
+		w.health.ejectedUntil, change = 0, EjectionEnded
 	}
 	if w.health.down && (w.evidence.probePasses >= cfg.Passes || w.health.unverified) {
 		w.health.down = false    // one pass admits a worker read back, as one answer admits a worker registered
@@ -190,8 +197,9 @@ const cleanRunForgives = 10
 // noteOutcomeLocked counts the passive evidence of one proxied request:
 // max_fails failures within fail_window eject the worker for eject_time,
 // doubling on each repeat up to max_eject_time, until cleanRunForgives
-// successes in a row. It reports how long the worker is now ejected
-// for, if it is.
+// successes in a row; when none of them was an answer (Unreachable all),
+// health_passes passed probes end the ejection sooner. It reports how
+// long the worker is now ejected for, if it is.
 func (p *Pool) noteOutcomeLocked(w *worker, t *Ticket, o Outcome) time.Duration {
 	now, cfg := p.now().UnixNano(), t.cfg.Health
 	switch o {
@@ -209,19 +217,19 @@ func (p *Pool) noteOutcomeLocked(w *worker, t *Ticket, o Outcome) time.Duration 
 		return 0
 	}
 	since := now - int64(cfg.FailWindow)
-	kept := w.evidence.recentFails[:0]
-	for _, at := range w.evidence.recentFails {
-		if at > since {
-			kept = append(kept, at)
-		}
-	}
-	w.evidence.recentFails = append(kept, now)
+	w.evidence.recentFails = append(slices.DeleteFunc(w.evidence.recentFails, func(f failure) bool { return f.at <= since }),
+		failure{at: now, answered: o != Unreachable})
 	w.evidence.lastFail = now
 	if len(w.evidence.recentFails) < cfg.MaxFails && !w.health.probation || !p.mayEjectLocked(now, cfg) {
 		return 0
 	}
 	d := min(cfg.EjectTime<<min(w.evidence.ejections, 20), cfg.MaxEjectTime)
-	w.health.ejectedUntil, w.evidence.recentFails = now+int64(d), w.evidence.recentFails[:0]
+	w.health.ejectedUntil = now + int64(d)
+	// A worker that did not answer was down: once its probes pass, it is
+	// back. One that answered badly may answer /health all along.
+	w.health.ejectedDown = !slices.ContainsFunc(w.evidence.recentFails, func(f failure) bool { return f.answered })
+	w.evidence.recentFails = w.evidence.recentFails[:0]
+	w.evidence.probePasses = 0 // the passes that end it come after its failures
 	// Back, it is on probation: one job at a time, and out again at its
 	// first failure, until a job succeeds. A passed probe says its HTTP
 	// server answers, not that its jobs do.
@@ -258,7 +266,7 @@ func (p *Pool) Forgive(url string) {
 	}
 	w.stats.failures--
 	w.evidence.consecFails = max(w.evidence.consecFails-1, 0)
-	if n := len(w.evidence.recentFails); n > 0 && w.evidence.recentFails[n-1] == w.evidence.lastFail {
+	if n := len(w.evidence.recentFails); n > 0 && w.evidence.recentFails[n-1].at == w.evidence.lastFail {
 		w.evidence.recentFails = w.evidence.recentFails[:n-1]
 	}
 	if w.evidence.ejectedAt != 0 && w.evidence.ejectedAt == w.evidence.lastFail {
@@ -378,4 +386,5 @@ const (
 	BecameUnhealthy
 	BecameHealthy
 	EjectionEnded // a passed probe ended an ejection: no other worker serves
+	BackUp        // passed probes ended an ejection for connections the worker did not answer
 )

@@ -225,6 +225,80 @@ func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
 	}
 }
 
+// ejectFirst ejects p's first worker, beside a second that serves, by
+// failures ending with each of outcomes in turn, and fails t unless it is
+// then ejected for want.
+func ejectFirst(t *testing.T, p *Pool, cfg *Config, want time.Duration, outcomes ...Outcome) {
+	t.Helper()
+	other := p.workers[1]
+	other.health.down = true // the failures all go to the first
+	for _, o := range outcomes {
+		serveAll(t, p, cfg, o, 1)
+	}
+	other.health.down = false
+	if w := p.Snapshot()[0]; w.State != Ejected || ejectedFor(p) != want {
+		t.Fatalf("after failures %v the worker is %v for %v; want ejected for %v", outcomes, w.State, ejectedFor(p), want)
+	}
+}
+
+// passProbes records n passed probes of p's first worker, a second apart,
+// and fails t unless the last ended its ejection into probation (back) or
+// the worker is still ejected (!back).
+func passProbes(t *testing.T, p *Pool, clock *fakeClock, n int, back bool) {
+	t.Helper()
+	change := Unchanged
+	for range n {
+		clock.advance(time.Second)
+		change = p.RecordProbe("http://a:1", nil, testHealth)
+	}
+	w := p.Snapshot()[0]
+	if back && (change != BackUp || w.State != Serving || !w.Probation) || !back && w.State != Ejected {
+		t.Fatalf("after %d passed probes the worker is %v, probation %v (the last changed %v); want it back on probation: %v",
+			n, w.State, w.Probation, change, back)
+	}
+}
+
+// A worker ejected for connections it did not answer (refused, or closed
+// before any byte of an answer) was down: health_passes passed probes
+// end its ejection, into probation, as they bring an unhealthy worker
+// back, however long its ejection was to last; a failed probe between
+// them starts the count again. Its doubling is kept.
+func TestEjectionOfAWorkerThatWasDownEndsOnPassedProbes(t *testing.T) {
+	p, clock := ejectingPool(t, 2)
+	cfg := ejectingConfig(LeastRequest{}, 100)
+	// An answer it broke longer ago than fail_window is not among the
+	// failures that eject it.
+	serveAll(t, p, cfg, Failed, 1)
+	clock.advance(testHealth.FailWindow + time.Second)
+	ejectFirst(t, p, cfg, 10*time.Second, Unreachable, Unreachable, Unreachable)
+	passProbes(t, p, clock, 1, false)
+	p.RecordProbe("http://a:1", errProbe, testHealth)
+	passProbes(t, p, clock, 1, false)
+	passProbes(t, p, clock, 1, true)
+	// On probation, out again at its first failure, for twice as long;
+	// down again, it is back again on its passes.
+	ejectFirst(t, p, cfg, 20*time.Second, Unreachable)
+	passProbes(t, p, clock, 2, true)
+}
+
+// An ejection with an answer among its failures (a 5xx, an answer cut
+// short or stalled, a job a copy overtook) holds against passed probes
+// while other workers serve, whatever else failed: the worker answers
+// /health and breaks its answers. Its doubling is kept, for an ejection
+// of connections only that follows, too.
+func TestEjectionWithABadAnswerHoldsAgainstPassedProbes(t *testing.T) {
+	p, clock := ejectingPool(t, 2)
+	cfg := ejectingConfig(LeastRequest{}, 100)
+	ejectFirst(t, p, cfg, 10*time.Second, Unreachable, Failed, Unreachable)
+	passProbes(t, p, clock, 9, false)
+	clock.advance(ejectedFor(p))
+	ejectFirst(t, p, cfg, 20*time.Second, Overtaken) // on probation: out again at its first failure
+	passProbes(t, p, clock, 19, false)
+	clock.advance(ejectedFor(p))
+	ejectFirst(t, p, cfg, 35*time.Second, Unreachable) // max_eject_time
+	passProbes(t, p, clock, 2, true)
+}
+
 // With no other worker serving, a passed probe ends an ejection into
 // probation, as Envoy's panic threshold sends traffic to ejected hosts
 // when too few are healthy: one job at a time on a worker that may be

@@ -178,21 +178,31 @@ type workerHealth struct {
 	ejectedUntil int64 // out after failed requests until then, Unix nanoseconds
 	asleepUntil  int64 // out after it said it is asleep until then, Unix nanoseconds
 	probation    bool  // back after an ejection: one job at a time, out at its first failure, until a job given on probation succeeds
+	// ejectedDown says the failures that ejected the worker were all
+	// connections it did not answer (Unreachable): it was down, and
+	// health_passes passed probes end the ejection.
+	ejectedDown bool
 }
 
 // healthEvidence is what the verdict on a worker's health rests on.
 type healthEvidence struct {
-	probeFails  int     // consecutive failed health probes
-	probePasses int     // consecutive passed health probes
-	lastProbe   int64   // Unix nanoseconds
-	lastError   string  // of the last probe
-	recentFails []int64 // failed requests within the fail window
-	lastFail    int64   // when the last failed request was counted, Unix nanoseconds
-	ejectedAt   int64   // when the last ejection began, Unix nanoseconds
-	ejections   uint    // ejections since the last cleanRunForgives successes in a row
-	cleanRun    int     // successes since the last failure
-	consecFails int     // failed requests since the last success
-	naps        uint    // answers saying it is asleep since the last success
+	probeFails  int       // consecutive failed health probes
+	probePasses int       // consecutive passed health probes
+	lastProbe   int64     // Unix nanoseconds
+	lastError   string    // of the last probe
+	recentFails []failure // failed requests within the fail window
+	lastFail    int64     // when the last failed request was counted, Unix nanoseconds
+	ejectedAt   int64     // when the last ejection began, Unix nanoseconds
+	ejections   uint      // ejections since the last cleanRunForgives successes in a row
+	cleanRun    int       // successes since the last failure
+	consecFails int       // failed requests since the last success
+	naps        uint      // answers saying it is asleep since the last success
+}
+
+// failure is a failed request counted against a worker.
+type failure struct {
+	at       int64 // Unix nanoseconds
+	answered bool  // it answered, badly: not a connection it did not answer (Unreachable)
 }
 
 // workerLife is where a worker is in the fleet's operations.

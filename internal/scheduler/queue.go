@@ -34,13 +34,19 @@ type Config struct {
 type Outcome int
 
 const (
-	Succeeded Outcome = iota // the worker answered
-	Refused                  // the worker refused the request (4xx): the request's fault, not the worker's
-	Failed                   // the worker could not be reached or failed
-	Abandoned                // the client left; says nothing of the worker
-	Asleep                   // the worker said it is asleep: put to sleep behind the router's back
-	Overtaken                // a copy of the job on another worker answered first: it overran, hung
+	Succeeded   Outcome = iota // the worker answered
+	Refused                    // the worker refused the request (4xx): the request's fault, not the worker's
+	Failed                     // the worker failed: a 5xx, an answer cut short or stalled, none in time, or an error not known to be Unreachable
+	Unreachable                // no connection could be made, or it closed before any byte of an answer: the worker was down
+	Abandoned                  // the client left; says nothing of the worker
+	Asleep                     // the worker said it is asleep: put to sleep behind the router's back
+	Overtaken                  // a copy of the job on another worker answered first: it overran, hung
 )
+
+// failed reports whether o counts as a failure of the worker.
+func (o Outcome) failed() bool {
+	return o == Failed || o == Unreachable || o == Overtaken
+}
 
 // Why a request gets no worker.
 var (
@@ -378,7 +384,7 @@ func (p *Pool) untriedServingLocked(t *Ticket) bool {
 func (p *Pool) Release(t *Ticket, o Outcome) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if w := t.worker; w != nil && (o == Failed || o == Overtaken) {
+	if w := t.worker; w != nil && o.failed() {
 		t.tried = append(t.tried, w)
 	}
 	return p.releaseLocked(t, o)
@@ -569,13 +575,13 @@ func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 	}
 	t.worker = nil
 	p.wakeWaitersLocked()
-	switch o {
-	case Succeeded:
+	switch {
+	case o == Succeeded:
 		w.stats.served++
 		w.evidence.consecFails = 0
-	case Refused:
+	case o == Refused:
 		w.stats.served++
-	case Failed, Overtaken:
+	case o.failed():
 		w.stats.failures++
 		w.evidence.consecFails++
 		p.forgetAdapterLocked(w) // it may have restarted: read its adapter back before its next job
