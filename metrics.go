@@ -73,7 +73,19 @@ var (
 		Buckets: []float64{1, 2, 3, 5, 10},
 	}, []string{"pool"})
 
-	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, brokenAnswers, streamedAnswers, hedges, jobAttempts, poolCollector{}}
+	bodyBytesHeld = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "request_body_bytes_held",
+		Help: "Bytes of request bodies the router holds at once (max_body_total bounds it).",
+	}, []string{"pool"})
+	bodiesRefused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: subsystem, Name: "request_bodies_refused_total",
+		Help: "Request bodies refused before they were read whole, by reason: budget (no room in max_body_total within 5 s), timeout (body_timeout passed).",
+	}, []string{"pool", "reason"})
+
+	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, brokenAnswers, streamedAnswers, hedges, jobAttempts, bodyBytesHeld, bodiesRefused, poolCollector{}}
+
+	// bodyRefusals are the reasons of bodiesRefused.
+	bodyRefusals = []string{"budget", "timeout"}
 )
 
 // registerMetrics adds the collectors to the config's registry. Each config
@@ -233,6 +245,13 @@ type poolMetrics struct {
 }
 
 func newPoolMetrics(pool, strategy string) poolMetrics {
+	// The body budget's series exist from the pool's first config on, at
+	// 0: its panels show 0 rather than no data, and rate() counts the
+	// first refusal.
+	bodyBytesHeld.WithLabelValues(pool)
+	for _, reason := range bodyRefusals {
+		bodiesRefused.WithLabelValues(pool, reason)
+	}
 	return poolMetrics{
 		queueWait:       queueWait.WithLabelValues(pool),
 		jobDuration:     jobDuration.WithLabelValues(pool),
