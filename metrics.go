@@ -45,7 +45,7 @@ var (
 	}, []string{"pool", "strategy"})
 	weightUpdates = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "weight_updates_total",
-		Help: "Weight updates, sleeps and wakes by outcome (success, partial, drain_timeout, no_workers).",
+		Help: "Weight updates, LoRA calls, sleeps and wakes by outcome (success, partial, drain_timeout, no_workers, abandoned).",
 	}, []string{"pool", "operation", "outcome"})
 	requests = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "requests_total",
