@@ -45,7 +45,7 @@ var (
 	}, []string{"pool", "strategy"})
 	weightUpdates = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "weight_updates_total",
-		Help: "Weight updates, sleeps and wakes by outcome (success, partial, drain_timeout, no_workers).",
+		Help: "Weight updates, LoRA calls, sleeps and wakes by outcome (success, partial, drain_timeout, no_workers, abandoned).",
 	}, []string{"pool", "operation", "outcome"})
 	requests = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Subsystem: subsystem, Name: "requests_total",
@@ -82,6 +82,9 @@ var (
 	}, []string{"pool", "reason"})
 
 	collectors = []prometheus.Collector{queueWait, jobDuration, predictionError, routingDecisions, weightUpdates, requests, reruns, brokenAnswers, streamedAnswers, hedges, jobAttempts, bodyBytesHeld, bodiesRefused, poolCollector{}}
+
+	// bodyRefusals are the reasons of bodiesRefused.
+	bodyRefusals = []string{"budget", "timeout"}
 )
 
 // registerMetrics adds the collectors to the config's registry. Each config
@@ -242,6 +245,13 @@ type poolMetrics struct {
 }
 
 func newPoolMetrics(pool, strategy string) poolMetrics {
+	// The body budget's series exist from the pool's first config on, at
+	// 0: its panels show 0 rather than no data, and rate() counts the
+	// first refusal.
+	bodyBytesHeld.WithLabelValues(pool)
+	for _, reason := range bodyRefusals {
+		bodiesRefused.WithLabelValues(pool, reason)
+	}
 	return poolMetrics{
 		queueWait:       queueWait.WithLabelValues(pool),
 		jobDuration:     jobDuration.WithLabelValues(pool),

@@ -14,7 +14,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
-	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
@@ -231,30 +230,6 @@ type PassiveHealthChecks struct {
 	// (and at least the probe timeout) makes its worker suspect, with no
 	// new jobs until that job ends. Default 5.
 	StallFactor float64 `json:"stall_factor,omitempty"`
-}
-
-// Weights is how weight updates, sleep and wake run over the fleet.
-type Weights struct {
-	// Mode is how POST /update_weights_from_disk updates the fleet when
-	// the body names no mode: drain (default: pause, let the jobs in
-	// flight finish, update all, resume) or rolling (RollingBatch workers
-	// at a time while the others serve).
-	Mode string `json:"mode,omitempty"`
-
-	// RollingBatch is how many workers a rolling update takes at once.
-	// Default 1.
-	RollingBatch int `json:"rolling_batch,omitempty"`
-
-	// DrainTimeout bounds the wait for jobs in flight before an update or
-	// sleep; beyond it 504 and nothing changes. Default 10m.
-	DrainTimeout caddy.Duration `json:"drain_timeout,omitempty"`
-
-	// Timeout bounds one worker's update, sleep or wake call. Default 10m.
-	Timeout caddy.Duration `json:"timeout,omitempty"`
-
-	// PathPrefixes, when set, restrict model_path to paths under one of
-	// these prefixes (403 otherwise).
-	PathPrefixes []string `json:"path_prefixes,omitempty"`
 }
 
 // Answers is how much of the workers' answers the router holds back until
@@ -571,36 +546,6 @@ func (h *Handler) provisionCosts() error {
 	return nil
 }
 
-// provisionWeights reads the weight update options.
-func (h *Handler) provisionWeights() error {
-	o, c := &h.Weights, &h.weights
-	o.Mode = cmp.Or(o.Mode, scheduler.ModeDrain)
-	if o.Mode != scheduler.ModeDrain && o.Mode != scheduler.ModeRolling {
-		return optionError("weights_mode", "weights.Mode", "unknown mode %q (want drain or rolling)", o.Mode)
-	}
-	o.RollingBatch = cmp.Or(o.RollingBatch, 1)
-	o.DrainTimeout = cmp.Or(o.DrainTimeout, caddy.Duration(defaultDrainTimeout))
-	o.Timeout = cmp.Or(o.Timeout, caddy.Duration(defaultWeightsTimeout))
-	switch {
-	case o.RollingBatch < 0:
-		return optionError("rolling_batch", "weights.rolling_batch", "must be positive, got %d", o.RollingBatch)
-	case o.DrainTimeout < 0:
-		return optionError("drain_timeout", "weights.drain_timeout", "must be positive, got %s", time.Duration(o.DrainTimeout))
-	case o.Timeout < 0:
-		return optionError("weights_timeout", "weights.Timeout", "must be positive, got %s", time.Duration(o.Timeout))
-	}
-	for _, p := range o.PathPrefixes {
-		if !strings.HasPrefix(p, "/") && !strings.Contains(p, "://") {
-			return optionError("weights_path_prefix", "weights.path_prefixes", "%q is neither an absolute path nor a URL prefix", p)
-		}
-	}
-	*c = fleet.Config{
-		Mode: o.Mode, RollingBatch: o.RollingBatch, PathPrefixes: o.PathPrefixes,
-		DrainTimeout: time.Duration(o.DrainTimeout), Timeout: time.Duration(o.Timeout),
-	}
-	return nil
-}
-
 // provisionHealth reads the health options.
 func (h *Handler) provisionHealth() error {
 	a, p := &h.HealthChecks.Active, &h.HealthChecks.Passive
@@ -807,12 +752,6 @@ func parsePrefixes(list []string) ([]netip.Prefix, error) {
 	}
 	return out, nil
 }
-
-// Defaults of the weight update options.
-const (
-	defaultDrainTimeout   = 10 * time.Minute
-	defaultWeightsTimeout = 10 * time.Minute
-)
 
 // Adapter is a LoRA policy a pool serves.
 type Adapter struct {
