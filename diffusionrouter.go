@@ -82,11 +82,14 @@ type Handler struct {
 	// MaxBody is the largest request body accepted, in bytes. Default 64 MiB.
 	MaxBody int64 `json:"max_body,omitempty"`
 
-	// MaxBodyTotal bounds the bytes of request bodies held at once, over
-	// every request of this handler. When it is full no body is read
-	// further, and one that waits 5 s for room gets 503. An eighth of it is
-	// kept for bodies of at most 1 MiB, less where a body of max_body would
-	// not fit beside it. Default 256 MiB; never below max_body.
+	// MaxBodyTotal bounds the bytes of generation bodies held at once,
+	// over every request of this handler, from their first byte until
+	// their request ends. A body takes it as its bytes arrive; when it is
+	// full no body is read further, and one that finds no room to start
+	// within 5 s gets 503. An eighth of it is kept for bodies of at most
+	// 1 MiB, less where a body of max_body would not fit beside it.
+	// Default 256 MiB, or max_body where that is larger; never below
+	// max_body.
 	MaxBodyTotal int64 `json:"max_body_total,omitempty"`
 
 	// BodyTimeout is the longest a generation's whole body may take to

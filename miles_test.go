@@ -26,7 +26,7 @@ func TestMilesExampleAdapts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`"trusted_proxies":{"ranges":["192.168.0.0/16"`, `"trusted_proxies_strict":1`, `"admin":{"allow":["private_ranges"]}`, `"forward_paths":["sglang"]`} {
+	for _, want := range []string{`"trusted_proxies":{"ranges":["192.168.0.0/16"`, `"trusted_proxies_strict":1`, `"admin":{"allow":["private_ranges"]}`, `"forward_paths":["sglang"]`, `"body_timeout":300000000000`, `"max_body_total":1073741824`} {
 		if !strings.Contains(string(raw), want) {
 			t.Errorf("adapted example lacks %s:\n%s", want, raw)
 		}
