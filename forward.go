@@ -2,7 +2,6 @@ package diffusionrouter
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -64,6 +63,7 @@ func (h *Handler) forward(rec *attempt.Recorder, r *http.Request, route request.
 	}
 	if t.Job {
 		defer h.pool.Untrack(t)
+		defer h.releaseBody(t)
 	}
 	dispatched := time.Now()
 	h.metrics.decisions.Inc()
@@ -92,7 +92,8 @@ func (h *Handler) forward(rec *attempt.Recorder, r *http.Request, route request.
 // is to be sent, in its ticket's context. A non-zero status refuses r with
 // that status and message (409 for a job aborted, or whose id an abort
 // remembers); a nil ticket means the client left. A job is registered by
-// its id until the caller's Untrack, so that an abort finds it.
+// its id until the caller's Untrack, so that an abort finds it, and holds
+// its body until the caller's releaseBody.
 func (h *Handler) admit(rec *attempt.Recorder, r *http.Request, route request.Route) (*scheduler.Ticket, *http.Request, int, string) {
 	t, status, msg := h.ticketFor(r, route)
 	if status == 0 {
@@ -101,6 +102,16 @@ func (h *Handler) admit(rec *attempt.Recorder, r *http.Request, route request.Ro
 	if status != 0 {
 		return nil, r, status, msg
 	}
+	admitted, r, status, msg := h.enqueue(rec, r, t)
+	if admitted == nil {
+		h.releaseBody(t)
+	}
+	return admitted, r, status, msg
+}
+
+// enqueue registers the job t, whose body is read, and gets it a worker,
+// as admit says.
+func (h *Handler) enqueue(rec *attempt.Recorder, r *http.Request, t *scheduler.Ticket) (*scheduler.Ticket, *http.Request, int, string) {
 	if t.Job {
 		r = r.WithContext(t.WithCancel(r.Context()))
 		t.RID = r.Header.Get(request.IDHeader)
@@ -315,31 +326,28 @@ func (h *Handler) readBody(w http.ResponseWriter, r *http.Request, t *scheduler.
 		err = h.pool.ResolveAdapter(t, h.adapterOf(r, f))
 	}
 	if err != nil {
+		h.releaseBody(t)
 		return http.StatusBadRequest, err.Error()
 	}
 	return 0, ""
 }
 
 // holdBody reads a job's body whole, its memory taken from max_body_total
-// as the bytes arrive and given back when the request ends, within
-// body_timeout. The connection's read deadline ends a read that is
-// blocked on a silent sender at body_timeout.
+// as the bytes arrive, within body_timeout; the caller gives it back
+// (releaseBody) once the job has ended. The connection's read deadline
+// ends a read that is blocked on a silent sender at body_timeout.
 func (h *Handler) holdBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
 	deadline := time.Now().Add(time.Duration(h.BodyTimeout))
-	ctx, cancel := context.WithDeadlineCause(r.Context(), deadline, request.ErrBodyTimeout)
-	defer cancel()
 	rc := http.NewResponseController(w)
 	if rc.SetReadDeadline(deadline) == nil {
 		defer rc.SetReadDeadline(time.Time{})
 	}
 	small := r.ContentLength >= 0 && r.ContentLength <= request.SmallBody
-	body, release, err := h.bodies.Read(ctx, r.Body, small)
-	if err != nil {
-		return nil, err
-	}
-	context.AfterFunc(r.Context(), release)
-	return body, nil
+	return h.bodies.Read(r.Context(), r.Body, small, deadline)
 }
+
+// releaseBody gives the memory of t's body back to max_body_total.
+func (h *Handler) releaseBody(t *scheduler.Ticket) { h.bodies.Release(len(t.Body)) }
 
 // bodyRefused is the answer to a job whose body could not be read whole.
 // The rest of such a body stays unread, so its connection is closed.

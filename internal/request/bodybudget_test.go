@@ -4,32 +4,39 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 	"time"
 )
 
-// manualWait is a budget's RoomWait clock that the test ends by hand.
-type manualWait chan time.Time
+// manualClock is a budget's clock whose waits the test ends by hand: room
+// ends a wait of RoomWait, deadline one for a body's deadline.
+type manualClock struct{ room, deadline chan time.Time }
 
-func (m manualWait) after(time.Duration) <-chan time.Time { return m }
+func (c manualClock) after(d time.Duration) <-chan time.Time {
+	if d == RoomWait {
+		return c.room
+	}
+	return c.deadline
+}
 
-func testBudget(total, maxBody int64) (*BodyBudget, manualWait) {
+func testBudget(total, maxBody int64) (*BodyBudget, manualClock) {
 	b := NewBodyBudget(total, maxBody, nil)
-	wait := make(manualWait)
-	b.after = wait.after
-	return b, wait
+	clock := manualClock{make(chan time.Time), make(chan time.Time)}
+	b.after = clock.after
+	return b, clock
 }
 
 // read is one body being read in the background.
 type read struct {
-	send    *io.PipeWriter
-	data    []byte
-	release func()
-	err     error
-	done    chan struct{}
+	send *io.PipeWriter
+	data []byte
+	err  error
+	done chan struct{}
 }
 
 func startRead(ctx context.Context, b *BodyBudget, small bool) *read {
@@ -37,7 +44,7 @@ func startRead(ctx context.Context, b *BodyBudget, small bool) *read {
 	r := &read{send: pw, done: make(chan struct{})}
 	go func() {
 		defer close(r.done)
-		r.data, r.release, r.err = b.Read(ctx, pr, small)
+		r.data, r.err = b.Read(ctx, pr, small, time.Now().Add(time.Hour))
 		pr.CloseWithError(io.ErrClosedPipe) // a sender blocked on a refused body returns
 	}()
 	return r
@@ -62,18 +69,17 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
+// F and B are the sizes of a body's first and later chunks.
+const F, B = FirstChunk, BodyChunk
+
 func TestBodyMemoryFollowsTheBytesThatArrived(t *testing.T) {
 	b, _ := testBudget(64<<20, 64<<20)
 	r := startRead(context.Background(), b, false)
-	sent := bytes.Repeat([]byte("x"), BodyChunk+100)
-	if _, err := r.send.Write(sent[:BodyChunk]); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, "a body of one chunk holds other than one chunk", func() bool { return b.Held() == BodyChunk })
-	if _, err := r.send.Write(sent[BodyChunk:]); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, "a body of one chunk and 100 bytes holds other than two chunks", func() bool { return b.Held() == 2*BodyChunk })
+	sent := bytes.Repeat([]byte("x"), F+B+100)
+	r.send.Write(sent[:F])
+	eventually(t, "a body of one small chunk's bytes holds other than one small chunk", func() bool { return b.Held() == F })
+	r.send.Write(sent[F:])
+	eventually(t, "a body of F+B+100 bytes holds other than F+2B", func() bool { return b.Held() == F+2*B })
 	r.send.Close()
 	r.wait(t)
 	if r.err != nil || !bytes.Equal(r.data, sent) {
@@ -82,64 +88,76 @@ func TestBodyMemoryFollowsTheBytesThatArrived(t *testing.T) {
 	if got := b.Held(); got != int64(len(sent)) {
 		t.Errorf("a body read whole holds %d bytes, want its %d", got, len(sent))
 	}
-	r.release()
-	r.release() // a second release gives nothing back twice
+	b.Release(len(r.data))
 	if got := b.Held(); got != 0 {
 		t.Errorf("released, the budget holds %d bytes", got)
 	}
 }
 
 func TestABodyThatFindsNoRoomToStartIsRefused(t *testing.T) {
-	b, wait := testBudget(4*BodyChunk, 4*BodyChunk) // no reserve: a max_body body must fit
+	const total = F + 3*B
+	b, clock := testBudget(total, total) // no reserve: a max_body body must fit
 	big := startRead(context.Background(), b, false)
-	big.send.Write(make([]byte, 3*BodyChunk+1)) // four chunks: the budget is full
-	eventually(t, "the first body did not fill the budget", func() bool { return b.Held() == 4*BodyChunk })
+	big.send.Write(make([]byte, total))
+	eventually(t, "the first body did not fill the budget", func() bool { return b.Held() == total })
 
 	late := startRead(context.Background(), b, false)
 	late.send.Write([]byte("{"))
-	wait <- time.Now() // RoomWait passes
+	clock.room <- time.Now() // RoomWait passes
 	late.wait(t)
 	if !errors.Is(late.err, ErrNoRoom) {
 		t.Errorf("a body with no room to start: %v, want ErrNoRoom", late.err)
 	}
-	big.send.Close()
+	big.send.Close() // a body that ends at its last chunk's end needs no room past it
 	big.wait(t)
-	if big.err != nil || len(big.data) != 3*BodyChunk+1 {
+	if big.err != nil || len(big.data) != total {
 		t.Errorf("the body that had room: %d bytes, %v", len(big.data), big.err)
 	}
-	big.release()
+	b.Release(len(big.data))
 	if got := b.Held(); got != 0 {
 		t.Errorf("after both, the budget holds %d bytes", got)
 	}
 }
 
+func TestABodyOfMaxBodyFitsABudgetOfMaxBody(t *testing.T) {
+	for _, maxBody := range []int64{100, 100_000, F + 3*B} {
+		b, _ := testBudget(maxBody, maxBody)
+		data, err := b.Read(context.Background(), bytes.NewReader(make([]byte, maxBody)), false, time.Now().Add(time.Hour))
+		if err != nil || int64(len(data)) != maxBody {
+			t.Errorf("a body of max_body %d in a budget of as much: %d bytes, %v", maxBody, len(data), err)
+		}
+		b.Release(len(data))
+	}
+}
+
 func TestABodyUnderWayWaitsForRoomUntilAnotherGivesItBack(t *testing.T) {
-	b, _ := testBudget(4*BodyChunk, 4*BodyChunk)
+	const total = 2*F + B + B/2
+	b, _ := testBudget(total, total)
 	first := startRead(context.Background(), b, false)
-	first.send.Write(make([]byte, 3*BodyChunk))
-	eventually(t, "the first body does not hold three chunks", func() bool { return b.Held() == 3*BodyChunk })
+	first.send.Write(make([]byte, F+B))
 	second := startRead(context.Background(), b, false)
-	second.send.Write(make([]byte, BodyChunk)) // the budget's last chunk
-	eventually(t, "the second body did not start", func() bool { return b.Held() == 4*BodyChunk })
+	second.send.Write(make([]byte, F))
+	eventually(t, "the two bodies do not hold 2F+B", func() bool { return b.Held() == 2*F+B })
 	second.send.Write([]byte("y")) // its second chunk must wait for room
 
 	first.send.Close()
 	first.wait(t)
-	first.release() // the second body gets the room back and goes on
+	b.Release(len(first.data)) // the second body gets the room back and goes on
 	second.send.Close()
 	second.wait(t)
-	if second.err != nil || len(second.data) != BodyChunk+1 {
+	if second.err != nil || len(second.data) != F+1 {
 		t.Errorf("the body that waited: %d bytes, %v", len(second.data), second.err)
 	}
 }
 
 func TestSmallBodiesPassWhileLargeOnesWait(t *testing.T) {
-	b, wait := testBudget(16*BodyChunk, 8*BodyChunk) // a reserve of two chunks
+	const total, maxBody = 16 * B, 15*B + F // a reserve of B-F
+	b, clock := testBudget(total, maxBody)
 	ctx, clientGone := context.WithCancel(context.Background())
 	large := startRead(ctx, b, false)
-	large.send.Write(make([]byte, 14*BodyChunk)) // fills all but the reserve
-	eventually(t, "the large body did not fill its share", func() bool { return b.Held() == 14*BodyChunk })
-	large.send.Write([]byte("y")) // and waits for a 15th
+	large.send.Write(make([]byte, F+15*B)) // all but the reserve
+	eventually(t, "the large body did not fill its share", func() bool { return b.Held() == F+15*B })
+	large.send.Write([]byte("y")) // and waits for more
 
 	other := startRead(context.Background(), b, false)
 	other.send.Write([]byte("{"))
@@ -150,8 +168,8 @@ func TestSmallBodiesPassWhileLargeOnesWait(t *testing.T) {
 	if small.err != nil || string(small.data) != `{"prompt": "a fox"}` {
 		t.Fatalf("a small body beside a full budget: %q, %v", small.data, small.err)
 	}
-	small.release()
-	wait <- time.Now()
+	b.Release(len(small.data))
+	clock.room <- time.Now()
 	other.wait(t)
 	if !errors.Is(other.err, ErrNoRoom) {
 		t.Errorf("a second large body took the reserve: %v", other.err)
@@ -167,14 +185,14 @@ func TestSmallBodiesPassWhileLargeOnesWait(t *testing.T) {
 }
 
 func TestABodyWaitingForRoomPastItsTimeoutIsATimeout(t *testing.T) {
-	b, _ := testBudget(4*BodyChunk, 4*BodyChunk)
+	const total = F + 3*B
+	b, clock := testBudget(total, total)
 	hog := startRead(context.Background(), b, false)
-	hog.send.Write(make([]byte, 3*BodyChunk+1))
-	eventually(t, "the budget did not fill", func() bool { return b.Held() == 4*BodyChunk })
-	ctx, timeout := context.WithCancelCause(context.Background())
-	waiting := startRead(ctx, b, false)
+	hog.send.Write(make([]byte, total))
+	eventually(t, "the budget did not fill", func() bool { return b.Held() == total })
+	waiting := startRead(context.Background(), b, false)
 	waiting.send.Write([]byte("{")) // its first byte is in: it waits for room
-	timeout(ErrBodyTimeout)
+	clock.deadline <- time.Now()
 	waiting.wait(t)
 	if !errors.Is(waiting.err, ErrBodyTimeout) {
 		t.Errorf("a body whose time ran out waiting for room: %v", waiting.err)
@@ -187,13 +205,11 @@ func TestABodyWaitingForRoomPastItsTimeoutIsATimeout(t *testing.T) {
 }
 
 func TestABodyBlockedReadingPastItsTimeoutIsATimeout(t *testing.T) {
-	b, _ := testBudget(4*BodyChunk, 4*BodyChunk)
-	ctx, timeout := context.WithCancelCause(context.Background())
-	r := startRead(ctx, b, false)
-	r.send.Write(make([]byte, BodyChunk+1))
-	eventually(t, "the body did not start", func() bool { return b.Held() == 2*BodyChunk })
-	timeout(ErrBodyTimeout)
-	r.send.CloseWithError(errors.New("i/o timeout")) // what the read deadline does
+	b, _ := testBudget(64<<20, 64<<20)
+	r := startRead(context.Background(), b, false)
+	r.send.Write(make([]byte, F+1))
+	eventually(t, "the body did not start", func() bool { return b.Held() == F+B })
+	r.send.CloseWithError(fmt.Errorf("read tcp: %w", os.ErrDeadlineExceeded)) // what the connection's read deadline does
 	r.wait(t)
 	if !errors.Is(r.err, ErrBodyTimeout) {
 		t.Errorf("a read ended by the deadline: %v, want ErrBodyTimeout", r.err)
@@ -205,8 +221,8 @@ func TestABodyBlockedReadingPastItsTimeoutIsATimeout(t *testing.T) {
 
 func TestABodyOverMaxBodyIsRefusedAndFreed(t *testing.T) {
 	b, _ := testBudget(64<<20, 64<<20)
-	body := http.MaxBytesReader(nil, io.NopCloser(strings.NewReader(strings.Repeat("x", 3*BodyChunk))), 2*BodyChunk)
-	_, _, err := b.Read(context.Background(), body, false)
+	body := http.MaxBytesReader(nil, io.NopCloser(strings.NewReader(strings.Repeat("x", 3*B))), 2*B)
+	_, err := b.Read(context.Background(), body, false, time.Now().Add(time.Hour))
 	if !OverMaxBody(err) {
 		t.Errorf("a body over its bound: %v, want the MaxBytesError", err)
 	}
@@ -217,14 +233,14 @@ func TestABodyOverMaxBodyIsRefusedAndFreed(t *testing.T) {
 
 func TestAnEmptyBodyHoldsNothing(t *testing.T) {
 	b, _ := testBudget(64<<20, 64<<20)
-	data, release, err := b.Read(context.Background(), http.NoBody, true)
+	data, err := b.Read(context.Background(), http.NoBody, true, time.Now().Add(time.Hour))
 	if err != nil || len(data) != 0 {
 		t.Fatalf("an empty body: %q, %v", data, err)
 	}
 	if got := b.Held(); got != 0 {
 		t.Errorf("an empty body holds %d bytes", got)
 	}
-	release()
+	b.Release(len(data))
 }
 
 // gauge records what a budget reports.
@@ -235,14 +251,14 @@ func (g *gauge) Add(d float64) { g.v += d }
 func TestTheGaugeFollowsTheBytesHeld(t *testing.T) {
 	g := &gauge{}
 	b := NewBodyBudget(64<<20, 64<<20, g)
-	_, release, err := b.Read(context.Background(), strings.NewReader(strings.Repeat("x", 1000)), true)
+	data, err := b.Read(context.Background(), strings.NewReader(strings.Repeat("x", 1000)), true, time.Now().Add(time.Hour))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if g.v != 1000 {
 		t.Errorf("the gauge reads %v while a body of 1000 bytes is held", g.v)
 	}
-	release()
+	b.Release(len(data))
 	if g.v != 0 {
 		t.Errorf("the gauge reads %v once it was released", g.v)
 	}
