@@ -81,14 +81,14 @@ func (w *Worker) routes() http.Handler {
 // URL(scope=...)). It reports whether it answered.
 func redirectSlash(mux *http.ServeMux, rw http.ResponseWriter, r *http.Request) bool {
 	path := r.URL.Path
-	if path == "/" || routes(mux, r, path) {
+	if path == "/" || hasRoute(mux, r, path) {
 		return false
 	}
 	twin := strings.TrimRight(path, "/")
 	if twin == path {
 		twin += "/"
 	}
-	if !routes(mux, r, twin) {
+	if !hasRoute(mux, r, twin) {
 		return false
 	}
 	location := "http://" + r.Host + twin
@@ -100,8 +100,8 @@ func redirectSlash(mux *http.ServeMux, rw http.ResponseWriter, r *http.Request) 
 	return true
 }
 
-// routes reports whether a route of mux takes path, by any method.
-func routes(mux *http.ServeMux, r *http.Request, path string) bool {
+// hasRoute reports whether a route of mux takes path, by any method.
+func hasRoute(mux *http.ServeMux, r *http.Request, path string) bool {
 	for _, method := range []string{http.MethodGet, http.MethodPost, http.MethodDelete} {
 		if _, pattern := mux.Handler(&http.Request{Method: method, Host: r.Host, URL: &url.URL{Path: path}}); pattern != "" {
 			return true
