@@ -260,6 +260,7 @@ func (h *Handler) Cleanup() error {
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	h.pool.store.AwaitReady(r.Context()) // as the process starts: the fleet read back from storage first
 	rec := attempt.NewRecorder(w)
+	h.settleVariant(r)
 	route := request.Endpoints.Match(r.Method, r.URL)
 	dotted := hasDotSegment(r.URL.Path)
 	answered := !dotted && h.isControl(r, route)
@@ -288,6 +289,31 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	h.metrics.requests.WithLabelValues(class, statusClass(rec.Status())).Inc()
 	return err
+}
+
+// settleVariant makes r a request for the path its path is a variant of
+// (a trailing or repeated slash, ;params: see request.Canonical) when the
+// router answers or refuses that path, so that the variant is answered
+// or refused as it is, in whatever forwarding mode, and never reaches a
+// worker. A variant of a path that goes to the workers goes on as it
+// came, decided by itself.
+func (h *Handler) settleVariant(r *http.Request) {
+	c, ok := request.Canonical(r.URL)
+	if !ok {
+		return
+	}
+	variant := r.URL
+	r.URL = c
+	if !h.forwarded(r, request.Endpoints.Match(r.Method, c)) {
+		return
+	}
+	r.URL = variant
+}
+
+// forwarded reports whether r, which goes to route, is sent on to a
+// worker: not answered by the router, nor refused for its path.
+func (h *Handler) forwarded(r *http.Request, route request.Route) bool {
+	return !hasDotSegment(r.URL.Path) && !h.isControl(r, route) && !hasEscapedSeparator(r.URL) && h.forwards.has(r.URL.Path)
 }
 
 // hasDotSegment reports whether path has a . or .. segment, which would

@@ -35,10 +35,12 @@ func startEdgeExample(t *testing.T, ws []*fakeworker.Worker) (public, ops string
 }
 
 // edgeClient is a client of the public site, which trusts Caddy's
-// internal CA without the test installing its root.
+// internal CA without the test installing its root. It follows no
+// redirect: one would be the site's answer.
 var edgeClient = &http.Client{
-	Timeout:   60 * time.Second,
-	Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}},
+	Timeout:       60 * time.Second,
+	Transport:     &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}},
+	CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 }
 
 func edgeDo(t *testing.T, method, url, body string, header ...string) testrouter.Reply {
@@ -66,6 +68,9 @@ func TestTheEdgeExampleOpensOnlyGenerationAndHealth(t *testing.T) {
 	if rp.Header.Get("X-Weight-Version") == "" {
 		t.Errorf("the generation came without the router's X-Weight-Version: %v", rp.Header)
 	}
+	if server, ok := rp.Header["Server"]; ok { // the worker's uvicorn names itself
+		t.Errorf("the generation names its server: %v", server)
+	}
 
 	for _, c := range []struct{ method, path string }{
 		{"GET", "/workers"}, {"GET", "/list_workers"}, {"GET", "/dashboard"}, {"GET", "/dashboard/data"},
@@ -74,6 +79,7 @@ func TestTheEdgeExampleOpensOnlyGenerationAndHealth(t *testing.T) {
 		{"POST", "/update_weights_from_disk"}, {"POST", "/v1/set_lora"}, {"POST", "/abort_request"},
 		{"POST", "/release_memory_occupation"}, {"GET", "/get_weights_checksum"}, {"GET", "/server_info"},
 		{"POST", "/v1%2Fset_lora"}, {"POST", "/v1/images/../../update_weights_from_disk"},
+		{"POST", "/v1/set_lora/"}, {"POST", "//v1//set_lora"}, {"POST", "/v1/set_lora;x=1"}, {"POST", "/v1/images//..//..//update_weights_from_disk"},
 	} {
 		rp := edgeDo(t, c.method, public+c.path, "{}", "Authorization", "Bearer wrong")
 		if rp.Status != http.StatusNotFound && rp.Status != http.StatusBadRequest {

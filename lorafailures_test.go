@@ -121,15 +121,25 @@ func TestAWorkerWhoseListLorasBreaksAnswersJobsWith503(t *testing.T) {
 	}
 }
 
+// How a set_lora that broke is told: by the worker's answer, or, when it
+// never answered, by the timeout it overran.
+var setLoraFailures = map[string]struct {
+	broken http.HandlerFunc
+	told   string
+}{
+	"answers 500":   {fails500, "/v1/set_lora answered 500: Failed to set LoRA adapter: Can't find 'adapter_config.json' at '/ckpt/lora/a'"},
+	"never answers": {hangs, "/v1/set_lora did not answer within adapter_switch_timeout"},
+}
+
 func TestAWorkerWhoseSetLoraBreaksServesTheBaseAndAnswersItsAdapter503(t *testing.T) {
-	for name, broken := range map[string]http.HandlerFunc{"answers 500": fails500, "never answers": hangs} {
+	for name, c := range setLoraFailures {
 		t.Run(name, func(t *testing.T) {
-			w := startBrokenLoraWorker(t, "/v1/set_lora", broken)
+			w := startBrokenLoraWorker(t, "/v1/set_lora", c.broken)
 			r := testrouter.Start(t, brokenLoraSite(w))
 			rp := r.Post("/v1/images/generations", policyImage("a"))
 			testrouter.ExpectStatus(t, "a job of a, which the only worker fails to switch to", rp, 503)
-			if msg := rp.ErrorText(t); !strings.HasPrefix(msg, `no worker can serve adapter "a" now: every worker that could failed 3 LoRA calls in a row (`+w.URL+": switch to a: /v1/set_lora") {
-				t.Fatalf("error %q", msg)
+			if msg := rp.ErrorText(t); !strings.HasPrefix(msg, `no worker can serve adapter "a" now: every worker that could failed 3 LoRA calls in a row (`+w.URL+": switch to a: "+c.told) {
+				t.Fatalf("error %q; want it to say %q", msg, c.told)
 			}
 			if n := w.calls.Load(); n != 3 {
 				t.Fatalf("%d set_lora calls; want 3, then the worker out", n)
@@ -149,4 +159,21 @@ func TestAWorkerWhoseSetLoraBreaksServesTheBaseAndAnswersItsAdapter503(t *testin
 			}
 		})
 	}
+}
+
+// A publish whose holder's set_lora never answers says so in its result:
+// 504, the timeout it overran, not a 502 the worker never sent.
+func TestAPublishToAWorkerThatNeverAnswersSaysSo(t *testing.T) {
+	w := startBrokenLoraWorker(t, "/v1/set_lora", nil)
+	r := testrouter.Start(t, brokenLoraSite(w))
+	testrouter.ExpectStatus(t, "a job of a", r.Post("/v1/images/generations", policyImage("a")), 200)
+	w.set(hangs)
+	rp := r.Post("/v1/set_lora", `{"lora_nickname":"a","lora_path":"/ckpt/lora/a-2"}`)
+	testrouter.ExpectStatus(t, "a publish of a, whose holder's set_lora hangs", rp, http.StatusBadGateway)
+	results := rp.JSON(t)["results"].([]any)
+	res := results[0].(map[string]any)
+	if msg := res["body"].(map[string]any)["message"]; len(results) != 1 || res["status_code"] != 504.0 || msg != setLoraFailures["never answers"].told {
+		t.Fatalf("publish results %v; want the holder's 504: %s", results, setLoraFailures["never answers"].told)
+	}
+	testrouter.ExpectStatus(t, "a base job meanwhile", r.Post("/v1/images/generations", policyImage("")), 200)
 }

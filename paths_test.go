@@ -4,7 +4,8 @@ package diffusionrouter_test
 // refused) on the path as the worker will read it. sglang-diffusion runs
 // on uvicorn, which unescapes the path before routing it, so these tests
 // use workers that do the same: the fake behind a decoding front, and
-// uvicorn itself (Debian's python3-uvicorn; the test skips without it,
+// uvicorn itself with starlette's router, which FastAPI's is (Debian's
+// python3-uvicorn and python3-starlette; the tests skip without them,
 // unless CI=true).
 
 import (
@@ -151,12 +152,13 @@ func TestEscapedSlashesNeverReachUvicorn(t *testing.T) {
 }
 
 // startUvicornWorker runs testdata/uvicorn_worker.py under Debian's
-// uvicorn on a free port until the test ends, and returns its URL.
+// uvicorn and starlette on a free port until the test ends, and returns
+// its URL.
 func startUvicornWorker(t *testing.T) string {
 	t.Helper()
 	const python = "/usr/bin/python3"
-	if err := exec.Command(python, "-c", "import uvicorn").Run(); err != nil {
-		msg := "needs uvicorn for " + python + " (Debian: apt-get install python3-uvicorn)"
+	if err := exec.Command(python, "-c", "import uvicorn, starlette").Run(); err != nil {
+		msg := "needs uvicorn and starlette for " + python + " (Debian: apt-get install python3-uvicorn python3-starlette)"
 		if os.Getenv("CI") == "true" {
 			t.Fatal(msg + "; CI=true requires it")
 		}

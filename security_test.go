@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -440,4 +441,44 @@ func TestAForgedForwardedForIsNoClusterAddress(t *testing.T) {
 		t.Fatalf("the forged registration left %d workers", n)
 	}
 	testrouter.ExpectStatus(t, "a registration from the cluster", r.Post("/add_worker?url="+ws[0].URL(), "", "X-Forwarded-For", "10.0.0.5"), http.StatusOK)
+}
+
+// Behind trusted proxies, a client address the proxy forwarded that does
+// not parse is no address at all: Caddy would pass over it to the proxy's
+// own address (which admin_allow private_ranges admits) or, strict, to one
+// further left that the client may have written. Such a call is not
+// admitted by its address, only by the token, and the refusal is logged
+// with what the header held.
+func TestAnUnparseableForwardedAddressAdmitsNoControlCall(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{})
+	for name, strict := range map[string]string{"left to right": "", "strict": "\n trusted_proxies_strict"} {
+		t.Run(name, func(t *testing.T) {
+			errorLog := filepath.Join(t.TempDir(), "router.log")
+			logs := "log router {\n output file " + errorLog + "\n format json\n include http.handlers.diffusion_router\n}\n"
+			r := testrouter.StartWith(t, logs+"servers {\n trusted_proxies static private_ranges"+strict+"\n}",
+				"diffusion_router {\n admin_allow private_ranges\n admin_token secret\n}")
+			register := func(header ...string) testrouter.Reply {
+				return r.Post("/add_worker?url="+ws[0].URL(), "", header...)
+			}
+			for _, forwarded := range []string{"unknown", "_hidden", "10.0.0.5, unknown", "unknown, 10.0.0.5", "10.0.0.5 10.0.0.6", ""} {
+				rp := register("X-Forwarded-For", forwarded)
+				testrouter.ExpectStatus(t, "a tokenless registration forwarded for "+forwarded, rp, http.StatusForbidden)
+				if !strings.Contains(rp.ErrorText(t), "admin_allow") {
+					t.Errorf("the 403 %q does not say what admits a call", rp.ErrorText(t))
+				}
+			}
+			if n := len(r.Workers()); n != 0 {
+				t.Fatalf("the refused registrations left %d workers", n)
+			}
+			testrouter.WaitFor(t, func() bool {
+				return logEntry(t, errorLog, `"refused control call"`, `X-Forwarded-For from trusted proxy 127.0.0.1`, `\"unknown\", which is not an address`) != nil
+			})
+			testrouter.ExpectStatus(t, "the same registration with the token",
+				register("X-Forwarded-For", "unknown", "Authorization", "Bearer secret"), http.StatusOK)
+			testrouter.ExpectStatus(t, "a generation forwarded for an unparseable address",
+				r.Post("/v1/images/generations", testrouter.SmallImage, "X-Forwarded-For", "unknown"), http.StatusOK)
+			testrouter.ExpectStatus(t, "a call from a cluster address",
+				r.Post("/remove_worker?url="+ws[0].URL(), "", "X-Forwarded-For", "10.0.0.5"), http.StatusOK)
+		})
+	}
 }

@@ -40,7 +40,8 @@ type Next interface {
 }
 
 // Pool is the pool as a job's attempts use it: re-runs, hedged copies,
-// and the release of a worker with what its attempt says of it. Each
+// the release of a worker with what its attempt says of it, and its
+// workers by URL (a redirect to one becomes a path on the router). Each
 // method is the scheduler pool's of that name.
 type Pool interface {
 	Retry(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
@@ -52,6 +53,7 @@ type Pool interface {
 	HedgeCopy(t *scheduler.Ticket) *scheduler.Ticket
 	Avoid(t *scheduler.Ticket, workerURL string)
 	EndHedge()
+	Worker(url string) (scheduler.WorkerInfo, bool)
 }
 
 // Proxy is what only the proxy that sends the attempts knows.

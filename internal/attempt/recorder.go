@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 
@@ -146,10 +147,32 @@ func (rec *Recorder) WriteHeader(status int) {
 			} else {
 				rec.Header().Del(request.VersionHeader)
 			}
+			if status/100 == 3 {
+				rec.run.relocate(rec.Header())
+			}
 		}
 		rec.answered(status)
 	}
 	rec.ResponseWriter.WriteHeader(status)
+}
+
+// relocate makes the Location of a worker's redirect that names a
+// worker of the pool a path on the router (its path and query), so that
+// the client follows it through the router and never learns a worker's
+// address: uvicorn redirects /v1/set_lora/ to http://<the Host it was
+// sent, the worker's>/v1/set_lora. Any other Location passes as it is.
+func (run *Runner) relocate(h http.Header) {
+	u, err := url.Parse(h.Get("Location"))
+	if err != nil || u.Host == "" {
+		return
+	}
+	scheme := u.Scheme
+	if scheme == "" {
+		scheme = "http" // a scheme-relative //host/path
+	}
+	if _, ok := run.Pool.Worker(scheme + "://" + u.Host); ok {
+		h.Set("Location", u.RequestURI())
+	}
 }
 
 // answered releases the attempt's worker, once, as its answer begins,

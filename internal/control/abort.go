@@ -30,7 +30,8 @@ func (a *API) serveAbort(w http.ResponseWriter, r *http.Request) {
 	}
 	ab.Memory = a.AbortMemory
 	c := a.Pool.Abort(ab)
-	a.Logger.Info("jobs aborted", zap.String("by", ab.By), zap.String("client", a.ClientIP(r)),
+	client, _ := a.ClientIP(r)
+	a.Logger.Info("jobs aborted", zap.String("by", ab.By), zap.String("client", client),
 		zap.Int("waiting", c.Waiting), zap.Int("running", c.Running))
 	_ = WriteJSON(w, http.StatusOK, map[string]any{
 		"success": true,

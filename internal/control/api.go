@@ -46,8 +46,10 @@ type API struct {
 	Proxied        func(*http.Request) bool
 
 	// ClientIP is a request's client address, as the server determined it
-	// (behind trusted proxies, the one they name).
-	ClientIP func(*http.Request) string
+	// (behind trusted proxies, the one they name), with an error when a
+	// trusted proxy forwarded an address that does not parse: the address
+	// is then not known to be the client's, and admits no control call.
+	ClientIP func(*http.Request) (string, error)
 
 	// Guard refuses the worker URLs that may never be registered.
 	Guard *workerurl.Guard

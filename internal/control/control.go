@@ -91,7 +91,8 @@ func serveMethodNotAllowed(w http.ResponseWriter, r *http.Request) {
 func (a *API) admin(next http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		if !a.trusted(r) {
-			a.Logger.Warn("refused control call", zap.String("path", r.URL.Path), zap.String("client", a.ClientIP(r)))
+			client, err := a.ClientIP(r)
+			a.Logger.Warn("refused control call", zap.String("path", r.URL.Path), zap.String("client", client), zap.NamedError("client_address", err))
 			_ = WriteError(w, http.StatusForbidden, "control endpoints need a client address in admin_allow or a valid admin token")
 			return
 		}
@@ -121,7 +122,11 @@ func (a *API) trusted(r *http.Request) bool {
 	if a.AllowIsDefault && a.Proxied(r) {
 		return false
 	}
-	addr, err := netip.ParseAddr(a.ClientIP(r))
+	client, err := a.ClientIP(r)
+	if err != nil {
+		return false
+	}
+	addr, err := netip.ParseAddr(client)
 	if err != nil {
 		return false
 	}

@@ -12,7 +12,7 @@ import (
 // case-insensitive, so "bearer" and "BEARER" carry the admin token as
 // "Bearer" does; the token itself still has to match exactly.
 func TestTheBearerSchemeIsCaseInsensitive(t *testing.T) {
-	a := &API{Token: "s3cret", Logger: zap.NewNop(), ClientIP: func(*http.Request) string { return "192.0.2.1" }}
+	a := &API{Token: "s3cret", Logger: zap.NewNop(), ClientIP: func(*http.Request) (string, error) { return "192.0.2.1", nil }}
 	call := a.admin(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	for auth, want := range map[string]int{
 		"Bearer s3cret": 200, "bearer s3cret": 200, "BEARER s3cret": 200, "Bearer  s3cret": 200,

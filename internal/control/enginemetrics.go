@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
@@ -20,15 +21,23 @@ import (
 // maxMetricsBody bounds one worker's /metrics answer.
 const maxMetricsBody = 4 << 20
 
-// serveEngineMetrics is GET /engine_metrics.
+// engineMetricsLifetime is how long an answer of /engine_metrics is kept.
+// Anyone may ask for it, and each answer calls every worker: however
+// often it is asked, the workers are called at most once in this time,
+// one round at a time, the callers meanwhile sharing its answer. miles
+// scrapes it every few seconds or more.
+const engineMetricsLifetime = 5 * time.Second
+
+// serveEngineMetrics is GET /engine_metrics: the workers not held back,
+// as they were when the answer was made.
 func (a *API) serveEngineMetrics(w http.ResponseWriter, r *http.Request) {
-	var urls []string
-	for _, wk := range a.Pool.Snapshot() {
-		if wk.State != scheduler.Dead {
-			urls = append(urls, wk.URL)
+	status, contentType, body := a.EngineMetrics.get(r.Context(), "", engineMetricsLifetime, func() (int, string, []byte) {
+		var urls []string
+		for _, wk := range a.Pool.Snapshot() {
+			if wk.State != scheduler.Dead {
+				urls = append(urls, wk.URL)
+			}
 		}
-	}
-	status, contentType, body := a.EngineMetrics.get(strings.Join(urls, " "), func() (int, string, []byte) {
 		return a.engineMetrics(context.WithoutCancel(r.Context()), urls)
 	})
 	w.Header().Set("Content-Type", contentType)

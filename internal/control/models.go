@@ -21,7 +21,7 @@ func (a *API) serveModels(w http.ResponseWriter, r *http.Request) {
 			urls = append(urls, wk.URL)
 		}
 	}
-	status, contentType, body := a.Models.get(strings.Join(urls, " "), func() (int, string, []byte) {
+	status, contentType, body := a.Models.get(r.Context(), strings.Join(urls, " "), modelsLifetime, func() (int, string, []byte) {
 		status, answer := a.modelUnion(context.WithoutCancel(r.Context()), urls)
 		body, _ := json.Marshal(answer)
 		return status, "application/json", body
@@ -31,31 +31,69 @@ func (a *API) serveModels(w http.ResponseWriter, r *http.Request) {
 	_, _ = w.Write(body)
 }
 
-// sharedLifetime is how long an answer made from every worker's is kept.
-const sharedLifetime = 2 * time.Second
+// modelsLifetime is how long a union of the workers' model lists is kept.
+const modelsLifetime = 2 * time.Second
 
 // SharedAnswer is an answer that costs a call to every worker: anyone may
-// ask for it, so it is kept for sharedLifetime and callers that come while
-// one is made wait for it rather than make their own.
+// ask for it, so it is made at most once per lifetime, and callers that
+// come while one is made wait for it rather than make their own. Its
+// zero value is ready to use.
 type SharedAnswer struct {
-	mu          sync.Mutex // held while an answer is made
-	key         string     // what it was made from
-	made        time.Time
+	// Now is the clock that dates answers; nil: the wall clock.
+	Now func() time.Time
+
+	mu   sync.Mutex
+	last *sharedCall // the answer made last, or being made
+}
+
+// sharedCall is one making of a shared answer.
+type sharedCall struct {
+	key         string        // what it is made from
+	began       time.Time     // when its calls to the workers began
+	done        chan struct{} // closed once it is made
 	status      int
 	contentType string
 	body        []byte
 }
 
-// get returns the answer for key, making it anew when there is none for
-// key younger than sharedLifetime.
-func (s *SharedAnswer) get(key string, make func() (status int, contentType string, body []byte)) (int, string, []byte) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if key != s.key || time.Since(s.made) >= sharedLifetime {
-		s.status, s.contentType, s.body = make()
-		s.key, s.made = key, time.Now()
+// get returns the answer for key: the one being made, whatever its key
+// (one round of calls to the workers at a time), or the last one made
+// if it was made from key less than lifetime ago; otherwise it makes one
+// by build, which calls the workers. A caller whose ctx ends while it
+// waits stops waiting (its client left, and reads no answer); the answer
+// is made all the same.
+func (s *SharedAnswer) get(ctx context.Context, key string, lifetime time.Duration, build func() (status int, contentType string, body []byte)) (int, string, []byte) {
+	now := time.Now
+	if s.Now != nil {
+		now = s.Now
 	}
-	return s.status, s.contentType, s.body
+	s.mu.Lock()
+	c := s.last
+	if c == nil || c.made() && (c.key != key || now().Sub(c.began) >= lifetime) {
+		c = &sharedCall{key: key, began: now(), done: make(chan struct{})}
+		s.last = c
+		s.mu.Unlock()
+		c.status, c.contentType, c.body = build()
+		close(c.done)
+		return c.status, c.contentType, c.body
+	}
+	s.mu.Unlock()
+	select {
+	case <-c.done:
+		return c.status, c.contentType, c.body
+	case <-ctx.Done():
+		return http.StatusServiceUnavailable, "application/json", []byte(`{"error":"the client left"}` + "\n")
+	}
+}
+
+// made reports whether c's answer is made.
+func (c *sharedCall) made() bool {
+	select {
+	case <-c.done:
+		return true
+	default:
+		return false
+	}
 }
 
 // modelUnion asks the workers (those not held back or asleep) for their

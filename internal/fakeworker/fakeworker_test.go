@@ -1324,3 +1324,34 @@ func TestVideoModelRLShapes(t *testing.T) {
 		t.Errorf("cost %v", s.Cost)
 	}
 }
+
+// FastAPI redirects a path it has no route for to its twin with or
+// without a trailing slash, whatever the method, as an absolute URL on
+// the Host it was sent; uvicorn names itself in Server.
+func TestTrailingSlashRedirectsAsFastAPI(t *testing.T) {
+	w := start(t, Config{})
+	noFollow := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	host := strings.TrimPrefix(w.URL(), "http://")
+	for _, c := range []struct{ method, path, location string }{
+		{"POST", "/v1/set_lora/", "http://" + host + "/v1/set_lora"},
+		{"GET", "/v1/set_lora/", "http://" + host + "/v1/set_lora"},
+		{"GET", "/health/?x=1", "http://" + host + "/health?x=1"},
+		{"DELETE", "/v1/videos/abc/", "http://" + host + "/v1/videos/abc"},
+		{"GET", "/v1/videos//", "http://" + host + "/v1/videos"},
+		{"GET", "/nothing/", ""},
+		{"GET", "/v1/set_lora", ""},
+	} {
+		req, _ := http.NewRequest(c.method, w.URL()+c.path, nil)
+		resp, err := noFollow.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if got := resp.Header.Get("Location"); got != c.location || (c.location != "") != (resp.StatusCode == http.StatusTemporaryRedirect) {
+			t.Errorf("%s %s: %d, Location %q; want Location %q", c.method, c.path, resp.StatusCode, got, c.location)
+		}
+		if server := resp.Header.Get("Server"); server != "uvicorn" {
+			t.Errorf("%s %s: Server %q; want uvicorn", c.method, c.path, server)
+		}
+	}
+}

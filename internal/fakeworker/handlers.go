@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"time"
@@ -66,8 +67,47 @@ func (w *Worker) routes() http.Handler {
 			panic(http.ErrAbortHandler)
 		}
 		rw.Header().Set("X-Fake-Worker", w.cfg.Name)
-		mux.ServeHTTP(rw, r)
+		rw.Header().Set("Server", "uvicorn") // uvicorn's server_header, on by default
+		if !redirectSlash(mux, rw, r) {
+			mux.ServeHTTP(rw, r)
+		}
 	})
+}
+
+// redirectSlash answers, as FastAPI's router does (starlette's Router
+// with redirect_slashes), a path no route takes whose twin with or
+// without a trailing slash one does, whatever the method: 307 to the
+// twin, as an absolute URL on the Host the request named (starlette's
+// URL(scope=...)). It reports whether it answered.
+func redirectSlash(mux *http.ServeMux, rw http.ResponseWriter, r *http.Request) bool {
+	path := r.URL.Path
+	if path == "/" || hasRoute(mux, r, path) {
+		return false
+	}
+	twin := strings.TrimRight(path, "/")
+	if twin == path {
+		twin += "/"
+	}
+	if !hasRoute(mux, r, twin) {
+		return false
+	}
+	location := "http://" + r.Host + twin
+	if r.URL.RawQuery != "" {
+		location += "?" + r.URL.RawQuery
+	}
+	rw.Header().Set("Location", location)
+	rw.WriteHeader(http.StatusTemporaryRedirect)
+	return true
+}
+
+// hasRoute reports whether a route of mux takes path, by any method.
+func hasRoute(mux *http.ServeMux, r *http.Request, path string) bool {
+	for _, method := range []string{http.MethodGet, http.MethodPost, http.MethodDelete} {
+		if _, pattern := mux.Handler(&http.Request{Method: method, Host: r.Host, URL: &url.URL{Path: path}}); pattern != "" {
+			return true
+		}
+	}
+	return false
 }
 
 // handleHealth serves /health and /health_generate, which sglang answers

@@ -3,6 +3,7 @@ package fleet
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -42,6 +43,9 @@ func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path str
 	}
 	resp, err := s.fleet.client.Do(req)
 	if err != nil {
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			return "", "", errors.New("/v1/list_loras did not answer within 5s (or adapter_switch_timeout, when shorter)")
+		}
 		return "", "", err
 	}
 	defer resp.Body.Close()
@@ -69,9 +73,8 @@ func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path str
 func (s *Switcher) Switch(ctx context.Context, workerURL string, a *scheduler.Adapter, unmerge bool) (int, string, error) {
 	res := Result{StatusCode: http.StatusOK, OK: true}
 	if unmerge {
-		res = s.fleet.post(ctx, workerURL, "/v1/unmerge_lora_weights", []byte("{}"), 0)
-		if !res.OK {
-			return res.StatusCode, message(res), fmt.Errorf("/v1/unmerge_lora_weights answered %d: %s", res.StatusCode, message(res))
+		if res = s.fleet.post(ctx, workerURL, "/v1/unmerge_lora_weights", []byte("{}"), 0); !res.OK {
+			return switchFailed(ctx, "/v1/unmerge_lora_weights", res)
 		}
 	}
 	if a != nil {
@@ -79,12 +82,27 @@ func (s *Switcher) Switch(ctx context.Context, workerURL string, a *scheduler.Ad
 		if err != nil {
 			return 0, "", err
 		}
-		res = s.fleet.post(ctx, workerURL, "/v1/set_lora", body, 0)
-		if !res.OK {
-			return res.StatusCode, message(res), fmt.Errorf("/v1/set_lora answered %d: %s", res.StatusCode, message(res))
+		if res = s.fleet.post(ctx, workerURL, "/v1/set_lora", body, 0); !res.OK {
+			return switchFailed(ctx, "/v1/set_lora", res)
 		}
 	}
 	return res.StatusCode, message(res), nil
+}
+
+// switchFailed is what Switch returns for its call of path that res
+// failed, in ctx: the worker's status and message, and why the call
+// failed. A call the worker gave no answer within the switch's context
+// (adapter_switch_timeout) is a 504 that says so; one that could not be
+// made, a 502 with the reason.
+func switchFailed(ctx context.Context, path string, res Result) (int, string, error) {
+	switch {
+	case res.answered:
+		return res.StatusCode, message(res), fmt.Errorf("%s answered %d: %s", path, res.StatusCode, message(res))
+	case errors.Is(ctx.Err(), context.DeadlineExceeded):
+		err := fmt.Errorf("%s did not answer within adapter_switch_timeout", path)
+		return http.StatusGatewayTimeout, err.Error(), err
+	}
+	return res.StatusCode, message(res), fmt.Errorf("%s could not be called: %s", path, message(res))
 }
 
 // setLora is the body of a switch's /v1/set_lora.

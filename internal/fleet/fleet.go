@@ -357,13 +357,13 @@ func (f *Fleet) post(ctx context.Context, workerURL, path string, body []byte, t
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, workerURL+path, bytes.NewReader(body))
 	if err != nil {
-		res.Body = map[string]string{"error": err.Error()}
+		res.Body = map[string]any{"error": err.Error()}
 		return res
 	}
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := f.client.Do(req)
 	if err != nil {
-		res.Body = map[string]string{"error": err.Error()}
+		res.Body = map[string]any{"error": err.Error()}
 		return res
 	}
 	defer resp.Body.Close()

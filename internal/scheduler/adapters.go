@@ -209,7 +209,7 @@ type SwitchResult struct {
 	Adapter string // switched to; "" for the base weights
 	Publish int
 	OK      bool
-	Status  int    // the worker's HTTP status, 502 when it did not answer
+	Status  int    // the worker's HTTP status; 502 when it could not be called, 504 when it did not answer in time
 	Message string // what it said, or why the switch failed
 	At      int64  // when it ended, Unix nanoseconds
 }
