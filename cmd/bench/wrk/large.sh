@@ -49,9 +49,6 @@ for port in 30801 30802; do
 	for _ in 1 2 3 4; do fetch "http://127.0.0.1:$port" >/dev/null; done
 done
 
-# rss_mb PID FIELD: VmRSS or VmHWM of PID in MB.
-rss_mb() { awk -v f="$2:" '$1 == f {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
-
 echo "load average (1, 5, 15 min) at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-6s %14s %10s %6s %12s\n' round reverse_proxy router ratio 'router RSS'
 ratios=()

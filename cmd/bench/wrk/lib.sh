@@ -1,6 +1,7 @@
-# Shared by run.sh and large.sh: processes started in the background and
-# stopped on exit, the two Caddys' ports, CPU time and medians. Sourced
-# from the repository's root, after `set -euo pipefail`.
+# Shared by run.sh, large.sh and upload.sh: processes started in the
+# background and stopped on exit, the Caddys' ports, a small job, memory,
+# CPU time and medians. Sourced from the repository's root, after
+# `set -euo pipefail`.
 tmp=$(mktemp -d)
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
@@ -46,6 +47,14 @@ start_caddy() {
 	ADMIN=$admin PORT=$2 start "${4:-$caddy}" run --adapter caddyfile --config "$3"
 	pid_of[$2]=${pids[-1]}
 }
+
+job() { # job URL: one zero-cost job; its answer on stderr if it fails
+	curl -sS --fail-with-body -o "$tmp/job.out" -H 'Content-Type: application/json' -d @- "$1/v1/images/generations" \
+		<<<'{"prompt":"x","size":"1x1","num_inference_steps":1,"response_format":"b64_json"}' || { cat "$tmp/job.out" >&2; return 1; }
+}
+
+# rss_mb PID FIELD: VmRSS or VmHWM of PID in MB.
+rss_mb() { awk -v f="$2:" '$1 == f {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
 
 # cpu_us PID: the CPU time (user and system) the process has used, in µs.
 hz=$(getconf CLK_TCK)

@@ -37,10 +37,6 @@ if [ -n "${BEFORE:-}" ]; then
 	ports="$ports 30803"
 fi
 
-job() { # job URL: one zero-cost job; its answer on stderr if it fails
-	curl -sS --fail-with-body -o "$tmp/job.out" -H 'Content-Type: application/json' -d @- "$1/v1/images/generations" \
-		<<<'{"prompt":"x","size":"1x1","num_inference_steps":1,"response_format":"b64_json"}' || { cat "$tmp/job.out" >&2; return 1; }
-}
 for port in $ports; do
 	for _ in $(seq 100); do job http://127.0.0.1:$port 2>/dev/null && break; sleep 0.1; done
 	job http://127.0.0.1:$port
