@@ -24,6 +24,12 @@ import (
 // anonymous client of a public router can. The router must hold no more
 // memory than its body budget lets it, answer each sender, and serve the
 // ordinary jobs beside them as if they were not there.
+//
+// Its test compares latencies a minute apart, so it is the package's last
+// (its file sorts last, and go test runs a package's tests in the order of
+// its files): under go test ./..., the other packages' tests, which run
+// beside this package's first ones on a machine of two cores, have ended
+// by then and load neither minute.
 const (
 	floodSenders   = 300
 	floodAnnounced = 64 << 20 // each sender's Content-Length
