@@ -211,12 +211,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		p.DeclareLookups(found.keys())
 	}
 	h.api = &control.API{
-		Pool: p.controlled(), Fleet: p.fleet, Weights: &h.weights, Store: p.store, Logger: h.logger, Allow: h.allow, Token: h.token,
+		Pool: p.controlled(), Fleet: p.fleet, Store: p.store, Logger: h.logger, Allow: h.allow, Token: h.token,
 		AllowIsDefault: len(h.Admin.Allow) == 0, Proxied: throughProxy, ClientIP: clientIP, Guard: h.guard, MaxWorkers: h.MaxWorkers, MinReady: h.HealthChecks.MinReady,
 		Policy: h.LoadBalancing.Policy, Dashboard: !h.DashboardOff,
-		Models: &p.models, EngineMetrics: &p.metrics, Operations: weightUpdates,
+		Models: &p.models, EngineMetrics: &p.metrics,
 		AbortMemory: time.Duration(h.Queue.AbortMemory),
 	}
+	h.wireWeights(h.api)
 	if h.ha != nil {
 		h.api.HA = p.election
 	}

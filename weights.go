@@ -7,6 +7,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -74,4 +75,11 @@ func (h *Handler) provisionWeights() error {
 		DrainTimeout: time.Duration(o.DrainTimeout), Timeout: time.Duration(o.Timeout),
 	}
 	return nil
+}
+
+// wireWeights gives the control API what its weight-update, sleep and
+// wake endpoints run with: the config provisionWeights made, and the
+// counter of their outcomes.
+func (h *Handler) wireWeights(api *control.API) {
+	api.Weights, api.Operations = &h.weights, weightUpdates
 }
