@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -123,4 +124,38 @@ func TestABodyPastBodyTimeoutGets408AndItsMemoryBack(t *testing.T) {
 	if ws[0].Stats().Jobs != 1 {
 		t.Errorf("the worker ran %d jobs; the slow one must not reach it", ws[0].Stats().Jobs)
 	}
+}
+
+func TestABodyPastBodyTimeoutGets408OverHTTP2(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w"})
+	r := testrouter.StartWith(t, "servers {\n protocols h1 h2c\n}", "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n body_timeout 1s\n}")
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	client := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{Protocols: &protocols}}
+	defer client.CloseIdleConnections()
+
+	body, send := io.Pipe()
+	defer send.Close()
+	go send.Write([]byte(`{"prompt":"a cat`)) // and nothing more
+	req, _ := http.NewRequest("POST", r.Base+"/v1/images/generations", body)
+	req.ContentLength = 1 << 20
+	started := time.Now()
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var answer map[string]any
+	json.NewDecoder(resp.Body).Decode(&answer)
+	resp.Body.Close()
+	if resp.ProtoMajor != 2 || resp.StatusCode != 408 || !strings.Contains(errorText(answer), "body_timeout") {
+		t.Fatalf("a stalled body over HTTP/%d: %d %v; want 408 over HTTP/2 naming body_timeout", resp.ProtoMajor, resp.StatusCode, answer)
+	}
+	if took := time.Since(started); took < time.Second {
+		t.Errorf("refused after %v, before body_timeout", took)
+	}
+	rp, err := client.Post(r.Base+"/v1/images/generations", "application/json", strings.NewReader(testrouter.SmallImage))
+	if err != nil || rp.StatusCode != 200 {
+		t.Fatalf("a job after the 408 over HTTP/2: %v %v", rp, err)
+	}
+	rp.Body.Close()
 }
