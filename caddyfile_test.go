@@ -443,6 +443,18 @@ func TestProvisionRejectsBadJSONConfig(t *testing.T) {
 	}
 }
 
+func TestTheBodyBudgetIsNeverBelowMaxBody(t *testing.T) {
+	h := Handler{MaxBody: 8 << 20, MaxBodyTotal: 4 << 20}
+	err := h.provisionOptions()
+	if err == nil || !strings.Contains(err.Error(), "max_body_total (max_body_total): must be at least max_body (8388608 bytes), got 4194304") {
+		t.Errorf("a budget below max_body: %v", err)
+	}
+	h = Handler{MaxBody: 512 << 20}
+	if err := h.provisionOptions(); err != nil || h.MaxBodyTotal != 512<<20 {
+		t.Errorf("with max_body 512MiB and no budget: %v, budget %d; want max_body", err, h.MaxBodyTotal)
+	}
+}
+
 func TestProvisionFillsDefaults(t *testing.T) {
 	var h Handler
 	if err := h.provisionOptions(); err != nil {
