@@ -65,6 +65,12 @@ func bodyGauge(t *testing.T, r *testrouter.Router) float64 {
 	return testrouter.Value(t, r, "caddy_diffusion_request_body_bytes_held", nil)
 }
 
+// refused reads the bodies refused for reason so far: the counter lives
+// as long as the process, through earlier tests and runs.
+func refused(t *testing.T, r *testrouter.Router, reason string) float64 {
+	return testrouter.Value(t, r, "caddy_diffusion_request_bodies_refused_total", map[string]string{"reason": reason})
+}
+
 func TestABodyWithNoRoomToStartGets503AndTheOneHoldingTheRoomFinishes(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w"})
 	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router {\n workers "+testrouter.URLs(ws)+
@@ -72,6 +78,7 @@ func TestABodyWithNoRoomToStartGets503AndTheOneHoldingTheRoomFinishes(t *testing
 
 	// The first job's body takes every byte of the budget and stops short
 	// of its end.
+	refusedBefore := refused(t, r, "budget")
 	big := paddedImage(1 << 20)
 	holder := slowJob(t, r, len(big), big[:len(big)-10])
 	testrouter.WaitFor(t, func() bool { return bodyGauge(t, r) == 1<<20 })
@@ -91,8 +98,8 @@ func TestABodyWithNoRoomToStartGets503AndTheOneHoldingTheRoomFinishes(t *testing
 		t.Fatalf("the job that held the room: %d %v", resp.StatusCode, body)
 	}
 	testrouter.ExpectStatus(t, "a job once the room is back", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
-	if n := testrouter.Value(t, r, "caddy_diffusion_request_bodies_refused_total", map[string]string{"reason": "budget"}); n != 1 {
-		t.Errorf("bodies refused for the budget: %v, want 1", n)
+	if n := refused(t, r, "budget") - refusedBefore; n != 1 {
+		t.Errorf("bodies refused for the budget: %v more, want 1", n)
 	}
 	testrouter.WaitFor(t, func() bool { return bodyGauge(t, r) == 0 })
 }
@@ -101,6 +108,7 @@ func TestABodyPastBodyTimeoutGets408AndItsMemoryBack(t *testing.T) {
 	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w"})
 	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router {\n workers "+testrouter.URLs(ws)+"\n body_timeout 1s\n}"))
 
+	refusedBefore := refused(t, r, "timeout")
 	started := time.Now()
 	slow := slowJob(t, r, 64<<20, `{"prompt":"`+strings.Repeat("x", 100<<10))
 	testrouter.WaitFor(t, func() bool { return bodyGauge(t, r) > 0 })
@@ -117,8 +125,8 @@ func TestABodyPastBodyTimeoutGets408AndItsMemoryBack(t *testing.T) {
 	if held := bodyGauge(t, r); held != 0 {
 		t.Errorf("%v bytes still held after the 408", held)
 	}
-	if n := testrouter.Value(t, r, "caddy_diffusion_request_bodies_refused_total", map[string]string{"reason": "timeout"}); n != 1 {
-		t.Errorf("bodies refused for their time: %v, want 1", n)
+	if n := refused(t, r, "timeout") - refusedBefore; n != 1 {
+		t.Errorf("bodies refused for their time: %v more, want 1", n)
 	}
 	testrouter.ExpectStatus(t, "a job after the 408", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	if ws[0].Stats().Jobs != 1 {
@@ -158,4 +166,19 @@ func TestABodyPastBodyTimeoutGets408OverHTTP2(t *testing.T) {
 		t.Fatalf("a job after the 408 over HTTP/2: %v %v", rp, err)
 	}
 	rp.Body.Close()
+}
+
+func TestABodyCutShortGets400AndReachesNoWorker(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "w"})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n}")
+	conn := slowJob(t, r, len(testrouter.SmallImage)+50, testrouter.SmallImage)
+	conn.(*net.TCPConn).CloseWrite() // the sender is done, 50 bytes short
+	resp, body := answerOf(t, conn)
+	if resp.StatusCode != 400 || !strings.Contains(errorText(body), "unexpected EOF") {
+		t.Fatalf("a body cut short: %d %v; want 400 saying it ended early", resp.StatusCode, body)
+	}
+	testrouter.ExpectStatus(t, "a whole job after it", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
+	if ws[0].Stats().Jobs != 1 {
+		t.Errorf("the worker ran %d jobs; the body cut short must not reach it", ws[0].Stats().Jobs)
+	}
 }

@@ -84,12 +84,13 @@ type Handler struct {
 
 	// MaxBodyTotal bounds the bytes of generation bodies held at once,
 	// over every request of this handler, from their first byte until
-	// their request ends. A body takes it as its bytes arrive; when it is
-	// full no body is read further, and one that finds no room to start
-	// within 5 s gets 503. An eighth of it is kept for bodies of at most
-	// 1 MiB, less where a body of max_body would not fit beside it.
-	// Default 256 MiB, or max_body where that is larger; never below
-	// max_body.
+	// their request ends. A body that declares its length takes room for
+	// all of it at its first byte, though memory only as its bytes arrive;
+	// one that does not takes room as its bytes arrive. When it is full no
+	// body is read further, and one that waits 5 s for room gets 503. An
+	// eighth of it is kept for bodies that declare at most 1 MiB, less
+	// where a body of max_body would not fit beside it. Default 256 MiB,
+	// or 8/7 of max_body where that is larger; never below max_body.
 	MaxBodyTotal int64 `json:"max_body_total,omitempty"`
 
 	// BodyTimeout is the longest a generation's whole body may take to

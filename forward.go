@@ -2,6 +2,7 @@ package diffusionrouter
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -99,7 +100,11 @@ func (h *Handler) admit(rec *attempt.Recorder, r *http.Request, route request.Ro
 	if status == 0 {
 		status, msg = h.readBody(rec, r, t)
 	}
-	if status != 0 {
+	switch status {
+	case 0:
+	case statusClientGone:
+		return nil, r, 0, ""
+	default:
 		return nil, r, status, msg
 	}
 	admitted, r, status, msg := h.enqueue(rec, r, t)
@@ -293,6 +298,10 @@ func (h *Handler) pinToJob(t *scheduler.Ticket) (*scheduler.Ticket, int, string)
 	return t, 0, ""
 }
 
+// statusClientGone is readBody's status for a client that left: nobody
+// reads an answer.
+const statusClientGone = -1
+
 // readBody caps the request body at max_body. A generation's body is read
 // whole, once, to cost the job, so a bad one fails here with a message
 // naming the field instead of on a worker; other bodies stream through.
@@ -342,8 +351,7 @@ func (h *Handler) holdBody(w http.ResponseWriter, r *http.Request) ([]byte, erro
 	if rc.SetReadDeadline(deadline) == nil {
 		defer rc.SetReadDeadline(time.Time{})
 	}
-	small := r.ContentLength >= 0 && r.ContentLength <= request.SmallBody
-	return h.bodies.Read(r.Context(), r.Body, small, deadline)
+	return h.bodies.Read(r.Context(), r.Body, r.ContentLength, deadline)
 }
 
 // releaseBody gives the memory of t's body back to max_body_total.
@@ -365,6 +373,8 @@ func (h *Handler) bodyRefused(w http.ResponseWriter, err error) (int, string) {
 		w.Header().Set("Connection", "close")
 		h.metrics.bodiesRefused.WithLabelValues("timeout").Inc()
 		return http.StatusRequestTimeout, fmt.Sprintf("%v (%s)", err, time.Duration(h.BodyTimeout))
+	case errors.Is(err, context.Canceled):
+		return statusClientGone, "" // while its body waited for room
 	}
 	return http.StatusBadRequest, "reading request body: " + err.Error()
 }

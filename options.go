@@ -367,7 +367,9 @@ func (h *Handler) provisionOptions() error {
 // and in time.
 func (h *Handler) provisionBodies() error {
 	h.MaxBody = cmp.Or(h.MaxBody, defaultMaxBody)
-	h.MaxBodyTotal = cmp.Or(h.MaxBodyTotal, max(defaultBodyTotal, h.MaxBody))
+	// By default the reserve of small bodies stays an eighth beside a body
+	// of max_body.
+	h.MaxBodyTotal = cmp.Or(h.MaxBodyTotal, max(defaultBodyTotal, (h.MaxBody*8+6)/7))
 	h.BodyTimeout = cmp.Or(h.BodyTimeout, caddy.Duration(defaultBodyTime))
 	switch {
 	case h.MaxBody < 0:
