@@ -73,8 +73,8 @@ func (s *SharedAnswer) get(ctx context.Context, key string, lifetime time.Durati
 		c = &sharedCall{key: key, began: now(), done: make(chan struct{})}
 		s.last = c
 		s.mu.Unlock()
+		defer close(c.done) // even if build panics: the callers waiting on it would wait on
 		c.status, c.contentType, c.body = build()
-		close(c.done)
 		return c.status, c.contentType, c.body
 	}
 	s.mu.Unlock()

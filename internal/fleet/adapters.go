@@ -44,7 +44,7 @@ func (s *Switcher) Active(ctx context.Context, workerURL string) (name, path str
 	resp, err := s.fleet.client.Do(req)
 	if err != nil {
 		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-			return "", "", errors.New("/v1/list_loras did not answer within 5s (or adapter_switch_timeout, when shorter)")
+			return "", "", fmt.Errorf("/v1/list_loras did not answer within %s (or adapter_switch_timeout, when shorter)", scheduler.ReadTimeout)
 		}
 		return "", "", err
 	}
