@@ -63,6 +63,17 @@ func (r *read) sent(t *testing.T, n int64) {
 	r.wait(t)
 }
 
+// refusedForRoom ends r's wait for room at RoomWait and checks that it
+// was refused for it.
+func (r *read) refusedForRoom(t *testing.T, clock manualClock, what string) {
+	t.Helper()
+	clock.room <- time.Now()
+	r.wait(t)
+	if !errors.Is(r.err, ErrNoRoom) {
+		t.Errorf("%s: %v, want ErrNoRoom", what, r.err)
+	}
+}
+
 func (r *read) wait(t *testing.T) {
 	t.Helper()
 	select {
@@ -128,11 +139,7 @@ func TestABodyThatFindsNoRoomIsRefused(t *testing.T) {
 
 	late := startRead(context.Background(), b, 100)
 	late.send.Write([]byte("{"))
-	clock.room <- time.Now() // RoomWait passes
-	late.wait(t)
-	if !errors.Is(late.err, ErrNoRoom) {
-		t.Errorf("a body with no room: %v, want ErrNoRoom", late.err)
-	}
+	late.refusedForRoom(t, clock, "a body with no room")
 	big.sent(t, total-1)
 	if big.err != nil || len(big.data) != total {
 		t.Errorf("the body that had room: %d bytes, %v", len(big.data), big.err)
@@ -179,11 +186,7 @@ func TestSmallBodiesPassWhileLargeOnesWait(t *testing.T) {
 		t.Fatalf("a small body beside a full budget: %q, %v", small.data, small.err)
 	}
 	b.Release(len(small.data))
-	clock.room <- time.Now()
-	other.wait(t)
-	if !errors.Is(other.err, ErrNoRoom) {
-		t.Errorf("a second large body took the reserve: %v", other.err)
-	}
+	other.refusedForRoom(t, clock, "a second large body took the reserve")
 	large.sent(t, maxBody-1)
 	b.Release(len(large.data))
 	expectHeld(t, b, 0, "after all")
@@ -206,11 +209,7 @@ func TestAWaiterThatFitsIsNotKeptBehindOneThatDoesNot(t *testing.T) {
 	if half.err != nil || len(half.data) != B {
 		t.Fatalf("the body that fits the room given back: %d bytes, %v", len(half.data), half.err)
 	}
-	clock.room <- time.Now()
-	whole.wait(t)
-	if !errors.Is(whole.err, ErrNoRoom) {
-		t.Errorf("the body that never fitted: %v", whole.err)
-	}
+	whole.refusedForRoom(t, clock, "the body that never fitted")
 	second.sent(t, B-1)
 	b.Release(len(second.data))
 	b.Release(len(half.data))
@@ -225,11 +224,7 @@ func TestABodyWithoutALengthWaitsForRoomOnlyUpToRoomWait(t *testing.T) {
 	stream := startRead(context.Background(), b, -1)
 	stream.send.Write(make([]byte, F+1)) // its second chunk finds no room
 	expectHeld(t, b, F+B/2, "the two started")
-	clock.room <- time.Now()
-	stream.wait(t)
-	if !errors.Is(stream.err, ErrNoRoom) {
-		t.Errorf("a body under way that found no room: %v", stream.err)
-	}
+	stream.refusedForRoom(t, clock, "a body under way that found no room")
 	other.sent(t, B/2-1)
 	b.Release(len(other.data))
 	expectHeld(t, b, 0, "after both")
