@@ -92,7 +92,7 @@ type Config struct {
 
 // Why a fleet operation did not run.
 var (
-	ErrFleetBusy    = errors.New("another weight update, sleep or wake is in progress")
+	ErrFleetBusy    = errors.New("another fleet operation (a weight update, sleep, wake, pause or continue) is in progress")
 	ErrDrainTimeout = errors.New("drain timeout")
 )
 
