@@ -5,7 +5,6 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -164,13 +163,7 @@ func TestPauseDoesNotWaitForAHungJob(t *testing.T) {
 	for range 6 { // every worker learns its speed
 		testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
 	}
-	ws[0].Hang()
-	var wg sync.WaitGroup
-	replies := make([]testrouter.Reply, 8)
-	for i := range replies {
-		wg.Go(func() { replies[i] = r.Post("/v1/images/generations", testrouter.SmallImage) })
-	}
-	testrouter.WaitFor(t, func() bool { return r.Workers()[ws[0].URL()]["active_requests"].(float64) >= 1 })
+	batchDone := batchBesideAHungWorker(t, r, ws[0], 8)
 
 	start := time.Now()
 	rp := r.Post("/pause_generation", pauseOf(ws[0]))
@@ -186,13 +179,7 @@ func TestPauseDoesNotWaitForAHungJob(t *testing.T) {
 	if pausedSince(t, r, ws[0].URL()).IsZero() {
 		t.Fatalf("the worker of the hung job is not paused: %v", r.Workers()[ws[0].URL()])
 	}
-	wg.Wait()
-	for i, rp := range replies {
-		testrouter.ExpectStatus(t, "a job of the batch beside the pause", rp, 200)
-		if rp.Header.Get("X-Fake-Worker") == "a" {
-			t.Fatalf("job %d was answered by the hung worker", i)
-		}
-	}
+	batchDone("the pause")
 }
 
 // A pause whose workers' jobs outlast drain_timeout answers 504 and is
