@@ -30,7 +30,6 @@ func TestAPausedWorkerGetsNoJob(t *testing.T) {
 		t.Fatalf("a job went to %s; want b, the worker not paused", on)
 	}
 	waiting, done := enqueue(t, p, cfg, 1, context.Background()) // b is busy, a is free but paused
-	clock.advance(time.Second)
 	if continued, err := p.ContinueWorkers([]string{"http://a:1"}); err != nil || !slices.Equal(continued, []string{"http://a:1"}) {
 		t.Fatalf("continue of a: %v, %v", continued, err)
 	}
