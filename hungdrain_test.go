@@ -27,13 +27,7 @@ func TestDrainLeavesOutAWorkerWithAHungJob(t *testing.T) {
 	testrouter.ExpectStatus(t, "an update on a healthy fleet", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/1"}`), 200)
 	normal := time.Since(start)
 
-	ws[0].Hang()
-	var wg sync.WaitGroup
-	replies := make([]testrouter.Reply, 12)
-	for i := range replies {
-		wg.Go(func() { replies[i] = r.Post("/v1/images/generations", testrouter.SmallImage) })
-	}
-	testrouter.WaitFor(t, func() bool { return r.Workers()[ws[0].URL()]["active_requests"].(float64) >= 1 })
+	batchDone := batchBesideAHungWorker(t, r, ws[0], 12)
 
 	start = time.Now()
 	rp := r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/2"}`)
@@ -59,11 +53,31 @@ func TestDrainLeavesOutAWorkerWithAHungJob(t *testing.T) {
 			t.Fatalf("worker %s shows %v", w.URL(), st)
 		}
 	}
-	wg.Wait()
-	for i, rp := range replies {
-		testrouter.ExpectStatus(t, "a job of the batch beside the update", rp, 200)
-		if rp.Header.Get("X-Fake-Worker") == "a" {
-			t.Fatalf("job %d was answered by the hung worker", i)
+	batchDone("the update")
+}
+
+// batchBesideAHungWorker makes hung (named a) hang every job from now on,
+// sends n small image jobs at once and returns when hung holds one of
+// them. The function returned waits for the batch and fails t unless
+// every job was answered 200, none by hung: beside what, a job that hung
+// runs again elsewhere.
+func batchBesideAHungWorker(t *testing.T, r *testrouter.Router, hung *fakeworker.Worker, n int) (done func(what string)) {
+	t.Helper()
+	hung.Hang()
+	var wg sync.WaitGroup
+	replies := make([]testrouter.Reply, n)
+	for i := range replies {
+		wg.Go(func() { replies[i] = r.Post("/v1/images/generations", testrouter.SmallImage) })
+	}
+	testrouter.WaitFor(t, func() bool { return r.Workers()[hung.URL()]["active_requests"].(float64) >= 1 })
+	return func(what string) {
+		t.Helper()
+		wg.Wait()
+		for i, rp := range replies {
+			testrouter.ExpectStatus(t, "a job of the batch beside "+what, rp, 200)
+			if rp.Header.Get("X-Fake-Worker") == "a" {
+				t.Fatalf("job %d beside %s was answered by the hung worker", i, what)
+			}
 		}
 	}
 }

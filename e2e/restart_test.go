@@ -131,6 +131,7 @@ type workerView struct {
 	IsDead        bool   `json:"is_dead"`
 	State         string `json:"state"`
 	WeightVersion string `json:"weight_version"`
+	PausedSince   string `json:"paused_since"`
 }
 
 func viewFleet(t *testing.T, r *testrouter.Router) fleetView {
@@ -161,9 +162,11 @@ func workerOf(t *testing.T, r *testrouter.Router, u string) workerView {
 }
 
 // After `kill -9` and a start on the same storage, the router has the
-// workers registered at run time, the ones held back and its weight
-// version as they were; a worker read back that is now down gets no job,
-// and a worker that joins later is brought to the weights read back.
+// workers registered at run time, the ones held back, the ones a trainer
+// paused (since when they were) and its weight version as they were; a
+// worker read back that is now down gets no job, nor does a paused one
+// that is back until a continue, and a worker that joins later is
+// brought to the weights read back.
 func TestFleetSurvivesKill9(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds Caddy and runs it as a process")
@@ -198,6 +201,8 @@ func TestFleetSurvivesKill9(t *testing.T) {
 	testrouter.ExpectStatus(t, "update", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/step-7","weight_version":"step-7"}`), 200)
 	testrouter.ExpectStatus(t, "set_lora", r.Post("/v1/set_lora", `{"lora_nickname":"x","lora_path":"/lora/x"}`), 200)
 	testrouter.ExpectStatus(t, "hold back", testrouter.Do(t, "PUT", r.Base+"/workers/"+url.QueryEscape(c.URL()), strings.NewReader(`{"is_dead":true}`)), 200)
+	testrouter.ExpectStatus(t, "pause b", r.Post("/pause_generation", `{"workers":["`+b.URL()+`"]}`), 200)
+	pausedSince := workerOf(t, r, b.URL()).PausedSince
 	before := viewFleet(t, r)
 	if !slices.Equal(before.urls, []string{a.URL(), b.URL(), c.URL()}) || !before.dead[c.URL()] || before.weightVersion != "step-7+lora:x" {
 		t.Fatalf("fleet before the kill: %+v", before)
@@ -208,10 +213,10 @@ func TestFleetSurvivesKill9(t *testing.T) {
 	record := filepath.Join(storage, "diffusion_router", "default", "fleet.json")
 	written := testkit.WaitUntil(10*time.Second, func() bool {
 		data, _ := os.ReadFile(record)
-		return strings.Contains(string(data), `"is_dead":true`)
+		return strings.Contains(string(data), `"is_dead":true`) && strings.Contains(string(data), `"paused_since"`)
 	})
 	if !written {
-		first.fail("the held-back worker was not written to %s within 10 s", record)
+		first.fail("the held-back and the paused worker were not written to %s within 10 s", record)
 	}
 	first.kill()
 
@@ -224,7 +229,7 @@ func TestFleetSurvivesKill9(t *testing.T) {
 		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
 		testrouter.ExpectStatus(t, fmt.Sprintf("job %d after the start", i), rp, 200)
 		if by := rp.Header.Get("X-Fake-Worker"); by != "a" {
-			second.fail("job %d served by %s; only a may serve (b failed its probe, c is held back)", i, by)
+			second.fail("job %d served by %s; only a may serve (b failed its probe and is paused, c is held back)", i, by)
 		}
 		if v := rp.Header.Get("X-Weight-Version"); v != "step-7+lora:x" {
 			second.fail("job %d served on weights %q; want step-7+lora:x", i, v)
@@ -234,8 +239,20 @@ func TestFleetSurvivesKill9(t *testing.T) {
 		second.fail("b, read back and failing its probes, is %s and ran %d jobs; want unhealthy and none", st.State, b.Stats().Jobs)
 	}
 	b.SetHealthFail(false)
-	if !testkit.WaitUntil(30*time.Second, func() bool { return workerOf(t, r, b.URL()).State == "serving" }) {
-		second.fail("b did not serve again within 30 s of passing its probes")
+	if !testkit.WaitUntil(30*time.Second, func() bool { return workerOf(t, r, b.URL()).State == "paused" }) {
+		second.fail("b is %+v 30 s after it passes its probes; want paused, as before the kill", workerOf(t, r, b.URL()))
+	}
+	if got := workerOf(t, r, b.URL()).PausedSince; got != pausedSince {
+		second.fail("b read back paused since %s; want %s", got, pausedSince)
+	}
+	for i := range 3 {
+		if by := r.Post("/v1/images/generations", testrouter.SmallImage).Header.Get("X-Fake-Worker"); by != "a" {
+			second.fail("job %d once b passed its probes served by %s; want a (b is paused)", i, by)
+		}
+	}
+	testrouter.ExpectStatus(t, "continue b", r.Post("/continue_generation", ""), 200)
+	if st := workerOf(t, r, b.URL()).State; st != "serving" {
+		second.fail("b after the continue is %s; want serving", st)
 	}
 
 	// A worker that joins after the restart is sent the update and the

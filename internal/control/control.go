@@ -55,6 +55,8 @@ func (a *API) mux() *http.ServeMux {
 		{"POST /update_weights_from_disk", a.admin(a.serveUpdateWeights)},
 		{"POST /release_memory_occupation", a.admin(a.serveSleep)},
 		{"POST /resume_memory_occupation", a.admin(a.serveWake)},
+		{"POST /pause_generation", a.admin(a.servePause)},
+		{"POST /continue_generation", a.admin(a.serveContinue)},
 		{"GET /fleet_operation", a.serveOperation},
 		{"POST /abort_request", a.admin(a.serveAbort)},
 	}
@@ -160,6 +162,7 @@ type workerJSON struct {
 	LastProbe           *string  `json:"last_probe"`    // RFC 3339; null: never probed
 	EjectedUntil        *string  `json:"ejected_until"` // RFC 3339; null: not ejected
 	Probation           bool     `json:"probation"`     // back after an ejection: one job at a time until one given on probation succeeds
+	PausedSince         *string  `json:"paused_since"`  // RFC 3339; null: not paused
 	LastError           string   `json:"last_error"`
 	Speed               float64  `json:"speed"` // cost units per second
 	SpeedLearned        bool     `json:"speed_learned"`
@@ -194,6 +197,7 @@ func newWorkerJSON(w scheduler.WorkerInfo) workerJSON {
 		LastProbe:           timeJSON(w.LastProbe),
 		EjectedUntil:        timeJSON(w.EjectedTill),
 		Probation:           w.Probation,
+		PausedSince:         timeJSON(w.PausedSince),
 		LastError:           w.LastError,
 		Speed:               w.Speed,
 		SpeedLearned:        w.SpeedLearned,
@@ -240,7 +244,7 @@ func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 	}
 	healthy := inState[scheduler.Serving] - unreadable
 	status, code := "healthy", http.StatusOK
-	if healthy == 0 {
+	if healthy == 0 && inState[scheduler.Paused] == 0 { // a pause is the trainer's, not a fault
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
 	stats := a.Pool.Stats()
@@ -254,6 +258,7 @@ func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		"unhealthy_workers":      inState[scheduler.Unhealthy],
 		"ejected_workers":        inState[scheduler.Ejected],
 		"suspect_workers":        inState[scheduler.Suspect],
+		"paused_workers":         inState[scheduler.Paused],
 		"adapter_failed_workers": adapterOut,
 		"queued_requests":        stats.Queued,
 		"queued_by_priority":     priorityCounts(stats.ByPriority),
@@ -265,15 +270,17 @@ func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 
 // serveReady is /readyz, for a load balancer in front of several routers:
 // 200 when the router is its pool's active one and at least min_ready
-// workers serve. A standby answers 503, so that nothing is sent to it.
+// workers serve. A standby answers 503, so that nothing is sent to it. A
+// worker a trainer paused counts as serving: the load balancer must not
+// drop the active router while the trainer moves the weights.
 func (a *API) serveReady(w http.ResponseWriter, _ *http.Request) {
-	ready := a.Pool.ServingCount()
+	serving, paused := a.Pool.ServingCount(), a.Pool.PausedCount()
 	standby := a.HA != nil && !a.HA.Leading()
 	code := http.StatusOK
-	if ready < a.MinReady || standby {
+	if serving+paused < a.MinReady || standby {
 		code = http.StatusServiceUnavailable
 	}
-	answer := a.withHA(map[string]any{"ready": code == http.StatusOK, "serving_workers": ready, "min_ready": a.MinReady})
+	answer := a.withHA(map[string]any{"ready": code == http.StatusOK, "serving_workers": serving, "paused_workers": paused, "min_ready": a.MinReady})
 	if standby {
 		answer["standby"] = true
 	}
@@ -445,7 +452,8 @@ func (a *API) serveWorker(w http.ResponseWriter, r *http.Request) {
 }
 
 // serveUpdateWorker takes {"is_dead": bool} to hold a worker back or let it
-// serve again, and {"refresh_video_support": true} to probe it anew.
+// serve again, either ending a trainer's pause of it, and
+// {"refresh_video_support": true} to probe it anew.
 func (a *API) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
 	info, ok := a.workerFromPath(w, r)
 	if !ok {
@@ -467,8 +475,9 @@ func (a *API) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
 	}
 	answer := map[string]any{"status": "success"}
 	if isDead != nil {
-		info, _ = a.Pool.SetDead(info.URL, *isDead)
-		a.Logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead))
+		paused := !info.PausedSince.IsZero()
+		info, _ = a.Pool.SetDead(info.URL, *isDead) // and ends a pause
+		a.Logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead), zap.Bool("pause_ended", paused))
 		answer = a.durable(r.Context(), answer)
 	}
 	answer["worker"] = newWorkerJSON(info)

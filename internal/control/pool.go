@@ -25,6 +25,7 @@ type Roster interface {
 	Remove(url string) bool
 	SetDead(url string, dead bool) (scheduler.WorkerInfo, bool)
 	ServingCount() int
+	PausedCount() int
 	Stats() scheduler.Stats
 	Version() string
 	Tenants() []scheduler.TenantStats

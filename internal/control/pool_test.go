@@ -18,10 +18,11 @@ import (
 // an endpoint reads.
 type fakeRoster struct {
 	Pool
-	serving int
+	serving, paused int
 }
 
 func (f fakeRoster) ServingCount() int { return f.serving }
+func (f fakeRoster) PausedCount() int  { return f.paused }
 
 // The control API runs against any Pool: /readyz reads the serving
 // workers alone, against min_ready.

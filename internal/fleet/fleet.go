@@ -92,7 +92,7 @@ type Config struct {
 
 // Why a fleet operation did not run.
 var (
-	ErrFleetBusy    = errors.New("another weight update, sleep or wake is in progress")
+	ErrFleetBusy    = errors.New("another fleet operation (a weight update, sleep, wake, pause or continue) is in progress")
 	ErrDrainTimeout = errors.New("drain timeout")
 )
 
@@ -195,10 +195,7 @@ func (f *Fleet) Sleep(ctx context.Context, path string, body []byte, cfg *Config
 func alreadyOn(urls []string, version string) []Result {
 	out := make([]Result, len(urls))
 	for i, u := range urls {
-		out[i] = Result{WorkerURL: u, StatusCode: http.StatusOK, OK: true, answered: true, Body: map[string]any{
-			"success": true,
-			"message": "already on weight version " + version + ": this router finished the update its predecessor had in progress, and did not call the worker again",
-		}}
+		out[i] = done(u, "already on weight version "+version+": this router finished the update its predecessor had in progress, and did not call the worker again")
 	}
 	return out
 }

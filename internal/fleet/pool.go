@@ -25,8 +25,8 @@ type Background interface {
 }
 
 // Weights is the workers' weights and states as the fleet's operations
-// move them: updates and their catch-ups, sleep and wake, and the drains
-// before them.
+// move them: updates and their catch-ups, sleep and wake, a trainer's
+// pause, and the drains before them.
 type Weights interface {
 	Background
 	BeginUpdate(u scheduler.Update) (targets, done []string)
@@ -44,6 +44,9 @@ type Weights interface {
 	NotHeldBack() ([]string, error)
 	Pause()
 	Resume()
+	PauseWorkers(urls []string) (paused, already []string, err error)
+	ContinueWorkers(urls []string) (continued []string, err error)
+	PausedWorkers() []string
 	WaitIdle(ctx context.Context, urls []string, timeout time.Duration, health *scheduler.HealthConfig) (hung []string, err error)
 }
 

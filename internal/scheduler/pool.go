@@ -213,6 +213,10 @@ type workerLife struct {
 	behind  lag    // missed an update: stale until a catch-up brings it to the pool's weights
 	missed  bool   // stale because its last update got no answer: caught up once a probe passes
 	version string // weight version the worker serves; "" until known
+	// pausedAt is when a trainer paused the worker (pause_generation),
+	// Unix nanoseconds; 0: not paused. It is a mark beside state, as dead
+	// is, so that an update, a sleep or a wake leaves it paused.
+	pausedAt int64
 }
 
 // workerStats are counts for reports; no decision reads them.
@@ -248,9 +252,10 @@ const (
 	Unhealthy       // failed its health probes
 	Ejected         // out for a while after failed requests
 	Suspect         // a job of it overran its prediction
+	Paused          // paused by a trainer that moves its weights itself, and serving but for that
 )
 
-var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping", "dead", "unhealthy", "ejected", "suspect"}
+var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping", "dead", "unhealthy", "ejected", "suspect", "paused"}
 
 // StateCount is how many states a worker can be in: a State is below it.
 const StateCount = len(stateNames)
@@ -273,6 +278,8 @@ func (w *worker) stateAt(now int64) State {
 		return Sleeping
 	case w.health.suspect:
 		return Suspect
+	case w.life.pausedAt != 0:
+		return Paused
 	}
 	return Serving
 }
@@ -303,6 +310,7 @@ type WorkerInfo struct {
 	Ejections   uint64
 	EjectedTill time.Time // zero: not ejected
 	Probation   bool      // back after an ejection: one job at a time until one succeeds
+	PausedSince time.Time // when a trainer paused it; zero: not paused
 
 	Speed           float64 // learned cost units per second; the pool's median while unknown
 	SpeedLearned    bool
@@ -351,6 +359,9 @@ func (p *Pool) infoLocked(w *worker) WorkerInfo {
 	}
 	if w.evidence.lastProbe > 0 {
 		info.LastProbe = time.Unix(0, w.evidence.lastProbe)
+	}
+	if w.life.pausedAt != 0 {
+		info.PausedSince = time.Unix(0, w.life.pausedAt)
 	}
 	return info
 }
@@ -478,13 +489,15 @@ func (p *Pool) removeLocked(w *worker) {
 	}
 	p.videos.ForgetWorker(w.url)
 	p.images.ForgetWorker(w.url)
+	w.life.pausedAt = 0 // the pause ends with it: registered again, it is a worker no trainer paused
 	if w.load.inflight > 0 {
 		w.life.removed = true
 		p.departing[workerurl.AddressKey(w.dial)] = w
 	}
 }
 
-// SetDead marks a worker dead (no new jobs) or alive again.
+// SetDead marks a worker dead (no new jobs) or alive again. Either ends
+// a trainer's pause of it: the operator has taken it in hand.
 func (p *Pool) SetDead(url string, dead bool) (WorkerInfo, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -492,7 +505,7 @@ func (p *Pool) SetDead(url string, dead bool) (WorkerInfo, bool) {
 	if w == nil {
 		return WorkerInfo{}, false
 	}
-	w.life.dead = dead
+	w.life.dead, w.life.pausedAt = dead, 0
 	if !dead {
 		p.forgetAdapterLocked(w) // held back, perhaps to be restarted
 	}
@@ -526,12 +539,20 @@ func (p *Pool) Snapshot() []WorkerInfo {
 
 // ServingCount is how many workers may take new jobs now: serving, and
 // not out because their LoRA adapter cannot be read.
-func (p *Pool) ServingCount() int {
+func (p *Pool) ServingCount() int { return p.countReadable(Serving) }
+
+// PausedCount is how many more workers would take new jobs now but for a
+// trainer's pause.
+func (p *Pool) PausedCount() int { return p.countReadable(Paused) }
+
+// countReadable is how many workers are in state s now and not out
+// because their LoRA adapter cannot be read.
+func (p *Pool) countReadable(s State) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	n, now := 0, p.now().UnixNano()
 	for _, w := range p.workers {
-		if w.serving(now) && p.adapterOutLocked(w, now) != OutUnreadable {
+		if w.stateAt(now) == s && p.adapterOutLocked(w, now) != OutUnreadable {
 			n++
 		}
 	}

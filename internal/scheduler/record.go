@@ -3,6 +3,7 @@ package scheduler
 import (
 	"encoding/json"
 	"slices"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -62,6 +63,10 @@ type WorkerRecord struct {
 	// version it shows: an update that reloads a checkpoint rewritten at
 	// its path keeps the version.
 	Stale bool `json:"stale,omitempty"`
+	// PausedSince is when a trainer paused the worker (pause_generation);
+	// zero: not paused. A pause outlives the process: the trainer that
+	// moves the weights may not be done when a router takes over.
+	PausedSince time.Time `json:"paused_since,omitzero"`
 }
 
 // UpdateRecord is one call of a Record's updates, sent to workers as
@@ -84,7 +89,7 @@ func (p *Pool) Record() Record {
 	}
 	for i, w := range p.workers {
 		rec.Workers[i] = WorkerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version,
-			Stale: w.life.state == Stale || w.life.behind != upToDate}
+			Stale: w.life.state == Stale || w.life.behind != upToDate, PausedSince: pausedSince(w)}
 	}
 	for _, u := range p.fleet.history {
 		rec.Updates = append(rec.Updates, u.record())
@@ -93,6 +98,22 @@ func (p *Pool) Record() Record {
 		rec.Updating = &RunningRecord{UpdateRecord: u.record(), Loaded: slices.Clone(p.fleet.loaded)}
 	}
 	return rec
+}
+
+// pausedSince is when w was paused, in UTC; zero when it is not.
+func pausedSince(w *worker) time.Time {
+	if w.life.pausedAt == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, w.life.pausedAt).UTC()
+}
+
+// pausedAt is the pause r records, as a worker keeps it.
+func (r WorkerRecord) pausedAt() int64 {
+	if r.PausedSince.IsZero() {
+		return 0
+	}
+	return r.PausedSince.UnixNano()
 }
 
 func (u Update) record() UpdateRecord {
@@ -143,6 +164,9 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 		}
 		w.registered = w.registered || r.Registered
 		w.life.dead = w.life.dead || r.IsDead
+		if w.life.pausedAt == 0 {
+			w.life.pausedAt = r.pausedAt()
+		}
 		if adopted && r.WeightVersion != "" {
 			w.life.version = r.WeightVersion
 		}
@@ -228,9 +252,9 @@ func (p *Pool) inheritLocked(running *RunningRecord) {
 // this way, and a router that takes the lead starts from the last record
 // its predecessor wrote. Registered workers join and leave as the record
 // has them (a worker that joins is out until a health probe passes),
-// workers are held back or not and serve the weights the record says, and
-// the fleet's weights are the record's even where the pool had others. It
-// returns how many workers joined and left.
+// workers are held back or not, paused or not, and serve the weights the
+// record says, and the fleet's weights are the record's even where the
+// pool had others. It returns how many workers joined and left.
 func (p *Pool) Mirror(rec Record) (joined, left int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -251,7 +275,7 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 			joined++
 		}
 		inRecord[w] = true
-		w.registered, w.life.dead, w.life.version = r.Registered, r.IsDead, r.WeightVersion
+		w.registered, w.life.dead, w.life.version, w.life.pausedAt = r.Registered, r.IsDead, r.WeightVersion, r.pausedAt()
 		if r.Stale {
 			stale = append(stale, w)
 		}
