@@ -178,9 +178,9 @@ type Worker struct {
 	// oomPixels is OOMPixels in force.
 	breakRates [5]float64
 	oomPixels  int
-	// weights names, per module, the weights loaded: the model path of the
-	// last update from disk, or a digest of the last tensors loaded.
-	weights map[string]string
+	// weights are what each module holds: the model of the last update
+	// from disk, or the tensors loaded since.
+	weights map[string]moduleWeights
 	lora    loraState // the LoRA adapters loaded and the one in effect
 	rng     *mrand.Rand
 	stats   Stats
@@ -225,7 +225,7 @@ func New(cfg Config) *Worker {
 		cfg:        cfg,
 		life:       life,
 		stop:       stop,
-		weights:    make(map[string]string),
+		weights:    make(map[string]moduleWeights),
 		rng:        mrand.New(mrand.NewPCG(uint64(cfg.Seed), 0)),
 		failRate:   cfg.FailRate,
 		updateHung: cfg.UpdateHang,
@@ -236,7 +236,7 @@ func New(cfg Config) *Worker {
 		clock:      time.Now,
 	}
 	for _, m := range modules {
-		w.weights[m] = cfg.ModelPath
+		w.weights[m] = diskWeights(cfg.ModelPath, m)
 	}
 	media := make(map[string]func() medium)
 	for ext, magic := range mediaMagic {
@@ -358,14 +358,14 @@ func (w *Worker) Asleep() bool {
 }
 
 // Weights names the transformer's weights: ModelPath at first, then the
-// model_path of the last successful update from disk, or "tensor:" and a
-// digest of the tensors of the last update from tensors. The HTTP API does
-// not report it, as sglang does not; tests use it to see what a worker
-// runs.
+// model_path of the last successful update from disk, or, once tensors
+// were loaded since, "tensor:" and the transformer's checksum (see
+// Checksum). The HTTP API does not report it, as sglang does not; tests
+// use it to see what a worker runs.
 func (w *Worker) Weights() string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.weights["transformer"]
+	return w.weights["transformer"].label
 }
 
 func (c Config) videoTask() bool {

@@ -1,8 +1,7 @@
 package fakeworker
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -10,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // Engine operations keep the worker busy for this many cost units.
@@ -285,9 +285,10 @@ func (w *Worker) handleUpdateFromDisk(rw http.ResponseWriter, r *http.Request) {
 	if json.Unmarshal(body["model_path"], &modelPath) != nil {
 		modelPath = string(body["model_path"])
 	}
-	load := weightLoad{loaded: modelPath, refuseAsleep: true}
-	load.targets, load.targetErr = targetModules(body["target_modules"], modules)
-	if load.targetErr == "" {
+	load := weightLoad{refuseAsleep: true}
+	load.next = func(_ moduleWeights, module string) moduleWeights { return diskWeights(modelPath, module) }
+	load.targets, load.refusal = targetModules(body["target_modules"], modules)
+	if load.refusal == "" {
 		load.failure = fmt.Sprintf("Failed to update module '%s': injected failure (--update-fail). All modules rolled back to original weights.", load.targets[0])
 		load.success = fmt.Sprintf("Updated %d modules (%s).", len(load.targets), strings.Join(load.targets, ", "))
 	}
@@ -297,10 +298,14 @@ func (w *Worker) handleUpdateFromDisk(rw http.ResponseWriter, r *http.Request) {
 // weightLoad is an update of some modules' weights, from disk or from
 // tensors, as the scheduler runs it: after the jobs queued before it.
 type weightLoad struct {
-	targets      []string
-	targetErr    string // why the modules asked for cannot be updated
-	loaded       string // what the modules hold afterwards
-	refuseAsleep bool   // refused while the server sleeps, as update_weights_from_disk is
+	targets []string
+	// refusal is why the worker refuses the update (400), if it does.
+	refusal string
+	// next is what a target module holds afterwards.
+	next func(old moduleWeights, module string) moduleWeights
+	// refuseAsleep refuses the update while the server sleeps, as
+	// update_weights_from_disk is.
+	refuseAsleep bool
 	failure      string // the message of an injected failure (--update-fail)
 	success      string // the message of a success
 }
@@ -313,8 +318,8 @@ func (w *Worker) loadWeights(rw http.ResponseWriter, r *http.Request, load weigh
 		case load.refuseAsleep && w.asleep:
 			status, message = http.StatusInternalServerError, errUpdateAsleep
 			return 0
-		case load.targetErr != "":
-			status, message = http.StatusBadRequest, load.targetErr
+		case load.refusal != "":
+			status, message = http.StatusBadRequest, load.refusal
 			return 0
 		case w.cfg.UpdateFail:
 			status, message = http.StatusBadRequest, load.failure
@@ -328,7 +333,7 @@ func (w *Worker) loadWeights(rw http.ResponseWriter, r *http.Request, load weigh
 	}, func() {
 		if status == http.StatusOK {
 			for _, m := range load.targets {
-				w.weights[m] = load.loaded
+				w.weights[m] = load.next(w.weights[m], m)
 			}
 		}
 	})
@@ -340,9 +345,13 @@ func (w *Worker) loadWeights(rw http.ResponseWriter, r *http.Request, load weigh
 }
 
 // handleUpdateFromTensor is weights_api.py's update_weights_from_tensor,
-// with the checks GPUWorker makes of the payload list for tp_size 1. The
-// fake cannot deserialize tensors: any payload loads, and names the
-// weights by its digest.
+// as GPUWorker and WeightsUpdater run it on one GPU. Its payload must be
+// base64, as MultiprocessingSerializer.deserialize decodes it; the fake
+// cannot unpickle what a real trainer sends, CUDA IPC handles, so it loads
+// a safetensors file as named tensors (TensorPayload) and any other bytes
+// as an opaque whole (see moduleWeights.withTensors), whatever load_format
+// says. Like sglang it keeps no weight_version, and it ignores
+// weight_update_mode and the LoRA fields.
 func (w *Worker) handleUpdateFromTensor(rw http.ResponseWriter, r *http.Request) {
 	body, ok := readObject(rw, r)
 	if !ok {
@@ -352,19 +361,21 @@ func (w *Worker) handleUpdateFromTensor(rw http.ResponseWriter, r *http.Request)
 		writeResult(rw, http.StatusBadRequest, "serialized_named_tensors is required")
 		return
 	}
-	var payloads []json.RawMessage
-	if json.Unmarshal(body["serialized_named_tensors"], &payloads) != nil {
-		writeResult(rw, http.StatusBadRequest, "serialized_named_tensors must be a list")
+	payload, refusal, ok := ownPayload(body["serialized_named_tensors"], body["payload_gpu_uuids"])
+	if !ok {
+		internalServerError(rw)
 		return
 	}
-	if len(payloads) != 1 {
-		writeResult(rw, http.StatusBadRequest, fmt.Sprintf("serialized_named_tensors size must be 1 or tp_size (1), got %d", len(payloads)))
-		return
+	load := weightLoad{refusal: refusal}
+	load.next = func(old moduleWeights, _ string) moduleWeights { return old.withTensors(payload) }
+	if refusal == "" {
+		load.targets, load.refusal = targetModules(body["target_modules"], []string{"transformer"})
 	}
-	sum := sha256.Sum256(payloads[0])
-	load := weightLoad{loaded: "tensor:" + hex.EncodeToString(sum[:8])}
-	load.targets, load.targetErr = targetModules(body["target_modules"], []string{"transformer"})
-	if load.targetErr == "" {
+	if load.refusal == "" && payload.named && len(load.targets) > 1 {
+		// sglang takes a dict of payloads by module; a safetensors file is a list.
+		load.refusal = fmt.Sprintf("Ambiguous tensor payload for multi-module update. Provide a dict mapping module_name -> module payload, requested modules: %s.", pyList(load.targets))
+	}
+	if load.refusal == "" {
 		load.failure = fmt.Sprintf("Failed to update module '%s' from tensor: injected failure (--update-fail). "+
 			"The pipeline may be partially updated. Please discard the whole weights and reload from a known-good checkpoint.", load.targets[0])
 		load.success = fmt.Sprintf("Updated %d modules from tensor (%s).", len(load.targets), strings.Join(load.targets, ", "))
@@ -372,33 +383,72 @@ func (w *Worker) handleUpdateFromTensor(rw http.ResponseWriter, r *http.Request)
 	w.loadWeights(rw, r, load)
 }
 
+// ownPayload is GPUWorker's choice of the payload its GPU loads, for a
+// world of one GPU, and its deserialization: the payload, or why it is
+// refused. Without payload_gpu_uuids there must be one payload; with them,
+// one label per payload, and the fake, which has no GPU, takes the first.
+// ok is false where sglang fails with a TypeError (len of a number).
+func ownPayload(raw, uuids json.RawMessage) (p tensorPayload, refusal string, ok bool) {
+	var payloads []json.RawMessage
+	if json.Unmarshal(raw, &payloads) != nil {
+		return p, "serialized_named_tensors must be a list", true
+	}
+	labels, ok := pyLen(uuids)
+	switch {
+	case !ok:
+		return p, "", false
+	case labels < 0 && len(payloads) != 1:
+		return p, fmt.Sprintf("serialized_named_tensors size must be 1 or world_size (1), got %d", len(payloads)), true
+	case labels >= 0 && labels != len(payloads):
+		return p, fmt.Sprintf("payload_gpu_uuids needs one entry per payload, got %d for %d payloads", labels, len(payloads)), true
+	}
+	p, reason := decodePayload(payloads[0])
+	if reason != "" {
+		return p, "Failed to deserialize serialized_named_tensors: " + reason, true
+	}
+	return p, "", true
+}
+
+// pyLen is Python's len of a JSON value: -1 for null or no value, and ok
+// false where len raises (a number or a bool).
+func pyLen(raw json.RawMessage) (n int, ok bool) {
+	var v any
+	json.Unmarshal(raw, &v) // readObject parsed the whole body already
+	switch v := v.(type) {
+	case nil:
+		return -1, true
+	case string:
+		return utf8.RuneCountInString(v), true
+	case []any:
+		return len(v), true
+	case map[string]any:
+		return len(v), true
+	}
+	return 0, false
+}
+
 // handleChecksum is weights_api.py's get_weights_checksum: a SHA-256 per
-// module (all by default, "not_found" for a name the pipeline lacks) that
-// changes with the weights loaded, so tests tell weights apart as RL
-// trainers do.
+// module (all by default, "not_found" for a name the pipeline lacks), in
+// the order asked, of the weights each holds (see moduleWeights), so that
+// tests tell weights apart as RL trainers do. A string of names is
+// iterated, as Python would, character by character.
 func (w *Worker) handleChecksum(rw http.ResponseWriter, r *http.Request) {
 	body, ok := readObject(rw, r)
 	if !ok {
 		return
 	}
-	var names []string
-	if raw := body["module_names"]; len(raw) > 0 && json.Unmarshal(raw, &names) != nil {
+	names, ok := moduleNames(body["module_names"])
+	if !ok {
 		internalServerError(rw)
 		return
-	}
-	if names == nil {
-		names = modules
 	}
 	sums := make(map[string]string, len(names))
 	err := w.runControl(r.Context(), func() time.Duration {
 		for _, m := range names {
-			loaded, ok := w.weights[m]
-			if !ok {
-				sums[m] = "not_found"
-				continue
+			sums[m] = "not_found"
+			if weights, ok := w.weights[m]; ok {
+				sums[m] = weights.sum
 			}
-			sum := sha256.Sum256([]byte(loaded + "/" + m))
-			sums[m] = hex.EncodeToString(sum[:])
 		}
 		return 0
 	}, nil)
@@ -406,7 +456,47 @@ func (w *Worker) handleChecksum(rw http.ResponseWriter, r *http.Request) {
 		w.fail(rw, err)
 		return
 	}
-	writeJSON(rw, http.StatusOK, sums)
+	writeOrdered(rw, names, sums)
+}
+
+// moduleNames reads the module_names of a checksum request: every module
+// for null or no value, the characters of a string, or a list of strings.
+// ok is false for anything else, which sglang fails on.
+func moduleNames(raw json.RawMessage) (names []string, ok bool) {
+	var v any
+	json.Unmarshal(raw, &v) // readObject parsed the whole body already
+	if s, isString := v.(string); isString {
+		return strings.Split(s, ""), true
+	}
+	if json.Unmarshal(raw, &names) != nil && len(raw) > 0 {
+		return nil, false
+	}
+	if names == nil {
+		return modules, true
+	}
+	return names, true
+}
+
+// writeOrdered answers 200 with a JSON object of values in the order of
+// keys, the first of each, as a Python dict keeps it.
+func writeOrdered(rw http.ResponseWriter, keys []string, values map[string]string) {
+	var b bytes.Buffer
+	seen := make(map[string]bool, len(keys))
+	for _, k := range keys {
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		key, _ := json.Marshal(k) // strings always marshal
+		value, _ := json.Marshal(values[k])
+		b.WriteByte(',')
+		b.Write(key)
+		b.WriteByte(':')
+		b.Write(value)
+	}
+	rw.Header().Set("Content-Type", "application/json")
+	rw.WriteHeader(http.StatusOK)
+	fmt.Fprintf(rw, "{%s}", bytes.TrimPrefix(b.Bytes(), []byte(","))) // a write error means the client left
 }
 
 // handleMemory puts the worker to sleep or wakes it, after the jobs queued

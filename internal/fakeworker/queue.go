@@ -187,7 +187,7 @@ func (w *Worker) record(cost float64, elapsed time.Duration, completed, failed b
 		}
 		// One job or engine operation runs at a time: the weights a job
 		// ends on are the ones it ran on.
-		w.stats.JobsOn[w.weights["transformer"]]++
+		w.stats.JobsOn[w.weights["transformer"].label]++
 		if w.stats.JobsOnAdapter == nil {
 			w.stats.JobsOnAdapter = make(map[string]int)
 		}
