@@ -80,15 +80,18 @@ func (a *API) serveContinue(w http.ResponseWriter, r *http.Request) {
 	a.answerGeneration(w, r, rep, "Generation continued.")
 }
 
-// logGeneration logs a pause or a continue that ran.
+// logGeneration logs a pause or a continue: which workers it changed, or
+// why it failed (a pause that ran out of time is undone, and says so).
 func (a *API) logGeneration(msg string, results []fleet.Result, err error) {
-	if err == nil {
-		urls := make([]string, len(results))
-		for i, res := range results {
-			urls[i] = res.WorkerURL
-		}
-		a.Logger.Info(msg, zap.Strings("workers", urls))
+	if err != nil {
+		a.Logger.Warn(msg+" failed", zap.Error(err))
+		return
 	}
+	urls := make([]string, len(results))
+	for i, res := range results {
+		urls[i] = res.WorkerURL
+	}
+	a.Logger.Info(msg, zap.Strings("workers", urls))
 }
 
 // answerGeneration answers a pause or a continue that ended as rep says,

@@ -195,7 +195,7 @@ func (f *Fleet) Sleep(ctx context.Context, path string, body []byte, cfg *Config
 func alreadyOn(urls []string, version string) []Result {
 	out := make([]Result, len(urls))
 	for i, u := range urls {
-		out[i] = done(u, "already on weight version "+version+": this router finished the update its predecessor had in progress, and did not call the worker again")
+		out[i] = doneWithoutCall(u, "already on weight version "+version+": this router finished the update its predecessor had in progress, and did not call the worker again")
 	}
 	return out
 }

@@ -15,20 +15,16 @@ import (
 // caller holds the fleet's lock.
 func (f *Fleet) PauseGeneration(ctx context.Context, urls []string, cfg *Config) ([]Result, error) {
 	p := f.pool
-	if urls == nil {
-		var err error
-		if urls, err = p.NotHeldBack(); err != nil {
-			return nil, err
-		}
-	}
-	paused, already, err := p.PauseWorkers(urls)
+	paused, already, err := p.PauseWorkers(urls) // nil: all, as the pool has them now
 	if err != nil {
 		return nil, err
 	}
 	hung, err := p.WaitIdle(ctx, slices.Concat(paused, already), cfg.DrainTimeout, cfg.Health)
 	if err != nil {
-		if len(paused) > 0 {
-			_, _ = p.ContinueWorkers(paused)
+		for _, u := range paused {
+			// One at a time: a worker removed meanwhile has no pause to
+			// undo, and must not keep the others paused.
+			_, _ = p.ContinueWorkers([]string{u})
 		}
 		return nil, drainError(ctx, err)
 	}
@@ -41,7 +37,7 @@ func (f *Fleet) PauseGeneration(ctx context.Context, urls []string, cfg *Config)
 		case slices.Contains(already, u):
 			msg = "already paused: it gets no new job until continue_generation"
 		}
-		results = append(results, done(u, msg))
+		results = append(results, doneWithoutCall(u, msg))
 	}
 	return results, nil
 }
@@ -51,14 +47,15 @@ func (f *Fleet) PauseGeneration(ctx context.Context, urls []string, cfg *Config)
 // scheduler.ErrNothingToDo when none is named and none is paused.
 func (f *Fleet) ContinueGeneration(urls []string) ([]Result, error) {
 	p := f.pool
-	if urls == nil {
-		if urls = p.PausedWorkers(); len(urls) == 0 {
-			return nil, scheduler.ErrNothingToDo
-		}
-	}
-	continued, err := p.ContinueWorkers(urls)
+	continued, err := p.ContinueWorkers(urls) // nil: every paused worker, as the pool has them now
 	if err != nil {
 		return nil, err
+	}
+	if urls == nil {
+		if len(continued) == 0 {
+			return nil, scheduler.ErrNothingToDo
+		}
+		urls = continued
 	}
 	results := make([]Result, 0, len(urls))
 	for _, u := range urls {
@@ -66,12 +63,12 @@ func (f *Fleet) ContinueGeneration(urls []string) ([]Result, error) {
 		if !slices.Contains(continued, u) {
 			msg = "was not paused"
 		}
-		results = append(results, done(u, msg))
+		results = append(results, doneWithoutCall(u, msg))
 	}
 	return results, nil
 }
 
-// done is the result of a worker an operation changed without a call.
-func done(workerURL, msg string) Result {
+// doneWithoutCall is the result of a worker an operation changed without a call.
+func doneWithoutCall(workerURL, msg string) Result {
 	return Result{WorkerURL: workerURL, StatusCode: http.StatusOK, OK: true, answered: true, Body: map[string]any{"success": true, "message": msg}}
 }

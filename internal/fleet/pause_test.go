@@ -127,6 +127,31 @@ func TestPauseThatRunsOutOfTimeIsUndone(t *testing.T) {
 	}
 }
 
+// A worker removed while a pause drains does not keep the others paused
+// when the pause runs out of time.
+func TestPauseUndoneThoughAWorkerLeftDuringIt(t *testing.T) {
+	p, f, cfg := pausePool(t, "http://a:1", "http://b:1")
+	for range 2 { // one on each
+		job := runningJob(t, p, cfg, 1)
+		defer p.Release(job, scheduler.Succeeded)
+	}
+	failed := make(chan error, 1)
+	go func() {
+		_, err := f.PauseGeneration(context.Background(), nil, &Config{DrainTimeout: 500 * time.Millisecond})
+		failed <- err
+	}()
+	if !testkit.WaitUntil(10*time.Second, func() bool { return len(p.PausedWorkers()) == 2 }) {
+		t.Fatal("the pause did not pause both workers")
+	}
+	p.Remove("http://a:1")
+	if err := <-failed; !errors.Is(err, ErrDrainTimeout) {
+		t.Fatalf("the pause: %v; want ErrDrainTimeout", err)
+	}
+	if got := p.PausedWorkers(); len(got) > 0 {
+		t.Fatalf("paused after the pause was undone: %v; want none", got)
+	}
+}
+
 // A continue with no worker named ends every pause, and is a no-op when
 // none is paused; one that names workers says which were not paused.
 func TestContinueEndsThePauses(t *testing.T) {

@@ -13,12 +13,13 @@ func (w *worker) can(k request.Task) bool {
 }
 
 // CanServe reports whether a serving worker can take a request of kind k.
+// A paused worker counts: the pause ends, and its jobs wait for it.
 func (p *Pool) CanServe(k request.Task) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := p.now().UnixNano()
 	for _, w := range p.workers {
-		if w.serving(now) && w.can(k) {
+		if s := w.stateAt(now); (s == Serving || s == Paused) && w.can(k) {
 			return true
 		}
 	}

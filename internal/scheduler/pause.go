@@ -18,15 +18,22 @@ import (
 // pool lacks changes nothing.
 var ErrUnknownWorker = errors.New("no worker of the pool has that URL")
 
-// PauseWorkers pauses the workers named: none gets a new job from now
-// on. It returns those it paused and those paused already, whose pause
-// (and its time) it keeps. A URL the pool lacks fails it, pausing none.
+// PauseWorkers pauses the workers named, or with none named (nil) every
+// worker an operator has not held back: none gets a new job from now on.
+// It returns those it paused and those paused already, whose pause (and
+// its time) it keeps. A URL the pool lacks fails it, pausing none.
 func (p *Pool) PauseWorkers(urls []string) (paused, already []string, err error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	named, err := p.namedLocked(urls)
+	if urls == nil {
+		named = slices.DeleteFunc(slices.Clone(p.workers), func(w *worker) bool { return w.life.dead })
+	}
 	if err != nil {
 		return nil, nil, err
+	}
+	if len(named) == 0 {
+		return nil, nil, ErrNoWorker
 	}
 	now := p.now().UnixNano()
 	for _, w := range named {
@@ -43,14 +50,17 @@ func (p *Pool) PauseWorkers(urls []string) (paused, already []string, err error)
 	return paused, already, nil
 }
 
-// ContinueWorkers ends the pause of the workers named and hands them the
-// jobs waiting. It returns those whose pause it ended; a worker named
-// that was not paused is left as it is. A URL the pool lacks fails it,
-// changing none.
+// ContinueWorkers ends the pause of the workers named, or with none named
+// (nil) of every paused worker, and hands them the jobs waiting. It
+// returns those whose pause it ended; a worker named that was not paused
+// is left as it is. A URL the pool lacks fails it, changing none.
 func (p *Pool) ContinueWorkers(urls []string) (continued []string, err error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	named, err := p.namedLocked(urls)
+	if urls == nil {
+		named = p.workers
+	}
 	if err != nil {
 		return nil, err
 	}

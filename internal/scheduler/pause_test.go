@@ -6,6 +6,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // A paused worker gets no job, though it is free: the jobs go to the
@@ -63,6 +65,20 @@ func TestAJobWaitsWhileEveryWorkerIsPaused(t *testing.T) {
 	}
 	if err := <-done; err != nil {
 		t.Fatalf("the job waiting once b continued: %v", err)
+	}
+}
+
+// A paused worker still counts as one that can make a kind of job: a
+// video job arriving while the only video worker is paused waits for it
+// rather than being refused for want of one.
+func TestAPausedWorkerCanStillServeItsKind(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	p.SetCapabilities("http://a:1", []string{"T2V"}, "video-model")
+	if _, _, err := p.PauseWorkers(nil); err != nil {
+		t.Fatal(err)
+	}
+	if !p.CanServe(request.VideoTask) {
+		t.Fatal("with its only video worker paused, the pool says it serves no video")
 	}
 }
 

@@ -423,8 +423,8 @@ func (p *Pool) startSwitchLocked(w *worker, pol *policy, now int64) {
 // its adapter is unknown, and it runs no job and no other call.
 func (fs *fleetState) callDueLocked(w *worker, now int64) bool {
 	wa := &w.adapter
-	if wa.calling || (wa.known && !wa.switching) || w.load.inflight > 0 || now < wa.retryAt || fs.target() != "" {
-		return false // not while a fleet operation changes the weights
+	if wa.calling || (wa.known && !wa.switching) || w.load.inflight > 0 || now < wa.retryAt || fs.target() != "" || w.life.pausedAt != 0 {
+		return false // not while a fleet operation, or a trainer that paused it, changes the weights
 	}
 	return !w.life.dead && !w.life.removed && w.life.state == Serving && !w.health.down
 }

@@ -434,7 +434,9 @@ func (p *Pool) TakeBehind() []string {
 	defer p.mu.Unlock()
 	var out []string
 	for _, w := range p.workers {
-		if w.life.behind == lagging {
+		// A paused worker's weights are the trainer's to move: its
+		// catch-up waits until it continues.
+		if w.life.behind == lagging && w.life.pausedAt == 0 {
 			w.life.behind = catchingUp
 			out = append(out, w.url)
 		}
