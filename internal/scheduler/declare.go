@@ -28,7 +28,8 @@ var VersionSources = []string{SourceReported, SourceRouter, SourceDeclared, Sour
 // of on holds it, learned as its source there says (SourceDeclared or
 // SourceVerified), and leaves stale if it was; each worker of off did not
 // match the declaration's checksums and is stale until a later one, or an
-// update through the router, brings it back. The fleet's version becomes
+// update through the router, brings it back, as is each worker not named
+// that waited to be caught up with the updates before. The fleet's version becomes
 // version, and the history of updates is dropped: replaying it would not
 // lead to weights that moved behind the router. A worker that left since
 // it was named is skipped.
@@ -37,7 +38,7 @@ func (p *Pool) DeclareVersion(version string, on map[string]string, off []string
 	defer p.mu.Unlock()
 	for u, source := range on {
 		if w := p.findLocked(u); w != nil {
-			w.life.version, w.life.source, w.life.mismatched = version, source, false
+			w.life.version, w.life.source, w.life.undeclared = version, source, false
 			if w.life.state == Stale {
 				p.fleet.leaveLocked(w)
 				w.life.state, w.life.missed = Serving, false
@@ -46,7 +47,15 @@ func (p *Pool) DeclareVersion(version string, on map[string]string, off []string
 	}
 	for _, u := range off {
 		if w := p.findLocked(u); w != nil {
-			w.life.mismatched = true
+			w.life.undeclared = true
+		}
+	}
+	for _, w := range p.workers {
+		if _, named := on[w.url]; !named && (w.life.behind != upToDate || w.life.missed) {
+			// It waits to be brought to the fleet's weights by replaying
+			// the updates, which do not lead to the declared ones.
+			p.fleet.leaveLocked(w)
+			w.life.undeclared = true
 		}
 	}
 	p.fleet.version, p.fleet.history, p.fleet.inherited = version, nil, nil

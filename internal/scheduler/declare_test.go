@@ -8,7 +8,7 @@ import (
 // updates that led to the old one; a worker that did not match its
 // checksums is stale, stays so through a restart and a wake, and comes
 // back by a later declaration that names it, or an update.
-func TestDeclaredVersionsAndMismatchedWorkers(t *testing.T) {
+func TestDeclaredVersionsAndWorkersLeftBehind(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	applyUpdate(p, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
 	p.DeclareVersion("step-2", map[string]string{"http://a:1": SourceVerified}, []string{"http://b:1"})
@@ -41,4 +41,24 @@ func TestDeclaredVersionsAndMismatchedWorkers(t *testing.T) {
 	after.DeclareVersion("step-4", nil, []string{"http://b:1"})
 	after.FinishUpdate("http://b:1", "step-5", true, true)
 	check("updated", "http://b:1", Serving, "step-5", SourceRouter)
+}
+
+// A worker that waited to be caught up with the updates before a
+// declaration is not caught up after it (the updates do not lead to the
+// declared weights): it stays stale until a declaration names it.
+func TestWorkerBehindADeclarationWaitsForOne(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	applyUpdate(p, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
+	registerRaw(p, "http://r:1")
+	if info := infoOf(t, p, "http://r:1"); info.State != Stale || !p.AnyBehind() {
+		t.Fatalf("a worker that joined after an update: %s, waiting for a catch-up %v", info.State, p.AnyBehind())
+	}
+	p.DeclareVersion("step-2", map[string]string{"http://a:1": SourceDeclared}, nil)
+	if info := infoOf(t, p, "http://r:1"); info.State != Stale || p.AnyBehind() || len(p.TakeBehind()) != 0 {
+		t.Fatalf("after a declaration not naming it: %s, waiting for a catch-up %v", info.State, p.AnyBehind())
+	}
+	p.DeclareVersion("step-2", map[string]string{"http://r:1": SourceDeclared}, nil)
+	if info := infoOf(t, p, "http://r:1"); info.State == Stale || info.Version != "step-2" {
+		t.Fatalf("after a declaration naming it: %s on %q", info.State, info.Version)
+	}
 }

@@ -214,10 +214,12 @@ type workerLife struct {
 	missed  bool   // stale because its last update got no answer: caught up once a probe passes
 	version string // weight version the worker serves; "" until known
 	source  string // where the router learned version: a Source constant, "" for SourceReported
-	// mismatched says its checksums did not match a trainer's declaration:
-	// stale, whatever its lifecycle state, until a declaration or an
-	// update through the router brings it back.
-	mismatched bool
+	// undeclared says a trainer's declaration left it behind: its
+	// checksums did not match, or it missed an update that no replay can
+	// bring to the declared weights. It is stale, whatever its lifecycle
+	// state, until a declaration names it or an update through the router
+	// reaches it.
+	undeclared bool
 	// pausedAt is when a trainer paused the worker (pause_generation),
 	// Unix nanoseconds; 0: not paused. It is a mark beside state, as dead
 	// is, so that an update, a sleep or a wake leaves it paused.
@@ -275,7 +277,7 @@ func (w *worker) stateAt(now int64) State {
 		return Dead
 	case w.life.state != Serving:
 		return w.life.state
-	case w.life.mismatched:
+	case w.life.undeclared:
 		return Stale
 	case w.health.down:
 		return Unhealthy
