@@ -47,7 +47,6 @@ type Weights interface {
 	PauseWorkers(urls []string) (paused, already []string, err error)
 	ContinueWorkers(urls []string) (continued []string, err error)
 	PausedWorkers() []string
-	DeclareVersion(version string, on map[string]string, off []string)
 	WaitIdle(ctx context.Context, urls []string, timeout time.Duration, health *scheduler.HealthConfig) (hung []string, err error)
 }
 

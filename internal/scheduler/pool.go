@@ -213,13 +213,6 @@ type workerLife struct {
 	behind  lag    // missed an update: stale until a catch-up brings it to the pool's weights
 	missed  bool   // stale because its last update got no answer: caught up once a probe passes
 	version string // weight version the worker serves; "" until known
-	source  string // where the router learned version: a Source constant, "" for SourceReported
-	// undeclared says a trainer's declaration left it behind: its
-	// checksums did not match, or it missed an update that no replay can
-	// bring to the declared weights. It is stale, whatever its lifecycle
-	// state, until a declaration names it or an update through the router
-	// reaches it.
-	undeclared bool
 	// pausedAt is when a trainer paused the worker (pause_generation),
 	// Unix nanoseconds; 0: not paused. It is a mark beside state, as dead
 	// is, so that an update, a sleep or a wake leaves it paused.
@@ -253,7 +246,7 @@ const (
 	Serving   State = iota
 	Draining        // finishing its jobs before a weight update
 	Updating        // loading new weights
-	Stale           // failed its last weight update, or a declaration's checksums: out until one succeeds
+	Stale           // failed its last weight update: out until one succeeds
 	Sleeping        // has released its GPU memory
 	Dead            // held back by an operator
 	Unhealthy       // failed its health probes
@@ -277,8 +270,6 @@ func (w *worker) stateAt(now int64) State {
 		return Dead
 	case w.life.state != Serving:
 		return w.life.state
-	case w.life.undeclared:
-		return Stale
 	case w.health.down:
 		return Unhealthy
 	case now < w.health.ejectedUntil:
@@ -306,7 +297,6 @@ type WorkerInfo struct {
 	State       State  // where the worker is now
 	Lifecycle   State  // where the fleet's operations put it
 	Version     string
-	VersionFrom string // where the router learned Version: a Source constant, "" while it knows none
 	Inflight    int
 	Served      uint64
 	Failures    uint64
@@ -347,7 +337,7 @@ func (p *Pool) infoLocked(w *worker) WorkerInfo {
 	now := p.now().UnixNano()
 	info := WorkerInfo{
 		URL: w.url, Dial: w.dial, Source: p.sourceLocked(w),
-		State: w.stateAt(now), Lifecycle: w.life.state, Version: w.life.version, VersionFrom: w.versionSource(),
+		State: w.stateAt(now), Lifecycle: w.life.state, Version: w.life.version,
 		Inflight: w.load.inflight, Served: w.stats.served,
 		Failures: w.stats.failures, ConsecFails: w.evidence.consecFails,
 		TaskTypes: slices.Clone(w.caps.taskTypes),

@@ -63,13 +63,6 @@ type WorkerRecord struct {
 	// version it shows: an update that reloads a checkpoint rewritten at
 	// its path keeps the version.
 	Stale bool `json:"stale,omitempty"`
-	// WeightVersionSource is where the router learned WeightVersion (see
-	// VersionSources); empty for SourceReported.
-	WeightVersionSource string `json:"weight_version_source,omitempty"`
-	// Undeclared says a declaration left the worker behind (it did not
-	// match its checksums, or had missed an update): it stays out until a
-	// declaration names it or an update through the router reaches it.
-	Undeclared bool `json:"stale_until_declared,omitempty"`
 	// PausedSince is when a trainer paused the worker (pause_generation);
 	// zero: not paused. A pause outlives the process: the trainer that
 	// moves the weights may not be done when a router takes over.
@@ -96,8 +89,7 @@ func (p *Pool) Record() Record {
 	}
 	for i, w := range p.workers {
 		rec.Workers[i] = WorkerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version,
-			Stale: w.life.state == Stale || w.life.behind != upToDate, PausedSince: pausedSince(w),
-			WeightVersionSource: w.life.source, Undeclared: w.life.undeclared}
+			Stale: w.life.state == Stale || w.life.behind != upToDate, PausedSince: pausedSince(w)}
 	}
 	for _, u := range p.fleet.history {
 		rec.Updates = append(rec.Updates, u.record())
@@ -176,14 +168,13 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 			w.life.pausedAt = r.pausedAt()
 		}
 		if adopted && r.WeightVersion != "" {
-			w.life.version, w.life.source = r.WeightVersion, r.WeightVersionSource
+			w.life.version = r.WeightVersion
 		}
-		w.life.undeclared = w.life.undeclared || adopted && r.Undeclared
 		if adopted && r.Stale {
 			p.fleet.missedLocked(w)
 		}
 	}
-	if adopted && rec.WeightVersion != "" { // a declared version has no updates that lead there
+	if adopted && len(rec.Updates) > 0 {
 		f.version, f.history = rec.WeightVersion, rec.history()
 	}
 	for _, w := range p.workers {
@@ -285,7 +276,6 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 		}
 		inRecord[w] = true
 		w.registered, w.life.dead, w.life.version, w.life.pausedAt = r.Registered, r.IsDead, r.WeightVersion, r.pausedAt()
-		w.life.source, w.life.undeclared = r.WeightVersionSource, r.Undeclared
 		if r.Stale {
 			stale = append(stale, w)
 		}
