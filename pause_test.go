@@ -237,6 +237,11 @@ func TestJobsWaitWhileEveryWorkerIsPaused(t *testing.T) {
 	if got := pausedSince(t, r, ws[0].URL()); !got.Equal(since) {
 		t.Fatalf("paused again, the worker shows paused since %v; want %v, the first pause", got, since)
 	}
+	r.Load(site + " queue_timeout 300ms\n}") // a reload keeps the pool, and with it the pause
+	if got := pausedSince(t, r, ws[0].URL()); !got.Equal(since) {
+		t.Fatalf("after a reload, the worker shows paused since %v; want %v", got, since)
+	}
+	testrouter.ExpectStatus(t, "a job while every worker is paused, after a reload", r.Post("/v1/images/generations", testrouter.SmallImage), 503)
 
 	put := testrouter.Do(t, "PUT", r.Base+"/workers/"+url.QueryEscape(ws[0].URL()), strings.NewReader(`{"is_dead": false}`))
 	testrouter.ExpectStatus(t, "an operator's PUT", put, 200)
