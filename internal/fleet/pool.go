@@ -46,7 +46,6 @@ type Weights interface {
 	Resume()
 	PauseWorkers(urls []string) (paused, already []string, err error)
 	ContinueWorkers(urls []string) (continued []string, err error)
-	PausedWorkers() []string
 	WaitIdle(ctx context.Context, urls []string, timeout time.Duration, health *scheduler.HealthConfig) (hung []string, err error)
 }
 

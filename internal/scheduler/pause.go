@@ -81,9 +81,15 @@ func (p *Pool) ContinueWorkers(urls []string) (continued []string, err error) {
 func (p *Pool) PausedWorkers() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return p.urlsLocked(func(w *worker) bool { return w.life.pausedAt != 0 })
+}
+
+// urlsLocked returns the URLs of the workers keep keeps, in the order
+// they joined.
+func (reg *registry) urlsLocked(keep func(*worker) bool) []string {
 	var out []string
-	for _, w := range p.workers {
-		if w.life.pausedAt != 0 {
+	for _, w := range reg.workers {
+		if keep(w) {
 			out = append(out, w.url)
 		}
 	}

@@ -226,12 +226,7 @@ func (p *Pool) InState(s State) ([]string, error) {
 	if len(p.workers) == 0 {
 		return nil, ErrNoWorker
 	}
-	var out []string
-	for _, w := range p.workers {
-		if !w.life.dead && w.life.state == s {
-			out = append(out, w.url)
-		}
-	}
+	out := p.urlsLocked(func(w *worker) bool { return !w.life.dead && w.life.state == s })
 	if len(out) == 0 {
 		return nil, ErrNothingToDo
 	}
@@ -254,12 +249,7 @@ func (p *Pool) wokeLocked(w *worker) {
 func (p *Pool) NotHeldBack() ([]string, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var out []string
-	for _, w := range p.workers {
-		if !w.life.dead {
-			out = append(out, w.url)
-		}
-	}
+	out := p.urlsLocked(func(w *worker) bool { return !w.life.dead })
 	if len(out) == 0 {
 		return nil, ErrNoWorker
 	}
@@ -270,13 +260,7 @@ func (p *Pool) NotHeldBack() ([]string, error) {
 func (p *Pool) Awake() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var out []string
-	for _, w := range p.workers {
-		if !w.life.dead && w.life.state != Sleeping {
-			out = append(out, w.url)
-		}
-	}
-	return out
+	return p.urlsLocked(func(w *worker) bool { return !w.life.dead && w.life.state != Sleeping })
 }
 
 // WaitIdle waits, for at most timeout, until each of the workers named
