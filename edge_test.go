@@ -79,6 +79,7 @@ func TestTheEdgeExampleOpensOnlyGenerationAndHealth(t *testing.T) {
 		{"POST", "/update_weights_from_disk"}, {"POST", "/v1/set_lora"}, {"POST", "/abort_request"},
 		{"POST", "/release_memory_occupation"}, {"GET", "/get_weights_checksum"}, {"GET", "/server_info"},
 		{"POST", "/pause_generation"}, {"POST", "/continue_generation"}, {"POST", "/pause_generation/"}, {"POST", "//continue_generation;x=1"},
+		{"POST", "/update_weight_version"}, {"POST", "/update_weight_version/"}, {"POST", "//update_weight_version;x=1"}, {"GET", "/get_weight_version"},
 		{"POST", "/v1%2Fset_lora"}, {"POST", "/v1/images/../../update_weights_from_disk"},
 		{"POST", "/v1/set_lora/"}, {"POST", "//v1//set_lora"}, {"POST", "/v1/set_lora;x=1"}, {"POST", "/v1/images//..//..//update_weights_from_disk"},
 	} {

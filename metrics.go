@@ -118,6 +118,7 @@ var (
 	descQueue     = newDesc("queue_length", "Generation jobs waiting in the pool's queue.", "pool")
 	descQueueBy   = newDesc("priority_queue_length", "Generation jobs waiting in the pool's queue, by priority.", "pool", "priority")
 	descServing   = newDesc("serving_workers", "Workers of the pool that may be given jobs.", "pool")
+	descSources   = newDesc("workers_by_version_source", "Workers of the pool by where the router learned their weight version: reported, router, declared, verified, or unknown (it cannot vouch for their weights since a declaration, and gives them no job).", "pool", "source")
 	descBacklog   = newDesc("backlog_seconds", "Predicted time for the pool's workers to finish every job running and waiting, at their learned speeds.", "pool")
 	descHALeader  = newDesc("ha_leader", "1 while this router is the active one of the pool's HA group, 0 while it stands by; only for pools with ha.", "pool")
 	descAborted   = newDesc("aborted_total", "Generation jobs ended by POST /abort_request, by where they were (waiting, running), and requests refused on arrival because an abort remembers their id (resent).", "pool", "state")
@@ -145,7 +146,7 @@ type poolCollector struct{}
 
 // Describe sends the descriptors of the per-worker series.
 func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descBacklog, descHALeader, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted,
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descSources, descBacklog, descHALeader, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted,
 		descAdapterSwitches, descAdapterSwitchTime, descAdapterSwitchFails, descAdapterWaiting, descAdapterHolders} {
 		ch <- d
 	}
@@ -155,8 +156,13 @@ func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
 func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 	pools.Range(func(_, v any) bool {
 		p := v.(*pool)
+		sources := make(map[string]int, len(scheduler.VersionSources))
 		for _, w := range p.Snapshot() {
 			collectWorker(ch, p.Name(), w)
+			sources[w.VersionFrom]++
+		}
+		for _, s := range scheduler.VersionSources {
+			ch <- prometheus.MustNewConstMetric(descSources, prometheus.GaugeValue, float64(sources[s]), p.Name(), s)
 		}
 		stats := p.Stats()
 		ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, float64(stats.Queued), p.Name())

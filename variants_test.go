@@ -43,6 +43,8 @@ func TestEverySpellingOfARefusedPathIsRefusedAlike(t *testing.T) {
 		{"POST", "/add_worker?url=http://10.0.0.9:30000", "", false},                // 403
 		{"POST", "/pause_generation", `{"mode":"abort"}`, false},                    // 403
 		{"POST", "/continue_generation", "{}", false},                               // 403
+		{"POST", "/update_weight_version", `{"new_version":"evil"}`, false},         // 403
+		{"GET", "/get_weight_version", "", false},                                   // 200: anyone may read it
 		{"POST", "/update_weights_from_tensor", "{}", false},                        // 400: the router never sends it on
 		{"GET", "/v1/set_lora", "", false},                                          // 405
 		{"GET", "/workers", "", false},                                              // 200: the router's own

@@ -57,6 +57,8 @@ func (a *API) mux() *http.ServeMux {
 		{"POST /resume_memory_occupation", a.admin(a.serveWake)},
 		{"POST /pause_generation", a.admin(a.servePause)},
 		{"POST /continue_generation", a.admin(a.serveContinue)},
+		{"POST /update_weight_version", a.admin(a.serveDeclare)},
+		{"GET /get_weight_version", a.serveWeightVersion},
 		{"GET /fleet_operation", a.serveOperation},
 		{"POST /abort_request", a.admin(a.serveAbort)},
 	}
@@ -151,6 +153,7 @@ type workerJSON struct {
 	IsDead              bool     `json:"is_dead"`
 	IsSleeping          bool     `json:"is_sleeping"`
 	WeightVersion       string   `json:"weight_version"`
+	WeightVersionSource string   `json:"weight_version_source"` // reported, router, declared, verified or unknown; "" while no version is known
 	ConsecutiveFailures int      `json:"consecutive_failures"`
 	VideoSupport        *bool    `json:"video_support"`
 	State               string   `json:"state"`
@@ -186,6 +189,7 @@ func newWorkerJSON(w scheduler.WorkerInfo) workerJSON {
 		IsDead:              w.State == scheduler.Dead,
 		IsSleeping:          w.Lifecycle == scheduler.Sleeping || w.State == scheduler.Sleeping,
 		WeightVersion:       w.Version,
+		WeightVersionSource: w.VersionFrom,
 		ConsecutiveFailures: w.ConsecFails,
 		VideoSupport:        request.VideoSupport(w.TaskTypes),
 		State:               w.State.String(),

@@ -31,7 +31,7 @@ var pauseModes = []string{"abort", "retract", "in_place"}
 
 // servePause is POST /pause_generation.
 func (a *API) servePause(w http.ResponseWriter, r *http.Request) {
-	urls, status, msg := a.readGenerationCall(r, "pause_generation", map[string]func(json.RawMessage) string{"mode": checkPauseMode})
+	_, urls, status, msg := a.readGenerationCall(r, "pause_generation", map[string]func(json.RawMessage) string{"mode": checkPauseMode})
 	if status != 0 {
 		_ = WriteError(w, status, msg)
 		return
@@ -53,17 +53,22 @@ func (a *API) servePause(w http.ResponseWriter, r *http.Request) {
 }
 
 // serveContinue is POST /continue_generation: the workers named, or every
-// paused one, serve again.
+// paused one, serve again. With new_version it declares first what they
+// hold, as update_weight_version does, and a worker whose checksums do
+// not match serves no job, stale.
 func (a *API) serveContinue(w http.ResponseWriter, r *http.Request) {
-	urls, status, msg := a.readGenerationCall(r, "continue_generation", map[string]func(json.RawMessage) string{
+	d, declared, status, msg := a.readDeclaration(r, "continue_generation", map[string]func(json.RawMessage) string{
 		"torch_empty_cache": checkBoolean("torch_empty_cache"),
-		"new_version":       refuseDeclaration,
-		"checksums":         refuseDeclaration,
 	})
 	if status != 0 {
 		_ = WriteError(w, status, msg)
 		return
 	}
+	if declared {
+		a.runDeclaration(w, r, "continue_generation", d, a.Fleet.ContinueWithVersion)
+		return
+	}
+	urls := d.Workers
 	rep, ok := a.runOperation(w, r, "continue_generation", "", func(context.Context) ([]fleet.Result, error) {
 		results, err := a.Fleet.ContinueGeneration(urls)
 		a.count("continue_generation", err, results)
@@ -109,29 +114,31 @@ func (a *API) answerGeneration(w http.ResponseWriter, r *http.Request, rep fleet
 	}
 }
 
-// readGenerationCall reads the body of a pause or a continue (op): an
-// optional JSON object whose "workers" names workers of the pool, and
-// whose other fields are those of checks, each checked by its function
-// (a message refuses it). It returns the workers named in the pool's
-// spelling, nil when none are. A non-zero status refuses the call.
-func (a *API) readGenerationCall(r *http.Request, op string, checks map[string]func(json.RawMessage) string) ([]string, int, string) {
+// readGenerationCall reads the body of a pause, a continue or a
+// declaration (op): an optional JSON object whose "workers" names workers
+// of the pool, and whose other fields are those of checks, each checked
+// by its function (a message refuses it). It returns the object's members
+// and the workers named in the pool's spelling, nil when none are. A
+// non-zero status refuses the call.
+func (a *API) readGenerationCall(r *http.Request, op string, checks map[string]func(json.RawMessage) string) (map[string]json.RawMessage, []string, int, string) {
 	members, err := decodeJSONBody(r)
 	if err != nil {
-		return nil, http.StatusBadRequest, err.Error()
+		return nil, nil, http.StatusBadRequest, err.Error()
 	}
 	for _, f := range slices.Sorted(maps.Keys(members)) {
 		check, ok := checks[f]
 		switch {
 		case f == "workers":
 		case !ok:
-			return nil, http.StatusBadRequest, fmt.Sprintf("unknown field %q: %s takes %s", f, op, strings.Join(append(slices.Sorted(maps.Keys(checks)), "workers"), ", "))
+			return nil, nil, http.StatusBadRequest, fmt.Sprintf("unknown field %q: %s takes %s", f, op, strings.Join(append(slices.Sorted(maps.Keys(checks)), "workers"), ", "))
 		default:
 			if msg := check(members[f]); msg != "" {
-				return nil, http.StatusBadRequest, msg
+				return nil, nil, http.StatusBadRequest, msg
 			}
 		}
 	}
-	return a.namedWorkers(members["workers"])
+	urls, status, msg := a.namedWorkers(members["workers"])
+	return members, urls, status, msg
 }
 
 // namedWorkers reads "workers": absent or null names none (nil); else a
@@ -180,11 +187,4 @@ func checkBoolean(field string) func(json.RawMessage) string {
 		}
 		return ""
 	}
-}
-
-// refuseDeclaration refuses a continue that declares the weights the
-// workers hold: the router does not take a declaration yet, and ignoring
-// one would let the trainer believe it was recorded.
-func refuseDeclaration(json.RawMessage) string {
-	return "declaring weight versions (new_version, checksums) is not supported yet: continue_generation only ends a pause"
 }

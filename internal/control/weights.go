@@ -54,25 +54,33 @@ func (a *API) runUpdate(w http.ResponseWriter, r *http.Request, req scheduler.Up
 		}
 		return results, err
 	})
-	if !ok {
-		return
+	if ok {
+		a.answerWeights(w, r, req.Version, rep)
 	}
+}
+
+// answerWeights answers a call that moved workers to version (an update,
+// or a declaration) and ended as rep says: 200 when every worker it named
+// is on version, 502 with each worker's result otherwise.
+func (a *API) answerWeights(w http.ResponseWriter, r *http.Request, version string, rep fleet.Report) {
 	switch results, err := rep.Results, rep.Err; {
 	case errors.Is(err, scheduler.ErrNoWorker):
 		_ = WriteError(w, http.StatusServiceUnavailable, scheduler.ErrNoWorker.Error())
+	case errors.Is(err, scheduler.ErrUnknownWorker): // it left since the call was read
+		_ = WriteError(w, http.StatusNotFound, err.Error())
 	case errors.Is(err, fleet.ErrDrainTimeout):
 		_ = WriteJSON(w, http.StatusGatewayTimeout, map[string]any{
-			"success": false, "weight_version": req.Version, "results": results,
+			"success": false, "weight_version": version, "results": results,
 			"error": fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); workers not yet updated serve on as before", a.Weights.DrainTimeout),
 		})
 	case err != nil:
-		_ = WriteError(w, http.StatusServiceUnavailable, "the weight update did not run to its end: "+err.Error())
+		_ = WriteError(w, http.StatusServiceUnavailable, "the "+rep.Operation+" did not run to its end: "+err.Error())
 	default:
 		code := http.StatusOK
 		if slices.ContainsFunc(results, failed) {
 			code = http.StatusBadGateway
 		}
-		_ = WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": req.Version, "results": results}))
+		_ = WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": version, "results": results}))
 	}
 }
 

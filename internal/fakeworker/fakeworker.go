@@ -134,6 +134,8 @@ type Stats struct {
 	// (LoraSwitches × Config.LoraSwitch).
 	LoraSwitches   int
 	LoraSwitchTime time.Duration
+	// ChecksumCalls counts the get_weights_checksum calls answered.
+	ChecksumCalls int
 }
 
 // Worker is a fake sglang-diffusion server. Its methods are safe for

@@ -444,6 +444,7 @@ func (w *Worker) handleChecksum(rw http.ResponseWriter, r *http.Request) {
 	}
 	sums := make(map[string]string, len(names))
 	err := w.runControl(r.Context(), func() time.Duration {
+		w.stats.ChecksumCalls++
 		for _, m := range names {
 			sums[m] = "not_found"
 			if weights, ok := w.weights[m]; ok {

@@ -271,12 +271,17 @@ func (f *Fleet) catchUp(ctx context.Context, workerURL string, cfg *Config) {
 		f.logger.Info("catch-up not run: this router no longer leads its group, whose active router catches the worker up", zap.String("worker", workerURL))
 		return
 	}
-	if !p.BeginCatchUp(workerURL) {
+	plan, ok := p.BeginCatchUp(workerURL)
+	switch {
+	case !ok:
+		return
+	case plan.Checksums != nil:
+		f.checkCatchUp(ctx, workerURL, plan, cfg)
 		return
 	}
-	history, version := p.History()
+	version := plan.Version
 	res := Result{OK: true}
-	for _, req := range history {
+	for _, req := range plan.Replay {
 		if res = f.post(ctx, workerURL, req.Path, req.Body, cfg.Timeout); !res.OK {
 			break
 		}

@@ -34,8 +34,8 @@ type Weights interface {
 	EndUpdate(u scheduler.Update, succeeded bool)
 	AnyBehind() bool
 	TakeBehind() []string
-	BeginCatchUp(url string) bool
-	History() ([]scheduler.Update, string)
+	BeginCatchUp(url string) (scheduler.CatchUp, bool)
+	Verified(url, version string, matched, answered bool)
 	LeaveOut(urls []string)
 	SetStates(urls []string, s scheduler.State)
 	Moved(urls []string, s scheduler.State)
@@ -46,6 +46,8 @@ type Weights interface {
 	Resume()
 	PauseWorkers(urls []string) (paused, already []string, err error)
 	ContinueWorkers(urls []string) (continued []string, err error)
+	DeclareTargets() ([]string, error)
+	DeclareVersion(d scheduler.Declaration)
 	WaitIdle(ctx context.Context, urls []string, timeout time.Duration, health *scheduler.HealthConfig) (hung []string, err error)
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
@@ -116,6 +117,9 @@ func readWorker(raw json.RawMessage, rules Rules) (scheduler.WorkerRecord, error
 	}
 	if err := CheckVersion(w.WeightVersion); err != nil {
 		return w, err
+	}
+	if w.WeightVersionSource != "" && !slices.Contains(scheduler.VersionSources, w.WeightVersionSource) {
+		return w, fmt.Errorf("weight_version_source %q is none of %s", w.WeightVersionSource, strings.Join(scheduler.VersionSources, ", "))
 	}
 	w.URL = u
 	return w, nil

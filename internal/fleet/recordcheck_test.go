@@ -52,6 +52,7 @@ func TestRecordReadBackPassesTheAPIsChecks(t *testing.T) {
 		`{"url":"ftp://10.1.0.2","registered":true}`,
 		`{"url":"http://10.1.0.3:30000","registered":true,"weight_version":"` + strings.Repeat("v", 600) + `"}`,
 		`{"url":"http://10.1.0.4:30000","registered":true,"paused_since":"yesterday"}`, // not RFC 3339
+		`{"url":"http://10.1.0.5:30000","registered":true,"weight_version":"x","weight_version_source":"rumour"}`,
 	}, workers...)
 	data := `{"workers":[` + strings.Join(workers, ",") + `],"weight_version":"x",` +
 		`"updates":[{"path":"@127.0.0.1:41099/pwned","weight_version":"x","body":{"model_path":"/ckpt/x"}}]}`

@@ -44,6 +44,9 @@ func (p *Pool) SetCapabilities(url string, taskTypes []string, modelID string) {
 		if w.life.version == "" {
 			w.life.version = modelID
 		}
+		if w.caps.taskTypes != nil && (modelID != w.caps.modelID || !slices.Equal(taskTypes, w.caps.taskTypes)) {
+			p.fleet.changedLocked(w) // restarted on other weights, behind the router's back
+		}
 		w.caps.modelID = modelID
 		if w.caps.taskTypes == nil {
 			p.unknown.Add(-1)

@@ -103,7 +103,7 @@ func TestWorkerWaitingForItsCatchUpIsStale(t *testing.T) {
 	if st := infoOf(t, p, "http://b:1").State; st != Stale {
 		t.Fatalf("a worker whose catch-up waits for its turn is %v after a wake; want stale", st)
 	}
-	if !p.BeginCatchUp("http://b:1") {
+	if _, ok := p.BeginCatchUp("http://b:1"); !ok {
 		t.Fatal("the catch-up found nothing to do")
 	}
 	if st := infoOf(t, p, "http://b:1").State; st != Updating {
@@ -113,7 +113,7 @@ func TestWorkerWaitingForItsCatchUpIsStale(t *testing.T) {
 	if info := infoOf(t, p, "http://b:1"); info.State != Serving || info.Version != "step-1" {
 		t.Fatalf("the worker caught up is %v on %q", info.State, info.Version)
 	}
-	if p.BeginCatchUp("http://b:1") {
+	if _, ok := p.BeginCatchUp("http://b:1"); ok {
 		t.Fatal("a second catch-up of a worker up to date found something to do")
 	}
 }

@@ -60,6 +60,9 @@ func (p *Pool) RecordProbe(url string, err error, cfg *HealthConfig) HealthChang
 		return change
 	}
 	w.evidence.lastError = err.Error()
+	if couldNotConnect(err) {
+		p.fleet.changedLocked(w) // it is down, or restarting on weights of its own
+	}
 	if isTimeout(err) && p.busyLocked(w, now, cfg) {
 		return Unchanged // slow because it is working, not because it is dead
 	}
@@ -123,6 +126,14 @@ func (reg *registry) othersServeLocked(w *worker, now int64) bool {
 		}
 	}
 	return w.caps.makes&^served == 0
+}
+
+// couldNotConnect reports whether err says no connection to the worker
+// could be made: nothing listens at its address, as while it restarts. A
+// timeout says nothing of the kind: a busy worker may be slow to accept.
+func couldNotConnect(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial" && !op.Timeout()
 }
 
 func isTimeout(err error) bool {
@@ -202,6 +213,9 @@ const cleanRunForgives = 10
 // long the worker is now ejected for, if it is.
 func (p *Pool) noteOutcomeLocked(w *worker, t *Ticket, o Outcome) time.Duration {
 	now, cfg := p.now().UnixNano(), t.cfg.Health
+	if o == Unreachable || o == Asleep {
+		p.fleet.changedLocked(w) // down or asleep, it may come back on other weights
+	}
 	switch o {
 	case Succeeded:
 		p.noteSuccessLocked(w, t.probation)

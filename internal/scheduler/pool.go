@@ -213,6 +213,15 @@ type workerLife struct {
 	behind  lag    // missed an update: stale until a catch-up brings it to the pool's weights
 	missed  bool   // stale because its last update got no answer: caught up once a probe passes
 	version string // weight version the worker serves; "" until known
+	source  string // where the router learned version: a Source constant, "" for SourceReported
+	// unvouched says that, since a trainer declared the fleet's weights,
+	// the router cannot vouch for what w holds: it did not match a
+	// declaration's checksums, joined or missed an update after one, or
+	// changed behind the router's back (see declare.go). It is stale,
+	// whatever its lifecycle state, until a declaration names it, its
+	// checksums match the declared ones, or an update from disk through
+	// the router reaches it.
+	unvouched bool
 	// pausedAt is when a trainer paused the worker (pause_generation),
 	// Unix nanoseconds; 0: not paused. It is a mark beside state, as dead
 	// is, so that an update, a sleep or a wake leaves it paused.
@@ -246,7 +255,7 @@ const (
 	Serving   State = iota
 	Draining        // finishing its jobs before a weight update
 	Updating        // loading new weights
-	Stale           // failed its last weight update: out until one succeeds
+	Stale           // failed its last weight update, or holds weights the router cannot vouch for: out until it is on the fleet's
 	Sleeping        // has released its GPU memory
 	Dead            // held back by an operator
 	Unhealthy       // failed its health probes
@@ -270,6 +279,8 @@ func (w *worker) stateAt(now int64) State {
 		return Dead
 	case w.life.state != Serving:
 		return w.life.state
+	case w.life.unvouched:
+		return Stale
 	case w.health.down:
 		return Unhealthy
 	case now < w.health.ejectedUntil:
@@ -297,6 +308,7 @@ type WorkerInfo struct {
 	State       State  // where the worker is now
 	Lifecycle   State  // where the fleet's operations put it
 	Version     string
+	VersionFrom string // where the router learned Version: a Source constant, "" while it knows none
 	Inflight    int
 	Served      uint64
 	Failures    uint64
@@ -337,7 +349,7 @@ func (p *Pool) infoLocked(w *worker) WorkerInfo {
 	now := p.now().UnixNano()
 	info := WorkerInfo{
 		URL: w.url, Dial: w.dial, Source: p.sourceLocked(w),
-		State: w.stateAt(now), Lifecycle: w.life.state, Version: w.life.version,
+		State: w.stateAt(now), Lifecycle: w.life.state, Version: w.life.version, VersionFrom: w.versionSource(),
 		Inflight: w.load.inflight, Served: w.stats.served,
 		Failures: w.stats.failures, ConsecFails: w.evidence.consecFails,
 		TaskTypes: slices.Clone(w.caps.taskTypes),
@@ -464,6 +476,7 @@ func (p *Pool) addLocked(u string) *worker {
 		w.url, w.life.removed = u, false
 	} else {
 		w = &worker{url: u, dial: dial, caps: capabilities{makes: request.Unprobed}}
+		p.fleet.changedLocked(w) // after a declaration, one that names it vouches for it
 	}
 	p.fleet.holdIfBehindLocked(w)
 	p.forgetAdapterLocked(w)

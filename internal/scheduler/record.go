@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"encoding/json"
+	"maps"
 	"slices"
 	"time"
 
@@ -25,6 +26,12 @@ type Record struct {
 	// and the LoRA calls since, in order, as the fleet replays them to a
 	// worker that missed them.
 	Updates []UpdateRecord `json:"updates,omitempty"`
+
+	// Declared says WeightVersion is a trainer's declaration, which no
+	// update leads to; Checksums are the declaration's, by module, while
+	// the fleet is on its version.
+	Declared  bool              `json:"declared,omitempty"`
+	Checksums map[string]string `json:"checksums,omitempty"`
 
 	// Adapters are the declared adapters published since they were
 	// declared: a router that restarts serves their latest path, not the
@@ -63,6 +70,14 @@ type WorkerRecord struct {
 	// version it shows: an update that reloads a checkpoint rewritten at
 	// its path keeps the version.
 	Stale bool `json:"stale,omitempty"`
+	// WeightVersionSource is where the router learned WeightVersion (see
+	// VersionSources); empty for SourceReported.
+	WeightVersionSource string `json:"weight_version_source,omitempty"`
+	// Unvouched says that, since the fleet's weights were declared, the
+	// router cannot vouch for the worker's (see declare.go): it stays out
+	// until a declaration names it, its checksums match, or an update
+	// from disk through the router reaches it.
+	Unvouched bool `json:"unvouched,omitempty"`
 	// PausedSince is when a trainer paused the worker (pause_generation);
 	// zero: not paused. A pause outlives the process: the trainer that
 	// moves the weights may not be done when a router takes over.
@@ -81,7 +96,8 @@ type UpdateRecord struct {
 func (p *Pool) Record() Record {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	rec := Record{WeightVersion: p.fleet.version, Workers: make([]WorkerRecord, len(p.workers))}
+	rec := Record{WeightVersion: p.fleet.version, Declared: p.fleet.declared, Checksums: maps.Clone(p.fleet.checksums),
+		Workers: make([]WorkerRecord, len(p.workers))}
 	for _, pol := range p.placement.order {
 		if pol.publish > 0 {
 			rec.Adapters = append(rec.Adapters, AdapterRecord{Name: pol.Name, Path: pol.Path, Strength: pol.Strength, Publish: pol.publish})
@@ -89,7 +105,8 @@ func (p *Pool) Record() Record {
 	}
 	for i, w := range p.workers {
 		rec.Workers[i] = WorkerRecord{URL: w.url, Registered: w.registered, IsDead: w.life.dead, WeightVersion: w.life.version,
-			Stale: w.life.state == Stale || w.life.behind != upToDate, PausedSince: pausedSince(w)}
+			Stale: w.life.state == Stale || w.life.behind != upToDate, PausedSince: pausedSince(w),
+			WeightVersionSource: w.life.source, Unvouched: w.life.unvouched}
 	}
 	for _, u := range p.fleet.history {
 		rec.Updates = append(rec.Updates, u.record())
@@ -147,6 +164,7 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 	if adopted {
 		rec, running = rec.finishing()
 	}
+	inRecord := make(map[*worker]bool, len(rec.Workers))
 	for _, r := range rec.Workers {
 		u, err := workerurl.Parse(r.URL)
 		if err != nil {
@@ -162,23 +180,29 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 			w.health.down, w.health.unverified = true, true
 			joined++
 		}
+		inRecord[w] = true
 		w.registered = w.registered || r.Registered
 		w.life.dead = w.life.dead || r.IsDead
 		if w.life.pausedAt == 0 {
 			w.life.pausedAt = r.pausedAt()
 		}
 		if adopted && r.WeightVersion != "" {
-			w.life.version = r.WeightVersion
+			w.life.version, w.life.source = r.WeightVersion, r.WeightVersionSource
 		}
+		w.life.unvouched = w.life.unvouched || adopted && r.Unvouched
 		if adopted && r.Stale {
 			p.fleet.missedLocked(w)
 		}
 	}
-	if adopted && len(rec.Updates) > 0 {
+	if adopted && (len(rec.Updates) > 0 || rec.Declared) {
 		f.version, f.history = rec.WeightVersion, rec.history()
+		f.declared, f.checksums = rec.Declared, rec.Checksums
 	}
 	for _, w := range p.workers {
-		p.fleet.holdIfBehindLocked(w)
+		if adopted && !inRecord[w] {
+			f.changedLocked(w) // only this config names it: no declaration did
+		}
+		f.holdIfBehindLocked(w)
 	}
 	if running != nil {
 		p.inheritLocked(running)
@@ -220,10 +244,10 @@ func (rec Record) finishing() (Record, *RunningRecord) {
 	if running == nil {
 		return rec, nil
 	}
-	u := running.update()
-	f := fleetState{version: rec.WeightVersion, history: rec.history()}
-	rec.WeightVersion, rec.Updating, rec.Updates = u.Version, nil, nil
-	for _, h := range f.after(u) {
+	f := fleetState{version: rec.WeightVersion, history: rec.history(), declared: rec.Declared, checksums: rec.Checksums}
+	f.advance(running.update())
+	rec.WeightVersion, rec.Declared, rec.Checksums, rec.Updating, rec.Updates = f.version, f.declared, f.checksums, nil, nil
+	for _, h := range f.history {
 		rec.Updates = append(rec.Updates, h.record())
 	}
 	return rec, running
@@ -276,6 +300,7 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 		}
 		inRecord[w] = true
 		w.registered, w.life.dead, w.life.version, w.life.pausedAt = r.Registered, r.IsDead, r.WeightVersion, r.pausedAt()
+		w.life.source, w.life.unvouched = r.WeightVersionSource, r.Unvouched
 		if r.Stale {
 			stale = append(stale, w)
 		}
@@ -290,7 +315,11 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 		}
 	}
 	p.fleet.version, p.fleet.history, p.fleet.inherited = rec.WeightVersion, rec.history(), nil
+	p.fleet.declared, p.fleet.checksums = rec.Declared, rec.Checksums
 	for _, w := range p.workers {
+		if !inRecord[w] {
+			p.fleet.changedLocked(w) // only this router's config names it: no declaration did
+		}
 		if slices.Contains(stale, w) {
 			p.fleet.missedLocked(w)
 		} else {

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"errors"
+	"maps"
 	"slices"
 	"sync/atomic"
 	"time"
@@ -30,6 +31,11 @@ type fleetState struct {
 	// while a retry of it runs, which calls only the workers not loaded.
 	inherited *Update
 	retrying  bool
+	// declared says the version is a trainer's word (declare.go), not an
+	// update's: no history leads to it. checksums are the declaration's,
+	// while the fleet is on its version; nil when it gave none.
+	declared  bool
+	checksums map[string]string
 
 	behind atomic.Int32 // workers that wait for a catch-up to be started; read without mu
 }
@@ -118,6 +124,7 @@ func (p *Pool) BeginUpdate(u Update) (targets, done []string) {
 		case f.retrying:
 			p.fleet.leaveLocked(w) // its catch-up is this call
 			targets = append(targets, w.url)
+		case w.life.unvouched && u.Path != DiskUpdatePath: // a LoRA call on weights nobody knows vouches for nothing
 		case w.life.behind == upToDate: // the catch-up replays this update after those it missed
 			targets = append(targets, w.url)
 		}
@@ -142,6 +149,7 @@ func (p *Pool) FinishUpdate(url, version string, ok, answered bool) {
 	if w := p.findLocked(url); w != nil {
 		if ok {
 			w.life.version, w.life.state, w.life.missed = version, Serving, false
+			w.life.source, w.life.unvouched = SourceRouter, false
 			p.remergeLocked(w)
 			p.fleet.loadedLocked(url, version)
 		} else {
@@ -173,19 +181,43 @@ func (p *Pool) EndUpdate(u Update, succeeded bool) {
 	defer p.mu.Unlock()
 	f := &p.fleet
 	if succeeded && !f.retrying { // the inherited update is in the history since it was inherited
-		f.version, f.history = u.Version, f.after(u)
+		f.advance(u)
+		p.catchUpUnvouchedLocked()
 	}
 	f.paused, f.running, f.loaded, f.retrying = false, nil, nil, false
 	p.Changed()
 	p.dispatchLocked()
 }
 
-// after is the history once u has run: an update from disk starts it anew.
-func (f *fleetState) after(u Update) []Update {
-	if u.Path == DiskUpdatePath {
-		return []Update{u}
+// advance moves the fleet to the weights u leads to once it has run. An
+// update from disk is the router's own: it starts anew the history a late
+// worker replays, and ends a declaration. A LoRA call adds to the
+// history, but after a declaration there is none to add to: no replay
+// leads to declared weights. Either way the declared checksums no longer
+// describe the weights.
+func (f *fleetState) advance(u Update) {
+	switch {
+	case u.Path == DiskUpdatePath:
+		f.history, f.declared = []Update{u}, false
+	case !f.declared:
+		f.history = append(slices.Clip(f.history), u)
 	}
-	return append(slices.Clip(f.history), u)
+	f.version, f.checksums = u.Version, nil
+}
+
+// catchUpUnvouchedLocked brings the workers the router could not vouch
+// for, and that an update from disk did not reach, to that update by a
+// catch-up: once the fleet's weights are the router's again, a replay
+// leads to them.
+func (p *Pool) catchUpUnvouchedLocked() {
+	if p.fleet.declared {
+		return
+	}
+	for _, w := range p.workers {
+		if w.life.unvouched {
+			p.fleet.behindLocked(w)
+		}
+	}
 }
 
 // SetStates moves the workers named to state s.
@@ -343,16 +375,22 @@ func (p *Pool) LeaveOut(urls []string) {
 	p.dispatchLocked()
 }
 
-// recoveredLocked brings back a worker that was stale only because it did
-// not answer its update (it was down, or restarted on its old weights):
-// once a probe finds it again, it catches up as a late joiner does, before
-// its first job.
+// recoveredLocked brings back a worker that did not answer a call of the
+// fleet (it was down, or restarted on its old weights): once a probe
+// finds it again, it catches up as a late joiner does, before its first
+// job, or, unvouched, is asked for its checksums again.
 func (fs *fleetState) recoveredLocked(w *worker) {
-	if w.life.state != Stale || !w.life.missed || fs.target() != "" || w.load.inflight > 0 { // not while an operation runs, nor before a hung job ends
+	if !w.life.missed || fs.target() != "" || w.load.inflight > 0 { // not while an operation runs, nor before a hung job ends
 		return
 	}
-	w.life.state, w.life.missed = Serving, false
-	fs.behindLocked(w) // it missed an update, whatever version it shows
+	switch {
+	case w.life.state == Stale:
+		w.life.state, w.life.missed = Serving, false
+		fs.behindLocked(w) // it missed an update, whatever version it shows
+	case w.life.unvouched:
+		w.life.missed = false
+		fs.behindLocked(w)
+	}
 }
 
 // missedLocked takes w for a worker a record shows as not on the fleet's
@@ -365,8 +403,13 @@ func (fs *fleetState) missedLocked(w *worker) {
 }
 
 // behindLocked holds w out of serving, stale, until a catch-up has
-// brought it to the pool's version, whatever version it shows.
+// brought it to the pool's version, whatever version it shows. After a
+// declaration no replay leads there: w is unvouched.
 func (fs *fleetState) behindLocked(w *worker) {
+	if fs.declared {
+		fs.unvouchLocked(w)
+		return
+	}
 	if len(fs.history) == 0 || w.life.dead || w.life.state != Serving {
 		return
 	}
@@ -381,8 +424,10 @@ func (fs *fleetState) behindLocked(w *worker) {
 // later, slept through it, was held back by an operator, or was down)
 // out of serving, stale, until it has caught up with the pool's version.
 // One whose catch-up is under way already (woken meanwhile) waits for it.
+// After a declaration a worker not named keeps its version and serves on
+// (see declare.go).
 func (fs *fleetState) holdIfBehindLocked(w *worker) {
-	if w.life.version != fs.version {
+	if w.life.version != fs.version && !fs.declared {
 		fs.behindLocked(w)
 	}
 }
@@ -416,11 +461,14 @@ func (p *Pool) AnyBehind() bool { return p.fleet.behind.Load() > 0 }
 func (p *Pool) TakeBehind() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	now := p.now().UnixNano()
 	var out []string
 	for _, w := range p.workers {
 		// A paused worker's weights are the trainer's to move: its
-		// catch-up waits until it continues.
-		if w.life.behind == lagging && w.life.pausedAt == 0 {
+		// catch-up waits until it continues. An unvouched worker that
+		// said it is asleep is asked for its checksums once it may
+		// serve again, not while a trainer may still be moving them.
+		if w.life.behind == lagging && w.life.pausedAt == 0 && !(w.life.unvouched && now < w.health.asleepUntil) {
 			w.life.behind = catchingUp
 			out = append(out, w.url)
 		}
@@ -429,25 +477,33 @@ func (p *Pool) TakeBehind() []string {
 	return out
 }
 
+// CatchUp is what brings a worker to the fleet's version: the calls to
+// replay, or after a declaration, the checksums its weights must have.
+type CatchUp struct {
+	Version   string
+	Replay    []Update
+	Checksums map[string]string // set: check, do not replay
+}
+
 // BeginCatchUp moves the worker at url, whose catch-up now has the fleet,
-// to updating while the catch-up calls it; FinishUpdate ends that. It
-// reports false when there is nothing to call: the worker left, or came
-// back anew with a catch-up of its own.
-func (p *Pool) BeginCatchUp(url string) bool {
+// to updating while the catch-up calls it; FinishUpdate, or Verified,
+// ends that. It reports false when there is nothing to call: the worker
+// left, or came back anew with a catch-up of its own.
+func (p *Pool) BeginCatchUp(url string) (CatchUp, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w := p.findLocked(url)
 	if w == nil || w.life.behind != catchingUp {
-		return false
+		return CatchUp{}, false
+	}
+	f := &p.fleet
+	if f.declared && f.checksums == nil { // a declaration since left nothing to check it by
+		w.life.behind = upToDate
+		return CatchUp{}, false
 	}
 	w.life.state, w.life.behind = Updating, upToDate
-	return true
-}
-
-// History returns the pool's weight version and the calls that bring a
-// worker from the weights it started with to it.
-func (p *Pool) History() ([]Update, string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return slices.Clone(p.fleet.history), p.fleet.version
+	if f.declared {
+		return CatchUp{Version: f.version, Checksums: maps.Clone(f.checksums)}, true
+	}
+	return CatchUp{Version: f.version, Replay: slices.Clone(f.history)}, true
 }
