@@ -26,6 +26,10 @@ type Record struct {
 	// worker that missed them.
 	Updates []UpdateRecord `json:"updates,omitempty"`
 
+	// Versions are the base-weight versions the fleet has had, oldest
+	// first: those a job's version policy may admit (see staleness.go).
+	Versions []string `json:"versions,omitempty"`
+
 	// Adapters are the declared adapters published since they were
 	// declared: a router that restarts serves their latest path, not the
 	// one its config names.
@@ -81,7 +85,7 @@ type UpdateRecord struct {
 func (p *Pool) Record() Record {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	rec := Record{WeightVersion: p.fleet.version, Workers: make([]WorkerRecord, len(p.workers))}
+	rec := Record{WeightVersion: p.fleet.version, Versions: slices.Clone(p.fleet.versions), Workers: make([]WorkerRecord, len(p.workers))}
 	for _, pol := range p.placement.order {
 		if pol.publish > 0 {
 			rec.Adapters = append(rec.Adapters, AdapterRecord{Name: pol.Name, Path: pol.Path, Strength: pol.Strength, Publish: pol.publish})
@@ -177,6 +181,9 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 	if adopted && len(rec.Updates) > 0 {
 		f.version, f.history = rec.WeightVersion, rec.history()
 	}
+	if adopted {
+		f.versions = lastVersions(rec.Versions)
+	}
 	for _, w := range p.workers {
 		p.fleet.holdIfBehindLocked(w)
 	}
@@ -223,6 +230,9 @@ func (rec Record) finishing() (Record, *RunningRecord) {
 	u := running.update()
 	f := fleetState{version: rec.WeightVersion, history: rec.history()}
 	rec.WeightVersion, rec.Updating, rec.Updates = u.Version, nil, nil
+	if u.Path == DiskUpdatePath {
+		rec.Versions = learned(rec.Versions, u.Version)
+	}
 	for _, h := range f.after(u) {
 		rec.Updates = append(rec.Updates, h.record())
 	}
@@ -290,6 +300,7 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 		}
 	}
 	p.fleet.version, p.fleet.history, p.fleet.inherited = rec.WeightVersion, rec.history(), nil
+	p.fleet.versions = lastVersions(rec.Versions)
 	for _, w := range p.workers {
 		if slices.Contains(stale, w) {
 			p.fleet.missedLocked(w)

@@ -32,6 +32,10 @@ type fleetState struct {
 	retrying  bool
 
 	behind atomic.Int32 // workers that wait for a catch-up to be started; read without mu
+
+	// versions are the base-weight versions the fleet has had, oldest
+	// first, the last MaxStaleness+1 of them (see staleness.go).
+	versions []string
 }
 
 // target is the version the update in progress moves to; "" when none
@@ -174,6 +178,9 @@ func (p *Pool) EndUpdate(u Update, succeeded bool) {
 	f := &p.fleet
 	if succeeded && !f.retrying { // the inherited update is in the history since it was inherited
 		f.version, f.history = u.Version, f.after(u)
+	}
+	if succeeded && u.Path == DiskUpdatePath {
+		f.learnedLocked(u.Version)
 	}
 	f.paused, f.running, f.loaded, f.retrying = false, nil, nil, false
 	p.Changed()
