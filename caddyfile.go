@@ -220,6 +220,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    drain_timeout    <duration>
 //	    weights_timeout  <duration>
 //	    weights_path_prefix <prefix...>
+//	    version_policy   latest|max_staleness <k>
 //
 //	    # who may change the fleet (admin)
 //	    admin_allow      <cidr|ip...>
@@ -370,6 +371,7 @@ var handlerOptions = map[string]option{
 	"drain_timeout":       one(func(h *Handler) *caddy.Duration { return &h.Weights.DrainTimeout }, parseDuration),
 	"weights_timeout":     one(func(h *Handler) *caddy.Duration { return &h.Weights.Timeout }, parseDuration),
 	"weights_path_prefix": several(func(h *Handler) *[]string { return &h.Weights.PathPrefixes }),
+	"version_policy":      {list: true, read: readVersionPolicy},
 
 	"admin_allow": several(func(h *Handler) *[]string { return &h.Admin.Allow }),
 	"admin_token": one(func(h *Handler) *string { return &h.Admin.Token }, parseText),
@@ -553,6 +555,17 @@ func readAdapter(h *Handler, d *caddyfile.Dispenser, name string, args []string)
 		}
 	}
 	h.Adapters = append(h.Adapters, a)
+	return nil
+}
+
+// readVersionPolicy reads `version_policy latest` or `version_policy
+// max_staleness <k>` as the JSON config writes it, one string; its
+// provisioning checks it.
+func readVersionPolicy(h *Handler, d *caddyfile.Dispenser, name string, args []string) error {
+	if len(args) > 2 {
+		return d.Errf("%s takes latest or max_staleness <k>, got %d values", name, len(args))
+	}
+	h.Weights.VersionPolicy = strings.Join(args, " ")
 	return nil
 }
 

@@ -85,6 +85,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		drain_timeout 5m
 		weights_timeout 15m
 		weights_path_prefix /ckpt/ s3://bucket/
+		version_policy max_staleness 2
 		workers_dns workers.rollout.svc.cluster.local 30000
 		workers_dns video-workers.rollout.svc.cluster.local. 30001
 		workers_srv _http._tcp.workers.rollout.svc.cluster.local
@@ -165,6 +166,7 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		Weights: Weights{
 			Mode: "rolling", RollingBatch: 2, DrainTimeout: caddy.Duration(5 * time.Minute),
 			Timeout: caddy.Duration(15 * time.Minute), PathPrefixes: []string{"/ckpt/", "s3://bucket/"},
+			VersionPolicy: "max_staleness 2",
 		},
 		Admin:           Admin{Allow: []string{"10.0.0.0/8", "192.168.1.7"}, Token: "{env.ROUTER_TOKEN}"},
 		Answers:         Answers{MaxHeld: 48 << 20, MaxHeldTotal: 1 << 30},
@@ -270,6 +272,7 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 		"bad max_held_answer":       "max_held_answer all",
 		"zero max_held_total":       "max_held_total 0",
 		"max_held_total off":        "max_held_total off",
+		"version_policy three":      "version_policy max_staleness 1 2",
 	}
 	for name, line := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -348,6 +351,12 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"rolling_batch -1", "rolling_batch (weights.rolling_batch):"},
 		{"drain_timeout -1m", "drain_timeout (weights.drain_timeout):"},
 		{"weights_path_prefix ckpt", "weights_path_prefix (weights.path_prefixes):"},
+		{"version_policy newest", `version_policy (weights.version_policy): "newest" is neither latest nor max_staleness <k>`},
+		{"version_policy max_staleness", `version_policy (weights.version_policy): "max_staleness" is neither latest`},
+		{"version_policy max_staleness x", `version_policy (weights.version_policy): "max_staleness x" is neither latest`},
+		{"version_policy max_staleness -1", "version_policy (weights.version_policy): the staleness bound must be 0 to 1000, got -1"},
+		{"version_policy max_staleness 1001", "version_policy (weights.version_policy): the staleness bound must be 0 to 1000, got 1001"},
+		{"version_policy latest 1", `version_policy (weights.version_policy): "latest 1" is neither latest`},
 		{"health_uri health", "health_uri (health_checks.active.uri):"},
 		{"health_interval -1s", "health_interval (health_checks.active.interval):"},
 		{"health_fails -1", "health_fails (health_checks.active.fails):"},

@@ -145,6 +145,7 @@ type Handler struct {
 	ctx      context.Context // ends when the config is unloaded
 	pool     *pool
 	dispatch scheduler.Config
+	maxStale scheduler.VersionPolicy // weights.version_policy: the jobs that ask for none run under it
 	costs    request.Model
 	bodies   *request.BodyBudget
 	weights  fleet.Config

@@ -205,14 +205,19 @@ func (h *Handler) ticketFor(r *http.Request, route request.Route) (*scheduler.Ti
 	if route.Err != nil {
 		return nil, http.StatusBadRequest, route.Err.Error()
 	}
+	stale, err := h.versionPolicyOf(r)
+	if err != nil {
+		return nil, http.StatusBadRequest, err.Error()
+	}
+	if t.Job {
+		t.Staleness = stale
+	}
 	if t.Job && h.Queue.Priority != "" {
-		var err error
 		if t.Priority, err = h.priorityOf(r); err != nil {
 			return nil, http.StatusBadRequest, err.Error()
 		}
 	}
 	if h.Queue.Tenant != "" && (t.Job || route.Poll || jobkinds.ListsVideos(r, route)) {
-		var err error
 		if t.Tenant, err = h.tenantOf(r); err != nil {
 			return nil, http.StatusBadRequest, err.Error()
 		}

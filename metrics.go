@@ -122,6 +122,7 @@ var (
 	descBacklog   = newDesc("backlog_seconds", "Predicted time for the pool's workers to finish every job running and waiting, at their learned speeds.", "pool")
 	descHALeader  = newDesc("ha_leader", "1 while this router is the active one of the pool's HA group, 0 while it stands by; only for pools with ha.", "pool")
 	descAborted   = newDesc("aborted_total", "Generation jobs ended by POST /abort_request, by where they were (waiting, running), and requests refused on arrival because an abort remembers their id (resent).", "pool", "state")
+	descHeldBack  = newDesc("version_policy_held_total", "Generation jobs a version policy held back (latest, max_staleness): a worker could have taken them but for weights too stale for them; each job counts once.", "pool", "policy")
 
 	tenantLabels      = []string{"pool", "tenant"}
 	descTenantBacklog = newDesc("tenant_backlog_seconds", "Predicted time for the pool's workers to finish the tenant's jobs running and waiting, the queue played out by the tenants' shares.", tenantLabels...)
@@ -146,7 +147,7 @@ type poolCollector struct{}
 
 // Describe sends the descriptors of the per-worker series.
 func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descSources, descBacklog, descHALeader, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted,
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descSources, descBacklog, descHALeader, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted, descHeldBack,
 		descAdapterSwitches, descAdapterSwitchTime, descAdapterSwitchFails, descAdapterWaiting, descAdapterHolders} {
 		ch <- d
 	}
@@ -172,6 +173,9 @@ func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.ServingCount()), p.Name())
 		ch <- prometheus.MustNewConstMetric(descBacklog, prometheus.GaugeValue, p.Backlog().Seconds(), p.Name())
 		collectAborts(ch, p.Name(), p.AbortStats())
+		for policy, n := range p.HeldBack() {
+			ch <- prometheus.MustNewConstMetric(descHeldBack, prometheus.CounterValue, float64(n), p.Name(), policy)
+		}
 		if p.election.inGroup() {
 			ch <- prometheus.MustNewConstMetric(descHALeader, prometheus.GaugeValue, boolFloat(p.election.Leading()), p.Name())
 		}

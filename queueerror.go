@@ -14,6 +14,8 @@ func queueError(p observed, t *scheduler.Ticket, err error) (int, string) {
 		return 429, fmt.Sprintf("the queue of pool %q is full (%d jobs waiting, max_queue %d)", p.Name(), t.Config().MaxQueue, t.Config().MaxQueue)
 	case errors.Is(err, scheduler.ErrTenantQueueFull):
 		return 429, fmt.Sprintf("tenant %q has %d jobs waiting in pool %q, as many as tenant_max_queue lets one tenant have", t.TenantOf(), t.Config().TenantMaxQueue, p.Name())
+	case errors.Is(err, scheduler.ErrQueueTimeout) && t.HeldByPolicy():
+		return 503, fmt.Sprintf("no worker of pool %q on weights the job's version policy admits was free within queue_timeout (%s); the job waited in the pool's queue", p.Name(), t.Config().Timeout)
 	case errors.Is(err, scheduler.ErrQueueTimeout):
 		return 503, fmt.Sprintf("no worker of pool %q was free within queue_timeout (%s); the job waited in the pool's queue", p.Name(), t.Config().Timeout)
 	case errors.Is(err, scheduler.ErrAsleep):

@@ -65,5 +65,6 @@ type observed interface {
 	Tenants() []scheduler.TenantStats
 	Adapters() []scheduler.AdapterStats
 	AbortStats() scheduler.AbortStats
+	HeldBack() map[string]uint64
 	Backlog() time.Duration
 }

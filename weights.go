@@ -39,6 +39,13 @@ type Weights struct {
 	// PathPrefixes, when set, restrict model_path to paths under one of
 	// these prefixes (403 otherwise).
 	PathPrefixes []string `json:"path_prefixes,omitempty"`
+
+	// VersionPolicy bounds how stale the weights a generation job runs on
+	// may be, when its request sends neither X-Weight-Version-Policy nor
+	// X-Weight-Version: "latest" (a worker on the newest base weights the
+	// fleet has had) or "max_staleness <k>" (on one of the last k+1, k
+	// from 0 to 1000). Default: none, any serving worker.
+	VersionPolicy string `json:"version_policy,omitempty"`
 }
 
 // Defaults of the weight update options.
@@ -68,6 +75,12 @@ func (h *Handler) provisionWeights() error {
 	for _, p := range o.PathPrefixes {
 		if !strings.HasPrefix(p, "/") && !strings.Contains(p, "://") {
 			return optionError("weights_path_prefix", "weights.path_prefixes", "%q is neither an absolute path nor a URL prefix", p)
+		}
+	}
+	if o.VersionPolicy != "" {
+		var err error
+		if h.maxStale, err = parseVersionPolicy(o.VersionPolicy, optionStaleness); err != nil {
+			return optionError("version_policy", "weights.version_policy", "%v", err)
 		}
 	}
 	*c = fleet.Config{

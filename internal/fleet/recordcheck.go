@@ -42,6 +42,7 @@ type storedRecord struct {
 	Updates       []json.RawMessage `json:"updates"`
 	Adapters      []json.RawMessage `json:"adapters"`
 	Updating      json.RawMessage   `json:"updating"`
+	Versions      []json.RawMessage `json:"versions"`
 }
 
 // readRecord reads data as a record under rules. An error means nothing
@@ -73,15 +74,41 @@ func readRecord(data []byte, rules Rules) (scheduler.Record, []dropped, error) {
 	if rec.Updating, err = readUpdating(stored.Updating, rules); err != nil {
 		out = append(out, dropped{"updating", err})
 	}
-	for i, raw := range stored.Adapters {
-		a, err := readAdapter(raw, rules)
+	var badVersions, badAdapters []dropped
+	rec.Versions, badVersions = readEach("versions", stored.Versions, readVersion)
+	rec.Adapters, badAdapters = readEach("adapters", stored.Adapters, func(raw json.RawMessage) (scheduler.AdapterRecord, error) {
+		return readAdapter(raw, rules)
+	})
+	return rec, slices.Concat(out, badVersions, badAdapters), nil
+}
+
+// readEach reads each of raws, named name[i], by read: those that pass,
+// in order, and those left out.
+func readEach[T any](name string, raws []json.RawMessage, read func(json.RawMessage) (T, error)) ([]T, []dropped) {
+	var kept []T
+	var out []dropped
+	for i, raw := range raws {
+		v, err := read(raw)
 		if err != nil {
-			out = append(out, dropped{fmt.Sprintf("adapters[%d]", i), err})
+			out = append(out, dropped{fmt.Sprintf("%s[%d]", name, i), err})
 			continue
 		}
-		rec.Adapters = append(rec.Adapters, a)
+		kept = append(kept, v)
 	}
-	return rec, out, nil
+	return kept, out
+}
+
+// readVersion reads one of the base-weight versions the fleet has had: a
+// version as an update sets it, never empty.
+func readVersion(raw json.RawMessage) (string, error) {
+	var v string
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return "", err
+	}
+	if v == "" {
+		return "", errors.New("the weight version is empty")
+	}
+	return v, CheckVersion(v)
 }
 
 // readAdapter reads one adapter's publish: its path as a publish's is

@@ -125,3 +125,21 @@ func TestStorageThatHangsHoldsUpNothing(t *testing.T) {
 		t.Fatalf("closing the pool waited %s on storage", took)
 	}
 }
+
+// The versions a record names pass the checks of a weight version one by
+// one: a bad one is left out, the rest kept in their order.
+func TestRecordVersionsReadBackOneByOne(t *testing.T) {
+	data := `{"workers":[],"versions":["v1", 7, "", "` + strings.Repeat("v", 600) + `", "v\u0001", "v2"]}`
+	rec, out, err := readRecord([]byte(data), Rules{})
+	if err != nil || len(out) != 4 {
+		t.Fatalf("read: %v, %d entries left out (%v); want 4", err, len(out), out)
+	}
+	if got := fmt.Sprint(rec.Versions); got != "[v1 v2]" {
+		t.Fatalf("versions read back: %s; want [v1 v2]", got)
+	}
+	for i, d := range out {
+		if want := fmt.Sprintf("versions[%d]", i+1); d.entry != want {
+			t.Fatalf("left out %s; want %s", d.entry, want)
+		}
+	}
+}

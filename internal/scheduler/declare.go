@@ -90,6 +90,7 @@ func (p *Pool) DeclareVersion(d Declaration) {
 	f := &p.fleet
 	f.version, f.history, f.inherited = d.Version, nil, nil
 	f.declared, f.checksums = true, maps.Clone(d.Checksums)
+	f.learnedLocked(d.Version)
 	for _, w := range p.workers {
 		source, holds := d.Holds[w.url]
 		differs := slices.Contains(d.Differ, w.url)

@@ -222,3 +222,22 @@ func TestAnUpdateFromDiskEndsADeclaration(t *testing.T) {
 	p.FinishUpdate("http://b:1", "step-3", true, true)
 	isOn(t, p, "caught up", "http://b:1", Serving, "step-3", SourceRouter)
 }
+
+// A trainer that refits workers a few at a time declares each batch: the
+// declared version is the fleet's newest, so latest runs only on the
+// workers refit and max-staleness:1 on the others as well, which serve on
+// their version.
+func TestADeclarationIsTheNewestVersion(t *testing.T) {
+	p, _ := poolOf(t, 4)
+	applyUpdate(p, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
+	p.DeclareVersion(Declaration{Version: "step-2", Holds: map[string]string{"http://a:1": SourceDeclared, "http://b:1": SourceDeclared}})
+	if got := servedUnder(t, p, maxStale(t, 0)); !slices.Equal(got, []string{"a", "b"}) {
+		t.Errorf("latest ran on %v; want a and b, refit", got)
+	}
+	if got := servedUnder(t, p, maxStale(t, 1)); !slices.Equal(got, []string{"a", "b", "c", "d"}) {
+		t.Errorf("max-staleness:1 ran on %v; want every worker", got)
+	}
+	if got := servedUnder(t, p, VersionPolicy{}); !slices.Equal(got, []string{"a", "b", "c", "d"}) {
+		t.Errorf("no policy ran on %v; want every worker: those not named serve on", got)
+	}
+}

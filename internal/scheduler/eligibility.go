@@ -29,13 +29,14 @@ const (
 	makesTask                           // its /v1/models says it makes the request's task
 	isPinned                            // the worker the request is pinned to, if it is
 	onVersion                           // on the weight version the request asks for, if it does
+	freshEnough                         // on base weights its version policy admits, if it has one (see staleness.go)
 	untried                             // the request was not tried on it already (see Retry)
 	holdsAdapter                        // holds the job's adapter at its latest publish, while adapters are placed
 	chainEnd
 )
 
 // constraintNames name the chain's constraints, in its order.
-var constraintNames = [...]string{"slot", "serving", "task", "pin", "version", "untried", "adapter"}
+var constraintNames = [...]string{"slot", "serving", "task", "pin", "version", "staleness", "untried", "adapter"}
 
 // String names c, for tests that go through the chain by name.
 func (c constraint) String() string { return constraintNames[bits.TrailingZeros16(uint16(c))] }
@@ -43,12 +44,15 @@ func (c constraint) String() string { return constraintNames[bits.TrailingZeros1
 // What the users of the chain ask, each asking more than the last.
 const (
 	// couldServe: w is what the request needs, whatever it does now.
-	// The queue's errors ask it: is some worker worth waiting for?
+	// The queue's errors ask it: is some worker worth waiting for? A
+	// worker on weights too stale for the job's policy is: an update
+	// brings it to the newest.
 	couldServe = makesTask | isPinned | onVersion
-	// mayServe: and the request was not tried on it already. Placement
-	// asks it (is a worker that may serve the job out of placement?), and
-	// dispatch of a pinned request before it asks about the slot.
-	mayServe = couldServe | untried
+	// mayServe: and it is on weights the job's version policy admits,
+	// and the request was not tried on it already. Placement asks it (is
+	// a worker that may serve the job out of placement?), and dispatch of
+	// a pinned request before it asks about the slot.
+	mayServe = couldServe | freshEnough | untried
 	// wouldServe: and it takes new jobs; a slot and the adapter come in
 	// time. A retry and the backlog ask it.
 	wouldServe = mayServe | isServing
@@ -79,6 +83,8 @@ func (p *Pool) brokenLocked(t *Ticket, w *worker, now int64, q question) constra
 		return isPinned
 	case q.asks&onVersion != 0 && t.WantVersion != "" && t.versionOn(w.life.version) != t.WantVersion && q.upcoming != t.WantVersion:
 		return onVersion
+	case q.asks&freshEnough != 0 && t.Staleness.Bounded() && !p.fleet.freshLocked(t.Staleness, w.life.version, q.upcoming):
+		return freshEnough
 	case q.asks&untried != 0 && slices.Contains(t.tried, w):
 		return untried
 	case q.asks&holdsAdapter != 0 && !p.holdsAdapterLocked(w, t):

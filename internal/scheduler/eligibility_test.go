@@ -29,6 +29,10 @@ func TestEligibilityChain(t *testing.T) {
 			p.placement.on, tk.policy = true, &p.placement.base
 			w.adapter = workerAdapter{known: true, holds: &p.placement.stray}
 		},
+		freshEnough: func(p *Pool, _ *worker, tk *Ticket) {
+			p.fleet.learnedLocked("m2") // the worker is on none the fleet has had
+			tk.Staleness, _ = Staleness(MaxStaleness)
+		},
 	}
 	users := []struct {
 		name    string

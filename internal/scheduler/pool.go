@@ -90,6 +90,7 @@ type dispatchState struct {
 	defaultSpeed float64         // median learned speed, assumed for new workers
 	initialSpeed float64         // the speed assumed while no worker has learned one
 	completions  uint64          // jobs completed
+	heldBack     heldCounts      // jobs each version policy held back: see staleness.go
 	onRelease    []chan struct{} // closed when a worker is released: drains wait on them
 	ejectionEnds int64           // when the redispatch timer fires, Unix nanoseconds; 0: not set
 	redispatch   *time.Timer     // hands out jobs when an ejection ends

@@ -85,8 +85,10 @@ type Ticket struct {
 	// tenants.go); "": no tenant.
 	Tenant string
 
-	WantVersion   string // only a worker on this weight version may serve
-	servedVersion string // the weight version of the worker chosen
+	WantVersion   string        // only a worker on this weight version may serve
+	Staleness     VersionPolicy // only a worker on base weights this admits may serve a job
+	servedVersion string        // the weight version of the worker chosen
+	heldBack      bool          // its version policy held it back once: see noteHeldLocked
 
 	worker    *worker // the worker holding the request now
 	servedBy  string  // URL of the last worker chosen, kept after release
@@ -402,7 +404,7 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 		return nil, false
 	}
 	cands, views := p.cands[:0], p.views[:0]
-	anyFree := false
+	anyFree, stale := false, false
 	job, limit := t.Job, t.cfg.MaxInflight
 	for _, w := range p.workers { // the hot loop
 		// The chain's first constraint, inline: on a busy fleet it turns
@@ -415,6 +417,7 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 		// The chain checks serving right after the slot: any other
 		// answer is from a free worker.
 		anyFree = anyFree || broken != isServing
+		stale = stale || broken == freshEnough
 		if broken == 0 {
 			cands = append(cands, w)
 			views = append(views, p.viewLocked(w, now))
@@ -422,6 +425,9 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 	}
 	p.cands, p.views = cands, views
 	if len(cands) == 0 {
+		if stale {
+			p.noteHeldLocked(t)
+		}
 		return nil, anyFree
 	}
 	return cands[t.cfg.Strategy.Pick(Job{Cost: t.Cost, Seq: t.seq}, views)], true

@@ -33,6 +33,10 @@ type Record struct {
 	Declared  bool              `json:"declared,omitempty"`
 	Checksums map[string]string `json:"checksums,omitempty"`
 
+	// Versions are the base-weight versions the fleet has had, oldest
+	// first: those a job's version policy may admit (see staleness.go).
+	Versions []string `json:"versions,omitempty"`
+
 	// Adapters are the declared adapters published since they were
 	// declared: a router that restarts serves their latest path, not the
 	// one its config names.
@@ -97,7 +101,7 @@ func (p *Pool) Record() Record {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	rec := Record{WeightVersion: p.fleet.version, Declared: p.fleet.declared, Checksums: maps.Clone(p.fleet.checksums),
-		Workers: make([]WorkerRecord, len(p.workers))}
+		Versions: slices.Clone(p.fleet.versions), Workers: make([]WorkerRecord, len(p.workers))}
 	for _, pol := range p.placement.order {
 		if pol.publish > 0 {
 			rec.Adapters = append(rec.Adapters, AdapterRecord{Name: pol.Name, Path: pol.Path, Strength: pol.Strength, Publish: pol.publish})
@@ -198,6 +202,9 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 		f.version, f.history = rec.WeightVersion, rec.history()
 		f.declared, f.checksums = rec.Declared, rec.Checksums
 	}
+	if adopted {
+		f.versions = lastVersions(rec.Versions)
+	}
 	for _, w := range p.workers {
 		if adopted && !inRecord[w] {
 			f.changedLocked(w) // only this config names it: no declaration did
@@ -244,9 +251,10 @@ func (rec Record) finishing() (Record, *RunningRecord) {
 	if running == nil {
 		return rec, nil
 	}
-	f := fleetState{version: rec.WeightVersion, history: rec.history(), declared: rec.Declared, checksums: rec.Checksums}
+	f := fleetState{version: rec.WeightVersion, history: rec.history(), declared: rec.Declared, checksums: rec.Checksums, versions: rec.Versions}
 	f.advance(running.update())
-	rec.WeightVersion, rec.Declared, rec.Checksums, rec.Updating, rec.Updates = f.version, f.declared, f.checksums, nil, nil
+	rec.WeightVersion, rec.Declared, rec.Checksums, rec.Versions = f.version, f.declared, f.checksums, f.versions
+	rec.Updating, rec.Updates = nil, nil
 	for _, h := range f.history {
 		rec.Updates = append(rec.Updates, h.record())
 	}
@@ -316,6 +324,7 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 	}
 	p.fleet.version, p.fleet.history, p.fleet.inherited = rec.WeightVersion, rec.history(), nil
 	p.fleet.declared, p.fleet.checksums = rec.Declared, rec.Checksums
+	p.fleet.versions = lastVersions(rec.Versions)
 	for _, w := range p.workers {
 		if !inRecord[w] {
 			p.fleet.changedLocked(w) // only this router's config names it: no declaration did

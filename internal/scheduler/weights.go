@@ -38,6 +38,10 @@ type fleetState struct {
 	checksums map[string]string
 
 	behind atomic.Int32 // workers that wait for a catch-up to be started; read without mu
+
+	// versions are the base-weight versions the fleet has had, oldest
+	// first, the last MaxStaleness+1 of them (see staleness.go).
+	versions []string
 }
 
 // target is the version the update in progress moves to; "" when none
@@ -191,7 +195,7 @@ func (p *Pool) EndUpdate(u Update, succeeded bool) {
 
 // advance moves the fleet to the weights u leads to once it has run. An
 // update from disk is the router's own: it starts anew the history a late
-// worker replays, and ends a declaration. A LoRA call adds to the
+// worker replays, ends a declaration, and is the fleet's newest version. A LoRA call adds to the
 // history, but after a declaration there is none to add to: no replay
 // leads to declared weights. Either way the declared checksums no longer
 // describe the weights.
@@ -199,6 +203,7 @@ func (f *fleetState) advance(u Update) {
 	switch {
 	case u.Path == DiskUpdatePath:
 		f.history, f.declared = []Update{u}, false
+		f.learnedLocked(u.Version)
 	case !f.declared:
 		f.history = append(slices.Clip(f.history), u)
 	}
