@@ -94,12 +94,25 @@ func verify(res Result, version string, sums map[string]string) Result {
 	for _, m := range slices.Sorted(maps.Keys(sums)) {
 		if sum, _ := got[m].(string); !strings.EqualFold(sum, sums[m]) {
 			return Result{WorkerURL: res.WorkerURL, StatusCode: http.StatusConflict, answered: true, Body: map[string]any{
-				"error":  fmt.Sprintf("module %s differs: the worker reports %q, the declaration %q; it serves no job until a declaration it matches, or an update through the router", m, got[m], sums[m]),
+				"error":  fmt.Sprintf("module %s differs: %s, the declaration %q; it serves no job until a declaration it matches, or an update through the router", m, reported(got, m), sums[m]),
 				"module": m,
 			}}
 		}
 	}
 	return holds(res.WorkerURL, version, scheduler.SourceVerified)
+}
+
+// reported says what a worker's checksum answer got says of module m.
+func reported(got map[string]any, m string) string {
+	switch sum, ok := got[m].(string); {
+	case sum == "not_found": // sglang's answer for a module its pipeline lacks
+		return "the worker has no module " + m
+	case ok:
+		return fmt.Sprintf("the worker reports %q", sum)
+	case got["error"] != nil:
+		return fmt.Sprintf("the worker reports no checksum for it but the error %q", fmt.Sprint(got["error"]))
+	}
+	return "the worker reports no checksum for it"
 }
 
 // ContinueWithVersion records d (see Declare) and ends the pause of the
@@ -116,7 +129,9 @@ func (f *Fleet) ContinueWithVersion(ctx context.Context, d Declaration, cfg *Con
 // serves again.
 func (f *Fleet) checkCatchUp(ctx context.Context, workerURL string, plan scheduler.CatchUp, cfg *Config) {
 	res := verify(f.post(ctx, workerURL, checksumPath, checksumCall(plan.Checksums), cfg.Timeout), plan.Version, plan.Checksums)
-	f.pool.Verified(workerURL, plan.Version, res.OK, res.answered)
+	// A 5xx says the worker's server failed the call, not what its
+	// weights are: it is asked again once a probe passes.
+	f.pool.Verified(plan, res.OK, res.answered && res.StatusCode < 500)
 	if !res.OK {
 		f.logger.Warn("worker changed behind the router's back does not hold the declared weights; it serves no job until a declaration names it",
 			zap.String("worker", workerURL), zap.String("weight_version", plan.Version), zap.Int("status", res.StatusCode))

@@ -35,7 +35,7 @@ type Weights interface {
 	AnyBehind() bool
 	TakeBehind() []string
 	BeginCatchUp(url string) (scheduler.CatchUp, bool)
-	Verified(url, version string, matched, answered bool)
+	Verified(plan scheduler.CatchUp, matched, answered bool)
 	LeaveOut(urls []string)
 	SetStates(urls []string, s scheduler.State)
 	Moved(urls []string, s scheduler.State)

@@ -63,15 +63,17 @@ type Declaration struct {
 }
 
 // DeclareTargets returns the workers a declaration that names none is
-// about: the paused ones, or with none paused every worker that is
-// neither held back nor put to sleep through the router. ErrNoWorker
-// when there are none.
+// about: the paused ones, or with none paused every worker that is up:
+// neither held back, nor put to sleep through the router, nor failing
+// its health probes (a trainer could not have reached it). One the
+// router cannot vouch for is among them: the trainer's word is what
+// brings it back. ErrNoWorker when there are none.
 func (p *Pool) DeclareTargets() ([]string, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	out := p.urlsLocked(func(w *worker) bool { return w.life.pausedAt != 0 })
 	if len(out) == 0 {
-		out = p.urlsLocked(func(w *worker) bool { return !w.life.dead && w.life.state != Sleeping })
+		out = p.urlsLocked(func(w *worker) bool { return !w.life.dead && w.life.state != Sleeping && !w.health.down })
 	}
 	if len(out) == 0 {
 		return nil, ErrNoWorker
@@ -97,6 +99,9 @@ func (p *Pool) DeclareVersion(d Declaration) {
 		switch {
 		case holds:
 			f.vouchLocked(w, d.Version, source)
+			// Awake, in the trainer's word: a job that found it asleep
+			// before its wake no longer holds it out.
+			w.evidence.naps, w.health.asleepUntil = 0, 0
 		case differs: // it just failed its check: not asked again
 			f.leaveLocked(w)
 			w.life.unvouched, w.life.source, w.life.missed = true, SourceUnknown, false
@@ -144,22 +149,35 @@ func (fs *fleetState) changedLocked(w *worker) {
 	}
 }
 
-// Verified records a check of the worker at url against the checksums of
-// version, the fleet's declared version: it holds version when matched;
-// when it answered otherwise it stays unvouched until a declaration
-// names it; when it did not answer, its checksums are asked again once a
-// probe finds it.
-func (p *Pool) Verified(url, version string, matched, answered bool) {
+// recheckLocked has w asked for its checksums again before its next job
+// when the fleet's version was declared with them and w is taken to hold
+// it: a router that restarts or takes over did not watch the workers
+// meanwhile, and one may have restarted on its checkpoint. A worker on an
+// older version, which a declaration did not name, keeps it: the
+// checksums are not its weights'.
+func (fs *fleetState) recheckLocked(w *worker) {
+	if fs.declared && fs.checksums != nil && !w.life.unvouched && w.life.version == fs.version {
+		fs.unvouchLocked(w)
+	}
+}
+
+// Verified records the check plan began of a worker against the
+// checksums of the fleet's declared version: it holds the version when
+// matched; when it answered otherwise it stays unvouched until a
+// declaration names it; when it did not answer, its checksums are asked
+// again once a probe finds it. A worker that left since, and any that
+// joined at its URL, is not judged by it.
+func (p *Pool) Verified(plan CatchUp, matched, answered bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	w := p.findLocked(url)
-	if w == nil {
+	w := p.findLocked(plan.URL)
+	if w == nil || w.join != plan.join {
 		return
 	}
 	w.life.state = Serving
 	switch {
-	case matched && version == p.fleet.version:
-		p.fleet.vouchLocked(w, version, SourceVerified)
+	case matched && plan.Version == p.fleet.version:
+		p.fleet.vouchLocked(w, plan.Version, SourceVerified)
 	case !answered:
 		w.life.missed = true
 	}

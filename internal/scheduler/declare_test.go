@@ -23,8 +23,8 @@ func isOn(t *testing.T, p *Pool, when, u string, state State, version, source st
 
 // A declaration moves the workers it names to its version and drops the
 // updates that led to the old one; a worker that did not match its
-// checksums serves nothing, stays so through a restart of the router and
-// a wake, and comes back by a later declaration that names it, or an
+// checksums serves nothing, stays so through a restart of the router
+// (after which the others are checked again) and a wake, and comes back by a later declaration that names it, or an
 // update from disk.
 func TestDeclaredVersionsAndWorkersLeftBehind(t *testing.T) {
 	p, _ := poolOf(t, 2)
@@ -43,11 +43,16 @@ func TestDeclaredVersionsAndWorkersLeftBehind(t *testing.T) {
 	if v := after.Stats().Version; v != "step-2" || len(after.fleet.history) != 0 || !after.fleet.declared {
 		t.Fatalf("read back on %q with %d updates to replay, declared %v; want step-2, none, true", v, len(after.fleet.history), after.fleet.declared)
 	}
-	isOn(t, after, "read back", "http://a:1", Serving, "step-2", SourceVerified)
+	// Nothing watched a while no router ran: it is checked again before
+	// its first job. b, which failed its check, is not.
+	isOn(t, after, "read back", "http://a:1", Stale, "step-2", SourceUnknown)
 	isOn(t, after, "read back", "http://b:1", Stale, "step-1", SourceUnknown)
-	if got := after.TakeBehind(); len(got) != 0 {
-		t.Errorf("a worker that just failed its check is asked again: %v", got)
+	if got := after.TakeBehind(); !slices.Equal(got, []string{"http://a:1"}) {
+		t.Fatalf("checks due after the restart: %v; want a's alone", got)
 	}
+	plan, _ := after.BeginCatchUp("http://a:1")
+	after.Verified(plan, true, true)
+	isOn(t, after, "checked", "http://a:1", Serving, "step-2", SourceVerified)
 
 	after.DeclareVersion(Declaration{Version: "step-3", Holds: map[string]string{"http://b:1": SourceDeclared}})
 	isOn(t, after, "declared again", "http://b:1", Serving, "step-3", SourceDeclared)
@@ -100,15 +105,17 @@ func TestAJoinerProvesItHoldsTheDeclaredWeights(t *testing.T) {
 	if !slices.Equal(behind, []string{"http://m:1", "http://d:1", "http://x:1"}) {
 		t.Fatalf("checks started for %v; want the three joiners", behind)
 	}
+	plans := map[string]CatchUp{}
 	for _, u := range behind {
 		plan, ok := p.BeginCatchUp(u)
 		if !ok || plan.Replay != nil || plan.Version != "step-2" || plan.Checksums["transformer"] != declaredSums["transformer"] {
 			t.Fatalf("catch-up of %s: %+v, %v; want a check against the declared checksums", u, plan, ok)
 		}
+		plans[u] = plan
 	}
-	p.Verified("http://m:1", "step-2", true, true)
-	p.Verified("http://d:1", "step-2", false, true)
-	p.Verified("http://x:1", "step-2", false, false)
+	p.Verified(plans["http://m:1"], true, true)
+	p.Verified(plans["http://d:1"], false, true)
+	p.Verified(plans["http://x:1"], false, false)
 	isOn(t, p, "checked", "http://m:1", Serving, "step-2", SourceVerified)
 	isOn(t, p, "checked", "http://d:1", Stale, "", SourceUnknown)
 	isOn(t, p, "checked", "http://x:1", Stale, "", SourceUnknown)

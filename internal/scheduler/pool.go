@@ -75,6 +75,7 @@ type registry struct {
 	answers    map[string]*dnsAnswer // DNS lookup -> its last answer, while a loaded config names the lookup
 	departing  map[string]*worker    // removed workers whose jobs have not ended, by workerurl.AddressKey
 	unknown    atomic.Int32          // workers whose task types no probe has told yet; read without mu
+	joins      uint64                // workers that joined, ever: each worker's join
 }
 
 // dispatchState is the state of routing decisions and of the queue.
@@ -154,6 +155,7 @@ type worker struct {
 	url        string // normalized: scheme://host[:port]
 	dial       string // host:port as reverse_proxy dials it
 	registered bool   // joined at run time (POST /workers), not from a config
+	join       uint64 // which of the pool's joins brought it in: a call begun before it left says nothing of it since
 	evidence   healthEvidence
 	stats      workerStats
 	adapter    workerAdapter
@@ -477,8 +479,13 @@ func (p *Pool) addLocked(u string) *worker {
 		w.url, w.life.removed = u, false
 	} else {
 		w = &worker{url: u, dial: dial, caps: capabilities{makes: request.Unprobed}}
-		p.fleet.changedLocked(w) // after a declaration, one that names it vouches for it
 	}
+	p.joins++
+	w.join = p.joins
+	// After a declaration, one that names it vouches for it: out of the
+	// pool, nothing watched what it holds, even for one back before its
+	// last jobs ended.
+	p.fleet.changedLocked(w)
 	p.fleet.holdIfBehindLocked(w)
 	p.forgetAdapterLocked(w)
 	if w.caps.taskTypes == nil {

@@ -206,8 +206,11 @@ func (p *Pool) Restore(rec Record) (joined int, adopted bool) {
 		f.versions = lastVersions(rec.Versions)
 	}
 	for _, w := range p.workers {
-		if adopted && !inRecord[w] {
+		switch {
+		case adopted && !inRecord[w]:
 			f.changedLocked(w) // only this config names it: no declaration did
+		case adopted:
+			f.recheckLocked(w)
 		}
 		f.holdIfBehindLocked(w)
 	}
@@ -344,12 +347,14 @@ func (p *Pool) Mirror(rec Record) (joined, left int) {
 // passes, as the workers read back from storage are. A router that takes
 // over its pool from another calls it: what it knows of the workers is as
 // old as its last probe, and a worker that died meanwhile must not get the
-// first jobs.
+// first jobs; with declared checksums, one that restarted meanwhile must
+// not either.
 func (p *Pool) Reverify() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, w := range p.workers {
 		w.health.down, w.health.unverified = true, true
+		p.fleet.recheckLocked(w)
 	}
 }
 

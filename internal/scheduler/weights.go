@@ -123,12 +123,12 @@ func (p *Pool) BeginUpdate(u Update) (targets, done []string) {
 			continue
 		}
 		switch {
+		case w.life.unvouched && u.Path != DiskUpdatePath: // a LoRA call on weights nobody vouches for vouches for nothing
 		case f.retrying && w.life.state == Serving && slices.Contains(f.loaded, w.url):
 			done = append(done, w.url)
 		case f.retrying:
 			p.fleet.leaveLocked(w) // its catch-up is this call
 			targets = append(targets, w.url)
-		case w.life.unvouched && u.Path != DiskUpdatePath: // a LoRA call on weights nobody knows vouches for nothing
 		case w.life.behind == upToDate: // the catch-up replays this update after those it missed
 			targets = append(targets, w.url)
 		}
@@ -158,6 +158,9 @@ func (p *Pool) FinishUpdate(url, version string, ok, answered bool) {
 			p.fleet.loadedLocked(url, version)
 		} else {
 			w.life.state, w.life.missed = Stale, !answered
+			if p.fleet.declared { // a wake must not bring it back as if it held the fleet's weights
+				w.life.unvouched, w.life.source = true, SourceUnknown
+			}
 		}
 	}
 	p.dispatchLocked()
@@ -472,8 +475,9 @@ func (p *Pool) TakeBehind() []string {
 		// A paused worker's weights are the trainer's to move: its
 		// catch-up waits until it continues. An unvouched worker that
 		// said it is asleep is asked for its checksums once it may
-		// serve again, not while a trainer may still be moving them.
-		if w.life.behind == lagging && w.life.pausedAt == 0 && !(w.life.unvouched && now < w.health.asleepUntil) {
+		// serve again, not while a trainer may still be moving them, nor
+		// while the router has put it to sleep.
+		if w.life.behind == lagging && w.life.pausedAt == 0 && w.life.state != Sleeping && !(w.life.unvouched && now < w.health.asleepUntil) {
 			w.life.behind = catchingUp
 			out = append(out, w.url)
 		}
@@ -485,6 +489,8 @@ func (p *Pool) TakeBehind() []string {
 // CatchUp is what brings a worker to the fleet's version: the calls to
 // replay, or after a declaration, the checksums its weights must have.
 type CatchUp struct {
+	URL       string // the worker's
+	join      uint64 // the worker's join: the check of one that left says nothing of its successor
 	Version   string
 	Replay    []Update
 	Checksums map[string]string // set: check, do not replay
@@ -502,13 +508,21 @@ func (p *Pool) BeginCatchUp(url string) (CatchUp, bool) {
 		return CatchUp{}, false
 	}
 	f := &p.fleet
-	if f.declared && f.checksums == nil { // a declaration since left nothing to check it by
+	switch {
+	case f.declared && f.checksums == nil: // a declaration since left nothing to check it by
 		w.life.behind = upToDate
+		return CatchUp{}, false
+	case w.life.state == Sleeping: // put to sleep through the router since: caught up once woken
+		w.life.behind = lagging
+		f.behind.Add(1)
 		return CatchUp{}, false
 	}
 	w.life.state, w.life.behind = Updating, upToDate
+	plan := CatchUp{URL: url, Version: f.version, join: w.join}
 	if f.declared {
-		return CatchUp{Version: f.version, Checksums: maps.Clone(f.checksums)}, true
+		plan.Checksums = maps.Clone(f.checksums)
+	} else {
+		plan.Replay = slices.Clone(f.history)
 	}
-	return CatchUp{Version: f.version, Replay: slices.Clone(f.history)}, true
+	return plan, true
 }
