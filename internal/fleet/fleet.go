@@ -152,7 +152,7 @@ func (f *Fleet) Update(ctx context.Context, req scheduler.Update, cfg *Config) (
 		// Jobs may flow again: only workers that have loaded the new
 		// weights serve, each as soon as it has, so one worker slow to
 		// answer its call holds up only itself.
-		p.Resume()
+		p.ReleaseJobs()
 		res := f.broadcastEach(ctx, group, req.Path, req.Body, cfg.Timeout, func(r Result) {
 			p.FinishUpdate(r.WorkerURL, req.Version, r.OK, r.answered)
 		})
@@ -179,8 +179,8 @@ func (f *Fleet) Sleep(ctx context.Context, path string, body []byte, cfg *Config
 	if err != nil {
 		return nil, err
 	}
-	p.Pause()
-	defer p.Resume()
+	p.HoldJobs()
+	defer p.ReleaseJobs()
 	hung, err := p.WaitIdle(ctx, targets, cfg.DrainTimeout, cfg.Health)
 	if err != nil {
 		return nil, drainError(ctx, err)

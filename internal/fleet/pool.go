@@ -42,8 +42,8 @@ type Weights interface {
 	InState(s scheduler.State) ([]string, error)
 	Awake() []string
 	NotHeldBack() ([]string, error)
-	Pause()
-	Resume()
+	HoldJobs()
+	ReleaseJobs()
 	PauseWorkers(urls []string) (paused, already []string, err error)
 	ContinueWorkers(urls []string) (continued []string, err error)
 	DeclareTargets() ([]string, error)

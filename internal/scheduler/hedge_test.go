@@ -68,11 +68,11 @@ func TestNoCopyWhileADrainIsOn(t *testing.T) {
 	if err := p.Acquire(context.Background(), tk); err != nil {
 		t.Fatal(err)
 	}
-	p.Pause()
+	p.HoldJobs()
 	if c := p.HedgeCopy(tk); c != nil {
 		t.Fatalf("a copy went to %s while a drain was on", c.ServedBy())
 	}
-	p.Resume()
+	p.ReleaseJobs()
 	if c := p.HedgeCopy(tk); c == nil {
 		t.Fatal("no copy on the idle worker once the drain was over")
 	}

@@ -400,7 +400,7 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 	if t.Pin != "" {
 		return p.choosePinnedLocked(t, now)
 	}
-	if p.fleet.paused && t.Job {
+	if p.fleet.holding && t.Job {
 		return nil, false
 	}
 	cands, views := p.cands[:0], p.views[:0]

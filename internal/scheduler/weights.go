@@ -18,7 +18,7 @@ import (
 // fleetState is the fleet's side of the pool, guarded by the pool's mutex
 // but for behind.
 type fleetState struct {
-	paused  bool     // a drain is on: no job is handed out
+	holding bool     // a drain is on: no job is handed out
 	version string   // weight version of the last successful update
 	history []Update // the last update and the LoRA calls since: what brings a worker to version
 	running *Update  // the update in progress, recorded so that a router taking over can finish it
@@ -88,18 +88,19 @@ const (
 // ErrNothingToDo is why a sleep or a wake has no worker to change.
 var ErrNothingToDo = errors.New("no worker is in the state the operation changes")
 
-// Pause stops handing out jobs; they wait in the queue.
-func (p *Pool) Pause() {
+// HoldJobs stops handing out jobs, as a drain update does; they wait in
+// the queue. (A trainer's pause is of workers: see pause.go.)
+func (p *Pool) HoldJobs() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.fleet.paused = true
+	p.fleet.holding = true
 }
 
-// Resume hands out jobs again.
-func (p *Pool) Resume() {
+// ReleaseJobs hands out jobs again.
+func (p *Pool) ReleaseJobs() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.fleet.paused = false
+	p.fleet.holding = false
 	p.dispatchLocked()
 }
 
@@ -133,7 +134,7 @@ func (p *Pool) BeginUpdate(u Update) (targets, done []string) {
 			targets = append(targets, w.url)
 		}
 	}
-	f.paused, f.running = u.Mode == ModeDrain, &u
+	f.holding, f.running = u.Mode == ModeDrain, &u
 	p.Changed()
 	return targets, done
 }
@@ -191,7 +192,7 @@ func (p *Pool) EndUpdate(u Update, succeeded bool) {
 		f.advance(u)
 		p.catchUpUnvouchedLocked()
 	}
-	f.paused, f.running, f.loaded, f.retrying = false, nil, nil, false
+	f.holding, f.running, f.loaded, f.retrying = false, nil, nil, false
 	p.Changed()
 	p.dispatchLocked()
 }
