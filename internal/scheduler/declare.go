@@ -103,8 +103,7 @@ func (p *Pool) DeclareVersion(d Declaration) {
 			// before its wake no longer holds it out.
 			w.evidence.naps, w.health.asleepUntil = 0, 0
 		case differs: // it just failed its check: not asked again
-			f.leaveLocked(w)
-			w.life.unvouched, w.life.source, w.life.missed = true, SourceUnknown, false
+			f.distrustLocked(w)
 		case w.life.behind != upToDate || w.life.missed || w.life.state == Stale:
 			f.unvouchLocked(w)
 		}
@@ -129,14 +128,20 @@ func (fs *fleetState) vouchLocked(w *worker, version, source string) {
 // vouch for. With the declaration's checksums, it asks the worker for its
 // own before it serves again: a catch-up that checks rather than replays.
 func (fs *fleetState) unvouchLocked(w *worker) {
+	fs.distrustLocked(w)
+	if fs.checksums != nil {
+		w.life.behind = lagging
+		fs.behind.Add(1)
+	}
+}
+
+// distrustLocked takes w for a worker whose weights the router cannot
+// vouch for until a declaration names it: it asks nothing of it.
+func (fs *fleetState) distrustLocked(w *worker) {
 	fs.leaveLocked(w) // a catch-up it waited for leads elsewhere
 	w.life.unvouched, w.life.source, w.life.missed = true, SourceUnknown, false
 	if w.life.state == Stale {
 		w.life.state = Serving // unvouched says it all: no update of it is pending
-	}
-	if fs.checksums != nil {
-		w.life.behind = lagging
-		fs.behind.Add(1)
 	}
 }
 
@@ -146,6 +151,17 @@ func (fs *fleetState) unvouchLocked(w *worker) {
 func (fs *fleetState) changedLocked(w *worker) {
 	if fs.declared {
 		fs.unvouchLocked(w)
+	}
+}
+
+// sleptLocked notes that w answered a job as asleep: a trainer put it to
+// sleep behind the router's back, to wake it, move its weights and
+// declare them. Its own checksums would tell nothing: asked between the
+// wake and the transfer, they match the weights it is about to lose. It
+// waits for the declaration.
+func (fs *fleetState) sleptLocked(w *worker) {
+	if fs.declared {
+		fs.distrustLocked(w)
 	}
 }
 

@@ -169,20 +169,24 @@ func TestAWorkerChangedBehindTheRoutersBackIsUnknown(t *testing.T) {
 	})
 }
 
-// An unvouched worker that said it is asleep is not asked for its
-// checksums while a trainer may still be moving its weights: once it may
-// serve again.
-func TestAnAsleepWorkerIsCheckedOnceAwake(t *testing.T) {
+// A worker that answered a job as asleep, after a declaration with
+// checksums, is not asked for its own: asked between the trainer's wake
+// and its transfer, they would match the weights it is about to lose. It
+// serves again once a declaration names it; while it is taken for asleep
+// it shows sleeping, so that a job on a fleet all asleep is told so.
+func TestAWorkerFoundAsleepWaitsForTheDeclaration(t *testing.T) {
 	p, clock := poolOf(t, 1)
 	p.DeclareVersion(Declaration{Version: "step-2", Holds: map[string]string{"http://a:1": SourceVerified}, Checksums: declaredSums})
 	serveAll(t, p, config(LeastWork{}, 1), Asleep, 1)
-	if got := p.TakeBehind(); len(got) != 0 {
-		t.Fatalf("checked while it says it is asleep: %v", got)
-	}
+	isOn(t, p, "found asleep", "http://a:1", Sleeping, "step-2", SourceUnknown)
 	clock.advance(time.Minute)
-	if got := p.TakeBehind(); !slices.Equal(got, []string{"http://a:1"}) {
-		t.Fatalf("checked once awake: %v", got)
+	p.RecordProbe("http://a:1", nil, testHealth)
+	if got := p.TakeBehind(); len(got) != 0 {
+		t.Fatalf("checked after it was found asleep: %v", got)
 	}
+	isOn(t, p, "awake, not declared", "http://a:1", Stale, "step-2", SourceUnknown)
+	p.DeclareVersion(Declaration{Version: "step-3", Holds: map[string]string{"http://a:1": SourceVerified}, Checksums: declaredSums})
+	isOn(t, p, "declared", "http://a:1", Serving, "step-3", SourceVerified)
 }
 
 // A LoRA call after a declaration neither reaches a worker nobody vouches

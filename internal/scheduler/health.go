@@ -213,8 +213,11 @@ const cleanRunForgives = 10
 // long the worker is now ejected for, if it is.
 func (p *Pool) noteOutcomeLocked(w *worker, t *Ticket, o Outcome) time.Duration {
 	now, cfg := p.now().UnixNano(), t.cfg.Health
-	if o == Unreachable || o == Asleep {
-		p.fleet.changedLocked(w) // down or asleep, it may come back on other weights
+	switch o {
+	case Unreachable:
+		p.fleet.changedLocked(w) // down, it may come back on other weights
+	case Asleep:
+		p.fleet.sleptLocked(w)
 	}
 	switch o {
 	case Succeeded:

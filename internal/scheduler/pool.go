@@ -282,14 +282,14 @@ func (w *worker) stateAt(now int64) State {
 		return Dead
 	case w.life.state != Serving:
 		return w.life.state
-	case w.life.unvouched:
-		return Stale
 	case w.health.down:
 		return Unhealthy
 	case now < w.health.ejectedUntil:
 		return Ejected
-	case now < w.health.asleepUntil:
+	case now < w.health.asleepUntil: // before unvouched: a job on a fleet all asleep is told so at once
 		return Sleeping
+	case w.life.unvouched:
+		return Stale
 	case w.health.suspect:
 		return Suspect
 	case w.life.pausedAt != 0:
