@@ -3,6 +3,7 @@ package diffusionrouter_test
 import (
 	"fmt"
 	"io"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -258,4 +259,88 @@ func TestMilesLoopPauseTransferContinue(t *testing.T) {
 	if old > 0 {
 		t.Errorf("%d requests sent after a continue answered ran on the weights before it", old)
 	}
+}
+
+// The colocated loop: each step the trainer puts the engines to sleep
+// and wakes them itself, past the router, while the rollout's requests
+// find them asleep; it sends each its tensors directly and then declares
+// the version with its checksums. No answer is stale, none is lost.
+func TestMilesLoopSleepWakeTransferDeclare(t *testing.T) {
+	const steps = 2 // the first before any declaration, the second after one
+	r, ws, weightsOf := rolloutRouter(t, 3, "")
+	client := startRollouts(t, r, 6)
+	declared := time.Now()
+	for k := 1; k <= steps; k++ {
+		testrouter.WaitFor(t, func() bool { return client.answeredSince(declared) >= 20 })
+		failed := client.failures()
+		for _, w := range ws {
+			direct(t, w, "/release_memory_occupation", "{}")
+		}
+		// Training, until the rollout has been told the engines sleep.
+		testrouter.WaitFor(t, func() bool { return client.failures() > failed })
+		for _, w := range ws {
+			direct(t, w, "/resume_memory_occupation", "{}")
+			transfer(t, w, stepTensors(k))
+		}
+		weightsOf[stepVersion(k)] = stepWeights(k)
+		testrouter.ExpectStatus(t, fmt.Sprintf("step %d's declaration", k), r.Post("/update_weight_version", stepDeclaration(k)), 200)
+		declared = time.Now()
+		for _, w := range ws {
+			if wk := r.Workers()[w.URL()]; wk["weight_version"] != stepVersion(k) || wk["weight_version_source"] != "verified" {
+				t.Fatalf("%s after step %d's declaration: %v (%v)", w.URL(), k, wk["weight_version"], wk["weight_version_source"])
+			}
+		}
+	}
+	client.expectNoneStaleOrLost(t, weightsOf)
+}
+
+// A trainer that pauses and dies leaves the engines paused: the
+// rollout's requests wait (here until queue_timeout, and are tried
+// again), no engine gets a job, and /workers shows since when each is
+// paused. An operator's continue_generation ends it; so does a PUT
+// /workers/{id}, for that engine alone. Nothing is lost or stale.
+func TestMilesTrainerThatPausedAndDied(t *testing.T) {
+	r, ws, weightsOf := rolloutRouter(t, 2, " queue_timeout 500ms\n")
+	a, b := ws[0], ws[1]
+	client := startRollouts(t, r, 4)
+	testrouter.WaitFor(t, func() bool { return client.answeredSince(time.Time{}) >= 20 })
+	asked := time.Now()
+	testrouter.ExpectStatus(t, "the trainer's pause", r.Post("/pause_generation", ""), 200)
+	jobs := a.Stats().Jobs + b.Stats().Jobs
+	failed := client.failures()
+	testrouter.WaitFor(t, func() bool { return client.failures() >= failed+4 }) // requests waited out queue_timeout
+	if n := a.Stats().Jobs + b.Stats().Jobs - jobs; n != 0 {
+		t.Fatalf("the engines, paused, ran %d jobs", n)
+	}
+	for _, w := range ws {
+		if since := pausedSince(t, r, w.URL()); since.Before(asked.Truncate(time.Second)) || since.After(time.Now()) {
+			t.Fatalf("%s shows paused since %v; want the time of the pause, %v", w.URL(), since, asked)
+		}
+		if st := r.Workers()[w.URL()]["state"]; st != "paused" {
+			t.Fatalf("%s after the trainer died: %v; want paused", w.URL(), st)
+		}
+	}
+	testrouter.ExpectStatus(t, "the operator's continue", r.Post("/continue_generation", ""), 200)
+	continued := time.Now()
+	testrouter.WaitFor(t, func() bool { return client.answeredSince(continued) >= 20 })
+	for _, w := range ws {
+		if !pausedSince(t, r, w.URL()).IsZero() {
+			t.Fatalf("%s is still paused after the operator's continue", w.URL())
+		}
+	}
+
+	// Paused again, the trainer dies again; the operator lets a serve.
+	testrouter.ExpectStatus(t, "the trainer's second pause", r.Post("/pause_generation", ""), 200)
+	put := testrouter.Do(t, "PUT", r.Base+"/workers/"+url.QueryEscape(a.URL()), strings.NewReader(`{"is_dead": false}`))
+	testrouter.ExpectStatus(t, "the operator's PUT of a", put, 200)
+	if !pausedSince(t, r, a.URL()).IsZero() || pausedSince(t, r, b.URL()).IsZero() {
+		t.Fatalf("after the PUT of a: a paused since %v, b since %v; want a serving, b paused", pausedSince(t, r, a.URL()), pausedSince(t, r, b.URL()))
+	}
+	served, held := a.Stats().Jobs, b.Stats().Jobs
+	testrouter.WaitFor(t, func() bool { return a.Stats().Jobs >= served+20 })
+	if n := b.Stats().Jobs - held; n != 0 {
+		t.Fatalf("b, still paused, ran %d jobs while a served", n)
+	}
+	testrouter.ExpectStatus(t, "the operator's continue of b", r.Post("/continue_generation", pauseOf(b)), 200)
+	client.expectNoneStaleOrLost(t, weightsOf)
 }
