@@ -314,7 +314,7 @@ func (w *Worker) serveImages(rw http.ResponseWriter, r *http.Request, job imageJ
 		w.failGeneration(rw, err)
 		return
 	}
-	setAdapter(rw, run.adapter)
+	run.tell(rw)
 	id := newUUID()
 	files := imageFiles(id, job.ext, job.outputs)
 	cloudURL := w.upload(files[0])

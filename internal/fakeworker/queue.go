@@ -77,6 +77,7 @@ func (q *slotQueue) handOff() {
 type jobRun struct {
 	took    time.Duration
 	adapter string // the LoRA adapter it ran on; "" for the base weights
+	weights string // the transformer's weights it ran on, as Weights names them
 }
 
 // runJob queues a generation job of the given shape and waits for its end.
@@ -113,7 +114,7 @@ func (w *Worker) runJob(ctx context.Context, s shape, onStart func(time.Duration
 		onStart(d, v.adapter)
 	}
 
-	run := jobRun{adapter: v.adapter}
+	run := jobRun{adapter: v.adapter, weights: v.weights}
 	var completed bool
 	done := w.occupy(d, v.held, func(elapsed time.Duration, ok bool) {
 		run.took, completed = elapsed, ok
@@ -138,9 +139,10 @@ type verdict struct {
 	held    <-chan struct{}
 	failure error // the scheduler error it ends with, after running
 	oom     bool  // it runs out of GPU memory in its first step
-	// adapter is the LoRA adapter in effect: one job or LoRA call runs at
-	// a time, so the adapter a job starts on is the one it runs on.
-	adapter string
+	// adapter is the LoRA adapter in effect, and weights the
+	// transformer's: one job or engine operation runs at a time, so those
+	// a job starts on are the ones it runs on.
+	adapter, weights string
 }
 
 // admit decides, when a job of shape s gets the slot, what becomes of it,
@@ -150,7 +152,7 @@ func (w *Worker) admit(s shape) (verdict, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	finished := w.stats.Jobs + w.stats.Failed
-	v := verdict{adapter: w.lora.inEffect()}
+	v := verdict{adapter: w.lora.inEffect(), weights: w.weights["transformer"].label}
 	switch {
 	case w.asleep:
 		return verdict{}, errAsleep

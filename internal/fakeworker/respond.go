@@ -141,6 +141,19 @@ func (w *Worker) failGeneration(rw http.ResponseWriter, err error) {
 	w.fail(rw, err)
 }
 
+// WeightsHeader names, on the answer of an image, /v1/diffusion/generate
+// or rollout job that completed, the transformer's weights the job ran
+// on, as Weights names them. sglang says nothing of it: it is for tests,
+// like Stats.JobsOn, which tell by it an answer stamped with one version
+// that ran on other weights.
+const WeightsHeader = "X-Fake-Weights"
+
+// tell names in a job's answer the adapter and weights it ran on.
+func (run jobRun) tell(rw http.ResponseWriter) {
+	setAdapter(rw, run.adapter)
+	rw.Header().Set(WeightsHeader, run.weights)
+}
+
 // kindErrors are pydantic's complaints about a JSON value of the wrong type,
 // by the kind of Go field it was meant for.
 var kindErrors = map[reflect.Kind]fieldError{

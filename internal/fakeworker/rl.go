@@ -51,7 +51,7 @@ func (w *Worker) handleDiffusionGenerate(rw http.ResponseWriter, r *http.Request
 		w.failGeneration(rw, err)
 		return
 	}
-	setAdapter(rw, run.adapter)
+	run.tell(rw)
 	ext := "png"
 	if w.isVideoTask() {
 		ext = "mp4"
@@ -191,7 +191,7 @@ func (w *Worker) handleRollout(rw http.ResponseWriter, r *http.Request) {
 	}
 	run, err := w.runJob(r.Context(), s, nil)
 	if err == nil {
-		setAdapter(rw, run.adapter)
+		run.tell(rw)
 	}
 	var se schedulerError
 	switch {

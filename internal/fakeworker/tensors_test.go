@@ -62,7 +62,10 @@ func TestTensorTransfersAreToldApart(t *testing.T) {
 	if a.Weights() != "tensor:"+want {
 		t.Errorf("Weights() = %q", a.Weights())
 	}
-	call(t, a, "POST", "/v1/images/generations", imageBody(1)).expect(t, 200)
+	answer := call(t, a, "POST", "/v1/images/generations", imageBody(1))
+	if answer.expect(t, 200); answer.header.Get(WeightsHeader) != "tensor:"+want {
+		t.Errorf("the job's answer names the weights %q", answer.header.Get(WeightsHeader))
+	}
 	if on := a.Stats().JobsOn; on["tensor:"+want] != 1 {
 		t.Errorf("jobs by weights %v", on)
 	}
