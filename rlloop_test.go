@@ -261,13 +261,16 @@ func TestMilesLoopPauseTransferContinue(t *testing.T) {
 	}
 }
 
-// The colocated loop: each step the trainer puts the engines to sleep
-// and wakes them itself, past the router, while the rollout's requests
-// find them asleep; it sends each its tensors directly and then declares
-// the version with its checksums. No answer is stale, none is lost.
+// The colocated loop: the trainer declares the version the engines
+// start on (docs/operations.md: before a declaration nothing tells the
+// router of a sleep); then each step it puts the engines to sleep and
+// wakes them itself, past the router, while the rollout's requests find
+// them asleep; it sends each its tensors directly and then declares the
+// version with its checksums. No answer is stale, none is lost.
 func TestMilesLoopSleepWakeTransferDeclare(t *testing.T) {
-	const steps = 2 // the first before any declaration, the second after one
+	const steps = 3
 	r, ws, weightsOf := rolloutRouter(t, 3, "")
+	testrouter.ExpectStatus(t, "the starting version's declaration", r.Post("/update_weight_version", `{"new_version":"`+oldVersion+`"}`), 200)
 	client := startRollouts(t, r, 6)
 	declared := time.Now()
 	for k := 1; k <= steps; k++ {
@@ -345,14 +348,13 @@ func TestMilesTrainerThatPausedAndDied(t *testing.T) {
 	client.expectNoneStaleOrLost(t, weightsOf)
 }
 
-// In the colocated loop the router takes an engine that answered a job as
-// asleep for changed behind its back, and asks it for the declared
-// checksums once its asleep backoff is over. When that check comes after
-// the trainer woke the engine and before the tensors landed, the engine
-// still holds the declared weights, passes, and then serves the new ones
-// under the old version until the next declaration.
+// In the colocated loop an engine that answered a job as asleep serves
+// nothing until the trainer's declaration names it: the router does not
+// ask it for the declared checksums by itself, which, asked between the
+// trainer's wake and its transfer, would match the weights it is about to
+// lose, and no answer from the new weights goes out under the old
+// version.
 func TestMilesLoopNoStaleAnswerBetweenWakeAndTransfer(t *testing.T) {
-	t.Skip("the router serves these answers stale today (see the doc comment, and the report of issue 41 item 6)")
 	r, ws, weightsOf := rolloutRouter(t, 1, "")
 	w := ws[0]
 	transfer(t, w, stepTensors(1))
@@ -362,14 +364,15 @@ func TestMilesLoopNoStaleAnswerBetweenWakeAndTransfer(t *testing.T) {
 	client := startRollouts(t, r, 1)
 	direct(t, w, "/release_memory_occupation", "{}")
 	testrouter.WaitFor(t, func() bool { return r.Workers()[w.URL()]["weight_version_source"] == "unknown" }) // a rollout found it asleep
-	direct(t, w, "/resume_memory_occupation", "{}")
 	checks := w.Stats().ChecksumCalls
-	testrouter.WaitFor(t, func() bool { return w.Stats().ChecksumCalls > checks }) // the router's own check, once the backoff is over
+	direct(t, w, "/resume_memory_occupation", "{}")
+	testrouter.WaitFor(t, func() bool { return r.Workers()[w.URL()]["state"] == "stale" }) // no longer taken for asleep; rollouts wait
 	transfer(t, w, stepTensors(2))
-	transferred := time.Now()
-	testrouter.WaitFor(t, func() bool { // an answer to a rollout sent since, or the engine held out
-		return client.answeredSince(transferred) > 0 || r.Workers()[w.URL()]["state"] != "serving"
-	})
 	testrouter.ExpectStatus(t, "step 2's declaration", r.Post("/update_weight_version", stepDeclaration(2)), 200)
+	if n := w.Stats().ChecksumCalls - checks; n != 1 {
+		t.Fatalf("the engine was asked for its checksums %d times after it was found asleep; want once, by the declaration", n)
+	}
+	declared := time.Now()
+	testrouter.WaitFor(t, func() bool { return client.answeredSince(declared) >= 3 })
 	client.expectNoneStaleOrLost(t, weightsOf)
 }
