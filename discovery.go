@@ -150,11 +150,12 @@ func lookupRequest(ctx context.Context) *http.Request {
 	return r
 }
 
-// workerURLs turns the addresses of an answer into worker URLs, leaving out
-// those that are never workers (the checks of a registration: cloud
-// metadata, link-local, Caddy's admin API); the dial guard checks the
-// addresses SRV targets resolve to when they are dialled.
-func (d *discovery) workerURLs(l *dnsLookup, dials []string) []string {
+// workerURLs turns the addresses of an answer into the workers it finds,
+// leaving out those that are never workers (the checks of a
+// registration: cloud metadata, link-local, Caddy's admin API); the dial
+// guard checks the addresses SRV targets resolve to when they are
+// dialled.
+func (d *discovery) workerURLs(l *dnsLookup, dials []string) []scheduler.Found {
 	changed := !slices.Equal(dials, l.last)
 	var urls []string
 	for _, dial := range dials {
@@ -172,7 +173,12 @@ func (d *discovery) workerURLs(l *dnsLookup, dials []string) []string {
 		urls = append(urls, u)
 	}
 	slices.Sort(urls)
-	return slices.Compact(urls) // an answer may name an address twice
+	urls = slices.Compact(urls) // an answer may name an address twice
+	found := make([]scheduler.Found, len(urls))
+	for i, u := range urls {
+		found[i] = scheduler.Found{URL: u}
+	}
+	return found
 }
 
 // failed logs a failed lookup once, until the name answers again.

@@ -42,7 +42,7 @@ type configured interface {
 	UndeclareAdapters(adapters []scheduler.Adapter)
 	DeclareLookups(keys []string)
 	UndeclareLookups(keys []string)
-	SetFound(key string, urls []string, maxWorkers int) scheduler.FoundChange
+	SetFound(key string, found []scheduler.Found, maxWorkers int) scheduler.FoundChange
 	SetInitialSpeed(speed float64)
 	UseSwitcher(s scheduler.Switcher)
 }

@@ -248,7 +248,9 @@ func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 	}
 	healthy := inState[scheduler.Serving] - unreadable
 	status, code := "healthy", http.StatusOK
-	if healthy == 0 && inState[scheduler.Paused] == 0 { // a pause is the trainer's, not a fault
+	// A pause is the trainer's, not a fault; a terminating worker serves
+	// while none other does.
+	if healthy == 0 && inState[scheduler.Paused] == 0 && inState[scheduler.Terminating] == 0 {
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
 	stats := a.Pool.Stats()
@@ -263,6 +265,8 @@ func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		"ejected_workers":        inState[scheduler.Ejected],
 		"suspect_workers":        inState[scheduler.Suspect],
 		"paused_workers":         inState[scheduler.Paused],
+		"not_ready_workers":      inState[scheduler.NotReady],
+		"terminating_workers":    inState[scheduler.Terminating],
 		"adapter_failed_workers": adapterOut,
 		"queued_requests":        stats.Queued,
 		"queued_by_priority":     priorityCounts(stats.ByPriority),

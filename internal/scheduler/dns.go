@@ -1,12 +1,13 @@
 package scheduler
 
-// dnsAnswer is what one DNS lookup last said.
+// dnsAnswer is what one lookup last said: a DNS name's, or a Kubernetes
+// API's watch of EndpointSlices.
 type dnsAnswer struct {
-	users int      // loaded configs that name the lookup
-	urls  []string // the workers its last usable answer named
+	users int     // loaded configs that name the lookup
+	found []Found // the workers its last usable answer named
 }
 
-// FoundChange is what a DNS answer did to the pool.
+// FoundChange is what a lookup's answer did to the pool.
 type FoundChange struct {
 	Joined []string // workers new to the pool
 	Left   []string // workers no longer named, which left
@@ -40,15 +41,16 @@ func (p *Pool) UndeclareLookups(keys []string) {
 			continue
 		}
 		delete(p.answers, k)
-		p.forgetFoundLocked(a.urls)
+		p.forgetFoundLocked(a.found)
 	}
 }
 
 // SetFound records a lookup's new answer. Workers it names that the pool
 // lacks join (up to maxWorkers): also those an operator removed, as a
 // config's workers come back on a reload. Workers it no longer names
-// leave, unless something else keeps them.
-func (p *Pool) SetFound(key string, urls []string, maxWorkers int) FoundChange {
+// leave, unless something else keeps them. A worker it names anew (its
+// pod replaced at the same address) is a new worker (see found.go).
+func (p *Pool) SetFound(key string, found []Found, maxWorkers int) FoundChange {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var c FoundChange
@@ -56,38 +58,46 @@ func (p *Pool) SetFound(key string, urls []string, maxWorkers int) FoundChange {
 	if a == nil {
 		return c // its last config was unloaded while it looked up
 	}
-	for _, u := range urls {
-		p.discovered[u]++
+	for _, f := range found {
+		p.discovered[f.URL]++
 	}
-	old := a.urls
-	a.urls = urls
+	old := a.found
+	a.found = found
 	c.Left = p.forgetFoundLocked(old)
-	for _, u := range urls {
+	for _, f := range found {
+		w := p.findLocked(f.URL)
 		switch {
-		case p.findLocked(u) != nil:
+		case w != nil:
+			p.refoundLocked(w, f)
 		case len(p.workers) >= maxWorkers:
 			c.NoRoom++
 		default:
-			p.addLocked(u)
-			c.Joined = append(c.Joined, u)
+			p.addLocked(f.URL).found = f
+			c.Joined = append(c.Joined, f.URL)
 		}
 	}
 	p.dispatchLocked()
 	return c
 }
 
-// forgetFoundLocked drops one DNS answer's count of each of urls and
+// forgetFoundLocked drops one answer's count of each worker it found and
 // removes the workers nothing keeps any more. It returns those.
-func (p *Pool) forgetFoundLocked(urls []string) []string {
+func (p *Pool) forgetFoundLocked(found []Found) []string {
 	var gone []string
-	for _, u := range urls {
+	for _, f := range found {
+		u := f.URL
 		if p.discovered[u]--; p.discovered[u] > 0 {
 			continue
 		}
 		delete(p.discovered, u)
-		if w := p.findLocked(u); w != nil && !p.heldLocked(w) {
+		w := p.findLocked(u)
+		switch {
+		case w == nil:
+		case !p.heldLocked(w):
 			p.removeLocked(w)
 			gone = append(gone, u)
+		default:
+			w.found = Found{} // kept by a config or a registration: no lookup's word holds it back
 		}
 	}
 	return gone

@@ -25,7 +25,7 @@ type constraint uint16
 // reads from them whether any worker was free at all.
 const (
 	hasSlot      constraint = 1 << iota // a slot free under max_inflight; one job at a time on probation
-	isServing                           // takes new jobs: not ejected, down, asleep, draining, suspect or held back
+	isServing                           // takes new jobs: not ejected, down, asleep, draining, suspect or held back; terminating only as the last resort
 	makesTask                           // its /v1/models says it makes the request's task
 	isPinned                            // the worker the request is pinned to, if it is
 	onVersion                           // on the weight version the request asks for, if it does
@@ -75,7 +75,7 @@ func (p *Pool) brokenLocked(t *Ticket, w *worker, now int64, q question) constra
 	switch {
 	case q.asks&hasSlot != 0 && !fits(t.Job, t.cfg.MaxInflight, w, now):
 		return hasSlot
-	case q.asks&isServing != 0 && !w.serving(now):
+	case q.asks&isServing != 0 && !w.serving(now) && !(w.stateAt(now) == Terminating && p.lastResortLocked(t, w, now)):
 		return isServing
 	case q.asks&makesTask != 0 && !w.can(t.Task):
 		return makesTask

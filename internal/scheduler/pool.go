@@ -155,6 +155,7 @@ type worker struct {
 	url        string // normalized: scheme://host[:port]
 	dial       string // host:port as reverse_proxy dials it
 	registered bool   // joined at run time (POST /workers), not from a config
+	found      Found  // as a lookup last named it: its pod, and whether it is ready
 	join       uint64 // which of the pool's joins brought it in: a call begun before it left says nothing of it since
 	evidence   healthEvidence
 	stats      workerStats
@@ -255,19 +256,21 @@ type capabilities struct {
 type State uint8
 
 const (
-	Serving   State = iota
-	Draining        // finishing its jobs before a weight update
-	Updating        // loading new weights
-	Stale           // failed its last weight update, or holds weights the router cannot vouch for: out until it is on the fleet's
-	Sleeping        // has released its GPU memory
-	Dead            // held back by an operator
-	Unhealthy       // failed its health probes
-	Ejected         // out for a while after failed requests
-	Suspect         // a job of it overran its prediction
-	Paused          // paused by a trainer that moves its weights itself, and serving but for that
+	Serving     State = iota
+	Draining          // finishing its jobs before a weight update
+	Updating          // loading new weights
+	Stale             // failed its last weight update, or holds weights the router cannot vouch for: out until it is on the fleet's
+	Sleeping          // has released its GPU memory
+	Dead              // held back by an operator
+	Unhealthy         // failed its health probes
+	Ejected           // out for a while after failed requests
+	Suspect           // a job of it overran its prediction
+	Paused            // paused by a trainer that moves its weights itself, and serving but for that
+	NotReady          // its endpoint is neither ready nor serving (Kubernetes)
+	Terminating       // its pod is terminating: a job only when no other worker would take it (Kubernetes)
 )
 
-var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping", "dead", "unhealthy", "ejected", "suspect", "paused"}
+var stateNames = [...]string{"serving", "draining", "updating", "stale", "sleeping", "dead", "unhealthy", "ejected", "suspect", "paused", "not_ready", "terminating"}
 
 // StateCount is how many states a worker can be in: a State is below it.
 const StateCount = len(stateNames)
@@ -284,6 +287,8 @@ func (w *worker) stateAt(now int64) State {
 		return w.life.state
 	case w.health.down:
 		return Unhealthy
+	case w.found.Condition == EndpointNotReady:
+		return NotReady
 	case now < w.health.ejectedUntil:
 		return Ejected
 	case now < w.health.asleepUntil: // before unvouched: a job on a fleet all asleep is told so at once
@@ -294,6 +299,8 @@ func (w *worker) stateAt(now int64) State {
 		return Suspect
 	case w.life.pausedAt != 0:
 		return Paused
+	case w.found.Condition == EndpointTerminating:
+		return Terminating
 	}
 	return Serving
 }
@@ -428,7 +435,7 @@ func (reg *registry) sourceLocked(w *worker) string {
 	case w.registered:
 		return "registered"
 	case reg.declared[w.url] == 0 && reg.discovered[w.url] > 0:
-		return "dns"
+		return w.found.source()
 	}
 	return "config"
 }
