@@ -210,7 +210,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	p.DeclareAdapters(h.adapters(), h.placement())
 	if found != nil {
 		h.found = found
-		p.DeclareLookups(found.keys())
+		p.DeclareLookups("dns", found.keys())
 	}
 	h.api = &control.API{
 		Pool: p.controlled(), Fleet: p.fleet, Store: p.store, Logger: h.logger, Allow: h.allow, Token: h.token,

@@ -129,6 +129,7 @@ func (d *discovery) lookUp(ctx context.Context, l *dnsLookup) {
 			err = errNoUsableWorker
 		}
 	}
+	d.h.pool.SetFailing(l.key, err != nil)
 	if err != nil {
 		d.failed(l, err)
 		return

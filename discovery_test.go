@@ -265,8 +265,14 @@ func TestDNSLookupFailureKeepsWorkers(t *testing.T) {
 	pods := startPods(t, fakeworker.Config{}, "a", "b")
 	const name = "workers.rollout.test."
 	dnsSrv.set(t, name, pods.records(name, "a", "b")...)
-	r := testrouter.Start(t, dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port)))
+	r := testrouter.Start(t, testrouter.MetricsSite(dnsSite(dnsSrv, fmt.Sprintf("workers_dns %s %d", name, pods.port))))
 	waitForWorkers(t, r, pods.urls("a", "b")...)
+	synced := func() float64 {
+		return testrouter.Value(t, r, "caddy_diffusion_discovery_synced", map[string]string{"source": "dns"})
+	}
+	if v := synced(); v != 1 {
+		t.Fatalf("discovery_synced while DNS answers: %v; want 1", v)
+	}
 
 	for _, fault := range []struct {
 		name  string
@@ -286,10 +292,14 @@ func TestDNSLookupFailureKeepsWorkers(t *testing.T) {
 		}
 		testrouter.ExpectStatus(t, fault.name+": /health", r.Get("/health"), 200)
 		testrouter.ExpectStatus(t, fault.name+": a generation", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
+		if v := synced(); v != 0 {
+			t.Errorf("%s: discovery_synced %v; want 0", fault.name, v)
+		}
 	}
 
 	dnsSrv.set(t, name, pods.records(name, "b")...)
 	waitForWorkers(t, r, pods.urls("b")...) // answers again: the pool follows
+	testrouter.WaitFor(t, func() bool { return synced() == 1 })
 }
 
 func TestDiscoveredListedAndRegisteredWorkersCoexist(t *testing.T) {

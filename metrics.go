@@ -121,6 +121,7 @@ var (
 	descSources   = newDesc("workers_by_version_source", "Workers of the pool by where the router learned their weight version: reported, router, declared, verified, or unknown (it cannot vouch for their weights since a declaration, and gives them no job).", "pool", "source")
 	descBacklog   = newDesc("backlog_seconds", "Predicted time for the pool's workers to finish every job running and waiting, at their learned speeds.", "pool")
 	descHALeader  = newDesc("ha_leader", "1 while this router is the active one of the pool's HA group, 0 while it stands by; only for pools with ha.", "pool")
+	descSynced    = newDesc("discovery_synced", "1 while every lookup of the kind (dns, kubernetes) answered its last try, 0 while one fails and its workers are those of its last answer; only for pools that look workers up.", "pool", "source")
 	descAborted   = newDesc("aborted_total", "Generation jobs ended by POST /abort_request, by where they were (waiting, running), and requests refused on arrival because an abort remembers their id (resent).", "pool", "state")
 	descHeldBack  = newDesc("version_policy_held_total", "Generation jobs a version policy held back (latest, max_staleness): a worker could have taken them but for weights too stale for them; each job counts once.", "pool", "policy")
 
@@ -147,7 +148,7 @@ type poolCollector struct{}
 
 // Describe sends the descriptors of the per-worker series.
 func (poolCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descSources, descBacklog, descHALeader, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted, descHeldBack,
+	for _, d := range []*prometheus.Desc{descInflight, descWorkLeft, descSpeed, descState, descVersion, descJobs, descCost, descFailures, descEjections, descQueue, descQueueBy, descServing, descSources, descBacklog, descHALeader, descTenantBacklog, descTenantQueue, descTenantRunning, descTenantCost, descAborted, descHeldBack, descSynced,
 		descAdapterSwitches, descAdapterSwitchTime, descAdapterSwitchFails, descAdapterWaiting, descAdapterHolders} {
 		ch <- d
 	}
@@ -173,6 +174,9 @@ func (poolCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descServing, prometheus.GaugeValue, float64(p.ServingCount()), p.Name())
 		ch <- prometheus.MustNewConstMetric(descBacklog, prometheus.GaugeValue, p.Backlog().Seconds(), p.Name())
 		collectAborts(ch, p.Name(), p.AbortStats())
+		for source, synced := range p.LookupsInSync() {
+			ch <- prometheus.MustNewConstMetric(descSynced, prometheus.GaugeValue, boolFloat(synced), p.Name(), source)
+		}
 		for policy, n := range p.HeldBack() {
 			ch <- prometheus.MustNewConstMetric(descHeldBack, prometheus.CounterValue, float64(n), p.Name(), policy)
 		}

@@ -40,9 +40,10 @@ type configured interface {
 	Undeclare(urls []string)
 	DeclareAdapters(adapters []scheduler.Adapter, cfg scheduler.PlacementConfig)
 	UndeclareAdapters(adapters []scheduler.Adapter)
-	DeclareLookups(keys []string)
+	DeclareLookups(source string, keys []string)
 	UndeclareLookups(keys []string)
 	SetFound(key string, found []scheduler.Found, maxWorkers int) scheduler.FoundChange
+	SetFailing(key string, failing bool)
 	SetInitialSpeed(speed float64)
 	UseSwitcher(s scheduler.Switcher)
 }
@@ -67,4 +68,5 @@ type observed interface {
 	AbortStats() scheduler.AbortStats
 	HeldBack() map[string]uint64
 	Backlog() time.Duration
+	LookupsInSync() map[string]bool
 }

@@ -5,6 +5,11 @@ package scheduler
 type dnsAnswer struct {
 	users int     // loaded configs that name the lookup
 	found []Found // the workers its last usable answer named
+	// source is the lookup's kind ("dns", "kubernetes"); failing says
+	// its last try failed, so that its workers are those of an older
+	// answer.
+	source  string
+	failing bool
 }
 
 // FoundChange is what a lookup's answer did to the pool.
@@ -14,17 +19,40 @@ type FoundChange struct {
 	NoRoom int      // workers named but left out: the pool is full
 }
 
-// DeclareLookups counts a config's DNS lookups in, as declare counts its
-// workers.
-func (p *Pool) DeclareLookups(keys []string) {
+// DeclareLookups counts a config's lookups, by key, of the kind source
+// ("dns", "kubernetes"), in, as declare counts its workers.
+func (p *Pool) DeclareLookups(source string, keys []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, k := range keys {
 		if p.answers[k] == nil {
-			p.answers[k] = new(dnsAnswer)
+			p.answers[k] = &dnsAnswer{source: source}
 		}
 		p.answers[k].users++
 	}
+}
+
+// SetFailing records whether a lookup's last try failed: its workers stay
+// those of its last answer.
+func (p *Pool) SetFailing(key string, failing bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if a := p.answers[key]; a != nil {
+		a.failing = failing
+	}
+}
+
+// LookupsInSync reports, by kind of lookup, whether every lookup of that
+// kind answered its last try.
+func (p *Pool) LookupsInSync() map[string]bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make(map[string]bool)
+	for _, a := range p.answers {
+		synced, seen := out[a.source]
+		out[a.source] = !a.failing && (synced || !seen)
+	}
+	return out
 }
 
 // UndeclareLookups withdraws a config's DNS lookups; the workers of a

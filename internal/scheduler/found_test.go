@@ -10,7 +10,7 @@ import (
 func kubePool(t *testing.T, uids ...string) *Pool {
 	t.Helper()
 	p, _ := poolOf(t, 0)
-	p.DeclareLookups([]string{"k8s"})
+	p.DeclareLookups("kubernetes", []string{"k8s"})
 	p.SetFound("k8s", endpoints(uids, EndpointReady), 10)
 	for _, u := range p.URLs() {
 		p.RecordProbe(u, nil, testHealth)
