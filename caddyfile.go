@@ -154,11 +154,19 @@ func workerHost(rp *reverseproxy.Handler) {
 //	diffusion_router [<pool>] {
 //	    workers          <url...>
 //
-//	    # finding workers through DNS (discovery)
+//	    # finding workers through DNS or the Kubernetes API (discovery)
 //	    workers_dns      <name> <port>
 //	    workers_srv      <name>
 //	    dns_refresh      <duration>
 //	    dns_resolvers    <host:port...>
+//	    workers_kubernetes {
+//	        namespace    <namespace>
+//	        service      <name>
+//	        selector     <label selector>
+//	        port         <number>|<port name>
+//	        address_type IPv4|IPv6
+//	        kubeconfig   <file>
+//	    }
 //
 //	    # choosing a worker (load_balancing) and waiting for one (queue)
 //	    policy           least_work|least_request|round_robin|random
@@ -254,7 +262,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    persist          on|off
 //	}
 //
-// workers, workers_dns, workers_srv, dns_resolvers, admin_allow,
+// workers, workers_dns, workers_srv, workers_kubernetes, dns_resolvers, admin_allow,
 // weights_path_prefix, forward_paths, retry_on, tenants, tenant_weight and
 // adapter may repeat; each adds to the list. Sizes read like Caddy's
 // request_body max_size (64MiB, 10MB, 1048576). Factors, weights and
@@ -305,7 +313,9 @@ func (h *Handler) unmarshalOption(d *caddyfile.Dispenser) error {
 	}
 	args := d.RemainingArgs()
 	switch {
-	case len(args) == 0:
+	case opt.block && len(args) > 0:
+		return d.Errf("%s takes a block, not %q", name, args[0])
+	case len(args) == 0 && !opt.block:
 		return d.Errf("%s needs a value", name)
 	case !opt.list && len(args) > 1:
 		return d.Errf("%s takes exactly one value, got %d", name, len(args))
@@ -315,8 +325,9 @@ func (h *Handler) unmarshalOption(d *caddyfile.Dispenser) error {
 
 // option reads one Caddyfile option into the handler.
 type option struct {
-	list bool // takes several values and may repeat; they add up
-	read func(h *Handler, d *caddyfile.Dispenser, name string, args []string) error
+	list  bool // takes several values and may repeat; they add up
+	block bool // takes a block and no value; may repeat, each block one more
+	read  func(h *Handler, d *caddyfile.Dispenser, name string, args []string) error
 }
 
 // handlerOptions are the handler's Caddyfile options, grouped as the JSON
@@ -324,10 +335,11 @@ type option struct {
 var handlerOptions = map[string]option{
 	"workers": several(func(h *Handler) *[]string { return &h.Workers }),
 
-	"workers_dns":   {list: true, read: readWorkersDNS},
-	"workers_srv":   {list: true, read: readWorkersSRV},
-	"dns_refresh":   one(func(h *Handler) *caddy.Duration { return &h.Discovery.Refresh }, parseDuration),
-	"dns_resolvers": several(func(h *Handler) *[]string { return &h.Discovery.Resolvers }),
+	"workers_dns":        {list: true, read: readWorkersDNS},
+	"workers_srv":        {list: true, read: readWorkersSRV},
+	"workers_kubernetes": {block: true, read: readWorkersKubernetes},
+	"dns_refresh":        one(func(h *Handler) *caddy.Duration { return &h.Discovery.Refresh }, parseDuration),
+	"dns_resolvers":      several(func(h *Handler) *[]string { return &h.Discovery.Resolvers }),
 
 	"policy":            one(func(h *Handler) *string { return &h.LoadBalancing.Policy }, parseText),
 	"max_inflight":      one(func(h *Handler) *int { return &h.LoadBalancing.MaxInflight }, orWord("unlimited", -1, parseWhole)),
@@ -522,6 +534,31 @@ func readWorkersSRV(h *Handler, d *caddyfile.Dispenser, name string, args []stri
 		return d.Errf("%s takes one name per line: %s <name>", name, name)
 	}
 	h.Discovery.SRV = append(h.Discovery.SRV, args[0])
+	return nil
+}
+
+// readWorkersKubernetes reads a `workers_kubernetes { ... }` block, one
+// lookup of EndpointSlices.
+func readWorkersKubernetes(h *Handler, d *caddyfile.Dispenser, name string, _ []string) error {
+	var k KubernetesLookup
+	fields := map[string]*string{
+		"namespace": &k.Namespace, "service": &k.Service, "selector": &k.Selector,
+		"port": &k.Port, "address_type": &k.AddressType, "kubeconfig": &k.Kubeconfig,
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		sub, vals := d.Val(), d.RemainingArgs()
+		field, ok := fields[sub]
+		switch {
+		case !ok:
+			return d.Errf("unknown %s option %q (options: %s)", name, sub, strings.Join(slices.Sorted(maps.Keys(fields)), ", "))
+		case len(vals) != 1:
+			return d.Errf("%s %s takes exactly one value, got %d", name, sub, len(vals))
+		case *field != "":
+			return d.Errf("%s %s is given twice", name, sub)
+		}
+		*field = vals[0]
+	}
+	h.Discovery.Kubernetes = append(h.Discovery.Kubernetes, k)
 	return nil
 }
 

@@ -299,6 +299,39 @@ type Discovery struct {
 	// Resolvers are the DNS servers asked, host:port each (port 53 when
 	// left out), one at random per lookup. Default: the system's resolver.
 	Resolvers []string `json:"resolvers,omitempty"`
+
+	// Kubernetes are lookups of the Kubernetes API: the endpoints of
+	// EndpointSlices, followed as they change (a watch, not a refresh).
+	Kubernetes []KubernetesLookup `json:"kubernetes,omitempty"`
+}
+
+// KubernetesLookup follows the EndpointSlices of a Service, or those a
+// label selector names: each endpoint is a worker, http://<its first
+// address>:<port>, ready, terminating or not ready as its conditions say.
+type KubernetesLookup struct {
+	// Namespace is the namespace watched. Default: every namespace,
+	// which needs a ClusterRole.
+	Namespace string `json:"namespace,omitempty"`
+
+	// Service is the Service whose slices are followed (their label
+	// kubernetes.io/service-name). Exactly one of Service and Selector.
+	Service string `json:"service,omitempty"`
+
+	// Selector is a label selector of the slices, such as app=engines (a
+	// Service's slices carry its labels).
+	Selector string `json:"selector,omitempty"`
+
+	// Port is the workers' port in the slices: a number, or a port's
+	// name such as http. Default: the slice's only port.
+	Port string `json:"port,omitempty"`
+
+	// AddressType is the slices' address family followed, IPv4 or IPv6.
+	// Default IPv4.
+	AddressType string `json:"address_type,omitempty"`
+
+	// Kubeconfig is a kubeconfig file to reach the API with. Default: the
+	// pod's service account (in-cluster).
+	Kubeconfig string `json:"kubeconfig,omitempty"`
 }
 
 // DNSName is a name whose A and AAAA records are workers at Port.
