@@ -77,6 +77,20 @@
 //	          place after each. It reports the time from each kill to the
 //	          standby's /readyz 200 (median, max) and the requests sent,
 //	          answered, lost and retried (see failover.go); not part of all.
+//	refit     one rollout step of --n jobs of --mix sent at once, each with
+//	          X-Weight-Version-Policy latest, then (fresh workers and router)
+//	          max-staleness:1, --runs times alternating, on 8 workers of
+//	          speed 1 unless --speeds says otherwise. All start on step-1
+//	          (tensors sent to each worker, declared with checksums);
+//	          --refit-after the release a trainer refits them --refit-group
+//	          at a time past the router: pause_generation, each worker's own
+//	          update_weights_from_tensor, a sleep of --transfer for the
+//	          transfer (the fake loads at once), continue_generation with
+//	          step-2 and checksums. It reports the makespan, the share of
+//	          the available workers' time (those not being refit) that they
+//	          held no job while jobs waited in the router's queue (GET
+//	          /workers every 10 ms) and the answers by X-Weight-Version,
+//	          median and range over the runs (see refit.go); not part of all.
 //
 // The soak runs the router as a process of its own, Caddy built from
 // ./cmd/caddy (or --caddy), so that the memory, goroutines and open files
@@ -154,6 +168,7 @@
 //	go run ./cmd/bench --mode oversample --n 32 --group 4 --steps 5 --mix uniform --speeds 1,1,1,1
 //	go run ./cmd/bench --mode adapters --adapter-jobs 15 --lora-switch 5s --job-time 1s
 //	go run ./cmd/bench --mode failover --kills 10 --clients 6 --speeds 1,1,1
+//	go run ./cmd/bench --mode refit --mix uniform --n 320 --unit-ms 3 --transfer 300ms --refit-after 300ms --runs 3
 //
 // --router URL drives a router that is already running instead: it is
 // measured as it is (its own workers, strategy and learned state), once
