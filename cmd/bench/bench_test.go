@@ -507,7 +507,7 @@ func TestRefitMode(t *testing.T) {
 			table[cells[0]] = cells
 		}
 	}
-	want := []string{"policy", "requests", "failed", "makespan", "idle while jobs wait", "during the refit", "fleet busy", "refit done", "answers step-1/step-2"}
+	want := []string{"policy", "runs", "requests", "failed", "makespan", "idle while jobs wait", "during the refit", "fleet busy", "refit done", "answers step-1/step-2"}
 	if !slices.Equal(header, want) {
 		t.Fatalf("header %q, want %q\n%s", header, want, report)
 	}
@@ -517,12 +517,12 @@ func TestRefitMode(t *testing.T) {
 			t.Fatalf("no row for %s\n%s", p, report)
 		}
 		var old, fresh int
-		if _, err := fmt.Sscanf(cells[8], "%d/%d", &old, &fresh); err != nil || cells[1] != "24" || cells[2] != "0" || old+fresh != 24 {
+		if _, err := fmt.Sscanf(cells[9], "%d/%d", &old, &fresh); err != nil || cells[2] != "24" || cells[3] != "0" || old+fresh != 24 {
 			t.Errorf("%s: %q; want 24 requests, none failed, 24 answers on step-1 or step-2\n%s", p, cells, report)
 		}
-		for i, c := range cells[3:8] {
+		for i, c := range cells[4:9] {
 			if c == "-" || c == "" {
-				t.Errorf("%s: %s is %q\n%s", p, header[3+i], c, report)
+				t.Errorf("%s: %s is %q\n%s", p, header[4+i], c, report)
 			}
 		}
 	}

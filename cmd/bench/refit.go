@@ -72,6 +72,9 @@ type refitRun struct {
 func benchRefit(ctx context.Context, o options, out io.Writer) panel {
 	fmt.Fprintf(out, "\n== refit: %d jobs sent at once on %s, %d workers refit %d at a time, --refit-after %s, transfers of %s ==\n",
 		o.n, oldVersion, len(o.speeds), o.refitGroup, o.refitAfter, o.transfer)
+	bound := batchBound(makeJobs(mixes[o.mix], o.n, o.seed), o.speeds) * o.unitMs / 1000
+	fmt.Fprintf(out, "lower bound: %s without a refit (max(longest job on the fastest worker, total cost / total speed)); each worker out for --transfer adds %s to total cost / total speed\n",
+		fmtSeconds(bound), o.transfer)
 	fmt.Fprintf(out, "per group: pause_generation (waits for its jobs) → update_weights_from_tensor to each worker directly → sleep %s → continue_generation to %s with checksums\n", o.transfer, newVersion)
 	fmt.Fprintf(out, "idle: worker-time an available worker (not in the group being refit) held no job while jobs waited in the router's queue, ÷ available worker-time; GET /workers every %s\n", refitPoll)
 	fmt.Fprintf(out, "cells: median (min–max) over %d runs per policy, alternating\n\n", o.runs)
@@ -136,7 +139,10 @@ func refitCols(runs map[string][]refitRun, workers int) []column {
 		return fmt.Sprintf("%.1f%%", 100*x)
 	}
 	return slices.Concat(
-		[]column{{"policy", func(r row) string { return r.name }}}, countCols(),
+		[]column{
+			{"policy", func(r row) string { return r.name }},
+			{"runs", func(r row) string { return fmt.Sprint(len(runs[r.name])) }},
+		}, countCols(),
 		[]column{
 			{"makespan", func(r row) string {
 				return over(r, func(x refitRun) float64 { return x.makespan.Seconds() }, fmtSeconds)
