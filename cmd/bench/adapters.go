@@ -393,17 +393,22 @@ func pollHoldings(ctx context.Context, front adapterFront, every time.Duration) 
 	p := &holdingPoll{start: time.Now(), cancel: cancel}
 	p.done.Go(func() {
 		last := make(map[string]holding)
-		tick := time.NewTicker(every)
-		defer tick.Stop()
-		for ctx.Err() == nil {
-			p.read(ctx, front, last)
-			select {
-			case <-ctx.Done():
-			case <-tick.C:
-			}
-		}
+		tickUntilDone(ctx, every, func() { p.read(ctx, front, last) })
 	})
 	return p
+}
+
+// tickUntilDone calls f at once and then every so often, until ctx ends.
+func tickUntilDone(ctx context.Context, every time.Duration, f func()) {
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for ctx.Err() == nil {
+		f()
+		select {
+		case <-ctx.Done():
+		case <-tick.C:
+		}
+	}
 }
 
 // read records the holdings that changed since last.

@@ -337,7 +337,11 @@ func TestParseFlags(t *testing.T) {
 	if !slices.Equal(o.speeds, []float64{1, 2.5}) || o.warmup != 4 || len(o.strategies) != 7 {
 		t.Errorf("parsed %+v", o)
 	}
-	for _, bad := range [][]string{{"--mode", "x"}, {"--mix", "x"}, {"--speeds", "1,0"}, {"--n", "0"}} {
+	if o, err := parseFlags([]string{"--mode", "refit"}); err != nil || len(o.speeds) != 8 || o.refitGroup != 2 {
+		t.Errorf("refit mode: %v, %d workers refit %d at a time; want 8, 2", err, len(o.speeds), o.refitGroup)
+	}
+	for _, bad := range [][]string{{"--mode", "x"}, {"--mix", "x"}, {"--speeds", "1,0"}, {"--n", "0"},
+		{"--refit-group", "0"}, {"--transfer", "-1s"}, {"--mode", "refit", "--router", "http://127.0.0.1:1"}} {
 		if _, err := parseFlags(bad); err == nil {
 			t.Errorf("%v accepted", bad)
 		}
@@ -472,4 +476,69 @@ func TestHoldersReached(t *testing.T) {
 			t.Errorf("from %s: %s, want %s", tc.from, got, tc.want)
 		}
 	}
+}
+
+// TestRefitMode runs the refit mode at a tiny scale (24 jobs of 20 ms on
+// 4 workers, refit 2 at a time with transfers of 20 ms): its report has a
+// row per policy with every field, no job failed, and every answer names
+// step-1 or step-2 in X-Weight-Version.
+func TestRefitMode(t *testing.T) {
+	o, err := parseFlags([]string{"--mode", "refit", "--mix", "uniform", "--n", "24", "--speeds", "1,1,1,1", "--unit-ms", "1",
+		"--transfer", "20ms", "--refit-after", "20ms", "--warmup", "0", "--strategies", "least_work/fifo"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cleanHome, err := testrouter.IsolateHome("bench-refit-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cleanHome()
+	var out strings.Builder
+	benchRefit(t.Context(), o, &out)
+	report := out.String()
+	table := map[string][]string{}
+	var header []string
+	for line := range strings.Lines(report) {
+		cells := splitCells(line)
+		switch {
+		case len(cells) > 0 && cells[0] == "policy":
+			header = cells
+		case header != nil && len(cells) == len(header):
+			table[cells[0]] = cells
+		}
+	}
+	want := []string{"policy", "runs", "requests", "failed", "makespan", "idle while jobs wait", "during the refit", "fleet busy", "refit done", "answers step-1/step-2"}
+	if !slices.Equal(header, want) {
+		t.Fatalf("header %q, want %q\n%s", header, want, report)
+	}
+	for _, p := range refitPolicies {
+		cells := table[p]
+		if cells == nil {
+			t.Fatalf("no row for %s\n%s", p, report)
+		}
+		var old, fresh int
+		if _, err := fmt.Sscanf(cells[9], "%d/%d", &old, &fresh); err != nil || cells[2] != "24" || cells[3] != "0" || old+fresh != 24 {
+			t.Errorf("%s: %q; want 24 requests, none failed, 24 answers on step-1 or step-2\n%s", p, cells, report)
+		}
+		for i, c := range cells[4:9] {
+			if c == "-" || c == "" {
+				t.Errorf("%s: %s is %q\n%s", p, header[4+i], c, report)
+			}
+		}
+	}
+	if strings.Contains(report, "  latest: ") || strings.Contains(report, "  max-staleness:1: ") {
+		t.Errorf("notes under the table: a run or its trainer failed\n%s", report)
+	}
+}
+
+// splitCells splits a line of a report table into its cells, which two or
+// more spaces part.
+func splitCells(line string) []string {
+	var cells []string
+	for c := range strings.SplitSeq(strings.TrimSpace(line), "  ") {
+		if c = strings.TrimSpace(c); c != "" {
+			cells = append(cells, c)
+		}
+	}
+	return cells
 }

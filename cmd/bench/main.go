@@ -77,6 +77,20 @@
 //	          place after each. It reports the time from each kill to the
 //	          standby's /readyz 200 (median, max) and the requests sent,
 //	          answered, lost and retried (see failover.go); not part of all.
+//	refit     one rollout step of --n jobs of --mix sent at once, each with
+//	          X-Weight-Version-Policy latest, then (fresh workers and router)
+//	          max-staleness:1, --runs times alternating, on 8 workers of
+//	          speed 1 unless --speeds says otherwise. All start on step-1
+//	          (tensors sent to each worker, declared with checksums);
+//	          --refit-after the release a trainer refits them --refit-group
+//	          at a time past the router: pause_generation, each worker's own
+//	          update_weights_from_tensor, a sleep of --transfer for the
+//	          transfer (the fake loads at once), continue_generation with
+//	          step-2 and checksums. It reports the makespan, the share of
+//	          the available workers' time (those not being refit) that they
+//	          held no job while jobs waited in the router's queue (GET
+//	          /workers every 10 ms) and the answers by X-Weight-Version,
+//	          median and range over the runs (see refit.go); not part of all.
 //
 // The soak runs the router as a process of its own, Caddy built from
 // ./cmd/caddy (or --caddy), so that the memory, goroutines and open files
@@ -154,6 +168,7 @@
 //	go run ./cmd/bench --mode oversample --n 32 --group 4 --steps 5 --mix uniform --speeds 1,1,1,1
 //	go run ./cmd/bench --mode adapters --adapter-jobs 15 --lora-switch 5s --job-time 1s
 //	go run ./cmd/bench --mode failover --kills 10 --clients 6 --speeds 1,1,1
+//	go run ./cmd/bench --mode refit --mix uniform --n 320 --unit-ms 3 --transfer 300ms --refit-after 300ms --runs 3
 //
 // --router URL drives a router that is already running instead: it is
 // measured as it is (its own workers, strategy and learned state), once
@@ -216,6 +231,10 @@ type options struct {
 	jobTime     time.Duration // adapters: how long a job takes at speed 1
 	kills       int           // failover: SIGKILLs of the active router
 	leaseTTL    time.Duration // failover: the routers' lease_ttl
+	refitGroup  int           // refit: workers refit at a time
+	refitAfter  time.Duration // refit: time from the step's release to the first pause
+	transfer    time.Duration // refit: how long a group's transfer takes
+	runs        int           // refit: runs of each policy
 }
 
 func main() {
@@ -236,7 +255,7 @@ func main() {
 func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample|adapters|failover")
+	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample|adapters|failover|refit")
 	fs.StringVar(&o.mix, "mix", "heavy", "the jobs: "+mixNames())
 	speeds := fs.String("speeds", "1,1,1,2", "one fake worker per value, its relative speed (adapters mode: one of speed 1 per adapter)")
 	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open); soak: requests in all; oversample: groups a step needs")
@@ -264,6 +283,10 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.adapterJobs, "adapter-jobs", 15, "adapters mode: phase 1's jobs per adapter (phase 2 sends as many in all, of adapter a)")
 	fs.DurationVar(&o.loraSwitch, "lora-switch", 5*time.Second, "adapters mode: how long a fake worker's set_lora takes when it changes the adapter")
 	fs.DurationVar(&o.jobTime, "job-time", time.Second, "adapters mode: how long a job takes at speed 1 (rounded to whole steps of --unit-ms)")
+	fs.IntVar(&o.refitGroup, "refit-group", 2, "refit mode: workers paused and refit at a time")
+	fs.DurationVar(&o.refitAfter, "refit-after", time.Second, "refit mode: time from the step's release to the first pause")
+	fs.DurationVar(&o.transfer, "transfer", time.Second, "refit mode: how long a group's weight transfer takes (a sleep between the direct update_weights_from_tensor calls and continue_generation)")
+	fs.IntVar(&o.runs, "runs", 1, "refit mode: runs of each policy, alternating")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -273,8 +296,11 @@ func parseFlags(args []string) (options, error) {
 	given := make(map[string]bool)
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
 	o.durationSet = given["duration"]
-	if o.mode == "adapters" && !given["speeds"] {
+	switch {
+	case o.mode == "adapters" && !given["speeds"]:
 		*speeds = strings.Repeat("1,", o.adapters-1) + "1"
+	case o.mode == "refit" && !given["speeds"]:
+		*speeds = "1,1,1,1,1,1,1,1"
 	}
 	var err error
 	if o.speeds, err = parseSpeeds(*speeds); err != nil {
@@ -296,8 +322,8 @@ func parseFlags(args []string) (options, error) {
 
 func (o options) check() error {
 	switch {
-	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample", "adapters", "failover"}, o.mode):
-		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak, oversample, adapters or failover", o.mode)
+	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample", "adapters", "failover", "refit"}, o.mode):
+		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak, oversample, adapters, failover or refit", o.mode)
 	case mixes[o.mix] == nil:
 		return fmt.Errorf("--mix %q: want %s", o.mix, mixNames())
 	case o.n <= 0, o.unitMs <= 0, o.util <= 0, o.clients <= 0, o.duration <= 0, o.timeout <= 0, o.faultEvery <= 0:
@@ -314,6 +340,10 @@ func (o options) check() error {
 		return errors.New("--router: the soak starts and reloads its own router")
 	case o.mode == "failover" && o.router != "":
 		return errors.New("--router: the failover mode starts and kills its own routers")
+	case o.mode == "refit" && o.router != "":
+		return errors.New("--router: the refit mode starts its own workers, whose weights it transfers")
+	case o.refitGroup < 1, o.refitAfter < 0, o.transfer < 0, o.runs < 1:
+		return errors.New("--refit-group and --runs must be positive, --refit-after and --transfer not negative")
 	case o.kills < 1, o.leaseTTL < time.Second, o.leaseTTL%time.Second != 0:
 		return errors.New("--kills must be positive and --lease-ttl whole seconds, at least 1s")
 	case o.router != "" && !strings.HasPrefix(o.router, "http://") && !strings.HasPrefix(o.router, "https://"):
@@ -366,6 +396,8 @@ func run(ctx context.Context, o options, out io.Writer) error {
 			panels = append(panels, benchOversample(ctx, o, out))
 		case "adapters":
 			panels = append(panels, benchAdapters(ctx, o, out))
+		case "refit":
+			panels = append(panels, benchRefit(ctx, o, out))
 		}
 	}
 	if o.svg == "" {
@@ -411,6 +443,8 @@ func printHeader(out io.Writer, o options) {
 			len(o.speeds), fmtSpeeds(o.speeds), o.loraSwitch)
 		fmt.Fprintf(out, "jobs:     %s at %gms per cost unit: %s each at speed 1; seed %d\n",
 			adapterJob(o), o.unitMs, fmtSeconds(adapterJob(o).cost()*o.unitMs/1000), o.seed)
+	case o.mode == "refit":
+		fmt.Fprint(out, refitDescription(o))
 	case o.router != "":
 		fmt.Fprintf(out, "router:   %s (external: measured as it runs; --speeds and --unit-ms are taken to describe its fleet)\n", o.router)
 	default:

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptrace"
@@ -27,6 +28,7 @@ type outcome struct {
 	latency time.Duration // request sent (or batch fired) → response body read
 	worker  string        // the answer's X-Fake-Worker header
 	adapter string        // the answer's X-Fake-Adapter header: the LoRA adapter the job ran on
+	version string        // the answer's X-Weight-Version header: the weights the router says it ran on
 	err     error         // nil for a 200 answer read to the end
 }
 
@@ -249,6 +251,8 @@ type client struct {
 	// models, when set, names request i's model field: the LoRA adapter
 	// it asks for. Otherwise it has none.
 	models func(i int) string
+	// header, when set, is sent with every request.
+	header http.Header
 }
 
 // newClient keeps up to conns idle connections per router, so that a batch
@@ -285,6 +289,7 @@ func (c *client) generate(ctx context.Context, i int, j job, from time.Time) out
 	_, header, err := c.call(ctx, "", http.MethodPost, "/v1/images/generations", i, body)
 	oc.latency, oc.err = time.Since(from), err
 	oc.worker, oc.adapter = header.Get("X-Fake-Worker"), header.Get(fakeworker.AdapterHeader)
+	oc.version = header.Get("X-Weight-Version")
 	return oc
 }
 
@@ -320,6 +325,7 @@ func (c *client) call(ctx context.Context, what, method, path string, i int, bod
 	if c.ids != nil {
 		id = c.ids(i)
 	}
+	maps.Copy(req.Header, c.header)
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", id)
 	if c.onResend != nil {
