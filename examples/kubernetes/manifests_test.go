@@ -1,16 +1,19 @@
 // Package kubernetes holds the example deployment's manifests; its test
 // keeps them from rotting: every manifest parses, the names that tie them
-// together match, and the router's Caddyfile adapts with this build of
-// Caddy and the plugin.
+// together match, the routers' Caddyfiles adapt with this build of Caddy
+// and the plugin, and the router that reads the Kubernetes API may read
+// EndpointSlices and nothing else.
 package kubernetes
 
 import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -94,12 +97,22 @@ func str(v any, path ...any) string {
 	return s
 }
 
+// clusterScoped are the kinds of the manifests that belong to no namespace.
+var clusterScoped = map[string]bool{"Namespace": true, "ClusterRole": true, "ClusterRoleBinding": true}
+
+// singleRouters are the Deployments of one router each, router.yaml's
+// (workers found through DNS) and router-api.yaml's (through the API).
+var singleRouters = []string{"diffusion-router", "diffusion-router-api"}
+
 func TestEveryManifestIsAnObject(t *testing.T) {
 	for _, o := range manifests(t) {
+		ns := str(o.doc, "metadata", "namespace")
 		switch {
 		case str(o.doc, "apiVersion") == "", o.kind() == "", o.name() == "":
 			t.Errorf("%s: a document without apiVersion, kind or metadata.name: %v", o.file, o.doc)
-		case o.kind() != "Namespace" && str(o.doc, "metadata", "namespace") != "rollout":
+		case clusterScoped[o.kind()] && ns != "":
+			t.Errorf("%s: %s %s names namespace %q, but belongs to none", o.file, o.kind(), o.name(), ns)
+		case !clusterScoped[o.kind()] && ns != "rollout":
 			t.Errorf("%s: %s %s is not in namespace rollout, which the Caddyfile's names assume", o.file, o.kind(), o.name())
 		}
 	}
@@ -108,15 +121,7 @@ func TestEveryManifestIsAnObject(t *testing.T) {
 func TestRouterCaddyfileAdapts(t *testing.T) {
 	objs := manifests(t)
 	deploy := find(t, objs, "Deployment", "diffusion-router")
-	cm := find(t, objs, "ConfigMap", str(volume(t, deploy, "caddyfile"), "configMap", "name"))
-	caddyfile := str(cm.doc, "data", "Caddyfile")
-	cfg, warnings, err := testrouter.Adapt([]byte(caddyfile), "router.yaml:Caddyfile")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, w := range warnings {
-		t.Errorf("caddy adapt warns: %s", w)
-	}
+	caddyfile, cfg := adapt(t, objs, deploy)
 
 	// The router looks up the SRV record of the workers' headless Service.
 	svc := find(t, objs, "Service", str(find(t, objs, "StatefulSet", "diffusion-workers").doc, "spec", "serviceName"))
@@ -124,8 +129,8 @@ func TestRouterCaddyfileAdapts(t *testing.T) {
 		t.Error("the workers' Service is not headless: its DNS name would be one virtual IP, not the pods")
 	}
 	srv := "_" + str(svc.doc, "spec", "ports", 0, "name") + "._tcp." + svc.name() + ".rollout.svc.cluster.local"
-	if !strings.Contains(string(cfg), `"srv":["`+srv+`"]`) {
-		t.Errorf("the router does not look up %s, the workers' SRV record:\n%s", srv, cfg)
+	if got := at(handler(cfg, "diffusion_router"), "discovery", "srv"); !reflect.DeepEqual(got, []any{srv}) {
+		t.Errorf("the router looks up SRV records %v; want the workers' SRV record, %s", got, srv)
 	}
 
 	// Its certificate comes from the Secret certificate.yaml fills, mounted
@@ -143,7 +148,22 @@ func TestRouterCaddyfileAdapts(t *testing.T) {
 
 func TestProbesAndScrapeMatchTheRouter(t *testing.T) {
 	objs := manifests(t)
-	deploy := find(t, objs, "Deployment", "diffusion-router")
+	for _, name := range singleRouters {
+		t.Run(name, func(t *testing.T) { routerProbesAndScrape(t, objs, find(t, objs, "Deployment", name)) })
+	}
+
+	worker := at(find(t, objs, "StatefulSet", "diffusion-workers").doc, "spec", "template", "spec", "containers", 0)
+	for _, probe := range []string{"startupProbe", "readinessProbe", "livenessProbe"} {
+		if got := str(worker, probe, "httpGet", "path"); got != "/health" {
+			t.Errorf("worker %s probes %q; sglang-diffusion answers /health", probe, got)
+		}
+	}
+}
+
+// routerProbesAndScrape checks that a router's probes ask /healthz and
+// /readyz over HTTPS, that the scrape annotations point at its metrics
+// port, and that its Service targets a port it has.
+func routerProbesAndScrape(t *testing.T, objs []object, deploy object) {
 	c := at(deploy.doc, "spec", "template", "spec", "containers", 0)
 	for probe, path := range map[string]string{"livenessProbe": "/healthz", "readinessProbe": "/readyz"} {
 		if got := str(c, probe, "httpGet", "path"); got != path {
@@ -161,15 +181,8 @@ func TestProbesAndScrapeMatchTheRouter(t *testing.T) {
 	if str(annotations, "prometheus.io/scrape") != "true" || str(annotations, "prometheus.io/port") != "9180" || ports["metrics"] != 9180 {
 		t.Errorf("the scrape annotations %v do not point at the metrics port %d", annotations, ports["metrics"])
 	}
-	if target := str(find(t, objs, "Service", "diffusion-router").doc, "spec", "ports", 0, "targetPort"); ports[target] == 0 {
+	if target := str(find(t, objs, "Service", deploy.name()).doc, "spec", "ports", 0, "targetPort"); ports[target] == 0 {
 		t.Errorf("the router's Service targets port %q, which the container does not name", target)
-	}
-
-	worker := at(find(t, objs, "StatefulSet", "diffusion-workers").doc, "spec", "template", "spec", "containers", 0)
-	for _, probe := range []string{"startupProbe", "readinessProbe", "livenessProbe"} {
-		if got := str(worker, probe, "httpGet", "path"); got != "/health" {
-			t.Errorf("worker %s probes %q; sglang-diffusion answers /health", probe, got)
-		}
 	}
 }
 
@@ -177,10 +190,25 @@ func TestProbesAndScrapeMatchTheRouter(t *testing.T) {
 // pool keeps its fleet record (diffusion_router/<pool>/fleet.json), is a
 // persistent volume: a restarted router reads back the workers registered
 // at run time, the ones held back and the weight version. The volume is
-// mounted once at a time, and the pod's user may write it.
+// mounted once at a time, and the pod's user may write it; each router
+// has a claim of its own.
 func TestRouterStorageOutlivesThePod(t *testing.T) {
 	objs := manifests(t)
-	deploy := find(t, objs, "Deployment", "diffusion-router")
+	claimedBy := map[string]string{}
+	for _, name := range singleRouters {
+		t.Run(name, func(t *testing.T) {
+			claim := routerStorageOutlivesThePod(t, objs, find(t, objs, "Deployment", name))
+			if other, ok := claimedBy[claim]; ok {
+				t.Errorf("%s and %s both keep their storage on claim %s: two routers would write one record", other, name, claim)
+			}
+			claimedBy[claim] = name
+		})
+	}
+}
+
+// routerStorageOutlivesThePod checks one router's storage, as
+// TestRouterStorageOutlivesThePod says, and returns the claim it is on.
+func routerStorageOutlivesThePod(t *testing.T, objs []object, deploy object) (claim string) {
 	spec := at(deploy.doc, "spec", "template", "spec")
 
 	// Caddy's storage is the file system under $XDG_DATA_HOME/caddy, which
@@ -212,7 +240,7 @@ func TestRouterStorageOutlivesThePod(t *testing.T) {
 		t.Errorf("Caddy's storage (%s) is mounted read-only", dataHome)
 	}
 	vol := volume(t, deploy, str(holder, "name"))
-	claim := str(vol, "persistentVolumeClaim", "claimName")
+	claim = str(vol, "persistentVolumeClaim", "claimName")
 	if claim == "" {
 		t.Fatalf("Caddy's storage (%s) is on volume %v, not a PersistentVolumeClaim: the fleet record would not outlive the pod", dataHome, vol)
 	}
@@ -239,17 +267,14 @@ func TestRouterStorageOutlivesThePod(t *testing.T) {
 	}
 
 	// The Caddyfile keeps the default storage and does not turn the record off.
-	cm := find(t, objs, "ConfigMap", str(volume(t, deploy, "caddyfile"), "configMap", "name"))
-	cfg, _, err := testrouter.Adapt([]byte(str(cm.doc, "data", "Caddyfile")), "router.yaml:Caddyfile")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if strings.Contains(string(cfg), `"storage":`) {
+	_, cfg := adapt(t, objs, deploy)
+	if at(cfg, "storage") != nil {
 		t.Error("the Caddyfile sets a storage of its own: check that it is kept across restarts, and this test")
 	}
-	if strings.Contains(string(cfg), `"persist_off":true`) {
+	if at(handler(cfg, "diffusion_router"), "persist_off") == true {
 		t.Error("the Caddyfile turns persist off: nothing would be kept on the volume")
 	}
+	return claim
 }
 
 // dockerfileEnv returns the value the Dockerfile's ENV lines give name.
@@ -359,22 +384,8 @@ func TestHARoutersShareOneElection(t *testing.T) {
 		t.Errorf("router-ha's strategy %v waits for new pods to be ready, which a standby never is: the rollout would never end", strategy)
 	}
 
-	cm := find(t, objs, "ConfigMap", str(volume(t, deploy, "caddyfile"), "configMap", "name"))
-	cfg, warnings, err := testrouter.Adapt([]byte(str(cm.doc, "data", "Caddyfile")), "router-ha.yaml:Caddyfile")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, w := range warnings {
-		t.Errorf("caddy adapt warns: %s", w)
-	}
-	var adapted any
-	if err := json.Unmarshal(cfg, &adapted); err != nil {
-		t.Fatal(err)
-	}
-	router := handler(adapted, "diffusion_router")
-	if router == nil {
-		t.Fatal("router-ha's Caddyfile has no diffusion_router handler")
-	}
+	_, cfg := adapt(t, objs, deploy)
+	router := handler(cfg, "diffusion_router")
 	advertise := str(router, "ha", "etcd", "advertise")
 	var endpoints []string
 	for _, e := range at(router, "ha", "etcd", "endpoints").([]any) {
@@ -425,4 +436,197 @@ func handler(v any, name string) map[string]any {
 		}
 	}
 	return nil
+}
+
+// adapt adapts the Caddyfile that deploy mounts from its ConfigMap with
+// this build, and returns its text and the adapted config, which has a
+// diffusion_router handler.
+func adapt(t *testing.T, objs []object, deploy object) (caddyfile string, cfg any) {
+	t.Helper()
+	cm := find(t, objs, "ConfigMap", str(volume(t, deploy, "caddyfile"), "configMap", "name"))
+	caddyfile = str(cm.doc, "data", "Caddyfile")
+	adapted, warnings, err := testrouter.Adapt([]byte(caddyfile), cm.file+":Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range warnings {
+		t.Errorf("caddy adapt warns: %s", w)
+	}
+	if err := json.Unmarshal(adapted, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	if handler(cfg, "diffusion_router") == nil {
+		t.Fatalf("%s's Caddyfile has no diffusion_router handler", deploy.name())
+	}
+	return caddyfile, cfg
+}
+
+// TestAPIRouterFollowsTheWorkersService checks router-api.yaml against
+// workers-api.yaml: the router follows, through the API and through
+// nothing else, the EndpointSlices of an ordinary Service that selects
+// the workers' pods, at a port that Service has, in the namespace it is in,
+// as a ServiceAccount whose token reaches the pod.
+func TestAPIRouterFollowsTheWorkersService(t *testing.T) {
+	objs := manifests(t)
+	deploy := find(t, objs, "Deployment", "diffusion-router-api")
+	_, cfg := adapt(t, objs, deploy)
+	discovery := at(handler(cfg, "diffusion_router"), "discovery")
+	if at(discovery, "a") != nil || at(discovery, "srv") != nil {
+		t.Errorf("router-api also looks workers up in DNS: %v", discovery)
+	}
+	lookups, _ := at(discovery, "kubernetes").([]any)
+	if len(lookups) != 1 {
+		t.Fatalf("router-api has %d workers_kubernetes lookups; want one, of the workers' Service: %v", len(lookups), discovery)
+	}
+	lookup := lookups[0]
+
+	svc := find(t, objs, "Service", str(lookup, "service"))
+	if ns := str(lookup, "namespace"); ns != str(svc.doc, "metadata", "namespace") {
+		t.Errorf("router-api watches namespace %q; Service %s is in %q", ns, svc.name(), str(svc.doc, "metadata", "namespace"))
+	}
+	if str(svc.doc, "spec", "clusterIP") == "None" || str(svc.doc, "spec", "type") == "ExternalName" {
+		t.Errorf("Service %s is headless or an ExternalName; the API variant follows an ordinary Service", svc.name())
+	}
+	pods := at(find(t, objs, "StatefulSet", "diffusion-workers").doc, "spec", "template")
+	selector, _ := at(svc.doc, "spec", "selector").(map[string]any)
+	for k, v := range selector {
+		if str(pods, "metadata", "labels", k) != v {
+			t.Errorf("Service %s selects %s=%v, which the workers' pods are not labelled", svc.name(), k, v)
+		}
+	}
+	if len(selector) == 0 {
+		t.Errorf("Service %s selects no pods: it would have no EndpointSlices of its own", svc.name())
+	}
+	port := str(lookup, "port")
+	var workerPorts []string
+	for _, p := range at(pods, "spec", "containers", 0, "ports").([]any) {
+		workerPorts = append(workerPorts, str(p, "name"))
+	}
+	ports, _ := at(svc.doc, "spec", "ports").([]any)
+	i := slices.IndexFunc(ports, func(p any) bool { return str(p, "name") == port })
+	switch {
+	case i < 0:
+		t.Errorf("router-api reads the slices' port %q, which Service %s does not name", port, svc.name())
+	case !slices.Contains(workerPorts, str(ports[i], "targetPort")):
+		t.Errorf("Service %s's port %s targets %v, which the workers' container does not name (%v)", svc.name(), port, at(ports[i], "targetPort"), workerPorts)
+	}
+
+	sa := find(t, objs, "ServiceAccount", str(deploy.doc, "spec", "template", "spec", "serviceAccountName"))
+	if at(sa.doc, "automountServiceAccountToken") == false || at(deploy.doc, "spec", "template", "spec", "automountServiceAccountToken") == false {
+		t.Errorf("router-api's ServiceAccount token is not mounted: the in-cluster client has nothing to read the API with")
+	}
+}
+
+// endpointSliceReader is all a role bound to the router may grant: what
+// an informer of EndpointSlices reads, group/resource:verb.
+var endpointSliceReader = []string{
+	"discovery.k8s.io/endpointslices:get",
+	"discovery.k8s.io/endpointslices:list",
+	"discovery.k8s.io/endpointslices:watch",
+}
+
+// TestRouterReadsOnlyEndpointSlices checks rbac.yaml and
+// rbac-cluster.yaml: router-api's ServiceAccount is bound, in the
+// namespace its Caddyfile watches (a Role) and across the cluster (the
+// ClusterRole form), to roles that grant get, list and watch on
+// EndpointSlices and nothing else; no binding gives it anything more.
+func TestRouterReadsOnlyEndpointSlices(t *testing.T) {
+	objs := manifests(t)
+	deploy := find(t, objs, "Deployment", "diffusion-router-api")
+	sa := find(t, objs, "ServiceAccount", str(deploy.doc, "spec", "template", "spec", "serviceAccountName"))
+	_, cfg := adapt(t, objs, deploy)
+	watched := str(handler(cfg, "diffusion_router"), "discovery", "kubernetes", 0, "namespace")
+
+	boundIn := map[string]bool{} // namespaces where a RoleBinding binds the ServiceAccount
+	boundCluster := false
+	for _, b := range objs {
+		if (b.kind() != "RoleBinding" && b.kind() != "ClusterRoleBinding") || !bindsServiceAccount(b, sa) {
+			continue
+		}
+		ns := str(b.doc, "metadata", "namespace")
+		boundIn[ns] = boundIn[ns] || b.kind() == "RoleBinding"
+		boundCluster = boundCluster || b.kind() == "ClusterRoleBinding"
+		ref := at(b.doc, "roleRef")
+		if str(ref, "apiGroup") != "rbac.authorization.k8s.io" {
+			t.Errorf("%s %s refers to a role in group %q", b.kind(), b.name(), str(ref, "apiGroup"))
+		}
+		role := find(t, objs, str(ref, "kind"), str(ref, "name"))
+		if role.kind() == "Role" && str(role.doc, "metadata", "namespace") != ns {
+			t.Errorf("%s %s in %q binds Role %s of namespace %q, which grants nothing there", b.kind(), b.name(), ns, role.name(), str(role.doc, "metadata", "namespace"))
+		}
+		if got := grants(role); !slices.Equal(got, endpointSliceReader) {
+			t.Errorf("%s %s grants the router %v; want exactly %v", role.kind(), role.name(), got, endpointSliceReader)
+		}
+	}
+	if !boundIn[watched] {
+		t.Errorf("no RoleBinding in namespace %q, which router-api watches, binds ServiceAccount %s", watched, sa.name())
+	}
+	if !boundCluster {
+		t.Errorf("no ClusterRoleBinding binds ServiceAccount %s: the form for watching every namespace is missing", sa.name())
+	}
+}
+
+// bindsServiceAccount reports whether binding b names sa among its subjects.
+func bindsServiceAccount(b, sa object) bool {
+	subjects, _ := at(b.doc, "subjects").([]any)
+	return slices.ContainsFunc(subjects, func(s any) bool {
+		return str(s, "kind") == "ServiceAccount" && str(s, "name") == sa.name() &&
+			str(s, "namespace") == str(sa.doc, "metadata", "namespace")
+	})
+}
+
+// grants lists, sorted, what a Role or ClusterRole allows as
+// group/resource:verb, and anything that narrows or widens its rules
+// (resource names, non-resource URLs, aggregation) as an entry of its own.
+func grants(role object) []string {
+	var got []string
+	if at(role.doc, "aggregationRule") != nil {
+		got = append(got, "aggregationRule")
+	}
+	rules, _ := at(role.doc, "rules").([]any)
+	for _, r := range rules {
+		for _, extra := range []string{"resourceNames", "nonResourceURLs"} {
+			if at(r, extra) != nil {
+				got = append(got, extra)
+			}
+		}
+		for _, g := range strs(r, "apiGroups") {
+			for _, res := range strs(r, "resources") {
+				for _, v := range strs(r, "verbs") {
+					got = append(got, g+"/"+res+":"+v)
+				}
+			}
+		}
+	}
+	slices.Sort(got)
+	return got
+}
+
+// strs returns the list of strings at key of a parsed YAML map.
+func strs(v any, key string) []string {
+	var out []string
+	l, _ := at(v, key).([]any)
+	for _, s := range l {
+		out = append(out, fmt.Sprint(s))
+	}
+	return out
+}
+
+// TestCertificateNamesEveryRouter checks that the certificate names each
+// router's Service, which is also the name the router's Caddyfile serves
+// to clients that send none (default_sni), the kubelet's probes among them.
+func TestCertificateNamesEveryRouter(t *testing.T) {
+	objs := manifests(t)
+	names := strs(at(find(t, objs, "Certificate", "diffusion-router").doc, "spec"), "dnsNames")
+	for _, name := range append(singleRouters, "diffusion-router-ha") {
+		caddyfile, _ := adapt(t, objs, find(t, objs, "Deployment", name))
+		find(t, objs, "Service", name) // the router's Service, named as its Deployment
+		host := name + ".rollout.svc.cluster.local"
+		if !strings.Contains(caddyfile, "default_sni "+host+"\n") {
+			t.Errorf("%s's Caddyfile does not serve %s as its default_sni", name, host)
+		}
+		if !slices.Contains(names, host) {
+			t.Errorf("the certificate does not name %s, %s's Service (it names %v)", host, name, names)
+		}
+	}
 }
