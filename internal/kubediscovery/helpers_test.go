@@ -16,7 +16,9 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/watchlist"
 )
 
 // bound is how long a test waits for what must happen: generous, as the
@@ -42,7 +44,7 @@ func watchFake(t *testing.T, client kubernetes.Interface, c Config) *watcher {
 	w := &watcher{t: t, logs: logs, changed: make(chan struct{}, 1)}
 	ctx, cancel := context.WithCancel(context.Background())
 	ended := make(chan error, 1)
-	go func() { ended <- WatchWith(ctx, client, c, zap.New(core), w.update, w.synced) }()
+	go func() { ended <- WatchWith(ctx, typed{client}, c, zap.New(core), w.update, w.synced) }()
 	t.Cleanup(func() {
 		cancel()
 		select {
@@ -55,6 +57,23 @@ func watchFake(t *testing.T, client kubernetes.Interface, c Config) *watcher {
 		}
 	})
 	return w
+}
+
+// typed is API over a client-go clientset: the tests' fake one.
+type typed struct{ kubernetes.Interface }
+
+func (c typed) ListSlices(ctx context.Context, namespace string, opts metav1.ListOptions) (*discoveryv1.EndpointSliceList, error) {
+	return c.DiscoveryV1().EndpointSlices(namespace).List(ctx, opts)
+}
+
+func (c typed) WatchSlices(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
+	return c.DiscoveryV1().EndpointSlices(namespace).Watch(ctx, opts)
+}
+
+// IsWatchListSemanticsUnSupported passes on that the fake clientset cannot
+// stream a list, which the reflector would otherwise ask of it.
+func (c typed) IsWatchListSemanticsUnSupported() bool {
+	return watchlist.DoesClientNotSupportWatchListSemantics(c.Interface)
 }
 
 func (w *watcher) update(set []Endpoint) {

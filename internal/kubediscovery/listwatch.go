@@ -9,7 +9,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 )
 
@@ -45,13 +44,12 @@ func (h *health) failure() error {
 
 // listWatch lists and watches the slices c names, filtered by the API
 // server, reporting every call's outcome to h.
-func listWatch(client kubernetes.Interface, c Config, h *health) cache.ListerWatcher {
-	api := client.DiscoveryV1().EndpointSlices(c.Namespace)
+func listWatch(api API, c Config, h *health) cache.ListerWatcher {
 	selector := c.selector().String()
 	lw := &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 			opts.LabelSelector = selector
-			list, err := api.List(ctx, opts)
+			list, err := api.ListSlices(ctx, c.Namespace, opts)
 			switch {
 			case ctx.Err() != nil:
 			case err != nil:
@@ -63,7 +61,7 @@ func listWatch(client kubernetes.Interface, c Config, h *health) cache.ListerWat
 		},
 		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
 			opts.LabelSelector = selector
-			w, err := api.Watch(ctx, opts)
+			w, err := api.WatchSlices(ctx, c.Namespace, opts)
 			if err != nil {
 				if ctx.Err() == nil {
 					h.report(err)
@@ -79,8 +77,9 @@ func listWatch(client kubernetes.Interface, c Config, h *health) cache.ListerWat
 			return reporting(w, h, streaming), nil
 		},
 	}
-	// The fake clientset cannot stream a list; this tells the reflector so.
-	return cache.ToListWatcherWithWatchListSemantics(lw, client)
+	// An API that cannot stream a list (client-go's fake clientset) says
+	// so to the reflector this way.
+	return cache.ToListWatcherWithWatchListSemantics(lw, api)
 }
 
 // reportingWatch passes a watch's events on, reporting its error events

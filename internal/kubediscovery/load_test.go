@@ -85,7 +85,7 @@ func TestStopsWithItsContext(t *testing.T) {
 	listed := make(chan struct{})
 	ended := make(chan error)
 	go func() {
-		ended <- WatchWith(ctx, client, Config{Namespace: "prod", Service: "engines"}, zap.NewNop(),
+		ended <- WatchWith(ctx, typed{client}, Config{Namespace: "prod", Service: "engines"}, zap.NewNop(),
 			func([]Endpoint) {}, func(in bool) {
 				if in {
 					close(listed)

@@ -9,7 +9,6 @@ import (
 	"go.uber.org/zap"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 )
@@ -19,35 +18,20 @@ import (
 // update.
 const coalesce = 10 * time.Millisecond
 
-// userAgent names the router in the API server's logs and audit.
-const userAgent = "miles-diffusion-router"
-
-// Client makes the clientset c names, from its kubeconfig or, without
-// one, from the pod's service account; outside a cluster the latter fails,
-// naming in-cluster mode. It contacts nothing.
-func Client(c Config) (kubernetes.Interface, error) {
-	cfg, err := c.restConfig()
-	if err != nil {
-		return nil, err
-	}
-	cfg.UserAgent = userAgent
-	return kubernetes.NewForConfig(cfg)
-}
-
 // Watch follows the slices c names until ctx ends, through Client and
 // WatchWith; it returns at once if c is invalid or there is no client.
 func Watch(ctx context.Context, c Config, log *zap.Logger, update func([]Endpoint), synced func(bool)) error {
 	if err := c.Check(); err != nil {
 		return err
 	}
-	client, err := Client(c)
+	api, err := Client(c)
 	if err != nil {
 		return err
 	}
-	return WatchWith(ctx, client, c, log, update, synced)
+	return WatchWith(ctx, api, c, log, update, synced)
 }
 
-// WatchWith follows the slices c names through client until ctx ends, and
+// WatchWith follows the slices c names through api until ctx ends, and
 // returns once everything it started has stopped. A shared informer lists
 // and then watches discovery.k8s.io/v1 EndpointSlices, filtered by the API
 // server by namespace and label selector.
@@ -69,12 +53,12 @@ func Watch(ctx context.Context, c Config, log *zap.Logger, update func([]Endpoin
 //
 // update and synced are called from one goroutine, never at once, and
 // never after WatchWith returns.
-func WatchWith(ctx context.Context, client kubernetes.Interface, c Config, log *zap.Logger, update func([]Endpoint), synced func(bool)) error {
+func WatchWith(ctx context.Context, api API, c Config, log *zap.Logger, update func([]Endpoint), synced func(bool)) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	kicks := make(chan struct{}, 1)
 	h := &health{kick: kicks}
-	inf := cache.NewSharedIndexInformer(listWatch(client, c, h), &discoveryv1.EndpointSlice{}, 0, cache.Indexers{})
+	inf := cache.NewSharedIndexInformer(listWatch(api, c, h), &discoveryv1.EndpointSlice{}, 0, cache.Indexers{})
 	if err := inf.SetWatchErrorHandlerWithContext(func(ctx context.Context, _ *cache.Reflector, err error) {
 		if ctx.Err() == nil {
 			h.report(err)
