@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
-	"time"
 
 	"go.uber.org/zap"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -106,23 +105,10 @@ current-context: x
 		t.Fatal(err)
 	}
 
-	w := &watcher{t: t, changed: make(chan struct{}, 1)}
-	ctx, cancel := context.WithCancel(context.Background())
-	ended := make(chan error, 1)
-	go func() {
-		ended <- Watch(ctx, Config{Namespace: "prod", Service: "engines", Kubeconfig: kubeconfig}, zap.NewNop(), w.update, w.synced)
-	}()
-	defer func() {
-		cancel()
-		select {
-		case err := <-ended:
-			if err != nil {
-				t.Error(err)
-			}
-		case <-time.After(bound):
-			t.Error("Watch did not return")
-		}
-	}()
+	w, stop := follow(t, func(ctx context.Context, log *zap.Logger, w *watcher) error {
+		return Watch(ctx, Config{Namespace: "prod", Service: "engines", Kubeconfig: kubeconfig}, log, w.update, w.synced)
+	})
+	defer stop()
 	w.waitKeys("uid-engine-a")
 	w.waitSynced(true)
 

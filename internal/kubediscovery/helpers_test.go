@@ -40,23 +40,32 @@ type watcher struct {
 // watchFake runs WatchWith on client until the test ends.
 func watchFake(t *testing.T, client kubernetes.Interface, c Config) *watcher {
 	t.Helper()
+	w, stop := follow(t, func(ctx context.Context, log *zap.Logger, w *watcher) error {
+		return WatchWith(ctx, typed{client}, c, log, w.update, w.synced)
+	})
+	t.Cleanup(stop)
+	return w
+}
+
+// follow runs watch in a goroutine, recording what it says; stop ends it
+// and waits until it has returned.
+func follow(t *testing.T, watch func(context.Context, *zap.Logger, *watcher) error) (w *watcher, stop func()) {
 	core, logs := observer.New(zap.DebugLevel)
-	w := &watcher{t: t, logs: logs, changed: make(chan struct{}, 1)}
+	w = &watcher{t: t, logs: logs, changed: make(chan struct{}, 1)}
 	ctx, cancel := context.WithCancel(context.Background())
 	ended := make(chan error, 1)
-	go func() { ended <- WatchWith(ctx, typed{client}, c, zap.New(core), w.update, w.synced) }()
-	t.Cleanup(func() {
+	go func() { ended <- watch(ctx, zap.New(core), w) }()
+	return w, func() {
 		cancel()
 		select {
 		case err := <-ended:
 			if err != nil {
-				t.Errorf("WatchWith: %v", err)
+				t.Errorf("watching: %v", err)
 			}
 		case <-time.After(bound):
-			t.Errorf("WatchWith still running %v after its context ended", bound)
+			t.Errorf("still watching %v after the context ended", bound)
 		}
-	})
-	return w
+	}
 }
 
 // typed is API over a client-go clientset: the tests' fake one.
@@ -77,28 +86,23 @@ func (c typed) IsWatchListSemanticsUnSupported() bool {
 }
 
 func (w *watcher) update(set []Endpoint) {
-	w.enter()
-	defer w.calling.Add(-1)
-	w.mu.Lock()
-	w.updates = append(w.updates, set)
-	w.mu.Unlock()
-	kick(w.changed)
+	w.record(func() { w.updates = append(w.updates, set) })
 }
 
 func (w *watcher) synced(in bool) {
-	w.enter()
-	defer w.calling.Add(-1)
-	w.mu.Lock()
-	w.syncs = append(w.syncs, in)
-	w.mu.Unlock()
-	kick(w.changed)
+	w.record(func() { w.syncs = append(w.syncs, in) })
 }
 
-// enter fails the test if another call is under way.
-func (w *watcher) enter() {
+// record adds a call, failing the test if another is under way.
+func (w *watcher) record(add func()) {
 	if w.calling.Add(1) != 1 {
 		w.t.Error("update or synced called while another call was under way")
 	}
+	defer w.calling.Add(-1)
+	w.mu.Lock()
+	add()
+	w.mu.Unlock()
+	kick(w.changed)
 }
 
 // last is the last set given to update, and how many sets were given.

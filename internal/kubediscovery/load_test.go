@@ -81,34 +81,14 @@ func TestFlapping(t *testing.T) {
 func TestStopsWithItsContext(t *testing.T) {
 	before := runtime.NumGoroutine()
 	client := fake.NewClientset(sliceOf("prod", "engines-a", "engines", http30000, podAt("10.0.0.1", "prod", "engine-a")))
-	ctx, cancel := context.WithCancel(context.Background())
-	listed := make(chan struct{})
-	ended := make(chan error)
-	go func() {
-		ended <- WatchWith(ctx, typed{client}, Config{Namespace: "prod", Service: "engines"}, zap.NewNop(),
-			func([]Endpoint) {}, func(in bool) {
-				if in {
-					close(listed)
-				}
-			})
-	}()
-	select {
-	case <-listed:
-	case <-time.After(bound):
-		t.Fatal("never in sync")
-	}
+	w, stop := follow(t, func(ctx context.Context, log *zap.Logger, w *watcher) error {
+		return WatchWith(ctx, typed{client}, Config{Namespace: "prod", Service: "engines"}, log, w.update, w.synced)
+	})
+	w.waitSynced(true)
 	if during := runtime.NumGoroutine(); during <= before {
 		t.Fatalf("%d goroutines while watching, %d before: nothing started?", during, before)
 	}
-	cancel()
-	select {
-	case err := <-ended:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(bound):
-		t.Fatal("WatchWith did not return")
-	}
+	stop()
 	deadline := time.Now().Add(bound)
 	for runtime.NumGoroutine() > before {
 		if time.Now().After(deadline) {

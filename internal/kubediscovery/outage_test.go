@@ -58,6 +58,17 @@ func newAPI(objects ...runtime.Object) *api {
 
 func (a *api) failLists(err error) { a.listFails.Store(&err) }
 
+// watchingEngineA follows a Service of one slice, one endpoint, until it
+// is in sync, and returns the informer's watch.
+func watchingEngineA(t *testing.T) (*api, *watcher, *watch.RaceFreeFakeWatcher) {
+	t.Helper()
+	a := newAPI(sliceOf("prod", "engines-a", "engines", http30000, podAt("10.0.0.1", "prod", "engine-a")))
+	w := watchFake(t, a, Config{Namespace: "prod", Service: "engines"})
+	w.waitKeys("uid-engine-a")
+	w.waitSynced(true)
+	return a, w, a.nextWatch(t)
+}
+
 // nextWatch is the informer's next watch.
 func (a *api) nextWatch(t *testing.T) *watch.RaceFreeFakeWatcher {
 	t.Helper()
@@ -75,11 +86,7 @@ func (a *api) nextWatch(t *testing.T) *watch.RaceFreeFakeWatcher {
 // set stands (no update at all, let alone an empty one). When lists answer
 // again, the set is what they say and synced says true, logged at info.
 func TestWatchExpiredAndListsForbidden(t *testing.T) {
-	a := newAPI(sliceOf("prod", "engines-a", "engines", http30000, podAt("10.0.0.1", "prod", "engine-a")))
-	w := watchFake(t, a, Config{Namespace: "prod", Service: "engines"})
-	w.waitKeys("uid-engine-a")
-	w.waitSynced(true)
-	first := a.nextWatch(t)
+	a, w, first := watchingEngineA(t)
 
 	a.failLists(apierrors.NewForbidden(schema.GroupResource{Group: "discovery.k8s.io", Resource: "endpointslices"}, "", nil))
 	first.Error(&metav1.Status{Status: metav1.StatusFailure, Code: 410, Reason: metav1.StatusReasonExpired, Message: "too old resource version"})
@@ -111,11 +118,7 @@ func TestWatchExpiredAndListsForbidden(t *testing.T) {
 // handler, and synced still says false until a watch opens again. The
 // watch that reopens delivers what changed meanwhile.
 func TestWatchRefused(t *testing.T) {
-	a := newAPI(sliceOf("prod", "engines-a", "engines", http30000, podAt("10.0.0.1", "prod", "engine-a")))
-	w := watchFake(t, a, Config{Namespace: "prod", Service: "engines"})
-	w.waitKeys("uid-engine-a")
-	w.waitSynced(true)
-	first := a.nextWatch(t)
+	a, w, first := watchingEngineA(t)
 	// An event first: a watch closed before any is "very short", which
 	// makes the reflector list again rather than watch again.
 	b := sliceOf("prod", "engines-b", "engines", http30000, podAt("10.0.0.2", "prod", "engine-b"))
@@ -163,11 +166,7 @@ func TestAPIDownAtStart(t *testing.T) {
 // the informer has listed again, the set stands meanwhile, and the list
 // brings what changed.
 func TestWatchExpired(t *testing.T) {
-	a := newAPI(sliceOf("prod", "engines-a", "engines", http30000, podAt("10.0.0.1", "prod", "engine-a")))
-	w := watchFake(t, a, Config{Namespace: "prod", Service: "engines"})
-	w.waitKeys("uid-engine-a")
-	w.waitSynced(true)
-	first := a.nextWatch(t)
+	a, w, first := watchingEngineA(t)
 
 	create(t, a, sliceOf("prod", "engines-b", "engines", http30000, podAt("10.0.0.2", "prod", "engine-b")))
 	first.Error(&metav1.Status{Status: metav1.StatusFailure, Code: 410, Reason: metav1.StatusReasonExpired, Message: "too old resource version"})
