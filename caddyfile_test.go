@@ -91,6 +91,17 @@ func TestCaddyfileEveryOption(t *testing.T) {
 		workers_srv _http._tcp.workers.rollout.svc.cluster.local
 		dns_refresh 30s
 		dns_resolvers 10.96.0.10:53 10.96.0.11
+		workers_kubernetes {
+			namespace prod
+			service engines
+			port http
+		}
+		workers_kubernetes {
+			selector app=video-engines
+			port 30001
+			address_type IPv6
+			kubeconfig /etc/router/kubeconfig
+		}
 		health_uri /health_generate
 		health_interval 30s
 		health_timeout 2m
@@ -142,6 +153,10 @@ func TestCaddyfileEveryOption(t *testing.T) {
 			SRV:       []string{"_http._tcp.workers.rollout.svc.cluster.local"},
 			Refresh:   caddy.Duration(30 * time.Second),
 			Resolvers: []string{"10.96.0.10:53", "10.96.0.11"},
+			Kubernetes: []KubernetesLookup{
+				{Namespace: "prod", Service: "engines", Port: "http"},
+				{Selector: "app=video-engines", Port: "30001", AddressType: "IPv6", Kubeconfig: "/etc/router/kubeconfig"},
+			},
 		},
 		LoadBalancing: LoadBalancing{Policy: "round_robin", MaxInflight: 2, MaxAttempts: 2, RetryOn: []int{500, 503}, HedgeAfter: 3, InitialSpeed: 4.5},
 		Queue: Queue{
@@ -273,6 +288,7 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 		"zero max_held_total":       "max_held_total 0",
 		"max_held_total off":        "max_held_total off",
 		"version_policy three":      "version_policy max_staleness 1 2",
+		"workers_kubernetes value":  "workers_kubernetes engines",
 	}
 	for name, line := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -284,6 +300,16 @@ func TestCaddyfileBadSyntaxNamesLine(t *testing.T) {
 				t.Fatalf("error %q does not name Caddyfile line 3", err)
 			}
 		})
+	}
+	for block, says := range map[string]string{
+		"service engines\nnamespaces prod": `unknown workers_kubernetes option "namespaces"`,
+		"service":                          "workers_kubernetes service takes exactly one value, got 0",
+		"service a\nservice b":             "workers_kubernetes service is given twice",
+		"port 1 2":                         "workers_kubernetes port takes exactly one value, got 2",
+	} {
+		if _, err := adapt(t, "diffusion_router {\nworkers_kubernetes {\n"+block+"\n}\n}"); err == nil || !strings.Contains(err.Error(), says) {
+			t.Errorf("workers_kubernetes {%s}: %v; want an error saying %q", block, err, says)
+		}
 	}
 	_, err := adapt(t, "diffusion_router {\nworkers_consul a b\n}")
 	if err == nil || !strings.Contains(err.Error(), `unknown diffusion_router option "workers_consul"`) {
@@ -393,6 +419,13 @@ func TestBadValuesNameTheOption(t *testing.T) {
 		{"workers_srv w\ndns_resolvers 10.0.0.10:53-54", "dns_resolvers (discovery.resolvers):"},
 		{"workers_srv w\ndns_refresh -1s", "dns_refresh (discovery.refresh): must be positive"},
 		{"dns_refresh 30s", "dns_refresh (discovery.refresh): is set, but no workers_dns or workers_srv names a lookup"},
+		{"workers_kubernetes {\nnamespace prod\n}", "workers_kubernetes (discovery.kubernetes): service or selector"},
+		{"workers_kubernetes {\nservice engines\nselector app=engines\n}", "workers_kubernetes (discovery.kubernetes): service and selector: give one, not both"},
+		{"workers_kubernetes {\nselector app==,\n}", "workers_kubernetes (discovery.kubernetes): selector"},
+		{"workers_kubernetes {\nservice engines\nport 70000\n}", "workers_kubernetes (discovery.kubernetes): port 70000"},
+		{"workers_kubernetes {\nservice engines\nport no_such-port!\n}", "workers_kubernetes (discovery.kubernetes): port"},
+		{"workers_kubernetes {\nservice engines\naddress_type FQDN\n}", "workers_kubernetes (discovery.kubernetes): address_type"},
+		{"workers_kubernetes {\nservice engines\nkubeconfig /nonexistent/kubeconfig\n}", "workers_kubernetes (discovery.kubernetes): kubeconfig /nonexistent/kubeconfig"},
 		{"dns_resolvers 10.0.0.10", "dns_resolvers (discovery.resolvers): are set, but no workers_dns or workers_srv names a lookup"},
 	}
 	for _, tc := range cases {

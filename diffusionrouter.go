@@ -210,7 +210,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	p.DeclareAdapters(h.adapters(), h.placement())
 	if found != nil {
 		h.found = found
-		p.DeclareLookups("dns", found.keys())
+		found.declare()
 	}
 	h.api = &control.API{
 		Pool: p.controlled(), Fleet: p.fleet, Store: p.store, Logger: h.logger, Allow: h.allow, Token: h.token,
@@ -252,7 +252,7 @@ func (h *Handler) Cleanup() error {
 	h.pool.Undeclare(h.Workers)
 	h.pool.UndeclareAdapters(h.adapters())
 	if h.found != nil {
-		h.pool.UndeclareLookups(h.found.keys())
+		h.found.undeclare()
 	}
 	releasePool(h.Pool)
 	return nil

@@ -37,6 +37,7 @@ type discovery struct {
 	h       *Handler
 	lookups []*dnsLookup
 	refresh time.Duration
+	kube    []*kubeLookup // followed through the Kubernetes API: see kubernetes.go
 }
 
 // dnsLookup is one name to look up.
@@ -54,13 +55,15 @@ type dnsLookup struct {
 var errNoUsableWorker = errors.New("the answer names no usable worker")
 
 // newDiscovery sets up Caddy's upstream sources for the handler's DNS
-// names; nil when it has none. It dials nobody.
+// names, and its lookups of the Kubernetes API; nil when it has none. It
+// dials nobody.
 func newDiscovery(ctx caddy.Context, h *Handler) (*discovery, error) {
 	o := &h.Discovery
-	if len(o.A) == 0 && len(o.SRV) == 0 {
+	if len(o.A) == 0 && len(o.SRV) == 0 && len(o.Kubernetes) == 0 {
 		return nil, nil
 	}
 	d := &discovery{h: h, refresh: time.Duration(o.Refresh)}
+	d.addKubernetes(o.Kubernetes)
 	// Caddy's sources keep an answer for their Refresh; half of ours makes
 	// each round ask DNS again rather than get the last round's answer.
 	keep := caddy.Duration(d.refresh / 2)
@@ -88,8 +91,8 @@ func newDiscovery(ctx caddy.Context, h *Handler) (*discovery, error) {
 	return d, nil
 }
 
-// keys names the discovery's lookups in the pool.
-func (d *discovery) keys() []string {
+// dnsKeys names the discovery's DNS lookups in the pool.
+func (d *discovery) dnsKeys() []string {
 	keys := make([]string, len(d.lookups))
 	for i, l := range d.lookups {
 		keys[i] = l.key
@@ -97,9 +100,28 @@ func (d *discovery) keys() []string {
 	return keys
 }
 
-// run looks every name up at once, then again every refresh, until ctx
-// ends.
+// declare counts the discovery's lookups in the pool.
+func (d *discovery) declare() {
+	d.h.pool.DeclareLookups("dns", d.dnsKeys())
+	d.h.pool.DeclareLookups("kubernetes", d.kubeKeys())
+}
+
+// undeclare withdraws the discovery's lookups from the pool.
+func (d *discovery) undeclare() {
+	d.h.pool.UndeclareLookups(append(d.dnsKeys(), d.kubeKeys()...))
+}
+
+// run follows every Kubernetes lookup, and looks every DNS name up at
+// once, then again every refresh, until ctx ends.
 func (d *discovery) run(ctx context.Context) {
+	var watches sync.WaitGroup
+	defer watches.Wait()
+	for _, l := range d.kube {
+		scheduler.GoSafely(&watches, d.h.logger, "Kubernetes lookup "+l.key, func() { d.follow(ctx, l) })
+	}
+	if len(d.lookups) == 0 {
+		return
+	}
 	for {
 		for _, l := range d.lookups {
 			d.lookUp(ctx, l)
@@ -139,7 +161,7 @@ func (d *discovery) lookUp(ctx context.Context, l *dnsLookup) {
 		d.h.logger.Info("DNS lookup of workers answers again", zap.String("lookup", l.key))
 	}
 	change := d.h.pool.SetFound(l.key, urls, d.h.MaxWorkers)
-	d.report(l, change)
+	d.report(l.key, "DNS", change)
 	d.welcome(ctx, change.Joined)
 }
 
@@ -193,17 +215,18 @@ func (d *discovery) failed(l *dnsLookup, err error) {
 		zap.String("lookup", l.key), zap.Error(err))
 }
 
-// report logs how an answer changed the pool.
-func (d *discovery) report(l *dnsLookup, c scheduler.FoundChange) {
+// report logs how an answer of lookup key, found through through (DNS,
+// the Kubernetes API), changed the pool.
+func (d *discovery) report(key, through string, c scheduler.FoundChange) {
 	if len(c.Joined) > 0 {
-		d.h.logger.Info("workers found through DNS joined the pool", zap.String("lookup", l.key), zap.Strings("workers", c.Joined))
+		d.h.logger.Info("workers found through "+through+" joined the pool", zap.String("lookup", key), zap.Strings("workers", c.Joined))
 	}
 	if len(c.Left) > 0 {
-		d.h.logger.Info("workers no longer in DNS left the pool; their jobs in flight finish", zap.String("lookup", l.key), zap.Strings("workers", c.Left))
+		d.h.logger.Info("workers no longer found through "+through+" left the pool; their jobs in flight finish", zap.String("lookup", key), zap.Strings("workers", c.Left))
 	}
 	if c.NoRoom > 0 {
-		d.h.logger.Warn("workers found through DNS left out: the pool has max_workers workers",
-			zap.String("lookup", l.key), zap.Int("left_out", c.NoRoom), zap.Int("max_workers", d.h.MaxWorkers))
+		d.h.logger.Warn("workers found through "+through+" left out: the pool has max_workers workers",
+			zap.String("lookup", key), zap.Int("left_out", c.NoRoom), zap.Int("max_workers", d.h.MaxWorkers))
 	}
 }
 

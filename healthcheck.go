@@ -104,6 +104,11 @@ func (a *HealthApp) discover(d *discovery) {
 func (a *HealthApp) Start() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	for _, d := range a.discoveries { // first: a config that cannot reach its API starts nothing
+		if err := d.connect(); err != nil {
+			return err
+		}
+	}
 	if err := a.elect(); err != nil {
 		return err
 	}
@@ -114,7 +119,7 @@ func (a *HealthApp) Start() error {
 		scheduler.GoSafely(&a.finished, pr.logger, "health checks of pool "+pr.pool.Name(), func() { pr.run(ctx) })
 	}
 	for _, d := range a.discoveries {
-		scheduler.GoSafely(&a.finished, d.h.logger, "DNS discovery of pool "+d.h.Pool, func() { d.run(ctx) })
+		scheduler.GoSafely(&a.finished, d.h.logger, "discovery of pool "+d.h.Pool, func() { d.run(ctx) })
 	}
 	return nil
 }

@@ -13,9 +13,11 @@ import (
 // TestCoreIsFreeOfCaddy keeps the core under internal/ testable and
 // buildable without Caddy: no package there may depend on Caddy, directly
 // or through another, in its code or its tests, but the test harness,
-// which runs Caddy. It also keeps etcd inside internal/ha, which only the
-// root package imports, so that the scheduler and a router without
-// `ha etcd` carry no etcd code path.
+// which runs Caddy. It also keeps etcd inside internal/ha, and the
+// Kubernetes client inside internal/kubediscovery (and the stand-in API
+// server tests use), which only the root package imports, so that the
+// scheduler and a router without `ha etcd` or `workers_kubernetes` carry
+// no code path of theirs.
 func TestCoreIsFreeOfCaddy(t *testing.T) {
 	// One go list for every package, its tests and their dependencies:
 	// a line per package, test package and test binary.
@@ -31,7 +33,7 @@ func TestCoreIsFreeOfCaddy(t *testing.T) {
 			continue
 		}
 		for dep := range strings.FieldsSeq(deps) {
-			if strings.HasPrefix(dep, "github.com/caddyserver/") || !isHA(pkg) && reachesEtcd(dep) {
+			if strings.HasPrefix(dep, "github.com/caddyserver/") || !isHA(pkg) && reachesEtcd(dep) || !isKube(pkg) && reachesKube(dep) {
 				t.Errorf("%s depends on %s", name, dep)
 				break
 			}
@@ -65,6 +67,14 @@ func goList(args ...string) ([]byte, error) {
 const haPkg = "github.com/miles-rollout/miles-diffusion-router/internal/ha"
 
 func isHA(pkg string) bool { return pkg == haPkg }
+
+const kubePkg = "github.com/miles-rollout/miles-diffusion-router/internal/kubediscovery"
+
+func isKube(pkg string) bool { return pkg == kubePkg || strings.HasSuffix(pkg, "/internal/testkit/kubeapi") }
+
+func reachesKube(dep string) bool {
+	return strings.HasPrefix(dep, "k8s.io/") || dep == kubePkg
+}
 
 func reachesEtcd(dep string) bool {
 	return strings.HasPrefix(dep, "go.etcd.io/etcd/") || dep == haPkg

@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
+	"github.com/miles-rollout/miles-diffusion-router/internal/kubediscovery"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
@@ -693,9 +694,15 @@ func (h *Handler) provisionWorkers() error {
 	return nil
 }
 
-// provisionDiscovery reads the DNS discovery options.
+// provisionDiscovery reads the discovery options, DNS's and the
+// Kubernetes API's. It contacts nothing.
 func (h *Handler) provisionDiscovery() error {
 	o := &h.Discovery
+	for _, k := range o.Kubernetes {
+		if err := kubediscovery.Config(k).Check(); err != nil {
+			return optionError("workers_kubernetes", "discovery.kubernetes", "%v", err)
+		}
+	}
 	if len(o.A) == 0 && len(o.SRV) == 0 {
 		switch {
 		case o.Refresh != 0:

@@ -158,6 +158,8 @@ type workerJSON struct {
 	VideoSupport        *bool    `json:"video_support"`
 	State               string   `json:"state"`
 	Source              string   `json:"source"`
+	Namespace           string   `json:"namespace,omitempty"` // its pod's, when the Kubernetes API found it
+	Pod                 string   `json:"pod,omitempty"`
 	TaskTypes           []string `json:"task_types"`
 	RequestsServed      uint64   `json:"requests_served"`
 	Failures            uint64   `json:"failures"`
@@ -194,6 +196,8 @@ func newWorkerJSON(w scheduler.WorkerInfo) workerJSON {
 		VideoSupport:        request.VideoSupport(w.TaskTypes),
 		State:               w.State.String(),
 		Source:              w.Source,
+		Namespace:           w.Namespace,
+		Pod:                 w.Pod,
 		TaskTypes:           w.TaskTypes,
 		RequestsServed:      w.Served,
 		Failures:            w.Failures,

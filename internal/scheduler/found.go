@@ -18,11 +18,11 @@ import (
 type Found struct {
 	URL    string
 	Source string // the lookup's kind, as /workers shows it: "dns" (the default) or "kubernetes"
-	// Pod is the worker's pod, "namespace/name"; Identity is its uid. A
+	// Namespace and Pod name the worker's pod; Identity is its uid. A
 	// worker found with another identity at its address is a new
 	// process: its pod was replaced.
-	Pod, Identity string
-	Condition     Condition
+	Namespace, Pod, Identity string
+	Condition                Condition
 }
 
 // Condition is how far a found worker is ready, as its endpoint says.

@@ -23,7 +23,7 @@ func kubePool(t *testing.T, uids ...string) *Pool {
 func endpoints(uids []string, c Condition) []Found {
 	out := make([]Found, len(uids))
 	for i, uid := range uids {
-		out[i] = Found{URL: "http://" + uid + ":1", Source: "kubernetes", Pod: "prod/" + uid, Identity: uid, Condition: c}
+		out[i] = Found{URL: "http://" + uid + ":1", Source: "kubernetes", Namespace: "prod", Pod: uid, Identity: uid, Condition: c}
 	}
 	return out
 }
@@ -63,7 +63,7 @@ func TestAPodReplacedAtItsAddressIsANewWorker(t *testing.T) {
 	p := kubePool(t, "a")
 	p.SetCapabilities("http://a:1", []string{"T2I"}, "/ckpt/base")
 	applyUpdate(p, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
-	replaced := Found{URL: "http://a:1", Source: "kubernetes", Pod: "prod/a-2", Identity: "a-2"}
+	replaced := Found{URL: "http://a:1", Source: "kubernetes", Namespace: "prod", Pod: "a-2", Identity: "a-2"}
 	p.SetFound("k8s", []Found{replaced}, 10)
 	info := infoOf(t, p, "http://a:1")
 	if info.State != Stale && info.State != Unhealthy || info.TaskTypes != nil || info.Version != "" {

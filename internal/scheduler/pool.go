@@ -314,9 +314,11 @@ func (w *worker) serving(now int64) bool {
 type WorkerInfo struct {
 	URL         string
 	Dial        string
-	Source      string // what keeps it in the pool: registered, config or dns
-	State       State  // where the worker is now
-	Lifecycle   State  // where the fleet's operations put it
+	Source      string // what keeps it in the pool: registered, config, dns or kubernetes
+	Namespace   string // its pod's, when the Kubernetes API found it
+	Pod         string
+	State       State // where the worker is now
+	Lifecycle   State // where the fleet's operations put it
 	Version     string
 	VersionFrom string // where the router learned Version: a Source constant, "" while it knows none
 	Inflight    int
@@ -358,7 +360,7 @@ type WorkerInfo struct {
 func (p *Pool) infoLocked(w *worker) WorkerInfo {
 	now := p.now().UnixNano()
 	info := WorkerInfo{
-		URL: w.url, Dial: w.dial, Source: p.sourceLocked(w),
+		URL: w.url, Dial: w.dial, Source: p.sourceLocked(w), Namespace: w.found.Namespace, Pod: w.found.Pod,
 		State: w.stateAt(now), Lifecycle: w.life.state, Version: w.life.version, VersionFrom: w.versionSource(),
 		Inflight: w.load.inflight, Served: w.stats.served,
 		Failures: w.stats.failures, ConsecFails: w.evidence.consecFails,
