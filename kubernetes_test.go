@@ -94,7 +94,9 @@ func TestWorkersFollowAServicesEndpointSlices(t *testing.T) {
 
 	api.Apply(workerSlice(t, a, "a", terminating))
 	api.Apply(workerSlice(t, b, "b", ready))
-	testrouter.WaitFor(t, func() bool { return r.Workers()[a.URL()]["state"] == "terminating" && r.Workers()[b.URL()]["state"] == "serving" })
+	testrouter.WaitFor(t, func() bool {
+		return r.Workers()[a.URL()]["state"] == "terminating" && r.Workers()[b.URL()]["state"] == "serving"
+	})
 	jobsServedBy(t, r, 4, "b")
 	api.Apply(workerSlice(t, b, "b", notReady))
 	testrouter.WaitFor(t, func() bool { return r.Workers()[b.URL()]["state"] == "not_ready" })

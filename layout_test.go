@@ -70,7 +70,9 @@ func isHA(pkg string) bool { return pkg == haPkg }
 
 const kubePkg = "github.com/miles-rollout/miles-diffusion-router/internal/kubediscovery"
 
-func isKube(pkg string) bool { return pkg == kubePkg || strings.HasSuffix(pkg, "/internal/testkit/kubeapi") }
+func isKube(pkg string) bool {
+	return pkg == kubePkg || strings.HasSuffix(pkg, "/internal/testkit/kubeapi")
+}
 
 func reachesKube(dep string) bool {
 	return strings.HasPrefix(dep, "k8s.io/") || dep == kubePkg
