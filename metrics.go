@@ -121,7 +121,7 @@ var (
 	descSources   = newDesc("workers_by_version_source", "Workers of the pool by where the router learned their weight version: reported, router, declared, verified, or unknown (it cannot vouch for their weights since a declaration, and gives them no job).", "pool", "source")
 	descBacklog   = newDesc("backlog_seconds", "Predicted time for the pool's workers to finish every job running and waiting, at their learned speeds.", "pool")
 	descHALeader  = newDesc("ha_leader", "1 while this router is the active one of the pool's HA group, 0 while it stands by; only for pools with ha.", "pool")
-	descSynced    = newDesc("discovery_synced", "1 while every lookup of the kind (dns, kubernetes) answered its last try, 0 while one fails and its workers are those of its last answer; only for pools that look workers up.", "pool", "source")
+	descSynced    = newDesc("discovery_synced", "1 while every lookup of the kind (dns, kubernetes) answered its last try, 0 while one fails and its workers are those of its last answer, or has not answered yet; only for pools that look workers up.", "pool", "source")
 	descAborted   = newDesc("aborted_total", "Generation jobs ended by POST /abort_request, by where they were (waiting, running), and requests refused on arrival because an abort remembers their id (resent).", "pool", "state")
 	descHeldBack  = newDesc("version_policy_held_total", "Generation jobs a version policy held back (latest, max_staleness): a worker could have taken them but for weights too stale for them; each job counts once.", "pool", "policy")
 

@@ -26,7 +26,7 @@ func (p *Pool) DeclareLookups(source string, keys []string) {
 	defer p.mu.Unlock()
 	for _, k := range keys {
 		if p.answers[k] == nil {
-			p.answers[k] = &dnsAnswer{source: source}
+			p.answers[k] = &dnsAnswer{source: source, failing: true} // in sync once it answers
 		}
 		p.answers[k].users++
 	}
