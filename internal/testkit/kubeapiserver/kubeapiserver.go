@@ -234,7 +234,8 @@ func (s *Server) Do(t testing.TB, token, method, path string, body any) (int, []
 	return resp.StatusCode, out
 }
 
-// Must is Do that fails t unless the answer's status is want.
+// Must is Do as the admin (AdminToken) that fails t unless the answer's
+// status is want; it returns the answer's body.
 func (s *Server) Must(t testing.TB, want int, method, path string, body any) []byte {
 	t.Helper()
 	status, out := s.Do(t, s.AdminToken, method, path, body)
