@@ -1,12 +1,13 @@
 // Package testkit holds the test helpers that need no Caddy, so that the
 // core's tests, the root package's own unit tests and internal/testrouter
-// share one copy: waiting for a condition, goroutine stacks for leak
-// checks, and multipart bodies.
+// share one copy: waiting for a condition, free ports, goroutine stacks
+// for leak checks, and multipart bodies.
 package testkit
 
 import (
 	"bytes"
 	"mime/multipart"
+	"net"
 	"runtime"
 	"strings"
 	"testing"
@@ -24,6 +25,17 @@ func WaitUntil(d time.Duration, cond func() bool) bool {
 		time.Sleep(5 * time.Millisecond)
 	}
 	return true
+}
+
+// FreePort asks the kernel for a port of 127.0.0.1 that is free right
+// now, for a server a test starts a moment later.
+func FreePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
 }
 
 // Stacks returns the stacks of all goroutines but the caller's, by

@@ -16,7 +16,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"net/netip"
 	"os"
@@ -208,12 +207,7 @@ func RunExample(t testing.TB, cfg map[string]any, readyURL string) {
 
 // FreePort asks the kernel for a port of 127.0.0.1 that is free right now.
 func FreePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
+	return testkit.FreePort()
 }
 
 // Port is FreePort for a test: it fails t rather than return an error.

@@ -5,9 +5,12 @@
 package etcdtest
 
 import (
+	"bytes"
+	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -24,9 +27,7 @@ var ErrNoEtcd = errors.New("etcd is not on the PATH (Debian: apt-get install etc
 type Server struct {
 	// Endpoint is the client URL, as a router's `ha etcd` option names it.
 	Endpoint string
-	args     []string // etcd and its flags, to start it again as it was
-	cmd      *exec.Cmd
-	exited   chan struct{}
+	process  *testkit.Process
 }
 
 // Start runs etcd until the test ends. Without an etcd on the PATH the
@@ -70,31 +71,28 @@ func Launch(dir string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{Endpoint: client, args: []string{bin,
+	s := &Server{Endpoint: client, process: testkit.NewProcess(bin,
 		"--name", "test",
 		"--data-dir", dir,
 		"--listen-client-urls", client,
 		"--advertise-client-urls", client,
 		"--listen-peer-urls", peer,
 		"--initial-advertise-peer-urls", peer,
-		"--initial-cluster", "test=" + peer,
+		"--initial-cluster", "test="+peer,
 		"--logger", "zap", "--log-level", "error",
-	}}
+	)}
 	return s, s.run()
 }
 
 // run starts the process and waits until etcd is healthy.
 func (s *Server) run() error {
-	cmd := exec.Command(s.args[0], s.args[1:]...)
+	var out io.Writer
 	if testing.Testing() && testing.Verbose() {
-		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		out = os.Stderr
 	}
-	if err := cmd.Start(); err != nil {
+	if err := s.process.Start(out); err != nil {
 		return fmt.Errorf("starting etcd: %w", err)
 	}
-	exited := make(chan struct{})
-	s.cmd, s.exited = cmd, exited
-	go func() { _ = cmd.Wait(); close(exited) }()
 	if !testkit.WaitUntil(30*time.Second, s.healthy) {
 		s.Stop()
 		return fmt.Errorf("etcd at %s was not healthy within 30s", s.Endpoint)
@@ -105,20 +103,52 @@ func (s *Server) run() error {
 // Restart starts etcd again after Stop, on the same ports and data, as
 // when the cluster comes back.
 func (s *Server) Restart() error {
-	s.Stop()
 	return s.run()
 }
 
 // Stop kills etcd and waits for it to exit, as when the cluster becomes
 // unreachable; calling it twice is harmless.
 func (s *Server) Stop() {
-	select {
-	case <-s.exited:
-		return
-	default:
+	s.process.Stop()
+}
+
+// Compact writes a key, so that etcd's revision passes every one a
+// client has seen, and then drops the history up to that revision, as
+// etcd's periodic compaction does: a watch from any earlier revision is
+// refused from then on (the Kubernetes API answers it 410 Gone).
+func (s *Server) Compact() error {
+	var put struct {
+		Header struct {
+			Revision string `json:"revision"`
+		} `json:"header"`
 	}
-	_ = s.cmd.Process.Kill()
-	<-s.exited
+	key := base64.StdEncoding.EncodeToString([]byte("/etcdtest/compacted"))
+	if err := s.call("/v3/kv/put", map[string]any{"key": key, "value": key}, &put); err != nil {
+		return err
+	}
+	return s.call("/v3/kv/compaction", map[string]any{"revision": put.Header.Revision, "physical": true}, nil)
+}
+
+// call posts req to etcd's JSON gateway at path and decodes the answer
+// into resp, if not nil.
+func (s *Server) call(path string, req, resp any) error {
+	body, err := json.Marshal(req)
+	if err != nil {
+		return err
+	}
+	r, err := http.Post(s.Endpoint+path, "application/json", bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	defer r.Body.Close()
+	if r.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(r.Body)
+		return fmt.Errorf("etcd %s: %s %s", path, r.Status, msg)
+	}
+	if resp == nil {
+		return nil
+	}
+	return json.NewDecoder(r.Body).Decode(resp)
 }
 
 func (s *Server) healthy() bool {
@@ -132,10 +162,9 @@ func (s *Server) healthy() bool {
 
 // freeURL picks a port nobody listens on; etcd binds it a moment later.
 func freeURL() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := testkit.FreePort()
 	if err != nil {
 		return "", err
 	}
-	defer l.Close()
-	return fmt.Sprintf("http://%s", l.Addr()), nil
+	return fmt.Sprintf("http://127.0.0.1:%d", port), nil
 }

@@ -1,7 +1,8 @@
 // Package kubeapi is a stand-in for the Kubernetes API server's
 // EndpointSlice endpoints, for tests that follow slices through a
 // kubeconfig without a cluster: the real API server's tests run in a
-// network namespace of their own (e2e), these anywhere.
+// network namespace of their own (kubernetes_apiserver_test.go at the
+// root), these anywhere.
 package kubeapi
 
 import (
