@@ -35,23 +35,44 @@ var (
 
 // workerSlice is the slice of Service engines that names w, of pod uid,
 // in condition c.
-func workerSlice(t *testing.T, w *fakeworker.Worker, uid string, c conditions) *discoveryv1.EndpointSlice {
+func workerSlice(t *testing.T, w interface{ URL() string }, uid string, c conditions) *discoveryv1.EndpointSlice {
 	t.Helper()
-	u, err := url.Parse(w.URL())
+	host, port := hostPort(t, w.URL())
+	return engineSlice("engines-"+uid, port, podEndpoint(host, "engine-"+uid, uid, c))
+}
+
+// hostPort splits a worker's URL into its host and port.
+func hostPort(t *testing.T, workerURL string) (string, int) {
+	t.Helper()
+	u, err := url.Parse(workerURL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	port, _ := strconv.Atoi(u.Port())
-	name, number, tcp := "http", int32(port), corev1.ProtocolTCP
+	port, err := strconv.Atoi(u.Port())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u.Hostname(), port
+}
+
+// engineSlice is the slice name of Service engines in namespace prod,
+// whose endpoints listen on port, named http.
+func engineSlice(name string, port int, endpoints ...discoveryv1.Endpoint) *discoveryv1.EndpointSlice {
+	portName, number, tcp := "http", int32(port), corev1.ProtocolTCP
 	return &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Namespace: "prod", Name: "engines-" + uid, Labels: map[string]string{discoveryv1.LabelServiceName: "engines"}},
+		ObjectMeta:  metav1.ObjectMeta{Namespace: "prod", Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: "engines"}},
 		AddressType: discoveryv1.AddressTypeIPv4,
-		Ports:       []discoveryv1.EndpointPort{{Name: &name, Port: &number, Protocol: &tcp}},
-		Endpoints: []discoveryv1.Endpoint{{
-			Addresses:  []string{u.Hostname()},
-			Conditions: discoveryv1.EndpointConditions{Ready: &c.ready, Serving: &c.serving, Terminating: &c.terminating},
-			TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: "prod", Name: "engine-" + uid, UID: types.UID(uid)},
-		}},
+		Ports:       []discoveryv1.EndpointPort{{Name: &portName, Port: &number, Protocol: &tcp}},
+		Endpoints:   endpoints,
+	}
+}
+
+// podEndpoint is the endpoint of pod (uid uid) at address, in condition c.
+func podEndpoint(address, pod, uid string, c conditions) discoveryv1.Endpoint {
+	return discoveryv1.Endpoint{
+		Addresses:  []string{address},
+		Conditions: discoveryv1.EndpointConditions{Ready: &c.ready, Serving: &c.serving, Terminating: &c.terminating},
+		TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: "prod", Name: pod, UID: types.UID(uid)},
 	}
 }
 

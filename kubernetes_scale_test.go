@@ -1,0 +1,292 @@
+package diffusionrouter_test
+
+import (
+	"fmt"
+	"net"
+	"net/http"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	discoveryv1 "k8s.io/api/discovery/v1"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/kubeapi"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
+)
+
+// Bad input from the Kubernetes API breaks nothing: a Service of more
+// endpoints than the pool may hold, an endpoint that flaps. Every address
+// is on 127.0.0.0/8, so that a probe of an endpoint with nothing behind it
+// is refused at once and never leaves the machine.
+
+// heapAfterGC is the live heap, in bytes, once a collection has run.
+func heapAfterGC() uint64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc
+}
+
+// kubeSiteWith is kubeSite with more options in the router's block.
+func kubeSiteWith(api *kubeapi.Server, options string) string {
+	return strings.Replace(kubeSite(api), "diffusion_router {\n", "diffusion_router {\n"+options+"\n", 1)
+}
+
+// manySlices are the slices of a Service of perSlice×len(ports) endpoints,
+// slice s at ports[s]. Their pods sort after engine-*, so that the
+// workers named first are the real ones the test puts before them; the
+// others are at addresses of 127.10.0.0/12 where nothing listens.
+func manySlices(ports []int, perSlice int) []*discoveryv1.EndpointSlice {
+	out := make([]*discoveryv1.EndpointSlice, len(ports))
+	for s, port := range ports {
+		eps := make([]discoveryv1.Endpoint, perSlice)
+		for i := range eps {
+			n := s*perSlice + i
+			address := fmt.Sprintf("127.%d.%d.%d", 10+s, i/250, i%250+1)
+			eps[i] = podEndpoint(address, fmt.Sprintf("worker-%05d", n), fmt.Sprintf("uid-%05d", n), ready)
+		}
+		out[s] = engineSlice(fmt.Sprintf("engines-%d", s), port, eps...)
+	}
+	return out
+}
+
+// Ten thousand endpoints over ten slices: the pool takes max_workers of
+// them, the first in the order of their pods, and logs that it left the
+// rest out; it answers as it does with a few, and the real workers among
+// those it took serve.
+func TestTenThousandEndpointsFillThePoolToMaxWorkers(t *testing.T) {
+	const maxWorkers, perSlice, sliceCount = 50, 1000, 10
+	ws := namedWorkers(t, 2, fakeworker.Config{})
+	a, b := ws[0], ws[1]
+	aHost, aPort := hostPort(t, a.URL())
+	bHost, bPort := hostPort(t, b.URL())
+	ports := []int{aPort, bPort}
+	for len(ports) < sliceCount {
+		ports = append(ports, testrouter.Port(t))
+	}
+	all := manySlices(ports, perSlice)
+	all[0].Endpoints[0] = podEndpoint(aHost, "engine-a", "a", ready)
+	all[1].Endpoints[0] = podEndpoint(bHost, "engine-b", "b", ready)
+
+	heapBefore, goroutinesBefore := heapAfterGC(), runtime.NumGoroutine()
+	api := kubeapi.Start(t, "prod")
+	for _, s := range all {
+		api.Apply(s)
+	}
+	warnLog := t.TempDir() + "/warn.log"
+	logs := "log warn {\n output file " + warnLog + "\n format json\n level WARN\n include http.handlers.diffusion_router\n}"
+	r := testrouter.StartWith(t, logs, kubeSiteWith(api, fmt.Sprintf(" max_workers %d\n health_interval 1s", maxWorkers)))
+
+	testrouter.WaitFor(t, func() bool { return len(r.Workers()) == maxWorkers })
+	workers := r.Workers()
+	for _, w := range []string{a.URL(), b.URL()} {
+		if workers[w] == nil {
+			t.Fatalf("the pool of %d workers left out %s, which sorts first", len(workers), w)
+		}
+	}
+	testrouter.WaitFor(t, func() bool {
+		return logEntry(t, warnLog, "left out: the pool has max_workers workers", fmt.Sprintf(`"left_out":%d`, perSlice*sliceCount-maxWorkers)) != nil
+	})
+	for _, path := range []string{"/workers", "/health"} {
+		start := time.Now()
+		testrouter.ExpectStatus(t, path, r.Get(path), http.StatusOK)
+		if took := time.Since(start); took > 2*time.Second {
+			t.Errorf("%s took %v with %d endpoints named", path, took, perSlice*sliceCount)
+		}
+	}
+	for i := range 20 {
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
+		testrouter.ExpectStatus(t, fmt.Sprint("job ", i), rp, http.StatusOK)
+		if by := rp.Header.Get("X-Fake-Worker"); by != "a" && by != "b" {
+			t.Fatalf("job %d served by %q", i, by)
+		}
+	}
+
+	// A slice whose endpoints are all left out changes nothing: each
+	// change is logged with what it leaves out.
+	api.Delete("engines-9")
+	testrouter.WaitFor(t, func() bool {
+		return logEntry(t, warnLog, "left out: the pool has max_workers workers", fmt.Sprintf(`"left_out":%d`, perSlice*(sliceCount-1)-maxWorkers)) != nil
+	})
+	if n := len(r.Workers()); n != maxWorkers {
+		t.Fatalf("the pool has %d workers after a slice left out went; want %d", n, maxWorkers)
+	}
+	heap, goroutines := heapAfterGC(), runtime.NumGoroutine()
+	t.Logf("heap %d MB → %d MB, goroutines %d → %d", heapBefore>>20, heap>>20, goroutinesBefore, goroutines)
+	if heap > heapBefore+256<<20 {
+		t.Errorf("the heap grew from %d MB to %d MB", heapBefore>>20, heap>>20)
+	}
+	if goroutines > goroutinesBefore+20*maxWorkers {
+		t.Errorf("goroutines went from %d to %d", goroutinesBefore, goroutines)
+	}
+}
+
+// flapTime is how long an endpoint flaps in TestAFlappingEndpointLosesNoJob:
+// the issue's minute, a few seconds under -short.
+func flapTime() time.Duration {
+	if testing.Short() {
+		return 5 * time.Second
+	}
+	return time.Minute
+}
+
+// An endpoint that flips between ready and not ready every 100 ms beside a
+// steady one: every job sent all along is answered 200, and once the
+// flapping ends neither goroutines nor the heap have grown.
+func TestAFlappingEndpointLosesNoJob(t *testing.T) {
+	ws := namedWorkers(t, 2, fakeworker.Config{UnitMs: 2})
+	steady, flapping := ws[0], ws[1]
+	api := kubeapi.Start(t, "prod")
+	api.Apply(workerSlice(t, steady, "a", ready))
+	api.Apply(workerSlice(t, flapping, "b", ready))
+	r := testrouter.Start(t, kubeSite(api))
+	waitForWorkers(t, r, steady.URL(), flapping.URL())
+	testrouter.WaitFor(t, func() bool {
+		return r.Workers()[steady.URL()]["state"] == "serving" && r.Workers()[flapping.URL()]["state"] == "serving"
+	})
+	testrouter.ExpectStatus(t, "a job before the flapping", r.Post("/v1/images/generations", testrouter.SmallImage), http.StatusOK)
+
+	routerBefore, goroutinesBefore, heapBefore := testrouter.RouterGoroutines(), runtime.NumGoroutine(), heapAfterGC()
+	stop, _ := load(t, r, 4)
+	flips := 0
+	for end := time.Now().Add(flapTime()); time.Now().Before(end); flips++ {
+		time.Sleep(100 * time.Millisecond)
+		c := ready
+		if flips%2 == 0 {
+			c = notReady
+		}
+		api.Apply(workerSlice(t, flapping, "b", c))
+	}
+	api.Apply(workerSlice(t, flapping, "b", ready))
+	samples := stop()
+
+	served := map[string]int{}
+	for _, s := range samples {
+		if s.status != http.StatusOK {
+			t.Fatalf("a job sent at %v got %d", s.sent.Format(time.TimeOnly), s.status)
+		}
+		served[s.worker]++
+	}
+	t.Logf("%d flips, %d jobs, all answered 200: %v", flips, len(samples), served)
+	testrouter.WaitFor(t, func() bool { return r.Workers()[flapping.URL()]["state"] == "serving" })
+	testrouter.WaitNoNewRouterGoroutines(t, "a minute of flapping", routerBefore)
+	goroutines, heap := runtime.NumGoroutine(), heapAfterGC()
+	t.Logf("goroutines %d → %d, heap %d MB → %d MB", goroutinesBefore, goroutines, heapBefore>>20, heap>>20)
+	if goroutines > goroutinesBefore+50 {
+		t.Errorf("goroutines went from %d to %d", goroutinesBefore, goroutines)
+	}
+	if heap > heapBefore+64<<20 {
+		t.Errorf("the heap grew from %d MB to %d MB", heapBefore>>20, heap>>20)
+	}
+}
+
+// countedWorker is a fake worker that records the path of each request it
+// is sent, in order.
+type countedWorker struct {
+	*fakeworker.Worker
+	url  string
+	srv  *http.Server
+	mu   sync.Mutex
+	sent []string
+}
+
+// startCounted starts a counted fake worker named name on addr
+// (127.0.0.1:0 for a free port), until the test ends.
+func startCounted(t *testing.T, name, addr string) *countedWorker {
+	t.Helper()
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &countedWorker{Worker: fakeworker.New(fakeworker.Config{Name: name, UnitMs: 1}), url: "http://" + ln.Addr().String()}
+	c.srv = &http.Server{Handler: http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		c.mu.Lock()
+		c.sent = append(c.sent, r.URL.Path)
+		c.mu.Unlock()
+		c.Handler().ServeHTTP(rw, r)
+	}), ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = c.srv.Serve(ln) }()
+	t.Cleanup(c.Close)
+	return c
+}
+
+// URL is the worker's base URL.
+func (c *countedWorker) URL() string { return c.url }
+
+// Close stops the worker; its address is free once it returns.
+func (c *countedWorker) Close() {
+	_ = c.srv.Close()
+	c.Worker.Close()
+}
+
+// paths returns the paths of the requests the worker was sent so far.
+func (c *countedWorker) paths() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.sent)
+}
+
+// count is how many requests the worker was sent to path.
+func (c *countedWorker) count(path string) int {
+	n := 0
+	for _, p := range c.paths() {
+		if p == path {
+			n++
+		}
+	}
+	return n
+}
+
+// A pod replaced at its address (a new targetRef.uid at the same address
+// and port) is a new worker: the new process, on its initial weights, is
+// brought to the weights of the last update before its first job, and
+// every job runs on those. The pod that stays (the same uid, its
+// conditions changing) is not: it gets no second update.
+func TestAPodReplacedAtItsAddressIsCaughtUpBeforeItsFirstJob(t *testing.T) {
+	const update, generation, step1 = "/update_weights_from_disk", "/v1/images/generations", "/ckpt/step-1"
+	a := startCounted(t, "a", "127.0.0.1:0")
+	b := startCounted(t, "b", "127.0.0.1:0")
+	api := kubeapi.Start(t, "prod")
+	api.Apply(workerSlice(t, a, "a-1", ready))
+	api.Apply(workerSlice(t, b, "b", ready))
+	r := testrouter.Start(t, kubeSiteWith(api, " health_interval 200ms"))
+	waitForWorkers(t, r, a.URL(), b.URL())
+	testrouter.ExpectStatus(t, "update", r.Post(update, `{"model_path":"`+step1+`"}`), http.StatusOK)
+	if a.Weights() != step1 || b.Weights() != step1 {
+		t.Fatalf("after the update a runs %s, b %s; want %s", a.Weights(), b.Weights(), step1)
+	}
+
+	// As Kubernetes does it: the old pod is out of the endpoints before
+	// its address goes to the new one.
+	api.Apply(workerSlice(t, a, "a-1", notReady))
+	api.Apply(workerSlice(t, b, "b", notReady))
+	testrouter.WaitFor(t, func() bool {
+		return r.Workers()[a.URL()]["state"] == "not_ready" && r.Workers()[b.URL()]["state"] == "not_ready"
+	})
+	a.Close()
+	replaced := startCounted(t, "a", strings.TrimPrefix(a.URL(), "http://"))
+	api.Apply(workerSlice(t, replaced, "a-2", ready))
+	api.Apply(workerSlice(t, b, "b", ready))
+	stop, _ := load(t, r, 4)
+	testrouter.WaitFor(t, func() bool { return replaced.count(generation) >= 3 && b.count(generation) >= 3 })
+	for _, s := range stop() {
+		testrouter.ExpectStatus(t, "a job after the replacement", testrouter.Reply{Status: s.status}, http.StatusOK)
+	}
+	for name, w := range map[string]*countedWorker{"replaced": replaced, "other": b} {
+		if on := w.Stats().JobsOn; len(on) != 1 || on[step1] == 0 {
+			t.Fatalf("the %s pod ran jobs on %v; want all on %s", name, on, step1)
+		}
+	}
+	sent := replaced.paths()
+	caughtUp, firstJob := slices.Index(sent, update), slices.Index(sent, generation)
+	if caughtUp < 0 || caughtUp > firstJob {
+		t.Fatalf("the replaced pod was sent %v; want %s before its first job", sent, update)
+	}
+	if n := b.count(update); n != 1 {
+		t.Fatalf("the pod that stayed was sent %d updates; want the one the router sent all", n)
+	}
+}
