@@ -1,11 +1,14 @@
 package diffusionrouter_test
 
 import (
+	"context"
 	"fmt"
+	"net/http"
 	"net/url"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	corev1 "k8s.io/api/core/v1"
@@ -14,6 +17,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/ha"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/etcdtest"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/kubeapi"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
@@ -165,5 +170,50 @@ func TestInClusterModeOutsideAClusterFailsTheStart(t *testing.T) {
 	}
 	if !strings.Contains(err.Error(), "workers_kubernetes (discovery.kubernetes)") || !strings.Contains(err.Error(), "in-cluster") {
 		t.Fatalf("the start failed with %v; want the option and in-cluster mode named", err)
+	}
+}
+
+// With ha etcd, a standby follows the slices (its /workers names the
+// workers they name, as they change) but calls none of them; once it
+// leads it probes them and serves.
+func TestAStandbyFollowsTheSlicesButCallsNoWorker(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	ctx, resign := context.WithCancel(context.Background())
+	t.Cleanup(resign)
+	leader, err := ha.Campaign(ctx, ha.Config{Endpoints: []string{etcd.Endpoint}, KeyPrefix: "/diffusion-router",
+		Pool: "default", LeaseTTL: 2 * time.Second, Identity: "http://router-0.test:8080"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testrouter.WaitFor(t, leader.Leading)
+	a, b, c := startCounted(t, "a", "127.0.0.1:0"), startCounted(t, "b", "127.0.0.1:0"), startCounted(t, "c", "127.0.0.1:0")
+	api := kubeapi.Start(t, "prod")
+	api.Apply(workerSlice(t, a, "a", ready))
+	api.Apply(workerSlice(t, b, "b", ready))
+	r := testrouter.Start(t, kubeSiteWith(api, " health_interval 200ms\n ha etcd "+etcd.Endpoint+" {\n  lease_ttl 2s\n }"))
+	waitForWorkers(t, r, a.URL(), b.URL())
+	api.Apply(workerSlice(t, c, "c", ready))
+	api.Delete("engines-b")
+	waitForWorkers(t, r, a.URL(), c.URL())
+	if w := r.Workers()[c.URL()]; w["source"] != "kubernetes" || w["pod"] != "engine-c" {
+		t.Fatalf("c in the standby's /workers: source %v, pod %v; want kubernetes, engine-c", w["source"], w["pod"])
+	}
+	testrouter.ExpectStatus(t, "the standby's /readyz", r.Get("/readyz"), http.StatusServiceUnavailable)
+	time.Sleep(time.Second) // five health intervals, in which a leader probes every worker
+	for _, w := range []*countedWorker{a, b, c} {
+		if sent := w.paths(); len(sent) != 0 {
+			t.Fatalf("the standby sent %s %v; a standby calls no worker", w.URL(), sent)
+		}
+	}
+
+	resign()
+	testrouter.WaitFor(t, func() bool { return r.Get("/readyz").Status == http.StatusOK })
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
+	testrouter.ExpectStatus(t, "the first job once it leads", rp, http.StatusOK)
+	if by := rp.Header.Get("X-Fake-Worker"); by != "a" && by != "c" {
+		t.Fatalf("the first job once it leads was served by %q", by)
+	}
+	if n := b.count("/health"); n != 0 {
+		t.Fatalf("the router probed b, whose slice went, %d times", n)
 	}
 }
