@@ -86,6 +86,27 @@ func kubeSite(api *kubeapi.Server) string {
 	return testrouter.MetricsSite("diffusion_router {\n workers_kubernetes {\n  namespace prod\n  service engines\n  port http\n  kubeconfig " + api.Kubeconfig() + "\n }\n}")
 }
 
+// kubeSiteWith is kubeSite with more options in the router's block.
+func kubeSiteWith(api *kubeapi.Server, options string) string {
+	return strings.Replace(kubeSite(api), "diffusion_router {\n", "diffusion_router {\n"+options+"\n", 1)
+}
+
+// kubeRouter starts a stand-in API server whose slices name each of ws,
+// ready, as pods engine-a, engine-b, ..., and a router that follows them
+// with options in its block, and waits until they are its workers.
+func kubeRouter(t *testing.T, options string, ws ...interface{ URL() string }) (*kubeapi.Server, *testrouter.Router) {
+	t.Helper()
+	api := kubeapi.Start(t, "prod")
+	urls := make([]string, len(ws))
+	for i, w := range ws {
+		api.Apply(workerSlice(t, w, string(rune('a'+i)), ready))
+		urls[i] = w.URL()
+	}
+	r := testrouter.Start(t, kubeSiteWith(api, options))
+	waitForWorkers(t, r, urls...)
+	return api, r
+}
+
 // jobsServedBy sends n small jobs and fails t unless the worker named want
 // serves each.
 func jobsServedBy(t *testing.T, r *testrouter.Router, n int, want string) {
@@ -102,11 +123,7 @@ func jobsServedBy(t *testing.T, r *testrouter.Router, n int, want string) {
 func TestWorkersFollowAServicesEndpointSlices(t *testing.T) {
 	ws := namedWorkers(t, 2, fakeworker.Config{})
 	a, b := ws[0], ws[1]
-	api := kubeapi.Start(t, "prod")
-	api.Apply(workerSlice(t, a, "a", ready))
-	api.Apply(workerSlice(t, b, "b", ready))
-	r := testrouter.Start(t, kubeSite(api))
-	waitForWorkers(t, r, a.URL(), b.URL())
+	api, r := kubeRouter(t, "", a, b)
 	if w := r.Workers()[a.URL()]; w["source"] != "kubernetes" || w["namespace"] != "prod" || w["pod"] != "engine-a" {
 		t.Fatalf("a in /workers: source %v, pod %v/%v; want kubernetes, prod/engine-a", w["source"], w["namespace"], w["pod"])
 	}
@@ -136,10 +153,7 @@ func TestWorkersFollowAServicesEndpointSlices(t *testing.T) {
 // on, discovery_synced reads 0 until it answers again.
 func TestAnAPIOutageKeepsTheWorkers(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{})
-	api := kubeapi.Start(t, "prod")
-	api.Apply(workerSlice(t, ws[0], "a", ready))
-	r := testrouter.Start(t, kubeSite(api))
-	waitForWorkers(t, r, ws[0].URL())
+	api, r := kubeRouter(t, "", ws[0])
 	synced := func() float64 {
 		return testrouter.Value(t, r, "caddy_diffusion_discovery_synced", map[string]string{"source": "kubernetes"})
 	}
@@ -187,11 +201,7 @@ func TestAStandbyFollowsTheSlicesButCallsNoWorker(t *testing.T) {
 	}
 	testrouter.WaitFor(t, leader.Leading)
 	a, b, c := startCounted(t, "a", "127.0.0.1:0"), startCounted(t, "b", "127.0.0.1:0"), startCounted(t, "c", "127.0.0.1:0")
-	api := kubeapi.Start(t, "prod")
-	api.Apply(workerSlice(t, a, "a", ready))
-	api.Apply(workerSlice(t, b, "b", ready))
-	r := testrouter.Start(t, kubeSiteWith(api, " health_interval 200ms\n ha etcd "+etcd.Endpoint+" {\n  lease_ttl 2s\n }"))
-	waitForWorkers(t, r, a.URL(), b.URL())
+	api, r := kubeRouter(t, " health_interval 200ms\n ha etcd "+etcd.Endpoint+" {\n  lease_ttl 2s\n }", a, b)
 	api.Apply(workerSlice(t, c, "c", ready))
 	api.Delete("engines-b")
 	waitForWorkers(t, r, a.URL(), c.URL())
