@@ -254,9 +254,24 @@ func (c *countedWorker) count(path string) int {
 // A pod replaced at its address (a new targetRef.uid at the same address
 // and port) is a new worker: the new process, on its initial weights, is
 // brought to the weights of the last update before its first job, and
-// every job runs on those. The pod that stays (the same uid, its
-// conditions changing) is not: it gets no second update.
+// every job runs on those; later changes of the slices leave it be. So
+// too while the old pod's endpoint is still listed, terminating, at the
+// same address (hostNetwork pods on one node). The pod that stays (the
+// same uid, its conditions changing) is no new worker: it gets no second
+// update.
 func TestAPodReplacedAtItsAddressIsCaughtUpBeforeItsFirstJob(t *testing.T) {
+	oldPodGone := func(string) []discoveryv1.Endpoint { return nil }
+	oldPodTerminating := func(host string) []discoveryv1.Endpoint {
+		return []discoveryv1.Endpoint{podEndpoint(host, "engine-a", "a", conditions{false, false, true})}
+	}
+	for name, oldPod := range map[string]func(host string) []discoveryv1.Endpoint{"old pod gone": oldPodGone, "old pod terminating": oldPodTerminating} {
+		t.Run(name, func(t *testing.T) { replacePod(t, oldPod) })
+	}
+}
+
+// replacePod replaces pod a at its address, its old pod's endpoints then
+// those oldPod returns, and checks what TestAPodReplacedAtItsAddressIsCaughtUpBeforeItsFirstJob says.
+func replacePod(t *testing.T, oldPod func(host string) []discoveryv1.Endpoint) {
 	const update, generation, step1 = "/update_weights_from_disk", "/v1/images/generations", "/ckpt/step-1"
 	a := startCounted(t, "a", "127.0.0.1:0")
 	b := startCounted(t, "b", "127.0.0.1:0")
@@ -265,22 +280,27 @@ func TestAPodReplacedAtItsAddressIsCaughtUpBeforeItsFirstJob(t *testing.T) {
 	if a.Weights() != step1 || b.Weights() != step1 {
 		t.Fatalf("after the update a runs %s, b %s; want %s", a.Weights(), b.Weights(), step1)
 	}
+	bIs := func(c conditions, state string) {
+		api.Apply(workerSlice(t, b, "b", c))
+		testrouter.WaitFor(t, func() bool { return r.Workers()[b.URL()]["state"] == state })
+	}
 
-	// As Kubernetes does it: the old pod is out of the endpoints before
-	// its address goes to the new one.
+	// As Kubernetes does it: the old pod is out of service before its
+	// address goes to the new one.
 	api.Apply(workerSlice(t, a, "a", notReady))
-	api.Apply(workerSlice(t, b, "b", notReady))
-	testrouter.WaitFor(t, func() bool {
-		return r.Workers()[a.URL()]["state"] == "not_ready" && r.Workers()[b.URL()]["state"] == "not_ready"
-	})
+	testrouter.WaitFor(t, func() bool { return r.Workers()[a.URL()]["state"] == "not_ready" })
+	bIs(notReady, "not_ready")
 	a.Close()
 	replaced := startCounted(t, "a", strings.TrimPrefix(a.URL(), "http://"))
-	newPod := workerSlice(t, replaced, "a-2", ready)
-	newPod.Name = "engines-a" // the old pod's endpoint, now the new pod's
-	api.Apply(newPod)
-	api.Apply(workerSlice(t, b, "b", ready))
+	host, port := hostPort(t, replaced.URL())
+	api.Apply(engineSlice("engines-a", port, append(oldPod(host), podEndpoint(host, "engine-a-2", "a-2", ready))...))
+	bIs(ready, "serving")
 	stop, _ := load(t, r, 4)
 	testrouter.WaitFor(t, func() bool { return replaced.count(generation) >= 3 && b.count(generation) >= 3 })
+	for range 2 {
+		bIs(notReady, "not_ready")
+		bIs(ready, "serving")
+	}
 	for _, s := range stop() {
 		testrouter.ExpectStatus(t, "a job after the replacement", testrouter.Reply{Status: s.status}, http.StatusOK)
 	}
@@ -291,8 +311,11 @@ func TestAPodReplacedAtItsAddressIsCaughtUpBeforeItsFirstJob(t *testing.T) {
 	}
 	sent := replaced.paths()
 	caughtUp, firstJob := slices.Index(sent, update), slices.Index(sent, generation)
-	if caughtUp < 0 || caughtUp > firstJob {
-		t.Fatalf("the replaced pod was sent %v; want %s before its first job", sent, update)
+	if caughtUp < 0 || caughtUp > firstJob || replaced.count(update) != 1 {
+		t.Fatalf("the replaced pod was sent %v; want one %s, before its first job", sent, update)
+	}
+	if w := r.Workers()[replaced.URL()]; w["pod"] != "engine-a-2" || w["state"] != "serving" {
+		t.Fatalf("the replaced pod in /workers: %v, %v; want engine-a-2, serving", w["pod"], w["state"])
 	}
 	if n := b.count(update); n != 1 {
 		t.Fatalf("the pod that stayed was sent %d updates; want the one the router sent all", n)
