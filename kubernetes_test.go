@@ -1,11 +1,14 @@
 package diffusionrouter_test
 
 import (
+	"context"
 	"fmt"
+	"net/http"
 	"net/url"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	corev1 "k8s.io/api/core/v1"
@@ -14,6 +17,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
+	"github.com/miles-rollout/miles-diffusion-router/internal/ha"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/etcdtest"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/kubeapi"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
@@ -34,26 +39,48 @@ var (
 	terminating = conditions{false, true, true}
 )
 
-// workerSlice is the slice of Service engines in namespace ns that names
-// w, of pod uid, in condition c.
-func workerSlice(t *testing.T, ns string, w *fakeworker.Worker, uid string, c conditions) *discoveryv1.EndpointSlice {
+// workerSlice is the slice engines-<uid> of Service engines in namespace
+// ns that names w, of pod engine-<uid> (uid uid), in condition c.
+func workerSlice(t *testing.T, ns string, w interface{ URL() string }, uid string, c conditions) *discoveryv1.EndpointSlice {
 	t.Helper()
-	u, err := url.Parse(w.URL())
+	host, port := hostPort(t, w.URL())
+	return engineSlice(ns, "engines-"+uid, port, podEndpoint(ns, host, "engine-"+uid, uid, c))
+}
+
+// hostPort splits a worker's URL into its host and port.
+func hostPort(t *testing.T, workerURL string) (string, int) {
+	t.Helper()
+	u, err := url.Parse(workerURL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	port, _ := strconv.Atoi(u.Port())
-	name, number, tcp := "http", int32(port), corev1.ProtocolTCP
+	port, err := strconv.Atoi(u.Port())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u.Hostname(), port
+}
+
+// engineSlice is the slice name of Service engines in namespace ns, whose
+// endpoints listen on port, named http.
+func engineSlice(ns, name string, port int, endpoints ...discoveryv1.Endpoint) *discoveryv1.EndpointSlice {
+	portName, number, tcp := "http", int32(port), corev1.ProtocolTCP
 	return &discoveryv1.EndpointSlice{
 		TypeMeta:    metav1.TypeMeta{APIVersion: "discovery.k8s.io/v1", Kind: "EndpointSlice"},
-		ObjectMeta:  metav1.ObjectMeta{Namespace: ns, Name: "engines-" + w.Config().Name, Labels: map[string]string{discoveryv1.LabelServiceName: "engines"}},
+		ObjectMeta:  metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: "engines"}},
 		AddressType: discoveryv1.AddressTypeIPv4,
-		Ports:       []discoveryv1.EndpointPort{{Name: &name, Port: &number, Protocol: &tcp}},
-		Endpoints: []discoveryv1.Endpoint{{
-			Addresses:  []string{u.Hostname()},
-			Conditions: discoveryv1.EndpointConditions{Ready: &c.ready, Serving: &c.serving, Terminating: &c.terminating},
-			TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: ns, Name: "engine-" + uid, UID: types.UID(uid)},
-		}},
+		Ports:       []discoveryv1.EndpointPort{{Name: &portName, Port: &number, Protocol: &tcp}},
+		Endpoints:   endpoints,
+	}
+}
+
+// podEndpoint is the endpoint of pod ns/pod (uid uid) at address, in
+// condition c.
+func podEndpoint(ns, address, pod, uid string, c conditions) discoveryv1.Endpoint {
+	return discoveryv1.Endpoint{
+		Addresses:  []string{address},
+		Conditions: discoveryv1.EndpointConditions{Ready: &c.ready, Serving: &c.serving, Terminating: &c.terminating},
+		TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: ns, Name: pod, UID: types.UID(uid)},
 	}
 }
 
@@ -70,6 +97,29 @@ type sliceStore interface {
 	Apply(*discoveryv1.EndpointSlice)
 	// Delete deletes the slice named name.
 	Delete(name string)
+}
+
+// kubeSiteWith is a router that follows Service engines of namespace
+// prod through api, with options in its block.
+func kubeSiteWith(api *kubeapi.Server, options string) string {
+	return strings.Replace(kubeSite("prod", api.Kubeconfig()), "diffusion_router {\n", "diffusion_router {\n"+options+"\n", 1)
+}
+
+// kubeRouter starts a stand-in API server whose slices name each of ws,
+// ready, as pods engine-a, engine-b, ... of namespace prod, and a router
+// that follows them with options in its block, and waits until they are
+// its workers.
+func kubeRouter(t *testing.T, options string, ws ...interface{ URL() string }) (*kubeapi.Server, *testrouter.Router) {
+	t.Helper()
+	api := kubeapi.Start(t, "prod")
+	urls := make([]string, len(ws))
+	for i, w := range ws {
+		api.Apply(workerSlice(t, "prod", w, string(rune('a'+i)), ready))
+		urls[i] = w.URL()
+	}
+	r := testrouter.Start(t, kubeSiteWith(api, options))
+	waitForWorkers(t, r, urls...)
+	return api, r
 }
 
 // jobsServedBy sends n small jobs and fails t unless the worker named want
@@ -135,10 +185,7 @@ func kubeSynced(t *testing.T, r *testrouter.Router) float64 {
 // on, discovery_synced reads 0 until it answers again.
 func TestAnAPIOutageKeepsTheWorkers(t *testing.T) {
 	ws := namedWorkers(t, 1, fakeworker.Config{})
-	api := kubeapi.Start(t, "prod")
-	api.Apply(workerSlice(t, "prod", ws[0], "a", ready))
-	r := testrouter.Start(t, kubeSite("prod", api.Kubeconfig()))
-	waitForWorkers(t, r, ws[0].URL())
+	api, r := kubeRouter(t, "", ws[0])
 	testrouter.WaitFor(t, func() bool { return kubeSynced(t, r) == 1 })
 
 	api.Fail(500)
@@ -166,5 +213,46 @@ func TestInClusterModeOutsideAClusterFailsTheStart(t *testing.T) {
 	}
 	if !strings.Contains(err.Error(), "workers_kubernetes (discovery.kubernetes)") || !strings.Contains(err.Error(), "in-cluster") {
 		t.Fatalf("the start failed with %v; want the option and in-cluster mode named", err)
+	}
+}
+
+// With ha etcd, a standby follows the slices (its /workers names the
+// workers they name, as they change) but calls none of them; once it
+// leads it probes them and serves.
+func TestAStandbyFollowsTheSlicesButCallsNoWorker(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	ctx, resign := context.WithCancel(context.Background())
+	t.Cleanup(resign)
+	leader, err := ha.Campaign(ctx, ha.Config{Endpoints: []string{etcd.Endpoint}, KeyPrefix: "/diffusion-router",
+		Pool: "default", LeaseTTL: 2 * time.Second, Identity: "http://router-0.test:8080"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testrouter.WaitFor(t, leader.Leading)
+	a, b, c := startCounted(t, "a", "127.0.0.1:0"), startCounted(t, "b", "127.0.0.1:0"), startCounted(t, "c", "127.0.0.1:0")
+	api, r := kubeRouter(t, " health_interval 200ms\n ha etcd "+etcd.Endpoint+" {\n  lease_ttl 2s\n }", a, b)
+	api.Apply(workerSlice(t, "prod", c, "c", ready))
+	api.Delete("engines-b")
+	waitForWorkers(t, r, a.URL(), c.URL())
+	if w := r.Workers()[c.URL()]; w["source"] != "kubernetes" || w["pod"] != "engine-c" {
+		t.Fatalf("c in the standby's /workers: source %v, pod %v; want kubernetes, engine-c", w["source"], w["pod"])
+	}
+	testrouter.ExpectStatus(t, "the standby's /readyz", r.Get("/readyz"), http.StatusServiceUnavailable)
+	time.Sleep(time.Second) // five health intervals, in which a leader probes every worker
+	for _, w := range []*countedWorker{a, b, c} {
+		if sent := w.paths(); len(sent) != 0 {
+			t.Fatalf("the standby sent %s %v; a standby calls no worker", w.URL(), sent)
+		}
+	}
+
+	resign()
+	testrouter.WaitFor(t, func() bool { return r.Get("/readyz").Status == http.StatusOK })
+	rp := r.Post("/v1/images/generations", testrouter.SmallImage)
+	testrouter.ExpectStatus(t, "the first job once it leads", rp, http.StatusOK)
+	if by := rp.Header.Get("X-Fake-Worker"); by != "a" && by != "c" {
+		t.Fatalf("the first job once it leads was served by %q", by)
+	}
+	if n := b.count("/health"); n != 0 {
+		t.Fatalf("the router probed b, whose slice went, %d times", n)
 	}
 }

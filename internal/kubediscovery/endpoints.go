@@ -13,7 +13,8 @@ import (
 )
 
 // Endpoint is one worker the slices name: one per endpoint, at its first
-// address (an endpoint's addresses are interchangeable).
+// address (an endpoint's addresses are interchangeable), and one per
+// address and port (see oneByAddress).
 type Endpoint struct {
 	// Key tells workers apart: the pod's targetRef.uid, so that a pod
 	// replaced at the same address is a new worker; "address:port" for an
@@ -39,9 +40,9 @@ func (e Endpoint) HostPort() string {
 
 // endpointsOf reads the endpoints of the slices that match, each endpoint
 // once (the first slice by namespace and name that names it wins, as a
-// slice's endpoints move between slices), sorted by namespace, pod,
-// address and key. It also says, by slice, why a matching slice gives no
-// endpoint.
+// slice's endpoints move between slices) and each address and port once
+// (see oneByAddress), sorted by namespace, pod, address and key. It also
+// says, by slice, why a matching slice gives no endpoint.
 func endpointsOf(all []*discoveryv1.EndpointSlice, sel labels.Selector, c Config) ([]Endpoint, map[string]leftOut) {
 	slices.SortFunc(all, func(a, b *discoveryv1.EndpointSlice) int {
 		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
@@ -66,11 +67,47 @@ func endpointsOf(all []*discoveryv1.EndpointSlice, sel labels.Selector, c Config
 			}
 		}
 	}
+	out = oneByAddress(out)
 	slices.SortFunc(out, func(a, b Endpoint) int {
 		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Pod, b.Pod),
 			cmp.Compare(a.Address, b.Address), cmp.Compare(a.Key, b.Key))
 	})
 	return out, skipped
+}
+
+// oneByAddress keeps one endpoint of those at each address and port: the
+// most ready, as kube-proxy sends to an address while any endpoint there
+// serves (ready, then serving, then neither; the first of equals). Two
+// pods' endpoints name one address while the pod that replaces another at
+// its address, or on its node's address (hostNetwork), is listed as the
+// old one terminates: the old one's conditions are not the new one's, and
+// the pair, each taken in turn, would make the worker a new process at
+// every change.
+func oneByAddress(eps []Endpoint) []Endpoint {
+	out := make([]Endpoint, 0, len(eps))
+	at := make(map[string]int, len(eps))
+	for _, e := range eps {
+		i, seen := at[e.HostPort()]
+		switch {
+		case !seen:
+			at[e.HostPort()] = len(out)
+			out = append(out, e)
+		case readiness(e) > readiness(out[i]):
+			out[i] = e
+		}
+	}
+	return out
+}
+
+// readiness ranks an endpoint by how far it may take jobs.
+func readiness(e Endpoint) int {
+	switch {
+	case e.Ready:
+		return 2
+	case e.Serving:
+		return 1
+	}
+	return 0
 }
 
 // leftOut says why a matching slice gives no endpoint.

@@ -207,6 +207,25 @@ func TestKeys(t *testing.T) {
 	}
 }
 
+// Two pods' endpoints at one address (a pod replaced at its address while
+// the old one terminates) give one endpoint: the more ready one, the
+// first of equals.
+func TestOneEndpointPerAddress(t *testing.T) {
+	old, replacement := podAt("10.0.0.1", "prod", "engine-a"), podAt("10.0.0.1", "prod", "engine-a-2")
+	old.Conditions = discoveryv1.EndpointConditions{Ready: ptr.To(false), Serving: ptr.To(false), Terminating: ptr.To(true)}
+	replacement.Conditions.Ready = ptr.To(false)
+	s := sliceOf("prod", "engines-a", "engines", http30000, old, replacement)
+	client := fake.NewClientset(s)
+	w := watchFake(t, client, Config{Namespace: "prod", Service: "engines"})
+	w.waitKeys("uid-engine-a")
+
+	s.Endpoints[1].Conditions.Ready = ptr.To(true)
+	change(t, client, s)
+	if set := w.waitKeys("uid-engine-a-2"); !set[0].Ready || set[0].Pod != "engine-a-2" {
+		t.Errorf("the address's endpoint: %+v; want engine-a-2, ready", set[0])
+	}
+}
+
 // A slice deleted takes its endpoints with it; the last one deleted leaves
 // an empty set, which is given (the Service really has no endpoints).
 func TestSliceDeleted(t *testing.T) {

@@ -126,15 +126,20 @@ const HeavyImage = `{"response_format":"b64_json","prompt":"a cat","size":"1024x
 // sent, and counts the answers by the fake worker that made them
 // (X-Fake-Worker). A job answered other than 200 fails t.
 func SendImages(t testing.TB, r *Router, clients int, more func(sent int) bool) map[string]int {
+	return SendJobs(t, r, clients, "/v1/images/generations", SmallImage, more)
+}
+
+// SendJobs is SendImages for jobs of body sent to path.
+func SendJobs(t testing.TB, r *Router, clients int, path, body string, more func(sent int) bool) map[string]int {
 	var mu sync.Mutex
 	by := map[string]int{}
 	var wg sync.WaitGroup
 	for range clients {
 		wg.Go(func() {
 			for sent := 0; more(sent); sent++ {
-				rp := r.Post("/v1/images/generations", SmallImage)
+				rp := r.Post(path, body)
 				if rp.Status != 200 {
-					t.Errorf("a job beside the faulty worker: %d %s", rp.Status, rp.Body)
+					t.Errorf("a job sent to %s: %d %s", path, rp.Status, rp.Body)
 				}
 				mu.Lock()
 				by[rp.Header.Get("X-Fake-Worker")]++
