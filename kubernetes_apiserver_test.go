@@ -89,7 +89,7 @@ func podReplaced(t *testing.T, r *testrouter.Router, store sliceStore, b *fakewo
 	cfg.Name = "b2"
 	b.Close()
 	b2 := testrouter.StartWorkers(t, cfg)[0] // the new pod's server, on the old weights
-	host, port := hostPort(t, b2.URL()) // its endpoint takes the old pod's place in the slice, as the EndpointSlice controller does
+	host, port := hostPort(t, b2.URL())      // its endpoint takes the old pod's place in the slice, as the EndpointSlice controller does
 	store.Apply(engineSlice(rollout, "engines-b", port, podEndpoint(rollout, host, "engine-b2", "b2", ready)))
 	testrouter.WaitFor(t, func() bool { return r.Workers()[b2.URL()]["pod"] == "engine-b2" })
 	for range 4 {
