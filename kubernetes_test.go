@@ -3,6 +3,7 @@ package diffusionrouter_test
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -255,4 +256,30 @@ func TestAStandbyFollowsTheSlicesButCallsNoWorker(t *testing.T) {
 	if n := b.count("/health"); n != 0 {
 		t.Fatalf("the router probed b, whose slice went, %d times", n)
 	}
+}
+
+// Addresses the API server refuses to store, in slices an API could still
+// send (a stand-in here): cloud metadata, link-local and unspecified
+// endpoints are left out and logged, as DNS answers' are, while the
+// worker beside them serves.
+func TestEndpointsThatAreNeverWorkersAreLeftOut(t *testing.T) {
+	ws := namedWorkers(t, 1, fakeworker.Config{})
+	host, port := hostPort(t, ws[0].URL())
+	api := kubeapi.Start(t, "prod")
+	refused := []string{"169.254.169.254", "169.254.7.7", "0.0.0.0"}
+	eps := []discoveryv1.Endpoint{podEndpoint("prod", host, "engine-a", "a", ready)}
+	for i, address := range refused {
+		eps = append(eps, podEndpoint("prod", address, fmt.Sprint("bad-", i), fmt.Sprint("bad-", i), ready))
+	}
+	api.Apply(engineSlice("prod", "engines", port, eps...))
+	warnLog := t.TempDir() + "/warn.log"
+	logs := "log warn {\n output file " + warnLog + "\n format json\n level WARN\n include http.handlers.diffusion_router\n}"
+	r := testrouter.StartWith(t, logs, kubeSite("prod", api.Kubeconfig()))
+	waitForWorkers(t, r, ws[0].URL())
+	for _, address := range refused {
+		hostport := net.JoinHostPort(address, strconv.Itoa(port))
+		testrouter.WaitFor(t, func() bool { return logEntry(t, warnLog, "never a worker", hostport) != nil })
+	}
+	jobsServedBy(t, r, 3, "a")
+	waitForWorkers(t, r, ws[0].URL())
 }

@@ -113,8 +113,9 @@ func readiness(e Endpoint) int {
 // leftOut says why a matching slice gives no endpoint.
 type leftOut struct {
 	why string
-	// misconfigured: the configured port does not fit the slice, where
-	// another address family (a dual-stack Service) is expected.
+	// misconfigured: the configured port does not fit the slice, or the
+	// slice's port cannot be dialled (logged at warn), where another
+	// address family (a dual-stack Service) is expected (info).
 	misconfigured bool
 }
 
@@ -134,15 +135,24 @@ func usablePort(s *discoveryv1.EndpointSlice, c Config) (int, leftOut) {
 		if len(tcp) != 1 {
 			return 0, leftOut{why: fmt.Sprintf("it has %d TCP ports and no port is configured", len(tcp)), misconfigured: true}
 		}
-		return int(*tcp[0].Port), leftOut{}
+		return inRange(int(*tcp[0].Port))
 	}
 	number, _ := strconv.Atoi(c.Port) // 0 for a name: a port name has a letter
 	for _, p := range tcp {
 		if int(*p.Port) == number || (number == 0 && p.Name != nil && *p.Name == c.Port) {
-			return int(*p.Port), leftOut{}
+			return inRange(int(*p.Port))
 		}
 	}
 	return 0, leftOut{why: fmt.Sprintf("none of its TCP ports is %s", c.Port), misconfigured: true}
+}
+
+// inRange is port, or why a slice whose port it is gives no endpoint: the
+// API server stores no other, but nothing else may reach a dial.
+func inRange(port int) (int, leftOut) {
+	if port < 1 || port > 65535 {
+		return 0, leftOut{why: fmt.Sprintf("its port %d is not from 1 to 65535", port), misconfigured: true}
+	}
+	return port, leftOut{}
 }
 
 // endpointOf is the worker of one endpoint at port, if it has an address.

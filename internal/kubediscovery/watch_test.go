@@ -103,6 +103,10 @@ func TestPort(t *testing.T) {
 		{"a UDP port's name", two, "dns", 0},
 		{"no ports", nil, "", 0},
 		{"a port without a number", []discoveryv1.EndpointPort{{Name: ptr.To("http")}}, "http", 0},
+		// Ports the API server refuses to store.
+		{"port 0", []discoveryv1.EndpointPort{tcp("http", 0)}, "http", 0},
+		{"port 70000", []discoveryv1.EndpointPort{tcp("http", 70000)}, "", 0},
+		{"a negative port", []discoveryv1.EndpointPort{tcp("http", -1)}, "http", 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			client := fake.NewClientset(sliceOf("prod", "engines-a", "engines", tc.ports, podAt("10.0.0.1", "prod", "engine-a")))
