@@ -72,11 +72,12 @@ func (d *discovery) connect() error {
 	return nil
 }
 
-// follow watches one lookup's slices until ctx ends. A lookup the pool
-// has from the config before is as in sync as it was: a reload runs the
-// new config's watch before the old one's ends.
+// follow watches one lookup's slices until ctx ends. It is out of sync
+// until its first list: after a reload too, whose new watch may never
+// list (a kubeconfig whose credentials the API refuses).
 func (d *discovery) follow(ctx context.Context, l *kubeLookup) {
 	pool := d.h.pool
+	pool.SetFailing(l.key, true)
 	log := d.h.logger.With(zap.String("lookup", l.key))
 	_ = kubediscovery.WatchWith(ctx, l.api, l.cfg, log,
 		func(eps []kubediscovery.Endpoint) { d.foundThroughAPI(ctx, l, eps) },

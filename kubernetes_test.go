@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/fakeworker"
 	"github.com/miles-rollout/miles-diffusion-router/internal/ha"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testkit"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/etcdtest"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/kubeapi"
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
@@ -282,4 +284,45 @@ func TestEndpointsThatAreNeverWorkersAreLeftOut(t *testing.T) {
 	}
 	jobsServedBy(t, r, 3, "a")
 	waitForWorkers(t, r, ws[0].URL())
+}
+
+// A config without the lookup stops its informer.
+func TestUnloadStopsTheInformer(t *testing.T) {
+	ws := namedWorkers(t, 2, fakeworker.Config{})
+	_, r := kubeRouter(t, "", ws[0])
+	r.Load("diffusion_router {\n workers " + ws[1].URL() + "\n}")
+	waitForWorkers(t, r, ws[1].URL())
+	for _, stack := range testkit.Stacks() {
+		if strings.Contains(stack, "kubediscovery") || strings.Contains(stack, "client-go") {
+			t.Fatalf("the unloaded config's informer still runs:\n%s", stack)
+		}
+	}
+}
+
+// A reload that keeps a lookup, whose new watch cannot list (here the
+// kubeconfig at the same path now holds credentials the API server
+// refuses, as after a bad rotation), reads out of sync: the router
+// follows nothing new.
+func TestAReloadWhoseWatchNeverListsReadsOutOfSync(t *testing.T) {
+	ws := namedWorkers(t, 1, fakeworker.Config{})
+	api := kubeapi.Start(t, "prod")
+	api.Apply(workerSlice(t, "prod", ws[0], "a", ready))
+	path := api.Kubeconfig()
+	site := kubeSite("prod", path)
+	r := testrouter.Start(t, site)
+	waitForWorkers(t, r, ws[0].URL())
+	testrouter.WaitFor(t, func() bool { return kubeSynced(t, r) == 1 })
+
+	refusing := kubeapi.Start(t, "prod")
+	refusing.Fail(403)
+	rotated, err := os.ReadFile(refusing.Kubeconfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, rotated, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r.Load(site)
+	testrouter.WaitFor(t, func() bool { return len(refusing.Requests()) >= 2 })
+	testrouter.WaitFor(t, func() bool { return kubeSynced(t, r) == 0 })
 }

@@ -1,5 +1,10 @@
 package scheduler
 
+import (
+	"cmp"
+	"slices"
+)
+
 // dnsAnswer is what one lookup last said: a DNS name's, or a Kubernetes
 // API's watch of EndpointSlices.
 type dnsAnswer struct {
@@ -92,7 +97,11 @@ func (p *Pool) SetFound(key string, found []Found, maxWorkers int) FoundChange {
 	old := a.found
 	a.found = found
 	c.Left = p.forgetFoundLocked(old)
-	for _, f := range found {
+	// With room for fewer than it names, the pool takes the ready first,
+	// as kube-proxy sends to them first.
+	byReadiness := slices.Clone(found)
+	slices.SortStableFunc(byReadiness, func(x, y Found) int { return cmp.Compare(x.Condition, y.Condition) })
+	for _, f := range byReadiness {
 		w := p.findLocked(f.URL)
 		switch {
 		case w != nil:
@@ -100,7 +109,7 @@ func (p *Pool) SetFound(key string, found []Found, maxWorkers int) FoundChange {
 		case len(p.workers) >= maxWorkers:
 			c.NoRoom++
 		default:
-			p.addLocked(f.URL).found = f
+			p.refoundLocked(p.addLocked(f.URL), f) // one back before its last jobs ended may be another process
 			c.Joined = append(c.Joined, f.URL)
 		}
 	}

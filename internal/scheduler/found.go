@@ -64,7 +64,11 @@ func (p *Pool) replacedLocked(w *worker) {
 		p.unknown.Add(1)
 	}
 	w.caps = capabilities{makes: request.Unprobed}
-	w.health.down, w.health.unverified = true, true
+	w.health = workerHealth{down: true, unverified: true} // the old process's verdicts are not this one's
+	w.evidence = healthEvidence{}
+	// A trainer's pause, or an operator's hold, was of the process that
+	// is gone: a worker that leaves and comes back has neither either.
+	w.life.pausedAt, w.life.dead = 0, false
 	w.life.version, w.life.source = "", ""
 	p.forgetAdapterLocked(w)
 	p.joins++

@@ -106,3 +106,79 @@ func TestAListedWorkerForgetsItsEndpoint(t *testing.T) {
 		t.Errorf("source %q; want config", info.Source)
 	}
 }
+
+// With room for fewer workers than the slices name, the pool takes the
+// ready endpoints first, as kube-proxy sends to them first: not ready
+// ones (a crash-looping rollout) do not keep a ready one out.
+func TestMaxWorkersPrefersReadyEndpoints(t *testing.T) {
+	p, _ := poolOf(t, 0)
+	p.DeclareLookups("kubernetes", []string{"k8s"})
+	found := append(endpoints([]string{"a", "b"}, EndpointNotReady), endpoints([]string{"c"}, EndpointReady)...)
+	c := p.SetFound("k8s", found, 2)
+	if c.NoRoom != 1 {
+		t.Fatalf("left out %d; want 1", c.NoRoom)
+	}
+	if _, ok := p.Worker("http://c:1"); !ok {
+		t.Fatalf("workers %v: the one ready endpoint was left out for two not ready ones", workerURLs(p))
+	}
+}
+
+// A pod replaced at its address while the old pod's worker still has a
+// job in flight (it left the slice and is departing) is a new worker all
+// the same: out until probed, its model and weights read anew.
+func TestAPodReplacedWhileItsOldJobRunsIsANewWorker(t *testing.T) {
+	p := kubePool(t, "a")
+	p.SetCapabilities("http://a:1", []string{"T2I"}, "/ckpt/base")
+	applyUpdate(p, DiskUpdatePath, "step-1", `{"model_path":"/ckpt/1"}`)
+	tk, _ := choose(t, p, config(LeastWork{}, 0), 1) // a job on the old pod, still running
+	p.SetFound("k8s", nil, 10)                       // the old pod's endpoint is gone
+	replaced := Found{URL: "http://a:1", Source: "kubernetes", Namespace: "prod", Pod: "a-2", Identity: "a-2"}
+	p.SetFound("k8s", []Found{replaced}, 10)
+	info := infoOf(t, p, "http://a:1")
+	if info.State == Serving || info.TaskTypes != nil || info.Version != "" {
+		t.Errorf("the new pod's worker: %s on %q, tasks %v; want out, its model and weights unknown", info.State, info.Version, info.TaskTypes)
+	}
+	p.Release(tk, Succeeded)
+}
+
+// A pool whose workers are all terminating still serves, the last
+// resort, and says so: ServingCount, which /readyz and
+// caddy_diffusion_serving_workers read, counts them.
+func TestTerminatingLastResortCountsAsServing(t *testing.T) {
+	p := kubePool(t, "a")
+	p.SetFound("k8s", endpoints([]string{"a"}, EndpointTerminating), 10)
+	tk, host := choose(t, p, config(LeastWork{}, 0), 1)
+	defer p.Release(tk, Succeeded)
+	if host != "a" {
+		t.Fatalf("job went to %s", host)
+	}
+	if n := p.ServingCount(); n == 0 {
+		t.Errorf("ServingCount 0 while the terminating a takes every job")
+	}
+}
+
+// A pod replaced at its address is a new worker: a trainer's pause and an
+// operator's hold of the process that is gone do not carry over, as they
+// do not to a worker that leaves and is registered again.
+func TestAReplacedPodIsNotPausedOrDeadAsTheOldOne(t *testing.T) {
+	p := kubePool(t, "a", "b")
+	if _, _, err := p.PauseWorkers([]string{"http://a:1"}); err != nil {
+		t.Fatal(err)
+	}
+	p.SetDead("http://b:1", true)
+	p.SetFound("k8s", endpoints([]string{"a", "b"}, EndpointReady), 10)
+	replaced := []Found{
+		{URL: "http://a:1", Source: "kubernetes", Namespace: "prod", Pod: "a-2", Identity: "a-2"},
+		{URL: "http://b:1", Source: "kubernetes", Namespace: "prod", Pod: "b-2", Identity: "b-2"},
+	}
+	p.SetFound("k8s", replaced, 10)
+	for _, u := range []string{"http://a:1", "http://b:1"} {
+		p.RecordProbe(u, nil, testHealth)
+		p.SetCapabilities(u, []string{"T2I"}, "/ckpt/base")
+	}
+	for _, u := range []string{"http://a:1", "http://b:1"} {
+		if info := infoOf(t, p, u); info.State != Serving {
+			t.Errorf("%s, a new pod probed: %s (paused since %v); want serving", u, info.State, info.PausedSince)
+		}
+	}
+}

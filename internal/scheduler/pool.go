@@ -569,7 +569,14 @@ func (p *Pool) Snapshot() []WorkerInfo {
 
 // ServingCount is how many workers may take new jobs now: serving, and
 // not out because their LoRA adapter cannot be read.
-func (p *Pool) ServingCount() int { return p.countReadable(Serving) }
+// Terminating workers count while none other serves: they take jobs then,
+// as the last resort.
+func (p *Pool) ServingCount() int {
+	if n := p.countReadable(Serving); n > 0 {
+		return n
+	}
+	return p.countReadable(Terminating)
+}
 
 // PausedCount is how many more workers would take new jobs now but for a
 // trainer's pause.
