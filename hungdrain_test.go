@@ -11,6 +11,19 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
+// warmRouter starts n workers and a router that takes a job for hung
+// after health_timeout 1s, one job per worker at a time, and sends jobs
+// until every worker has learned its speed.
+func warmRouter(t *testing.T, n int) ([]*fakeworker.Worker, *testrouter.Router) {
+	t.Helper()
+	ws := namedWorkers(t, n, fakeworker.Config{})
+	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_timeout 1s\n max_inflight 1\n}")
+	for range 3 * n {
+		testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
+	}
+	return ws, r
+}
+
 // A weight update never waits on one sick worker: a job hung on a worker
 // whose /health still answers holds the drain only until it is taken for
 // stalled (stall_factor times its prediction, at least health_timeout);
@@ -18,11 +31,7 @@ import (
 // nothing, the hung job running again as a hedge.
 func TestDrainLeavesOutAWorkerWithAHungJob(t *testing.T) {
 	const hangBound = time.Second // health_timeout; the jobs take tens of milliseconds
-	ws := namedWorkers(t, 3, fakeworker.Config{})
-	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_timeout 1s\n max_inflight 1\n}")
-	for range 9 { // every worker learns its speed
-		testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
-	}
+	ws, r := warmRouter(t, 3)
 	start := time.Now()
 	testrouter.ExpectStatus(t, "an update on a healthy fleet", r.Post("/update_weights_from_disk", `{"model_path":"/ckpt/1"}`), 200)
 	normal := time.Since(start)

@@ -158,11 +158,7 @@ func TestPauseAnswersOnceItsWorkersJobsHaveEnded(t *testing.T) {
 // stays paused, and the batch beside it loses nothing.
 func TestPauseDoesNotWaitForAHungJob(t *testing.T) {
 	const hangBound = time.Second // health_timeout; the jobs take tens of milliseconds
-	ws := namedWorkers(t, 2, fakeworker.Config{})
-	r := testrouter.Start(t, "diffusion_router {\n workers "+testrouter.URLs(ws)+"\n health_timeout 1s\n max_inflight 1\n}")
-	for range 6 { // every worker learns its speed
-		testrouter.ExpectStatus(t, "warm-up", r.Post("/v1/images/generations", testrouter.SmallImage), 200)
-	}
+	ws, r := warmRouter(t, 2)
 	batchDone := batchBesideAHungWorker(t, r, ws[0], 8)
 
 	start := time.Now()
