@@ -304,6 +304,9 @@ func (w *Worker) attach(ln net.Listener) (*http.Server, error) {
 // Handler returns the worker's HTTP API, for serving it some other way.
 func (w *Worker) Handler() http.Handler { return w.handler }
 
+// Name is the name the worker reports in its X-Fake-Worker header.
+func (w *Worker) Name() string { return w.cfg.Name }
+
 // URL is the worker's base URL, "http://127.0.0.1:PORT" after Start; it is
 // empty until the worker serves.
 func (w *Worker) URL() string {
