@@ -27,6 +27,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
+	"github.com/miles-rollout/miles-diffusion-router/internal/clock"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/spans"
@@ -135,7 +136,7 @@ type Runner struct {
 	Logger *zap.Logger
 	// Clock runs the timers of hedges and stall watches; nil: the wall
 	// clock.
-	Clock Clock
+	Clock clock.Clock
 }
 
 // ErrUpstreamTimeout ends an attempt that outlived the Runner's
@@ -228,9 +229,9 @@ func mayRunAgain(r *http.Request, t *scheduler.Ticket) bool {
 }
 
 // clock is the clock the Runner's timers run on.
-func (run *Runner) clock() Clock {
+func (run *Runner) clock() clock.Clock {
 	if run.Clock == nil {
-		return realClock{}
+		return clock.Real
 	}
 	return run.Clock
 }

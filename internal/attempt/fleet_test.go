@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
+	"github.com/miles-rollout/miles-diffusion-router/internal/clock"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -275,7 +276,7 @@ func (c *fakeClock) Now() time.Time {
 	return c.now
 }
 
-func (c *fakeClock) AfterFunc(d time.Duration, f func()) Timer {
+func (c *fakeClock) AfterFunc(d time.Duration, f func()) clock.Timer {
 	c.mu.Lock()
 	t := &fakeTimer{c: c, f: f}
 	c.timers = append(c.timers, t)

@@ -12,6 +12,7 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/clock"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/spans"
 )
@@ -39,7 +40,7 @@ type race struct {
 	r     *http.Request
 	next  Next
 	vars  map[string]any // a copy of the request's variables as the race began, cloned for each copy
-	timer Timer
+	timer clock.Timer
 
 	mu      sync.Mutex // taken before the pool's lock, never after (see pool)
 	primary *scheduler.Ticket

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"sync/atomic"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/clock"
 )
 
 // errStalled ends an attempt whose held answer went answers.stall_timeout
@@ -18,15 +20,15 @@ var errStalled = errors.New("no byte of it came within answer_stall_timeout")
 // serves one attempt: a timer that fires late cancels nothing after it.
 type stallWatch struct {
 	bound  time.Duration
-	clock  Clock
+	clock  clock.Clock
 	cancel context.CancelCauseFunc // the attempt's
-	timer  Timer                   // made at the first arm
+	timer  clock.Timer             // made at the first arm
 	fired  atomic.Bool
 }
 
-// watchStalls watches the attempt that cancel ends, within bound on clock.
-func watchStalls(bound time.Duration, clock Clock, cancel context.CancelCauseFunc) *stallWatch {
-	return &stallWatch{bound: bound, clock: clock, cancel: cancel}
+// watchStalls watches the attempt that cancel ends, within bound on c.
+func watchStalls(bound time.Duration, c clock.Clock, cancel context.CancelCauseFunc) *stallWatch {
+	return &stallWatch{bound: bound, clock: c, cancel: cancel}
 }
 
 // arm starts the bound again: the answer is held, and a byte just came.

@@ -11,8 +11,7 @@ import (
 // clock.
 func benchPool(b *testing.B, n int) *Pool {
 	p := newPool("bench")
-	at := time.Unix(1_000_000, 0)
-	p.now = func() time.Time { return at }
+	p.clock = &fakeClock{time.Unix(1_000_000, 0)}
 	urls := make([]string, n)
 	for i := range urls {
 		urls[i] = fmt.Sprintf("http://10.0.%d.%d:30000", i/256, i%256)

@@ -364,7 +364,7 @@ func (p *Pool) redispatchAtLocked(when int64) {
 	p.ejectionEnds = when
 	d := time.Duration(when - p.now().UnixNano())
 	if p.redispatch == nil {
-		p.redispatch = time.AfterFunc(d, p.endEjection)
+		p.redispatch = p.clock.AfterFunc(d, p.endEjection)
 		return
 	}
 	p.redispatch.Reset(d)

@@ -21,8 +21,8 @@ func TestAPausedWorkerGetsNoJob(t *testing.T) {
 		t.Fatalf("pause of a: paused %v, already %v, %v", paused, already, err)
 	}
 	info := infoOf(t, p, "http://a:1")
-	if info.State != Paused || info.Lifecycle != Serving || !info.PausedSince.Equal(clock.now()) {
-		t.Fatalf("a paused is %v (lifecycle %v) since %v; want paused, serving, since %v", info.State, info.Lifecycle, info.PausedSince, clock.now())
+	if info.State != Paused || info.Lifecycle != Serving || !info.PausedSince.Equal(clock.Now()) {
+		t.Fatalf("a paused is %v (lifecycle %v) since %v; want paused, serving, since %v", info.State, info.Lifecycle, info.PausedSince, clock.Now())
 	}
 	if s, n := p.ServingCount(), p.PausedCount(); s != 1 || n != 1 {
 		t.Fatalf("%d serving, %d paused; want 1 and 1", s, n)
@@ -87,7 +87,7 @@ func TestAPausedWorkerCanStillServeItsKind(t *testing.T) {
 // none either.
 func TestPausingTwiceKeepsTheFirstPause(t *testing.T) {
 	p, clock := poolOf(t, 2)
-	first := clock.now()
+	first := clock.Now()
 	p.PauseWorkers([]string{"http://a:1"})
 	clock.advance(time.Minute)
 	paused, already, err := p.PauseWorkers([]string{"http://b:1", "http://a:1", "http://b:1"})
@@ -148,7 +148,7 @@ func TestAPauseOutlivesARestart(t *testing.T) {
 	before, clock := poolOf(t, 2)
 	registerRaw(before, "http://r:1")
 	before.PauseWorkers([]string{"http://a:1", "http://r:1"})
-	since := clock.now()
+	since := clock.Now()
 	rec := throughStorage(t, before.Record())
 
 	after := newPool(t.Name())

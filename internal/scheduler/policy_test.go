@@ -7,21 +7,24 @@ import (
 	"testing"
 	"time"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/clock"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
-// fakeClock is a settable clock for a pool.
+// fakeClock is a settable clock for a pool; its timers run on the wall
+// clock.
 type fakeClock struct{ t time.Time }
 
-func (c *fakeClock) now() time.Time          { return c.t }
-func (c *fakeClock) advance(d time.Duration) { c.t = c.t.Add(d) }
+func (c *fakeClock) Now() time.Time                                  { return c.t }
+func (c *fakeClock) AfterFunc(d time.Duration, f func()) clock.Timer { return time.AfterFunc(d, f) }
+func (c *fakeClock) advance(d time.Duration)                         { c.t = c.t.Add(d) }
 
 // poolOf returns a pool with n workers a:1, b:1, ... on a fake clock.
 func poolOf(t *testing.T, n int) (*Pool, *fakeClock) {
 	t.Helper()
 	p := newPool(t.Name())
 	clock := &fakeClock{time.Unix(1_000_000, 0)}
-	p.now = clock.now
+	p.clock = clock
 	var urls []string
 	for i := range n {
 		urls = append(urls, fmt.Sprintf("http://%c:1", 'a'+i))

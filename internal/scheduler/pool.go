@@ -10,6 +10,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/clock"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
@@ -46,7 +47,7 @@ import (
 // it ends, and an abort takes it and then mu, one after the other.
 type Pool struct {
 	name   string
-	now    func() time.Time // the clock; tests set their own
+	clock  clock.Clock // the time of its decisions and its timers
 	logger *zap.Logger
 	bg     background    // the pool's own goroutines and timers
 	due    chan struct{} // holds a token while the pool's record in storage is due to be written
@@ -57,7 +58,7 @@ type Pool struct {
 	fleet     fleetState              // weights, updates and sleep
 	placement                         // LoRA adapters and which workers hold them: see adapters.go
 	held      map[string]*heldVideo   // video jobs running on their workers, by id
-	ghosts    map[*Ticket]*time.Timer // jobs whose clients left, until their predicted end
+	ghosts    map[*Ticket]clock.Timer // jobs whose clients left, until their predicted end
 
 	videos *JobOwners // which worker made each video job
 	images *JobOwners // which worker made each image job
@@ -94,30 +95,37 @@ type dispatchState struct {
 	heldBack     heldCounts      // jobs each version policy held back: see staleness.go
 	onRelease    []chan struct{} // closed when a worker is released: drains wait on them
 	ejectionEnds int64           // when the redispatch timer fires, Unix nanoseconds; 0: not set
-	redispatch   *time.Timer     // hands out jobs when an ejection ends
+	redispatch   clock.Timer     // hands out jobs when an ejection ends
 }
 
 // New makes the pool named name, which logs to logger.
-func New(name string, logger *zap.Logger) *Pool {
+func New(name string, logger *zap.Logger) *Pool { return NewOn(clock.Real, name, logger) }
+
+// NewOn is New on clock c: the scheduler's simulation runs a pool on a
+// virtual clock.
+func NewOn(c clock.Clock, name string, logger *zap.Logger) *Pool {
 	p := &Pool{
 		name:   name,
-		now:    time.Now,
+		clock:  c,
 		logger: logger,
 		registry: registry{
 			byDial: make(map[string]*worker), declared: make(map[string]int), discovered: make(map[string]int),
 			answers: make(map[string]*dnsAnswer), departing: make(map[string]*worker),
 		},
 		held:   make(map[string]*heldVideo),
-		ghosts: make(map[*Ticket]*time.Timer),
+		ghosts: make(map[*Ticket]clock.Timer),
 		videos: NewJobOwners(DefaultOwnerLimit, DefaultOwnerTTL),
 		images: NewJobOwners(DefaultOwnerLimit, DefaultOwnerTTL),
 	}
 	p.defaultSpeed, p.initialSpeed = DefaultInitialSpeed, DefaultInitialSpeed
-	p.aborts.init(func() time.Time { return p.now() })
+	p.aborts.init(p.now)
 	p.bg = newBackground(p.logger)
 	p.due = make(chan struct{}, 1)
 	return p
 }
+
+// now is the time on the pool's clock.
+func (p *Pool) now() time.Time { return p.clock.Now() }
 
 // Close stops what the pool runs on its own (catch-ups, timers of held
 // video jobs and of ejections) and waits for it to end: the pool is done

@@ -267,11 +267,11 @@ func (d *dispatchState) goesFirstLocked(t *Ticket) bool {
 
 // wait waits for wt's ticket to be given a worker.
 func (p *Pool) wait(ctx context.Context, t *Ticket, wt *waiter) error {
-	var expired <-chan time.Time
+	var expired chan struct{}
 	if t.cfg.Timeout > 0 {
-		timer := time.NewTimer(t.cfg.Timeout)
+		expired = make(chan struct{})
+		timer := p.clock.AfterFunc(t.cfg.Timeout, func() { close(expired) })
 		defer timer.Stop()
-		expired = timer.C
 	}
 	var err error
 	select {
@@ -645,7 +645,7 @@ func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 // next job is placed knowing that.
 func (p *Pool) keepGhostLocked(t *Ticket) {
 	t.ghost = true
-	p.ghosts[t] = time.AfterFunc(p.untilGhostEndsLocked(t), func() { p.endGhost(t) })
+	p.ghosts[t] = p.clock.AfterFunc(p.untilGhostEndsLocked(t), func() { p.endGhost(t) })
 }
 
 // untilGhostEndsLocked is how long from now t, a job whose client left,

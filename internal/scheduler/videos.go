@@ -1,12 +1,16 @@
 package scheduler
 
-import "time"
+import (
+	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/clock"
+)
 
 // heldVideo is a video job's claim on its worker after the creating
 // request has been answered.
 type heldVideo struct {
 	t     *Ticket
-	timer *time.Timer
+	timer clock.Timer
 }
 
 // HoldVideo keeps t's worker claimed by the video job id.
@@ -20,7 +24,7 @@ func (p *Pool) HoldVideo(t *Ticket, id string) bool {
 	hv := &heldVideo{t: t}
 	// Unpolled, the job gives its worker back when it is predicted to end.
 	ends := time.Duration(t.worker.load.endsAt - p.now().UnixNano())
-	hv.timer = time.AfterFunc(max(ends, 0), func() { p.EndVideo(id, Abandoned) })
+	hv.timer = p.clock.AfterFunc(max(ends, 0), func() { p.EndVideo(id, Abandoned) })
 	p.held[id] = hv
 	return true
 }
