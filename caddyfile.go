@@ -175,7 +175,7 @@ func workerHost(rp *reverseproxy.Handler) {
 //	    retry_on         <status...>
 //	    hedge_after      <factor>|off
 //	    initial_speed    <units per second>
-//	    queue_order      fifo|largest_first|smallest_first
+//	    queue_order      adaptive|fifo|largest_first|smallest_first
 //	    queue_timeout    <duration>
 //	    max_queue        <n>
 //	    priority         <placeholder>

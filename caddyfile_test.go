@@ -506,7 +506,7 @@ func TestProvisionFillsDefaults(t *testing.T) {
 	for _, want := range []string{
 		`"pool":"default"`,
 		`"load_balancing":{"policy":"least_work","max_attempts":3,"hedge_after":5,"initial_speed":1}`,
-		`"queue":{"order":"fifo","max_jobs":10000,"max_priority":10,"priority_max_wait":60000000000,"abort_memory":300000000000,"max_tenants":64}`,
+		`"queue":{"order":"adaptive","max_jobs":10000,"max_priority":10,"priority_max_wait":60000000000,"abort_memory":300000000000,"max_tenants":64}`,
 		`"cost":{"default_steps":20,"default_size":"1024x1024","default_frames":96,"cfg_factor":2,"max_pixels":16777216}`,
 		`"active":{"uri":"/health","interval":10000000000,"timeout":5000000000,"fails":3,"passes":2}`,
 		`"min_ready":1`,

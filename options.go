@@ -73,9 +73,11 @@ type LoadBalancing struct {
 
 // Queue is where jobs wait when every worker that may serve them is full.
 type Queue struct {
-	// Order is which waiting job goes first: fifo (default), largest_first
-	// (the longest-processing-time rule, for batch makespan) or
-	// smallest_first (for mean latency).
+	// Order is which waiting job goes first: adaptive (default: arrival
+	// order until the queue is long, as when a rollout step arrives, then
+	// the largest first among jobs that came together), fifo,
+	// largest_first (the longest-processing-time rule, for batch
+	// makespan) or smallest_first (for mean latency).
 	Order string `json:"order,omitempty"`
 
 	// Timeout is the longest a job waits before a 503. Default: no limit
@@ -437,9 +439,9 @@ func (h *Handler) provisionDispatch() error {
 	if err := h.provisionAttempts(); err != nil {
 		return err
 	}
-	q.Order = cmp.Or(q.Order, "fifo")
+	q.Order = cmp.Or(q.Order, scheduler.DefaultQueueOrder)
 	if d.Order, ok = scheduler.QueueOrders[q.Order]; !ok {
-		return optionError("queue_order", "queue.order", "unknown order %q (want fifo, largest_first or smallest_first)", q.Order)
+		return optionError("queue_order", "queue.order", "unknown order %q (want adaptive, fifo, largest_first or smallest_first)", q.Order)
 	}
 	if q.Timeout < 0 {
 		return optionError("queue_timeout", "queue.timeout", "must not be negative, got %s", time.Duration(q.Timeout))

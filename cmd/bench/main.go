@@ -91,6 +91,19 @@
 //	          held no job while jobs waited in the router's queue (GET
 //	          /workers every 10 ms) and the answers by X-Weight-Version,
 //	          median and range over the runs (see refit.go); not part of all.
+//	schedule  the router's scheduler alone (its pool: queue, dispatch,
+//	          speeds learned from nothing, timers) on a virtual clock, with
+//	          no HTTP and no sleeping, for each fleet size of --fleets
+//	          (workers of --speeds repeated; default 1,2): a batch of
+//	          --per-worker jobs per worker sent at once, its makespan ÷ the
+//	          earliest-finish schedule's (longest job first, each on the
+//	          worker that ends it first, true times known) and ÷ the lower
+//	          bound; then as many jobs (at least 16,384) in an open loop at
+//	          --util, the mean and p99 wait (arrival to its worker beginning
+//	          it) ÷ least_work/fifo's. The median over seeds 1-5, for each
+//	          diffusion_router strategy of --strategies (default
+//	          least_work/fifo, least_work/largest_first and least_work, the
+//	          router's default order); not part of all.
 //
 // The soak runs the router as a process of its own, Caddy built from
 // ./cmd/caddy (or --caddy), so that the memory, goroutines and open files
@@ -168,6 +181,7 @@
 //	go run ./cmd/bench --mode oversample --n 32 --group 4 --steps 5 --mix uniform --speeds 1,1,1,1
 //	go run ./cmd/bench --mode adapters --adapter-jobs 15 --lora-switch 5s --job-time 1s
 //	go run ./cmd/bench --mode failover --kills 10 --clients 6 --speeds 1,1,1
+//	go run ./cmd/bench --mode schedule --fleets 4,32,128,1024
 //	go run ./cmd/bench --mode refit --mix uniform --n 320 --unit-ms 3 --transfer 300ms --refit-after 300ms --runs 3
 //
 // --router URL drives a router that is already running instead: it is
@@ -235,6 +249,8 @@ type options struct {
 	refitAfter  time.Duration // refit: time from the step's release to the first pause
 	transfer    time.Duration // refit: how long a group's transfer takes
 	runs        int           // refit: runs of each policy
+	fleets      []int         // schedule: fleet sizes
+	perWorker   int           // schedule: jobs per worker
 }
 
 func main() {
@@ -255,7 +271,7 @@ func main() {
 func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample|adapters|failover|refit")
+	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample|adapters|failover|refit|schedule")
 	fs.StringVar(&o.mix, "mix", "heavy", "the jobs: "+mixNames())
 	speeds := fs.String("speeds", "1,1,1,2", "one fake worker per value, its relative speed (adapters mode: one of speed 1 per adapter)")
 	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open); soak: requests in all; oversample: groups a step needs")
@@ -287,6 +303,8 @@ func parseFlags(args []string) (options, error) {
 	fs.DurationVar(&o.refitAfter, "refit-after", time.Second, "refit mode: time from the step's release to the first pause")
 	fs.DurationVar(&o.transfer, "transfer", time.Second, "refit mode: how long a group's weight transfer takes (a sleep between the direct update_weights_from_tensor calls and continue_generation)")
 	fs.IntVar(&o.runs, "runs", 1, "refit mode: runs of each policy, alternating")
+	fleets := fs.String("fleets", "4,32,128,1024", "schedule mode: fleet sizes, each of --speeds repeated")
+	fs.IntVar(&o.perWorker, "per-worker", 64, "schedule mode: jobs per worker, in the batch and in the open loop")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -301,12 +319,20 @@ func parseFlags(args []string) (options, error) {
 		*speeds = strings.Repeat("1,", o.adapters-1) + "1"
 	case o.mode == "refit" && !given["speeds"]:
 		*speeds = "1,1,1,1,1,1,1,1"
+	case o.mode == "schedule" && !given["speeds"]:
+		*speeds = "1,2"
+	}
+	if o.mode == "schedule" && !given["strategies"] {
+		*list = scheduleStrategies
 	}
 	var err error
 	if o.speeds, err = parseSpeeds(*speeds); err != nil {
 		return o, err
 	}
 	if o.strategies, err = parseStrategies(*list); err != nil {
+		return o, err
+	}
+	if o.fleets, err = parseFleets(*fleets); err != nil {
 		return o, err
 	}
 	switch {
@@ -322,8 +348,8 @@ func parseFlags(args []string) (options, error) {
 
 func (o options) check() error {
 	switch {
-	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample", "adapters", "failover", "refit"}, o.mode):
-		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak, oversample, adapters, failover or refit", o.mode)
+	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample", "adapters", "failover", "refit", "schedule"}, o.mode):
+		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak, oversample, adapters, failover, refit or schedule", o.mode)
 	case mixes[o.mix] == nil:
 		return fmt.Errorf("--mix %q: want %s", o.mix, mixNames())
 	case o.n <= 0, o.unitMs <= 0, o.util <= 0, o.clients <= 0, o.duration <= 0, o.timeout <= 0, o.faultEvery <= 0:
@@ -342,6 +368,8 @@ func (o options) check() error {
 		return errors.New("--router: the failover mode starts and kills its own routers")
 	case o.mode == "refit" && o.router != "":
 		return errors.New("--router: the refit mode starts its own workers, whose weights it transfers")
+	case o.perWorker < 1:
+		return errors.New("--per-worker must be positive")
 	case o.refitGroup < 1, o.refitAfter < 0, o.transfer < 0, o.runs < 1:
 		return errors.New("--refit-group and --runs must be positive, --refit-after and --transfer not negative")
 	case o.kills < 1, o.leaseTTL < time.Second, o.leaseTTL%time.Second != 0:
@@ -350,6 +378,31 @@ func (o options) check() error {
 		return fmt.Errorf("--router %q: want http://host:port", o.router)
 	}
 	return nil
+}
+
+// fmtFleets reads like "4, 32 and 128".
+func fmtFleets(fleets []int) string {
+	s := make([]string, len(fleets))
+	for i, n := range fleets {
+		s[i] = strconv.Itoa(n)
+	}
+	if len(s) == 1 {
+		return s[0]
+	}
+	return strings.Join(s[:len(s)-1], ", ") + " and " + s[len(s)-1]
+}
+
+// parseFleets reads --fleets: positive numbers of workers.
+func parseFleets(s string) ([]int, error) {
+	var out []int
+	for f := range strings.SplitSeq(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("--fleets %q: want positive numbers of workers separated by commas", s)
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }
 
 func parseSpeeds(s string) ([]float64, error) {
@@ -373,6 +426,9 @@ func run(ctx context.Context, o options, out io.Writer) error {
 	defer cleanHome()
 	printHeader(out, o)
 	switch o.mode {
+	case "schedule":
+		benchSchedule(o, out)
+		return nil
 	case "soak":
 		return benchSoak(ctx, o, out)
 	case "failover":
@@ -445,6 +501,9 @@ func printHeader(out io.Writer, o options) {
 			adapterJob(o), o.unitMs, fmtSeconds(adapterJob(o).cost()*o.unitMs/1000), o.seed)
 	case o.mode == "refit":
 		fmt.Fprint(out, refitDescription(o))
+	case o.mode == "schedule":
+		fmt.Fprintf(out, "fleets:   %s simulated workers, speeds %s repeated, %gms per cost unit at speed 1\n", fmtFleets(o.fleets), fmtSpeeds(o.speeds), o.unitMs)
+		fmt.Fprintf(out, "strategies: %s\n", strings.Join(names, ", "))
 	case o.router != "":
 		fmt.Fprintf(out, "router:   %s (external: measured as it runs; --speeds and --unit-ms are taken to describe its fleet)\n", o.router)
 	default:

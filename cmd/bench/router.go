@@ -28,6 +28,10 @@ type strategy struct {
 // defaultStrategies is what --strategies runs when not given.
 const defaultStrategies = "least_work/fifo,least_work/largest_first,least_request,round_robin,random,caddy/least_conn,caddy/round_robin"
 
+// scheduleStrategies is what --strategies runs in the schedule mode when
+// not given: the router's default queue order and the two it may be.
+const scheduleStrategies = "least_work/fifo,least_work/largest_first,least_work"
+
 // parseStrategies reads --strategies: "caddy/<lb_policy>" is a plain
 // reverse_proxy; "<policy>" or "<policy>/<queue_order>" is diffusion_router.
 // A suffix "@N" runs N replicas in front of all the workers, "@Nsplit" N

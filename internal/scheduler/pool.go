@@ -85,6 +85,9 @@ type dispatchState struct {
 	arrivals     []*waiter       // the same and some that left, in the order they came: see priority.go
 	tenancy      tenancy         // the tenants' shares: see tenants.go
 	seq          uint64          // arrival counter of the queue
+	queuedCost   float64         // the cost of the jobs waiting
+	long         bool            // the queue is long: see Adaptive
+	largest      float64         // the largest cost of a job that arrived since the queue was last empty
 	hedging      int             // copies of jobs running
 	cands        []*worker       // scratch space of routing decisions
 	views        []Candidate     // the candidates as the strategy sees them

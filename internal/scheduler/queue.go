@@ -30,6 +30,14 @@ type Config struct {
 	MaxTenants     int                // tenants tracked; 0: DefaultMaxTenants
 }
 
+// order is cfg's queue order; arrival order when it sets none.
+func (cfg *Config) order() QueueOrder {
+	if cfg.Order == nil {
+		return FIFO{}
+	}
+	return cfg.Order
+}
+
 // Outcome is how a ticket's claim on a worker ended.
 type Outcome int
 
@@ -105,6 +113,8 @@ type Ticket struct {
 	Attempts  int                     // times the request was sent to a worker
 	Blamed    string                  // the worker whose 5xx made the job run again, if one did
 	seq       uint64                  // arrival order among jobs: a job that runs again keeps its place
+	key       float64                 // its place by the queue order (see compare)
+	arrived   int64                   // when it first arrived, Unix nanoseconds
 	Body      []byte                  // a job's body, sent again when it runs again
 	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
 	tenant    *tenant                 // the tenant t's job counts against, while tenants are on
@@ -202,6 +212,7 @@ func CancelledBy(ctx context.Context) error {
 type waiter struct {
 	t     *Ticket
 	ready chan struct{} // closed once t.worker is set
+	given func()        // called once t.worker is set, when its caller does not wait on ready: see Admit
 	since int64         // when it joined the queue, Unix nanoseconds
 	gone  bool          // it left the queue: see arrivals
 }
@@ -219,6 +230,29 @@ func (p *Pool) Acquire(ctx context.Context, t *Ticket) error {
 	return p.wait(ctx, t, wt)
 }
 
+// Admit is Acquire for a caller that does not wait: it gives t a worker
+// now or a place in the queue, and calls given once t has its worker,
+// under the pool's lock and before Admit returns if a worker is free. It
+// reports why t may not wait, as Acquire does. t waits with no timeout,
+// until it gets a worker. The scheduler's simulation (cmd/bench --mode
+// schedule) runs thousands of jobs this way on one goroutine.
+func (p *Pool) Admit(t *Ticket, given func()) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	wt, err := p.admitLocked(t)
+	switch {
+	case err != nil:
+		return err
+	case wt == nil:
+		given()
+	case wt.gone: // given a worker as it joined the queue
+		given()
+	default:
+		wt.given = given
+	}
+	return nil
+}
+
 // admitLocked gives t a worker now, or a place in the queue, or the reason
 // it may not wait.
 func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
@@ -228,6 +262,9 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 	if t.seq == 0 {
 		p.seq++
 		t.seq = p.seq
+		t.arrived = p.now().UnixNano()
+		p.noteQueueLengthLocked(t)
+		t.key = t.cfg.order().Key(p.orderedLocked(t))
 	}
 	if t.Job && (t.Tenant != "" || p.tenancy.on) && (t.tenant == nil || t.tenant.evicted) {
 		p.joinTenantLocked(t)
@@ -253,6 +290,42 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 	wt := p.enqueueLocked(t)
 	p.dispatchLocked() // a prefetch slot may be free for the queue's head
 	return wt, nil
+}
+
+// orderedLocked is t's job as a queue order sees it now.
+func (p *Pool) orderedLocked(t *Ticket) Job {
+	return Job{
+		Cost: t.Cost, Seq: t.seq,
+		Arrived: float64(t.arrived) / float64(time.Second),
+		Runs:    t.Cost / p.defaultSpeed,
+		Long:    p.long,
+	}
+}
+
+// longQueue is how many of the largest jobs that came since the queue was
+// last empty, per worker, the queue holds when it becomes long (see
+// Adaptive). An open stream of jobs at 70% of the fleet's capacity makes
+// it so too rarely to change its waits by 1%, and a rollout step of 64
+// heavy-mix jobs per worker at once about a sixth of the way in (cmd/bench
+// --mode schedule; docs/benchmarks.md).
+const longQueue = 4
+
+// noteQueueLengthLocked notes whether the queue is long, as t arrives
+// (see Adaptive): the jobs waiting already take a new place in an order
+// that reads it.
+func (p *Pool) noteQueueLengthLocked(t *Ticket) {
+	p.largest = max(p.largest, t.Cost)
+	if p.long || !(p.queuedCost > longQueue*p.largest*float64(len(p.workers))) {
+		return
+	}
+	p.long = true
+	for _, wt := range p.queue {
+		wt.t.key = wt.t.cfg.order().Key(p.orderedLocked(wt.t))
+	}
+	slices.SortFunc(p.queue, compareWaiters)
+	for _, tn := range p.tenancy.list {
+		slices.SortFunc(tn.queue, compareWaiters)
+	}
 }
 
 // goesFirstLocked reports whether t, a job, goes ahead of every waiting
@@ -718,14 +791,22 @@ func (p *Pool) dispatchQueueLocked() {
 // queue.
 func (p *Pool) handOutLocked(wt *waiter, w *worker) {
 	p.assignLocked(wt.t, w)
-	wt.gone = true
+	p.leaveLocked(wt)
 	close(wt.ready)
+	if wt.given != nil {
+		wt.given()
+	}
 }
 
 func (p *Pool) enqueueLocked(t *Ticket) *waiter {
 	wt := &waiter{t: t, ready: make(chan struct{}), since: p.now().UnixNano()}
+	if len(p.queue) == 0 {
+		p.queuedCost = 0 // no float drift carried into an empty queue
+		p.long, p.largest = false, t.Cost
+	}
 	i, _ := slices.BinarySearchFunc(p.queue, wt, compareWaiters)
 	p.queue = slices.Insert(p.queue, i, wt)
+	p.queuedCost += t.Cost
 	if t.tenant != nil {
 		p.enqueueTenantLocked(t.tenant, wt)
 	}
@@ -736,15 +817,11 @@ func (p *Pool) enqueueLocked(t *Ticket) *waiter {
 // compare orders waiting jobs: by priority, then by the queue order, then
 // by arrival. A job running again keeps its arrival, so its place.
 func (t *Ticket) compare(u *Ticket) int {
-	return cmp.Or(cmp.Compare(u.Priority, t.Priority), cmp.Compare(t.queueKey(), u.queueKey()), cmp.Compare(t.seq, u.seq))
+	return cmp.Or(cmp.Compare(u.Priority, t.Priority), cmp.Compare(t.key, u.key), cmp.Compare(t.seq, u.seq))
 }
 
 // before reports whether t goes ahead of u in the queue.
 func (t *Ticket) before(u *Ticket) bool { return t.compare(u) < 0 }
-
-func (t *Ticket) queueKey() float64 {
-	return t.cfg.Order.Key(Job{Cost: t.Cost, Seq: t.seq})
-}
 
 // dequeueLocked takes a waiter out of the queue; false means it had already
 // been given a worker.
@@ -763,8 +840,17 @@ func (d *dispatchState) dequeueLocked(wt *waiter) bool {
 	if wt.t.tenant != nil {
 		dequeueTenantLocked(wt.t.tenant, wt)
 	}
-	wt.gone = true
+	d.leaveLocked(wt)
 	return true
+}
+
+// leaveLocked notes that wt left the queue, with a worker or without.
+func (d *dispatchState) leaveLocked(wt *waiter) {
+	if wt.gone {
+		return
+	}
+	wt.gone = true
+	d.queuedCost -= wt.t.Cost
 }
 
 // speedOfLocked is w's learned speed, or the pool's median speed while w has

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -462,4 +463,108 @@ func TestAbandonedJobEndsAtTheSpeedLearnedSince(t *testing.T) {
 	waitFor(t, "the job whose client left to end at its predicted end", func() bool {
 		return infoOf(t, p, left.ServedBy()).Inflight == 0
 	})
+}
+
+// Admit gives a job its worker with no goroutine waiting for it: given is
+// called at once when a worker is free, else as the worker frees up.
+func TestAdmitCallsGivenOnceTheJobHasAWorker(t *testing.T) {
+	p, _ := poolOf(t, 1)
+	cfg := config(LeastWork{}, 1)
+	first, second := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}, &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	var given []*Ticket
+	for _, tk := range []*Ticket{first, second} {
+		if err := p.Admit(tk, func() { given = append(given, tk) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !slices.Equal(given, []*Ticket{first}) {
+		t.Fatalf("given %d jobs before any ended; want the first only", len(given))
+	}
+	p.Release(first, Succeeded)
+	if !slices.Equal(given, []*Ticket{first, second}) || second.ServedBy() != "http://a:1" {
+		t.Fatalf("after the first ended: %d given, the second on %q; want both, the second on http://a:1", len(given), second.ServedBy())
+	}
+}
+
+// adaptiveRun admits jobs of the given costs to p, one worker of speed 1
+// on clock, and reports the costs in the order they got the worker.
+type adaptiveRun struct {
+	t       *testing.T
+	p       *Pool
+	clock   *fakeClock
+	cfg     *Config
+	given   []float64
+	running []*Ticket
+}
+
+func newAdaptiveRun(t *testing.T) *adaptiveRun {
+	p, clock := poolOf(t, 1)
+	cfg := config(LeastWork{}, 1)
+	cfg.Order = Adaptive{}
+	return &adaptiveRun{t: t, p: p, clock: clock, cfg: cfg}
+}
+
+func (r *adaptiveRun) admit(costs ...float64) {
+	for _, cost := range costs {
+		tk := &Ticket{pool: r.p, cfg: r.cfg, Job: true, Cost: cost}
+		if err := r.p.Admit(tk, func() { r.given = append(r.given, cost); r.running = append(r.running, tk) }); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+}
+
+// drain runs every job to its end, each for its cost in seconds.
+func (r *adaptiveRun) drain() []float64 {
+	for len(r.running) > 0 {
+		tk := r.running[0]
+		r.running = r.running[1:]
+		r.clock.advance(time.Duration(tk.Cost * float64(time.Second)))
+		r.p.Release(tk, Succeeded)
+	}
+	given := r.given
+	r.given = nil
+	return given
+}
+
+// The default order serves a short queue in arrival order, the large job
+// that came last included: a stream the fleet keeps up with waits as in
+// FIFO.
+func TestAdaptiveOrderKeepsAShortQueueInArrivalOrder(t *testing.T) {
+	r := newAdaptiveRun(t)
+	r.admit(1, 1, 1, 10) // 2 units wait as the 10 comes: less than 4 of it
+	if got := r.drain(); !slices.Equal(got, []float64{1, 1, 1, 10}) {
+		t.Fatalf("given in the order %v; want arrival order", got)
+	}
+}
+
+// Once the queue is long, as when a rollout step arrives, the largest of
+// the jobs that came together go first, those that waited already
+// included; once it empties, arrival order is back.
+func TestAdaptiveOrderGoesLargestFirstInALongQueue(t *testing.T) {
+	r := newAdaptiveRun(t)
+	r.admit(1, 10, 1, 1, 1, 1) // the first runs; the 10 waits in arrival order
+	r.admit(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+	r.admit(5) // 41 units waiting: more than 4 of the largest, 10, per worker
+	want := append([]float64{1, 10, 5}, slices.Repeat([]float64{1}, 41)...)
+	if got := r.drain(); !slices.Equal(got, want) {
+		t.Fatalf("given in the order %v; want %v", got, want)
+	}
+	r.admit(1, 1, 1, 10)
+	if got := r.drain(); !slices.Equal(got, []float64{1, 1, 1, 10}) {
+		t.Fatalf("after the queue emptied, given in the order %v; want arrival order", got)
+	}
+}
+
+// In a long queue a job is passed only by jobs that came at most as long
+// after it as they run: a large one that comes later than that waits its
+// turn.
+func TestAdaptiveOrderAgesWaitingJobs(t *testing.T) {
+	r := newAdaptiveRun(t)
+	r.admit(slices.Repeat([]float64{1}, 50)...) // long
+	r.clock.advance(20 * time.Second)          // the first runs on for 20 s more
+	r.admit(10)                                // runs 10 s, came 20 s after the rest
+	want := append(slices.Repeat([]float64{1}, 50), 10)
+	if got := r.drain(); !slices.Equal(got, want) {
+		t.Fatalf("given in the order %v; want the large job last", got)
+	}
 }
