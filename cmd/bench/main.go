@@ -104,6 +104,17 @@
 //	          diffusion_router strategy of --strategies (default
 //	          least_work/fifo, least_work/largest_first and least_work, the
 //	          router's default order); not part of all.
+//	cluster   the schedule mode's batch through the whole router: Caddy
+//	          (./cmd/caddy, or --caddy) and --speeds-repeated fake workers
+//	          (./cmd/fakeworker) as processes of their own on 127.0.0.1,
+//	          for each fleet size of --fleets (default 4,32,128) and each
+//	          strategy of --strategies (default least_work, the router's
+//	          defaults, and caddy/least_conn), --runs alternating rounds of
+//	          a warm-up (2 jobs per worker) and one batch of --per-worker
+//	          jobs per worker sent at once, each on a fresh router. It
+//	          reports the makespan ÷ the earliest-finish schedule and ÷ the
+//	          lower bound, medians over the rounds, and the router
+//	          process's CPU per job; not part of all.
 //
 // The soak runs the router as a process of its own, Caddy built from
 // ./cmd/caddy (or --caddy), so that the memory, goroutines and open files
@@ -182,6 +193,7 @@
 //	go run ./cmd/bench --mode adapters --adapter-jobs 15 --lora-switch 5s --job-time 1s
 //	go run ./cmd/bench --mode failover --kills 10 --clients 6 --speeds 1,1,1
 //	go run ./cmd/bench --mode schedule --fleets 4,32,128,1024
+//	go run ./cmd/bench --mode cluster --fleets 4,32,128 --runs 3
 //	go run ./cmd/bench --mode refit --mix uniform --n 320 --unit-ms 3 --transfer 300ms --refit-after 300ms --runs 3
 //
 // --router URL drives a router that is already running instead: it is
@@ -271,7 +283,7 @@ func main() {
 func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample|adapters|failover|refit|schedule")
+	fs.StringVar(&o.mode, "mode", "batch", "batch|open|overhead|all|soak|oversample|adapters|failover|refit|schedule|cluster")
 	fs.StringVar(&o.mix, "mix", "heavy", "the jobs: "+mixNames())
 	speeds := fs.String("speeds", "1,1,1,2", "one fake worker per value, its relative speed (adapters mode: one of speed 1 per adapter)")
 	fs.IntVar(&o.n, "n", 400, "requests per strategy (batch and open); soak: requests in all; oversample: groups a step needs")
@@ -286,7 +298,7 @@ func parseFlags(args []string) (options, error) {
 	fs.DurationVar(&o.duration, "duration", 3*time.Second, "overhead mode: measuring time per strategy; soak: longest run when given (else --n decides)")
 	fs.IntVar(&o.maxInflight, "max-inflight", 0, "max_inflight for least_work strategies (0: the router's default)")
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "limit on one strategy's run (soak: on the whole run); requests still open then fail")
-	fs.StringVar(&o.caddy, "caddy", "", "soak and failover: the Caddy binary to run as the router (default: build ./cmd/caddy)")
+	fs.StringVar(&o.caddy, "caddy", "", "soak, failover and cluster: the Caddy binary to run as the router (default: build ./cmd/caddy)")
 	fs.IntVar(&o.kills, "kills", 10, "failover mode: SIGKILLs of the active router")
 	fs.DurationVar(&o.leaseTTL, "lease-ttl", 5*time.Second, "failover mode: the routers' ha etcd lease_ttl (whole seconds)")
 	fs.DurationVar(&o.faultEvery, "fault-every", 2*time.Second, "soak: time between the faults of the schedule")
@@ -302,9 +314,9 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.refitGroup, "refit-group", 2, "refit mode: workers paused and refit at a time")
 	fs.DurationVar(&o.refitAfter, "refit-after", time.Second, "refit mode: time from the step's release to the first pause")
 	fs.DurationVar(&o.transfer, "transfer", time.Second, "refit mode: how long a group's weight transfer takes (a sleep between the direct update_weights_from_tensor calls and continue_generation)")
-	fs.IntVar(&o.runs, "runs", 1, "refit mode: runs of each policy, alternating")
-	fleets := fs.String("fleets", "4,32,128,1024", "schedule mode: fleet sizes, each of --speeds repeated")
-	fs.IntVar(&o.perWorker, "per-worker", 64, "schedule mode: jobs per worker, in the batch and in the open loop")
+	fs.IntVar(&o.runs, "runs", 1, "refit and cluster modes: runs of each policy or strategy, alternating")
+	fleets := fs.String("fleets", "", "schedule and cluster modes: fleet sizes, each of --speeds repeated (default 4,32,128,1024; cluster 4,32,128)")
+	fs.IntVar(&o.perWorker, "per-worker", 64, "schedule and cluster modes: jobs per worker in a batch (and in the schedule mode's open loop)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -319,11 +331,21 @@ func parseFlags(args []string) (options, error) {
 		*speeds = strings.Repeat("1,", o.adapters-1) + "1"
 	case o.mode == "refit" && !given["speeds"]:
 		*speeds = "1,1,1,1,1,1,1,1"
-	case o.mode == "schedule" && !given["speeds"]:
+	case (o.mode == "schedule" || o.mode == "cluster") && !given["speeds"]:
 		*speeds = "1,2"
 	}
-	if o.mode == "schedule" && !given["strategies"] {
+	switch {
+	case o.mode == "schedule" && !given["strategies"]:
 		*list = scheduleStrategies
+	case o.mode == "cluster" && !given["strategies"]:
+		*list = clusterStrategies
+	}
+	switch {
+	case *fleets != "":
+	case o.mode == "cluster":
+		*fleets = "4,32,128"
+	default:
+		*fleets = "4,32,128,1024"
 	}
 	var err error
 	if o.speeds, err = parseSpeeds(*speeds); err != nil {
@@ -348,8 +370,8 @@ func parseFlags(args []string) (options, error) {
 
 func (o options) check() error {
 	switch {
-	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample", "adapters", "failover", "refit", "schedule"}, o.mode):
-		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak, oversample, adapters, failover, refit or schedule", o.mode)
+	case !slices.Contains([]string{"batch", "open", "overhead", "all", "soak", "oversample", "adapters", "failover", "refit", "schedule", "cluster"}, o.mode):
+		return fmt.Errorf("--mode %q: want batch, open, overhead, all, soak, oversample, adapters, failover, refit, schedule or cluster", o.mode)
 	case mixes[o.mix] == nil:
 		return fmt.Errorf("--mix %q: want %s", o.mix, mixNames())
 	case o.n <= 0, o.unitMs <= 0, o.util <= 0, o.clients <= 0, o.duration <= 0, o.timeout <= 0, o.faultEvery <= 0:
@@ -366,6 +388,8 @@ func (o options) check() error {
 		return errors.New("--router: the soak starts and reloads its own router")
 	case o.mode == "failover" && o.router != "":
 		return errors.New("--router: the failover mode starts and kills its own routers")
+	case (o.mode == "cluster" || o.mode == "schedule") && o.router != "":
+		return fmt.Errorf("--router: the %s mode starts its own workers and routers", o.mode)
 	case o.mode == "refit" && o.router != "":
 		return errors.New("--router: the refit mode starts its own workers, whose weights it transfers")
 	case o.perWorker < 1:
@@ -429,6 +453,8 @@ func run(ctx context.Context, o options, out io.Writer) error {
 	case "schedule":
 		benchSchedule(o, out)
 		return nil
+	case "cluster":
+		return benchCluster(ctx, o, out)
 	case "soak":
 		return benchSoak(ctx, o, out)
 	case "failover":
@@ -501,7 +527,7 @@ func printHeader(out io.Writer, o options) {
 			adapterJob(o), o.unitMs, fmtSeconds(adapterJob(o).cost()*o.unitMs/1000), o.seed)
 	case o.mode == "refit":
 		fmt.Fprint(out, refitDescription(o))
-	case o.mode == "schedule":
+	case o.mode == "schedule" || o.mode == "cluster":
 		fmt.Fprintf(out, "fleets:   %s simulated workers, speeds %s repeated, %gms per cost unit at speed 1\n", fmtFleets(o.fleets), fmtSpeeds(o.speeds), o.unitMs)
 		fmt.Fprintf(out, "strategies: %s\n", strings.Join(names, ", "))
 	case o.router != "":

@@ -2,6 +2,8 @@ package main
 
 import (
 	"cmp"
+	"context"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -9,6 +11,7 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
+	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // The earliest-finish schedule takes the longest job first, each to the
@@ -69,21 +72,69 @@ func TestScheduleMode(t *testing.T) {
 	}
 	var out strings.Builder
 	benchSchedule(o, &out)
-	rows := map[string]string{} // "workers jobs strategy" -> batch ÷EF
-	for line := range strings.Lines(out.String()) {
-		if f := strings.Fields(line); len(f) >= 4 {
-			rows[strings.Join(f[:3], " ")] = f[3]
-		}
-	}
 	for _, want := range []string{"2 16 least_work/fifo", "4 32 least_work/fifo", "4 32 least_work"} {
-		if ratio, err := strconv.ParseFloat(rows[want], 64); err != nil || ratio < 1 {
-			t.Fatalf("the report's row %q reads %q; want a ratio of at least 1:\n%s", want, rows[want], out.String())
+		row := reportRow(out.String(), want)
+		if len(row) < 4 {
+			t.Fatalf("the report has no row %q:\n%s", want, out.String())
+		}
+		if ratio, err := strconv.ParseFloat(row[3], 64); err != nil || ratio < 1 {
+			t.Fatalf("the report's row %q reads %q; want a ratio of at least 1:\n%s", want, row[3], out.String())
 		}
 	}
-	if rows["4 32 caddy/least_conn"] != "not" {
+	if row := reportRow(out.String(), "4 32 caddy/least_conn"); len(row) < 4 || row[3] != "not" {
 		t.Fatalf("the report's row of caddy/least_conn does not say it did not run:\n%s", out.String())
 	}
 	if !strings.Contains(out.String(), "caddy/least_conn not run: the schedule mode runs diffusion_router's scheduler") {
 		t.Fatalf("the report does not say why caddy/least_conn did not run:\n%s", out.String())
+	}
+}
+
+// The cluster mode runs Caddy and the fake workers as processes and
+// reports, for each strategy, a batch that every job of ended.
+func TestClusterMode(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds Caddy and the fake worker and runs them as processes")
+	}
+	o, err := parseFlags([]string{"--mode", "cluster", "--fleets", "2", "--per-worker", "4", "--unit-ms", "5"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cleanHome, err := testrouter.IsolateHome("diffusion-router-cluster-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cleanHome()
+	var out strings.Builder
+	if err := benchCluster(context.Background(), o, &out); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"least_work", "caddy/least_conn"} {
+		row := reportRow(out.String(), "2 8 "+name)
+		if len(row) < 9 || row[7] != "0" {
+			t.Fatalf("the report's row of %s is %q; want one with no job failed:\n%s", name, row, out.String())
+		}
+	}
+}
+
+// reportRow is the fields of the line of report whose fields begin with
+// prefix's.
+func reportRow(report, prefix string) []string {
+	want := strings.Fields(prefix)
+	for line := range strings.Lines(report) {
+		if f := strings.Fields(line); len(f) >= len(want) && slices.Equal(f[:len(want)], want) {
+			return f
+		}
+	}
+	return nil
+}
+
+// processCPU reads a process's CPU time from /proc; the bench's own is
+// positive and grows with work.
+func TestProcessCPU(t *testing.T) {
+	before := processCPU(os.Getpid())
+	for end := time.Now().Add(50 * time.Millisecond); time.Now().Before(end); {
+	}
+	if after := processCPU(os.Getpid()); after <= before {
+		t.Fatalf("the bench's CPU time went from %s to %s over 50 ms of work", before, after)
 	}
 }
