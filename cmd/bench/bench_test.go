@@ -404,11 +404,18 @@ func TestOversampleMode(t *testing.T) {
 // adapterOptions parses the adapters mode's flags for a test, with a
 // home of its own.
 func adapterOptions(t *testing.T, args ...string) options {
-	o, err := parseFlags(append([]string{"--mode", "adapters", "--unit-ms", "1"}, args...))
+	return testOptions(t, append([]string{"--mode", "adapters", "--unit-ms", "1"}, args...)...)
+}
+
+// testOptions parses the bench's flags for a test, and gives the test a
+// home of its own until it ends, as the bench's run does.
+func testOptions(t *testing.T, args ...string) options {
+	t.Helper()
+	o, err := parseFlags(args)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cleanHome, err := testrouter.IsolateHome("bench-adapters-test-")
+	cleanHome, err := testrouter.IsolateHome("bench-test-")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -483,16 +490,8 @@ func TestHoldersReached(t *testing.T) {
 // row per policy with every field, no job failed, and every answer names
 // step-1 or step-2 in X-Weight-Version.
 func TestRefitMode(t *testing.T) {
-	o, err := parseFlags([]string{"--mode", "refit", "--mix", "uniform", "--n", "24", "--speeds", "1,1,1,1", "--unit-ms", "1",
-		"--transfer", "20ms", "--refit-after", "20ms", "--warmup", "0", "--strategies", "least_work/fifo"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cleanHome, err := testrouter.IsolateHome("bench-refit-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cleanHome()
+	o := testOptions(t, "--mode", "refit", "--mix", "uniform", "--n", "24", "--speeds", "1,1,1,1", "--unit-ms", "1",
+		"--transfer", "20ms", "--refit-after", "20ms", "--warmup", "0", "--strategies", "least_work/fifo")
 	var out strings.Builder
 	benchRefit(t.Context(), o, &out)
 	report := out.String()

@@ -6,7 +6,6 @@ import (
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/testkit/etcdtest"
-	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 func TestParseFailoverFlags(t *testing.T) {
@@ -34,15 +33,7 @@ func TestFailoverRound(t *testing.T) {
 		t.Skip("builds Caddy and runs three processes and etcd, about 10 s")
 	}
 	etcdtest.Require(t)
-	o, err := parseFlags([]string{"--mode", "failover", "--kills", "1", "--lease-ttl", "2s", "--clients", "3", "--speeds", "1,1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cleanHome, err := testrouter.IsolateHome("diffusion-router-failover-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cleanHome()
+	o := testOptions(t, "--mode", "failover", "--kills", "1", "--lease-ttl", "2s", "--clients", "3", "--speeds", "1,1")
 	var out strings.Builder
 	if err := benchFailover(context.Background(), o, &out); err != nil {
 		t.Fatal(err)

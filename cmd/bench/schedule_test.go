@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
-	"github.com/miles-rollout/miles-diffusion-router/internal/testrouter"
 )
 
 // The earliest-finish schedule takes the longest job first, each to the
@@ -95,15 +94,7 @@ func TestClusterMode(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds Caddy and the fake worker and runs them as processes")
 	}
-	o, err := parseFlags([]string{"--mode", "cluster", "--fleets", "2", "--per-worker", "4", "--unit-ms", "5"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cleanHome, err := testrouter.IsolateHome("diffusion-router-cluster-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cleanHome()
+	o := testOptions(t, "--mode", "cluster", "--fleets", "2", "--per-worker", "4", "--unit-ms", "5")
 	var out strings.Builder
 	if err := benchCluster(context.Background(), o, &out); err != nil {
 		t.Fatal(err)

@@ -257,16 +257,8 @@ func TestSoakRound(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds Caddy and runs it as a process for a round of faults, about 40 s")
 	}
-	o, err := parseFlags([]string{"--mode", "soak", "--rounds", "1", "--fault-every", "10ms", "--n", "100000000",
-		"--clients", "4", "--unit-ms", "5", "--warmup", "100", "--timeout", "10m"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cleanHome, err := testrouter.IsolateHome("diffusion-router-soak-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cleanHome()
+	o := testOptions(t, "--mode", "soak", "--rounds", "1", "--fault-every", "10ms", "--n", "100000000",
+		"--clients", "4", "--unit-ms", "5", "--warmup", "100", "--timeout", "10m")
 	s, r, err := runSoak(context.Background(), o)
 	if err != nil {
 		t.Fatal(err)
