@@ -279,8 +279,13 @@ func TestMilesLoopSleepWakeTransferDeclare(t *testing.T) {
 		for _, w := range ws {
 			direct(t, w, "/release_memory_occupation", "{}")
 		}
-		// Training, until the rollout has been told the engines sleep.
-		testrouter.WaitFor(t, func() bool { return client.failures() > failed })
+		// Training, until the rollout has been told the engines sleep and
+		// the router has found each asleep, so vouches for none: a
+		// failure alone may come before a job has met every engine
+		// asleep (on a loaded machine, one attempt's timeout), and an
+		// engine the router never saw asleep keeps its version as far as
+		// the router can know, its weights moving behind its back.
+		testrouter.WaitFor(t, func() bool { return client.failures() > failed && noneVouched(r, ws) })
 		for _, w := range ws {
 			direct(t, w, "/resume_memory_occupation", "{}")
 			transfer(t, w, stepTensors(k))
@@ -295,6 +300,18 @@ func TestMilesLoopSleepWakeTransferDeclare(t *testing.T) {
 		}
 	}
 	client.expectNoneStaleOrLost(t, weightsOf)
+}
+
+// noneVouched reports whether the router vouches for none of ws's
+// weights: each shows weight_version_source unknown.
+func noneVouched(r *testrouter.Router, ws []*fakeworker.Worker) bool {
+	workers := r.Workers()
+	for _, w := range ws {
+		if workers[w.URL()]["weight_version_source"] != "unknown" {
+			return false
+		}
+	}
+	return true
 }
 
 // A trainer that pauses and dies leaves the engines paused: the

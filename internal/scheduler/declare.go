@@ -118,7 +118,7 @@ func (p *Pool) DeclareVersion(d Declaration) {
 // vouchLocked takes w to hold version, learned as source says.
 func (fs *fleetState) vouchLocked(w *worker, version, source string) {
 	fs.leaveLocked(w)
-	w.life.version, w.life.source, w.life.unvouched, w.life.missed = version, source, false, false
+	w.life.version, w.life.source, w.life.unvouched, w.life.missed, w.life.slept = version, source, false, false, false
 	if w.life.state == Stale {
 		w.life.state = Serving
 	}
@@ -126,10 +126,12 @@ func (fs *fleetState) vouchLocked(w *worker, version, source string) {
 
 // unvouchLocked takes w for a worker whose weights the router cannot
 // vouch for. With the declaration's checksums, it asks the worker for its
-// own before it serves again: a catch-up that checks rather than replays.
+// own before it serves again, a catch-up that checks rather than replays,
+// unless it was found asleep since it was last vouched for (see
+// sleptLocked).
 func (fs *fleetState) unvouchLocked(w *worker) {
 	fs.distrustLocked(w)
-	if fs.checksums != nil {
+	if fs.checksums != nil && !w.life.slept {
 		w.life.behind = lagging
 		fs.behind.Add(1)
 	}
@@ -162,6 +164,7 @@ func (fs *fleetState) changedLocked(w *worker) {
 func (fs *fleetState) sleptLocked(w *worker) {
 	if fs.declared {
 		fs.distrustLocked(w)
+		w.life.slept = true
 	}
 }
 

@@ -189,6 +189,28 @@ func TestAWorkerFoundAsleepWaitsForTheDeclaration(t *testing.T) {
 	isOn(t, p, "declared", "http://a:1", Serving, "step-3", SourceVerified)
 }
 
+// A worker found asleep stays out of the router's own checks whatever
+// befalls it next: a probe that then cannot connect to it (a loaded
+// machine drops connections; a trainer may restart an engine before its
+// transfer) is evidence of a change, not of the weights it holds, and
+// its checksums, asked before the transfer, would vouch for the weights
+// it is about to lose. Only a declaration brings it back.
+func TestAWorkerFoundAsleepIsNotCheckedAfterAFailure(t *testing.T) {
+	p, clock := poolOf(t, 1)
+	p.DeclareVersion(Declaration{Version: "step-2", Holds: map[string]string{"http://a:1": SourceVerified}, Checksums: declaredSums})
+	serveAll(t, p, config(LeastWork{}, 1), Asleep, 1)
+	clock.advance(time.Minute) // its asleep back-off is over
+	p.RecordProbe("http://a:1", refusedConnection, testHealth)
+	clock.advance(time.Minute)
+	p.RecordProbe("http://a:1", nil, testHealth)
+	p.RecordProbe("http://a:1", nil, testHealth)
+	if got := p.TakeBehind(); len(got) != 0 {
+		t.Fatalf("checked after it was found asleep, then unreachable: %v", got)
+	}
+	p.DeclareVersion(Declaration{Version: "step-3", Holds: map[string]string{"http://a:1": SourceVerified}, Checksums: declaredSums})
+	isOn(t, p, "declared", "http://a:1", Serving, "step-3", SourceVerified)
+}
+
 // A LoRA call after a declaration neither reaches a worker nobody vouches
 // for nor builds a history that a later joiner would be caught up with.
 func TestALoraCallAfterADeclarationReplaysNothing(t *testing.T) {

@@ -69,7 +69,7 @@ func (p *Pool) replacedLocked(w *worker) {
 	// A trainer's pause, or an operator's hold, was of the process that
 	// is gone: a worker that leaves and comes back has neither either.
 	w.life.pausedAt, w.life.dead = 0, false
-	w.life.version, w.life.source = "", ""
+	w.life.version, w.life.source, w.life.slept = "", "", false
 	p.forgetAdapterLocked(w)
 	p.joins++
 	w.join = p.joins

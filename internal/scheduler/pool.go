@@ -237,6 +237,11 @@ type workerLife struct {
 	// checksums match the declared ones, or an update from disk through
 	// the router reaches it.
 	unvouched bool
+	// slept says that, unvouched, it answered a job as asleep: a trainer
+	// may be moving its weights, so its own checksums tell nothing (see
+	// sleptLocked) until a declaration names it or an update through the
+	// router reaches it.
+	slept bool
 	// pausedAt is when a trainer paused the worker (pause_generation),
 	// Unix nanoseconds; 0: not paused. It is a mark beside state, as dead
 	// is, so that an update, a sleep or a wake leaves it paused.

@@ -561,8 +561,8 @@ func TestAdaptiveOrderGoesLargestFirstInALongQueue(t *testing.T) {
 func TestAdaptiveOrderAgesWaitingJobs(t *testing.T) {
 	r := newAdaptiveRun(t)
 	r.admit(slices.Repeat([]float64{1}, 50)...) // long
-	r.clock.advance(20 * time.Second)          // the first runs on for 20 s more
-	r.admit(10)                                // runs 10 s, came 20 s after the rest
+	r.clock.advance(20 * time.Second)           // the first runs on for 20 s more
+	r.admit(10)                                 // runs 10 s, came 20 s after the rest
 	want := append(slices.Repeat([]float64{1}, 50), 10)
 	if got := r.drain(); !slices.Equal(got, want) {
 		t.Fatalf("given in the order %v; want the large job last", got)

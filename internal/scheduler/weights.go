@@ -154,7 +154,7 @@ func (p *Pool) FinishUpdate(url, version string, ok, answered bool) {
 	if w := p.findLocked(url); w != nil {
 		if ok {
 			w.life.version, w.life.state, w.life.missed = version, Serving, false
-			w.life.source, w.life.unvouched = SourceRouter, false
+			w.life.source, w.life.unvouched, w.life.slept = SourceRouter, false, false
 			p.remergeLocked(w)
 			p.fleet.loadedLocked(url, version)
 		} else {
