@@ -174,10 +174,18 @@ type cluster struct {
 }
 
 // clusterQueue is such a pool with n jobs waiting. Every job was admitted
-// as the router admits it (Admit, with placement on and a switcher whose
-// calls never end before the pool closes).
-func clusterQueue(tb testing.TB, n int) *cluster {
-	p := benchPool(nil, clusterWorkers)
+// as the router admits it, with Admit. With switching, placement runs a
+// pass after each dispatch, with a switcher whose calls never end before
+// the pool closes; without, the adapters stay where they are, and the
+// pool's decisions are the queue's alone.
+func clusterQueue(tb testing.TB, n int, switching bool) *cluster {
+	return clusterOf(tb, clusterWorkers, n, switching)
+}
+
+// clusterOf is clusterQueue with workers workers, at least one for each
+// adapter.
+func clusterOf(tb testing.TB, workers, n int, switching bool) *cluster {
+	p := benchPool(nil, workers)
 	tb.Cleanup(func() { _ = p.Close() })
 	adapters := make([]Adapter, clusterAdapters)
 	for i := range adapters {
@@ -185,19 +193,25 @@ func clusterQueue(tb testing.TB, n int) *cluster {
 	}
 	p.DeclareAdapters(adapters, placementConfig(30*time.Second))
 	p.mu.Lock()
-	p.placement.switcher = stuckSwitcher{} // without the placement's clock: no pass but the benchmark's
+	if switching {
+		p.placement.switcher = stuckSwitcher{} // without the placement's clock: no pass but the benchmark's
+	}
 	now := p.now().UnixNano()
 	for i, w := range p.workers {
+		// A second job at its speed: the clock stands still, so a job that
+		// ends teaches nothing, and the pool's median speed is worked out
+		// again after a worker's first job only.
+		w.load.speed.Observe(1+float64(i%4), time.Second, 0)
 		pol := p.placement.order[i%clusterAdapters]
 		w.adapter = workerAdapter{known: true, holds: pol, publish: pol.publish, since: now}
 	}
 	p.mu.Unlock()
 	c := &cluster{p: p, cfg: &Config{Strategy: LeastWork{}, MaxInflight: 1, MaxQueue: 1 << 30, Order: Adaptive{}}}
-	for i := range clusterWorkers + n {
+	for i := range workers + n {
 		c.admit(tb, c.job(tb, i))
 	}
-	if len(c.running) != clusterWorkers || queued(p) != n {
-		tb.Fatalf("%d running, %d waiting; want %d, %d", len(c.running), queued(p), clusterWorkers, n)
+	if len(c.running) != workers || queued(p) != n {
+		tb.Fatalf("%d running, %d waiting; want %d, %d", len(c.running), queued(p), workers, n)
 	}
 	return c
 }
@@ -219,14 +233,14 @@ func (c *cluster) drain() {
 	}
 }
 
-// job is the i'th job of a clusterQueue: a tenant's and an adapter's in
+// job is the i'th job of a clusterQueue: an adapter's and a tenant's in
 // turn, of costs 10-16.
 func (c *cluster) job(tb testing.TB, i int) *Ticket {
 	p := c.p
 	t := p.NewTicket(c.cfg)
 	t.Job, t.Task, t.Cost = true, request.ImageTask, float64(10+i%7)
-	t.Tenant = fmt.Sprint("tenant-", i%clusterTenants)
-	if err := p.ResolveAdapter(t, fmt.Sprint("lora-", i/clusterTenants%clusterAdapters)); err != nil {
+	t.Tenant = fmt.Sprint("tenant-", i/clusterAdapters%clusterTenants)
+	if err := p.ResolveAdapter(t, fmt.Sprint("lora-", i%clusterAdapters)); err != nil {
 		tb.Fatal(err)
 	}
 	return t
@@ -247,19 +261,38 @@ func (stuckSwitcher) Switch(ctx context.Context, _ string, _ *Adapter, _ bool) (
 }
 
 // cpuTime is the CPU time the process has used.
-func cpuTime() time.Duration {
+func cpuTime() time.Duration { return rusage(syscall.RUSAGE_SELF) }
+
+// threadCPUTime is the CPU time the calling thread has used: what it did,
+// whatever else the machine ran meanwhile.
+func threadCPUTime() time.Duration { return rusage(1) } // RUSAGE_THREAD
+
+func rusage(who int) time.Duration {
 	var ru syscall.Rusage
-	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	_ = syscall.Getrusage(who, &ru)
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// placements are the two ways the cluster benchmarks run: with
+// placement's passes, and with the adapters where they are.
+var placements = []struct {
+	name      string
+	switching bool
+}{{"switching", true}, {"fixed", false}}
+
 // BenchmarkClusterQueue measures the queue of clusterQueue, 100,000 jobs
-// waiting: a job admitted and taken out again ("admit"), a dispatch pass
-// when the one free worker holds an adapter no waiting job wants
-// ("pass-none-runnable"), and what a scrape of the tenants' figures
-// holds the pool's lock for ("tenants").
+// waiting: a job admitted and taken out again ("admit"), what a scrape
+// of the tenants' figures takes ("tenants"), and a dispatch pass when the
+// one free worker holds an adapter no waiting job wants
+// ("pass-none-runnable").
 func BenchmarkClusterQueue(b *testing.B) {
-	c := clusterQueue(b, clusterWaiting)
+	for _, pl := range placements {
+		b.Run(pl.name, func(b *testing.B) { benchClusterQueue(b, pl.switching) })
+	}
+}
+
+func benchClusterQueue(b *testing.B, switching bool) {
+	c := clusterQueue(b, clusterWaiting, switching)
 	p := c.p
 	b.Run("admit", func(b *testing.B) {
 		i := 0
@@ -275,12 +308,41 @@ func BenchmarkClusterQueue(b *testing.B) {
 			p.mu.Unlock()
 		}
 	})
+	b.Run("index", func(b *testing.B) { // a job joins the queue's index and leaves it, and nothing else
+		t := c.job(b, clusterWaiting/2)
+		p.mu.Lock()
+		p.seq++
+		t.seq = p.seq
+		p.joinTenantLocked(t)
+		p.mu.Unlock()
+		for b.Loop() {
+			p.mu.Lock()
+			p.dequeueLocked(p.enqueueLocked(t))
+			p.mu.Unlock()
+		}
+	})
 	b.Run("tenants", func(b *testing.B) {
 		for b.Loop() {
 			if len(p.Tenants()) != clusterTenants+1 {
 				b.Fatal("want 64 tenants and other")
 			}
 		}
+	})
+	b.Run("tenants-locked", func(b *testing.B) { // what of a scrape holds the lock, in time and in CPU time
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		var locked, cpu time.Duration
+		for b.Loop() {
+			v := p.newBacklogView(true)
+			p.mu.Lock()
+			began, beganCPU := time.Now(), threadCPUTime()
+			p.tenantsLocked(v)
+			locked += time.Since(began)
+			cpu += threadCPUTime() - beganCPU
+			p.mu.Unlock()
+		}
+		b.ReportMetric(float64(locked.Microseconds())/float64(b.N), "µs-locked/op")
+		b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-µs-locked/op")
 	})
 	b.Run("pass-none-runnable", func(b *testing.B) {
 		p.mu.Lock()
@@ -304,23 +366,27 @@ func BenchmarkClusterQueue(b *testing.B) {
 // and none runs; the clock stands still. It reports the CPU time of a
 // drain beside its wall time.
 func BenchmarkClusterDrain(b *testing.B) {
-	for _, n := range []int{10_000, clusterWaiting} {
-		b.Run(fmt.Sprint(n), func(b *testing.B) {
-			var cpu time.Duration
-			for b.Loop() {
-				b.StopTimer()
-				c := clusterQueue(b, n)
-				b.StartTimer()
-				began := cpuTime()
-				c.drain()
-				cpu += cpuTime() - began
-				if queued(c.p) != 0 {
-					b.Fatalf("%d jobs still waiting", queued(c.p))
-				}
-			}
-			b.ReportMetric(cpu.Seconds()/float64(b.N), "cpu-s/op")
-		})
+	for _, pl := range placements {
+		for _, n := range []int{10_000, clusterWaiting} {
+			b.Run(fmt.Sprint(pl.name, "/", n), func(b *testing.B) { benchClusterDrain(b, n, pl.switching) })
+		}
 	}
+}
+
+func benchClusterDrain(b *testing.B, n int, switching bool) {
+	var cpu time.Duration
+	for b.Loop() {
+		b.StopTimer()
+		c := clusterQueue(b, n, switching)
+		b.StartTimer()
+		began := cpuTime()
+		c.drain()
+		cpu += cpuTime() - began
+		if queued(c.p) != 0 {
+			b.Fatalf("%d jobs still waiting", queued(c.p))
+		}
+	}
+	b.ReportMetric(cpu.Seconds()/float64(b.N), "cpu-s/op")
 }
 
 // BenchmarkWaitingJobMemory reports the heap a waiting job holds beyond
@@ -329,7 +395,7 @@ func BenchmarkClusterDrain(b *testing.B) {
 func BenchmarkWaitingJobMemory(b *testing.B) {
 	for b.Loop() {
 		b.StopTimer()
-		c := clusterQueue(b, 0)
+		c := clusterQueue(b, 0, false)
 		jobs := make([]*Ticket, clusterWaiting)
 		var before, after runtime.MemStats
 		runtime.GC()
