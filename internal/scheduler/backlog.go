@@ -46,7 +46,7 @@ type backlogView struct {
 // no job has named a tenant.
 func (p *Pool) newBacklogView(ofTenants bool) *backlogView {
 	p.mu.Lock()
-	jobs, lines, workers, on := p.queue.n, len(p.queue.lines), len(p.workers), p.tenancy.on
+	jobs, lines, workers, on := p.queue.n, p.queue.lineCount(), len(p.workers), p.tenancy.on
 	p.mu.Unlock()
 	if ofTenants && !on {
 		return nil // and they stay off: tenants, once on, never turn off

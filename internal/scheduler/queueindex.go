@@ -23,8 +23,8 @@ import (
 // waitingJobs is the pool's queue: the jobs waiting for a worker.
 type waitingJobs struct {
 	classes map[classKey]*class
-	lines   map[lineKey]*line
 	all     []*class // the classes, in no order
+	recent  *class   // the class of the job that came last: the jobs of a batch come alike
 	levels  []level  // the priorities of the jobs waiting, highest first
 	n       int      // jobs waiting
 	pass    uint64   // dispatch passes so far: see class.blocked
@@ -44,16 +44,11 @@ type class struct {
 	unheld []*waiter
 }
 
-// lineKey names a line: a class's jobs of one tenant.
-type lineKey struct {
-	class  *class
-	tenant *tenant // nil while tenants are off
-}
-
 // line is the waiting jobs of one class and one tenant: a heap of their
 // places in compare order, the first at its head.
 type line struct {
-	lineKey
+	class  *class
+	tenant *tenant // nil while tenants are off
 	places []place
 	at     int // its index in its class's lineHeap
 }
@@ -133,21 +128,25 @@ func (q *waitingJobs) add(wt *waiter) {
 // the first of it to wait.
 func (q *waitingJobs) lineOf(t *Ticket) *line {
 	if q.classes == nil {
-		q.classes, q.lines = make(map[classKey]*class), make(map[lineKey]*line)
+		q.classes = make(map[classKey]*class)
 	}
 	key := classOf(t)
-	c := q.classes[key]
+	c := q.recent
+	if c == nil || c.key != key {
+		c = q.classes[key]
+	}
 	if c == nil {
 		c = &class{key: key, at: len(q.all)}
 		q.classes[key] = c
 		q.all = append(q.all, c)
 	}
-	l := q.lines[lineKey{c, t.tenant}]
-	if l == nil {
-		l = &line{lineKey: lineKey{c, t.tenant}}
-		q.lines[l.lineKey] = l
+	q.recent = c
+	for _, l := range c.lines { // one, or one for each tenant
+		if l.tenant == t.tenant {
+			return l
+		}
 	}
-	return l
+	return &line{class: c, tenant: t.tenant}
 }
 
 // placeOf is wt's place.
@@ -225,13 +224,15 @@ func (q *waitingJobs) remove(wt *waiter) {
 func (q *waitingJobs) close(l *line) {
 	c := l.class
 	heap.Remove(&c.lines, l.at)
-	delete(q.lines, l.lineKey)
 	if len(c.lines) == 0 {
 		last := q.all[len(q.all)-1]
 		q.all[c.at], last.at = last, c.at
 		q.all[len(q.all)-1] = nil
 		q.all = q.all[:len(q.all)-1]
 		delete(q.classes, c.key)
+		if q.recent == c {
+			q.recent = nil
+		}
 	}
 	if tn := l.tenant; tn != nil {
 		i := slices.Index(tn.lines, l)
@@ -285,6 +286,15 @@ func (q *waitingJobs) first() *place {
 		}
 	}
 	return first
+}
+
+// lineCount is how many lines there are.
+func (q *waitingJobs) lineCount() int {
+	n := 0
+	for _, c := range q.all {
+		n += len(c.lines)
+	}
+	return n
 }
 
 // eachLine is the lines, in no order. The queue must not change while
@@ -343,9 +353,7 @@ func (q *waitingJobs) rekey(key func(*Ticket) float64) {
 func (q *waitingJobs) moveTo(tn *tenant) {
 	for _, c := range q.all {
 		l := c.lines[0]
-		delete(q.lines, l.lineKey)
 		l.tenant = tn
-		q.lines[l.lineKey] = l
 		tn.lines = append(tn.lines, l)
 		for i := range l.places {
 			pl := &l.places[i]
