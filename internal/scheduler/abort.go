@@ -2,7 +2,6 @@ package scheduler
 
 import (
 	"fmt"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -205,27 +204,14 @@ func (a *aborts) unlinkAllLocked(victims []*Ticket, rid string, head *Ticket) []
 // goroutine of its own), so it may be done under the lock.
 func (d *dispatchState) endLocked(victims []*Ticket, by string) AbortCounts {
 	var c AbortCounts
-	if len(victims) == 0 {
-		return c
-	}
-	dequeued := make(map[*Ticket]bool, len(victims))
 	for _, t := range victims {
-		dequeued[t] = false
-	}
-	d.queue = slices.DeleteFunc(d.queue, func(wt *waiter) bool {
-		_, hit := dequeued[wt.t]
-		if hit {
-			dequeued[wt.t], wt.gone = true, true // gone, as dequeueLocked marks it: see arrivals
-			if wt.t.tenant != nil {
-				dequeueTenantLocked(wt.t.tenant, wt)
-			}
-		}
-		return hit
-	})
-	for _, t := range victims {
-		if dequeued[t] || t.seq == 0 { // seq == 0: between Track and Acquire
+		switch {
+		case t.waiter != nil:
+			d.dequeueLocked(t.waiter)
 			c.Waiting++
-		} else {
+		case t.seq == 0: // between Track and Acquire
+			c.Waiting++
+		default:
 			c.Running++
 		}
 		cause := &AbortedError{RID: t.RID, By: by}

@@ -304,7 +304,7 @@ func (p *Pool) retirePolicyLocked(pol *policy) {
 		}
 	}
 	gone := &UnknownAdapterError{Name: pol.Name, Declared: p.adapterNamesLocked()}
-	for _, wt := range p.queue {
+	for wt := range p.queue.jobs() {
 		if wt.t.policy == pol {
 			wt.t.Cancel(gone)
 		}

@@ -3,8 +3,12 @@ package scheduler
 import (
 	"context"
 	"fmt"
+	"runtime"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // benchPool is a pool of n workers with learned, varied speeds, on a fixed
@@ -84,6 +88,7 @@ func BenchmarkDecisionTenants(b *testing.B) {
 			b.ResetTimer()
 			for b.Loop() {
 				p.mu.Lock()
+				p.queue.pass++ // the first decision of a pass, which reads the workers
 				if _, w := p.nextLocked(); w == nil {
 					b.Fatal("no worker")
 				}
@@ -149,4 +154,260 @@ func BenchmarkTenantBacklog(b *testing.B) {
 			p.Backlog()
 		}
 	})
+}
+
+// The queue at cluster scale: 1,024 workers, each busy with a job under
+// max_inflight 1, 8 adapters placed (128 workers holding each), and
+// waiting jobs from 64 tenants, each for one of the adapters.
+const (
+	clusterWorkers  = 1024
+	clusterTenants  = 64
+	clusterAdapters = 8
+	clusterWaiting  = 100_000
+)
+
+// cluster is a pool at cluster scale, the config its jobs come with,
+// and its jobs running, in the order they got their workers.
+type cluster struct {
+	p       *Pool
+	cfg     *Config
+	running []*Ticket
+}
+
+// clusterQueue is such a pool with n jobs waiting. Every job was admitted
+// as the router admits it, with Admit. With switching, placement runs a
+// pass after each dispatch, with a switcher whose calls never end before
+// the pool closes; without, the adapters stay where they are, and the
+// pool's decisions are the queue's alone.
+func clusterQueue(tb testing.TB, n int, switching bool) *cluster {
+	return clusterOf(tb, clusterWorkers, n, switching)
+}
+
+// clusterOf is clusterQueue with workers workers, at least one for each
+// adapter.
+func clusterOf(tb testing.TB, workers, n int, switching bool) *cluster {
+	p := benchPool(nil, workers)
+	tb.Cleanup(func() { _ = p.Close() })
+	adapters := make([]Adapter, clusterAdapters)
+	for i := range adapters {
+		adapters[i] = Adapter{Name: fmt.Sprint("lora-", i), Path: fmt.Sprint("/l/", i)}
+	}
+	p.DeclareAdapters(adapters, placementConfig(30*time.Second))
+	p.mu.Lock()
+	if switching {
+		p.placement.switcher = stuckSwitcher{} // without the placement's clock: no pass but the benchmark's
+	}
+	now := p.now().UnixNano()
+	for i, w := range p.workers {
+		// A second job at its speed: the clock stands still, so a job that
+		// ends teaches nothing, and the pool's median speed is worked out
+		// again after a worker's first job only.
+		w.load.speed.Observe(1+float64(i%4), time.Second, 0)
+		pol := p.placement.order[i%clusterAdapters]
+		w.adapter = workerAdapter{known: true, holds: pol, publish: pol.publish, since: now}
+	}
+	p.mu.Unlock()
+	c := &cluster{p: p, cfg: &Config{Strategy: LeastWork{}, MaxInflight: 1, MaxQueue: 1 << 30, Order: Adaptive{}}}
+	for i := range workers + n {
+		c.admit(tb, c.job(tb, i))
+	}
+	if len(c.running) != workers || queued(p) != n {
+		tb.Fatalf("%d running, %d waiting; want %d, %d", len(c.running), queued(p), workers, n)
+	}
+	return c
+}
+
+// admit admits t, which joins the jobs running once it has a worker.
+func (c *cluster) admit(tb testing.TB, t *Ticket) {
+	if err := c.p.Admit(t, func() { c.running = append(c.running, t) }); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// drain ends each job running in turn, its worker taking the next waiting
+// job, until none runs.
+func (c *cluster) drain() {
+	for len(c.running) > 0 {
+		t := c.running[0]
+		c.running = c.running[1:]
+		c.p.Release(t, Succeeded)
+	}
+}
+
+// job is the i'th job of a clusterQueue: an adapter's and a tenant's in
+// turn, of costs 10-16.
+func (c *cluster) job(tb testing.TB, i int) *Ticket {
+	p := c.p
+	t := p.NewTicket(c.cfg)
+	t.Job, t.Task, t.Cost = true, request.ImageTask, float64(10+i%7)
+	t.Tenant = fmt.Sprint("tenant-", i/clusterAdapters%clusterTenants)
+	if err := p.ResolveAdapter(t, fmt.Sprint("lora-", i%clusterAdapters)); err != nil {
+		tb.Fatal(err)
+	}
+	return t
+}
+
+// stuckSwitcher is a worker fleet whose LoRA calls end only with the
+// pool: a worker placement switches serves nothing from then on.
+type stuckSwitcher struct{}
+
+func (stuckSwitcher) Active(ctx context.Context, _ string) (string, string, error) {
+	<-ctx.Done()
+	return "", "", ctx.Err()
+}
+
+func (stuckSwitcher) Switch(ctx context.Context, _ string, _ *Adapter, _ bool) (int, string, error) {
+	<-ctx.Done()
+	return 0, "", ctx.Err()
+}
+
+// cpuTime is the CPU time the process has used.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// placements are the two ways the cluster benchmarks run: with
+// placement's passes, and with the adapters where they are.
+var placements = []struct {
+	name      string
+	switching bool
+}{{"switching", true}, {"fixed", false}}
+
+// BenchmarkClusterQueue measures the queue of clusterQueue, 100,000 jobs
+// waiting: a job admitted and taken out again ("admit"), what a scrape
+// of the tenants' figures takes ("tenants"), and a dispatch pass when the
+// one free worker holds an adapter no waiting job wants
+// ("pass-none-runnable").
+func BenchmarkClusterQueue(b *testing.B) {
+	for _, pl := range placements {
+		b.Run(pl.name, func(b *testing.B) { benchClusterQueue(b, pl.switching) })
+	}
+}
+
+func benchClusterQueue(b *testing.B, switching bool) {
+	c := clusterQueue(b, clusterWaiting, switching)
+	p := c.p
+	b.Run("admit", func(b *testing.B) {
+		i := 0
+		for b.Loop() {
+			t := c.job(b, i)
+			i++
+			p.mu.Lock()
+			wt, err := p.admitLocked(t)
+			if wt == nil {
+				b.Fatal("a job got a worker, or no place:", err)
+			}
+			p.dequeueLocked(wt)
+			p.mu.Unlock()
+		}
+	})
+	b.Run("index", func(b *testing.B) { // a job joins the queue's index and leaves it, and nothing else
+		t := c.job(b, clusterWaiting/2)
+		p.mu.Lock()
+		p.seq++
+		t.seq = p.seq
+		p.joinTenantLocked(t)
+		p.mu.Unlock()
+		for b.Loop() {
+			p.mu.Lock()
+			p.dequeueLocked(p.enqueueLocked(t))
+			p.mu.Unlock()
+		}
+	})
+	b.Run("tenants", func(b *testing.B) {
+		for b.Loop() {
+			if len(p.Tenants()) != clusterTenants+1 {
+				b.Fatal("want 64 tenants and other")
+			}
+		}
+	})
+	b.Run("tenants-locked", func(b *testing.B) { // what of a scrape holds the lock: on average, and at the least (the machine's other work aside)
+		var locked, least time.Duration
+		for b.Loop() {
+			v := p.newBacklogView(true)
+			p.mu.Lock()
+			began := time.Now()
+			p.tenantsLocked(v)
+			took := time.Since(began)
+			p.mu.Unlock()
+			locked += took
+			if least == 0 || took < least {
+				least = took
+			}
+		}
+		b.ReportMetric(float64(locked.Microseconds())/float64(b.N), "µs-locked/op")
+		b.ReportMetric(float64(least.Microseconds()), "µs-locked-least")
+	})
+	b.Run("pass-none-runnable", func(b *testing.B) {
+		p.mu.Lock()
+		w := p.workers[0]
+		w.adapter.holds = &p.placement.stray // wanted by no job
+		p.freeLocked(w.load.jobs[0], Succeeded)
+		p.mu.Unlock()
+		for b.Loop() {
+			p.mu.Lock()
+			p.dispatchLocked()
+			p.mu.Unlock()
+		}
+		if queued(p) != clusterWaiting {
+			b.Fatalf("%d waiting; want every job still waiting", queued(p))
+		}
+	})
+}
+
+// BenchmarkClusterDrain drains the queue of clusterQueue: each job
+// running ends in turn, and its worker takes the next, until none waits
+// and none runs; the clock stands still. It reports the CPU time of a
+// drain beside its wall time.
+func BenchmarkClusterDrain(b *testing.B) {
+	for _, pl := range placements {
+		for _, n := range []int{10_000, clusterWaiting} {
+			b.Run(fmt.Sprint(pl.name, "/", n), func(b *testing.B) { benchClusterDrain(b, n, pl.switching) })
+		}
+	}
+}
+
+func benchClusterDrain(b *testing.B, n int, switching bool) {
+	var cpu time.Duration
+	for b.Loop() {
+		b.StopTimer()
+		c := clusterQueue(b, n, switching)
+		b.StartTimer()
+		began := cpuTime()
+		c.drain()
+		cpu += cpuTime() - began
+		if queued(c.p) != 0 {
+			b.Fatalf("%d jobs still waiting", queued(c.p))
+		}
+	}
+	b.ReportMetric(cpu.Seconds()/float64(b.N), "cpu-s/op")
+}
+
+// BenchmarkWaitingJobMemory reports the heap a waiting job holds beyond
+// its body: its ticket, as the router makes it (cancellable), its place
+// in the queue and every index of it, measured over 100,000 of them.
+func BenchmarkWaitingJobMemory(b *testing.B) {
+	for b.Loop() {
+		b.StopTimer()
+		c := clusterQueue(b, 0, false)
+		jobs := make([]*Ticket, clusterWaiting)
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		b.StartTimer()
+		for i := range jobs {
+			t := c.job(b, i)
+			t.WithCancel(context.Background())
+			jobs[i] = t
+			c.admit(b, t)
+		}
+		b.StopTimer()
+		runtime.GC()
+		runtime.ReadMemStats(&after)
+		b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/clusterWaiting, "B/waiting-job")
+		runtime.KeepAlive(jobs)
+		b.StartTimer()
+	}
 }

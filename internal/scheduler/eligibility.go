@@ -3,6 +3,8 @@ package scheduler
 import (
 	"math/bits"
 	"slices"
+
+	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 )
 
 // Which workers may take a request is decided in one place: the chain of
@@ -11,10 +13,11 @@ import (
 // question that leaves out the constraints it has no use for, so that the
 // rule cannot drift between them (a hedge's copy once went to a worker
 // without the job's adapter). A new constraint is a constant here, its
-// name, and its case in brokenLocked, then added to the questions below
-// that need it; TestEligibilityChain then wants a worker that breaks it,
-// and checks that dispatch, hedging, the backlog and placement refuse
-// that worker unless their question leaves the constraint out.
+// name, its case in brokenLocked, and what it reads of a job in
+// classOf, then added to the questions below that need it;
+// TestEligibilityChain then wants a worker that breaks it, and checks
+// that dispatch, hedging, the backlog and placement refuse that worker
+// unless their question leaves the constraint out.
 
 // constraint is one rule of the chain, a bit; a set of them is what a
 // question asks.
@@ -91,6 +94,29 @@ func (p *Pool) brokenLocked(t *Ticket, w *worker, now int64, q question) constra
 		return holdsAdapter
 	}
 	return 0
+}
+
+// classKey is what the chain reads of a job: jobs alike in it break the
+// same constraints on every worker, so the queue asks the chain about one
+// of them for all (see queueindex.go).
+type classKey struct {
+	slots  int           // hasSlot: max_inflight of the job's config
+	task   request.Task  // makesTask; and isServing, which asks whether another worker could serve it
+	pin    string        // isPinned
+	want   string        // onVersion, with policy
+	stale  VersionPolicy // freshEnough
+	tried  *Ticket       // untried: a job tried on some worker already is a class of its own
+	policy *policy       // holdsAdapter, and onVersion: the version a worker serves with it
+}
+
+// classOf is the class of t, a job: each constraint adds what it reads
+// of t.
+func classOf(t *Ticket) classKey {
+	k := classKey{slots: t.cfg.MaxInflight, task: t.Task, pin: t.Pin, want: t.WantVersion, stale: t.Staleness, policy: t.policy}
+	if len(t.tried) > 0 {
+		k.tried = t
+	}
+	return k
 }
 
 // mayTakeLocked reports whether w meets every constraint q asks for t's

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"math/bits"
+	"reflect"
 	"testing"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
@@ -12,7 +13,9 @@ import (
 // and placement give it nothing, and count it for nothing. Each user
 // leaves out only what its question has no use for. A new constraint
 // needs its case in breaks; every user then refuses the worker that
-// breaks it.
+// breaks it. A constraint broken by what the job asks for puts the job in
+// another class of the queue (classOf): jobs of one class must break the
+// same constraints.
 func TestEligibilityChain(t *testing.T) {
 	cfg := config(LeastWork{}, 1)
 	// breaks makes worker w break one constraint for tk's job, and only it.
@@ -53,9 +56,9 @@ func TestEligibilityChain(t *testing.T) {
 		{"backlog", hasSlot | holdsAdapter, func(p *Pool, _ *worker, tk *Ticket) bool {
 			p.mu.Lock()
 			defer p.mu.Unlock()
-			before := p.backlogLocked(nil)
+			before := p.copyBacklogLocked(new(backlogView)).playOut(nil)
 			p.enqueueLocked(tk)
-			return p.backlogLocked(nil) > before
+			return p.copyBacklogLocked(new(backlogView)).playOut(nil) > before
 		}},
 		// Placement asks whether some worker that may serve the job is
 		// still in placement: whether it is busy or out of service now
@@ -79,7 +82,11 @@ func TestEligibilityChain(t *testing.T) {
 		if c == 0 {
 			return p, w, tk
 		}
+		asked := *tk
 		breaks[c](p, w, tk)
+		if !reflect.DeepEqual(asked, *tk) && classOf(&asked) == classOf(tk) {
+			t.Fatalf("breaking %v through what the job asks for leaves it in its class: add what %v reads to classOf", c, c)
+		}
 		now := p.now().UnixNano()
 		for d := constraint(1); d < chainEnd; d <<= 1 {
 			if got := p.brokenLocked(tk, w, now, question{asks: d}); got != 0 != (d == c) {

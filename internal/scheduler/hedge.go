@@ -10,7 +10,7 @@ import "slices"
 func (p *Pool) HedgeCopy(t *Ticket) *Ticket {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if len(p.queue) > 0 || p.fleet.holding || p.hedging >= max(2, len(p.workers)/10) {
+	if p.queue.n > 0 || p.fleet.holding || p.hedging >= max(2, len(p.workers)/10) {
 		return nil
 	}
 	now := p.now().UnixNano()

@@ -168,10 +168,16 @@ func (p *Pool) refuseUnservableLocked(now int64) {
 	if !slices.ContainsFunc(p.workers, func(w *worker) bool { return w.adapter.out(now) != "" }) {
 		return
 	}
-	for _, wt := range p.queue {
-		if wt.t.policy != nil && wt.t.Cancelled() == nil {
-			if err := p.unservableLocked(wt.t, now); err != nil {
-				wt.t.Cancel(err)
+	for _, c := range p.queue.all {
+		if c.key.policy == nil {
+			continue
+		}
+		err := p.unservableLocked(c.lines[0].head().wt.t, now) // a class's jobs are served by the same workers
+		for _, l := range c.lines {
+			for i := 0; err != nil && i < len(l.places); i++ {
+				if t := l.places[i].wt.t; t.Cancelled() == nil {
+					t.Cancel(err)
+				}
 			}
 		}
 	}
@@ -205,17 +211,21 @@ func (p *Pool) tallyLocked(now int64) {
 	for _, pol := range pl.order {
 		pol.tally = policyTally{}
 	}
-	for _, wt := range p.queue {
-		if pol := wt.t.policy; pol != nil && wt.t.Pin == "" {
-			tl := &pol.tally
-			if tl.head == nil {
-				tl.head = wt.t
+	for _, c := range p.queue.all {
+		pol := c.key.policy
+		if pol == nil || c.key.pin != "" {
+			continue
+		}
+		tl := &pol.tally
+		for _, l := range c.lines {
+			if head := l.head().wt.t; tl.head == nil || head.before(tl.head) {
+				tl.head = head
 			}
-			tl.waiting++
-			tl.queued += wt.t.Cost
-			if !slices.Contains(tl.tasks, wt.t.Task) {
-				tl.tasks = append(tl.tasks, wt.t.Task)
-			}
+		}
+		tl.waiting += c.waiting
+		tl.queued += c.cost
+		if !slices.Contains(tl.tasks, c.key.task) {
+			tl.tasks = append(tl.tasks, c.key.task)
 		}
 	}
 	for _, w := range p.workers {
@@ -412,7 +422,7 @@ func (p *Pool) startSwitchLocked(w *worker, pol *policy, now int64) {
 	}
 	pol.tally.join(speed, work+cost*speed, false)
 	if tn := pol.tally.head.tenant; tn != nil {
-		tn.served += cost * speed / pol.tally.head.cfg.weight(tn.name)
+		p.serveLocked(tn, cost*speed/pol.tally.head.cfg.weight(tn.name))
 	}
 	if ce := p.logger.Check(zap.DebugLevel, "adapter switch decided"); ce != nil {
 		ce.Write(zap.String("worker", w.url), zap.String("to", adapterName(pol.Name)), zap.Int("waiting", pol.tally.waiting))

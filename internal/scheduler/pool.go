@@ -81,15 +81,17 @@ type registry struct {
 
 // dispatchState is the state of routing decisions and of the queue.
 type dispatchState struct {
-	queue        []*waiter       // jobs waiting for a worker, in dispatch order
-	arrivals     []*waiter       // the same and some that left, in the order they came: see priority.go
-	tenancy      tenancy         // the tenants' shares: see tenants.go
-	seq          uint64          // arrival counter of the queue
-	queuedCost   float64         // the cost of the jobs waiting
-	long         bool            // the queue is long: see Adaptive
-	largest      float64         // the largest cost of a job that arrived since the queue was last empty
-	hedging      int             // copies of jobs running
-	cands        []*worker       // scratch space of routing decisions
+	queue        waitingJobs // jobs waiting for a worker: see queueindex.go
+	arrivals     []*waiter   // the same and some that left, in the order they came: see priority.go
+	tenancy      tenancy     // the tenants' shares: see tenants.go
+	seq          uint64      // arrival counter of the queue
+	queuedCost   float64     // the cost of the jobs waiting
+	long         bool        // the queue is long: see Adaptive
+	largest      float64     // the largest cost of a job that arrived since the queue was last empty
+	hedging      int         // copies of jobs running
+	cands        []*worker   // scratch space of routing decisions
+	open         []*worker   // scratch of a dispatch pass: see openLocked
+	openFor      openFor
 	views        []Candidate     // the candidates as the strategy sees them
 	speeds       []float64       // scratch space of the median speed
 	defaultSpeed float64         // median learned speed, assumed for new workers
@@ -99,6 +101,13 @@ type dispatchState struct {
 	onRelease    []chan struct{} // closed when a worker is released: drains wait on them
 	ejectionEnds int64           // when the redispatch timer fires, Unix nanoseconds; 0: not set
 	redispatch   clock.Timer     // hands out jobs when an ejection ends
+}
+
+// openFor is the dispatch pass and the limit of jobs per worker the
+// pool's open workers were read for.
+type openFor struct {
+	pass  uint64
+	limit int
 }
 
 // New makes the pool named name, which logs to logger.
@@ -646,11 +655,11 @@ type Stats struct {
 func (p *Pool) Stats() Stats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	byPriority := make(map[int]int)
-	for _, wt := range p.queue {
-		byPriority[wt.t.Priority]++
+	byPriority := make(map[int]int, len(p.queue.levels))
+	for _, l := range p.queue.levels {
+		byPriority[l.priority] = l.waiting
 	}
-	return Stats{Queued: len(p.queue), ByPriority: byPriority, Completed: p.completions, Version: p.versionLocked(), UpdatingTo: p.fleet.target()}
+	return Stats{Queued: p.queue.n, ByPriority: byPriority, Completed: p.completions, Version: p.versionLocked(), UpdatingTo: p.fleet.target()}
 }
 
 // Version is the pool's weight version: that of the last update, or

@@ -11,17 +11,7 @@ package scheduler
 // off the front as they are met, and all at once when they are most of
 // the list, so it stays within twice the queue.
 func (d *dispatchState) arriveLocked(wt *waiter) {
-	d.arrivals = append(d.arrivals, wt)
-	if len(d.arrivals) > 2*len(d.queue)+64 {
-		kept := d.arrivals[:0]
-		for _, a := range d.arrivals {
-			if !a.gone {
-				kept = append(kept, a)
-			}
-		}
-		clear(d.arrivals[len(kept):])
-		d.arrivals = kept
-	}
+	d.arrivals = append(dropGone(d.arrivals, d.queue.n), wt)
 }
 
 // dispatchPassedOverLocked hands free workers to the jobs passed over for
@@ -31,15 +21,15 @@ func (p *Pool) dispatchPassedOverLocked() {
 		p.arrivals[0] = nil
 		p.arrivals = p.arrivals[1:]
 	}
-	if len(p.queue) == 0 || p.queue[len(p.queue)-1].t.Priority == p.queue[0].t.Priority {
+	if p.queue.n == 0 || p.queue.bottom() == p.queue.top() {
 		return // every waiting job is of the head's priority: none is passed over
 	}
 	now := p.now().UnixNano()
 	for _, wt := range p.arrivals {
-		if len(p.queue) == 0 || !waitedTooLong(wt, now) {
+		if p.queue.n == 0 || !waitedTooLong(wt, now) {
 			return // the ones after it came later
 		}
-		if wt.gone || wt.t.Priority >= p.queue[0].t.Priority {
+		if wt.gone || wt.t.Priority >= p.queue.top() {
 			continue
 		}
 		w, anyFree := p.chooseLocked(wt.t)

@@ -118,6 +118,7 @@ type Ticket struct {
 	Body      []byte                  // a job's body, sent again when it runs again
 	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
 	tenant    *tenant                 // the tenant t's job counts against, while tenants are on
+	waiter    *waiter                 // its place in the queue while it waits
 	policy    *policy                 // the adapter t's job runs with, while adapters are declared
 	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
 	ctx       context.Context         // the job's context, which cancel ends
@@ -215,6 +216,8 @@ type waiter struct {
 	given func()        // called once t.worker is set, when its caller does not wait on ready: see Admit
 	since int64         // when it joined the queue, Unix nanoseconds
 	gone  bool          // it left the queue: see arrivals
+	line  *line         // the line it waits in (see queueindex.go)
+	at    int           // its place's index in the line's heap
 }
 
 // Acquire gives t a worker. A job that finds every fitting worker full
@@ -272,7 +275,7 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 	if p.placement.on && t.policy == nil {
 		t.policy = &p.placement.base // adapters were declared after t was resolved
 	}
-	if !t.Job || len(p.queue) == 0 || p.goesFirstLocked(t) { // a job never overtakes waiting ones
+	if !t.Job || p.queue.n == 0 || p.goesFirstLocked(t) { // a job never overtakes waiting ones
 		if w, _ := p.chooseLocked(t); w != nil {
 			p.assignLocked(t, w)
 			return nil, nil
@@ -281,7 +284,7 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 	if err := p.waitErrorLocked(t); err != nil {
 		return nil, err
 	}
-	if len(p.queue) >= t.cfg.MaxQueue && t.Attempts == 0 { // a job running again was admitted already
+	if p.queue.n >= t.cfg.MaxQueue && t.Attempts == 0 { // a job running again was admitted already
 		return nil, ErrQueueFull
 	}
 	if tenantQueueFullLocked(t) {
@@ -319,13 +322,7 @@ func (p *Pool) noteQueueLengthLocked(t *Ticket) {
 		return
 	}
 	p.long = true
-	for _, wt := range p.queue {
-		wt.t.key = wt.t.cfg.order().Key(p.orderedLocked(wt.t))
-	}
-	slices.SortFunc(p.queue, compareWaiters)
-	for _, tn := range p.tenancy.list {
-		slices.SortFunc(tn.queue, compareWaiters)
-	}
+	p.queue.rekey(func(t *Ticket) float64 { return t.cfg.order().Key(p.orderedLocked(t)) })
 }
 
 // goesFirstLocked reports whether t, a job, goes ahead of every waiting
@@ -333,9 +330,9 @@ func (p *Pool) noteQueueLengthLocked(t *Ticket) {
 // priority the tenants' counters decide, so t waits and dispatch decides.
 func (d *dispatchState) goesFirstLocked(t *Ticket) bool {
 	if d.tenancy.on {
-		return t.Priority > d.queue[0].t.Priority
+		return t.Priority > d.queue.top()
 	}
-	return t.before(d.queue[0].t)
+	return t.before(d.queue.first().wt.t)
 }
 
 // wait waits for wt's ticket to be given a worker.
@@ -468,7 +465,11 @@ func (p *Pool) Release(t *Ticket, o Outcome) time.Duration {
 // chooseLocked picks the worker for t by its strategy among the workers that
 // may serve it and have a free slot. It also reports whether any serving
 // worker had a free slot at all, so a dispatch pass can stop early.
-func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
+func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) { return p.chooseAmongLocked(t, p.workers) }
+
+// chooseAmongLocked is chooseLocked among workers, which holds every
+// worker of the pool that has a slot free for t.
+func (p *Pool) chooseAmongLocked(t *Ticket, workers []*worker) (*worker, bool) {
 	now := p.now().UnixNano()
 	if t.Pin != "" {
 		return p.choosePinnedLocked(t, now)
@@ -479,7 +480,7 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 	cands, views := p.cands[:0], p.views[:0]
 	anyFree, stale := false, false
 	job, limit := t.Job, t.cfg.MaxInflight
-	for _, w := range p.workers { // the hot loop
+	for _, w := range workers { // the hot loop
 		// The chain's first constraint, inline: on a busy fleet it turns
 		// most workers away, and calling the chain for each of them made
 		// the decision half as slow again. The chain checks it again.
@@ -508,20 +509,19 @@ func (p *Pool) chooseLocked(t *Ticket) (*worker, bool) {
 
 // choosePinnedLocked is chooseLocked for t pinned to a worker: it goes
 // there or nowhere. Whether that worker has a free slot is asked only of
-// a job that may go to it.
+// a job that may go to it. It looks at no other worker, so it cannot say
+// that none is free: a dispatch pass goes on past a job pinned to a busy
+// worker.
 func (p *Pool) choosePinnedLocked(t *Ticket, now int64) (*worker, bool) {
 	w := p.findLocked(t.Pin)
 	switch {
-	case w == nil:
-		return nil, false
-	case !p.mayTakeLocked(t, w, now, question{asks: mayServe}):
+	case w == nil || !p.mayTakeLocked(t, w, now, question{asks: mayServe}):
 		return nil, true
 	case !t.Job: // a poll or delete of a job the worker holds goes there, whatever its health
 		return w, true
 	}
-	broken := p.brokenLocked(t, w, now, question{asks: takesNow})
-	if broken != 0 {
-		return nil, broken != hasSlot
+	if p.brokenLocked(t, w, now, question{asks: takesNow}) != 0 {
+		return nil, true
 	}
 	return w, true
 }
@@ -758,40 +758,71 @@ func (p *Pool) endGhost(t *Ticket) {
 // that no free worker may serve lets the ones behind it pass.
 func (p *Pool) dispatchLocked() {
 	p.dispatchPassedOverLocked()
-	if p.tenancy.on {
-		p.dispatchTenantsLocked()
-	} else {
-		p.dispatchQueueLocked()
-	}
+	p.dispatchQueueLocked()
 	if p.placement.on {
 		p.placeLocked()
 	}
 }
 
-// dispatchQueueLocked hands free slots to waiting jobs in queue order.
+// dispatchQueueLocked hands free slots to waiting jobs, one at a time,
+// each to the job nextLocked picks.
 func (p *Pool) dispatchQueueLocked() {
-	kept := p.queue[:0]
-	for i, wt := range p.queue {
-		w, anyFree := p.chooseLocked(wt.t)
-		if w != nil {
-			p.handOutLocked(wt, w)
-			continue
+	p.queue.pass++
+	for {
+		wt, w := p.nextLocked()
+		if w == nil {
+			return
 		}
-		kept = append(kept, wt)
-		if !anyFree {
-			kept = append(kept, p.queue[i+1:]...)
-			break
-		}
+		p.dequeueLocked(wt)
+		p.handOutLocked(wt, w)
 	}
-	clear(p.queue[len(kept):])
-	p.queue = kept
 }
 
-// handOutLocked gives wt's job worker w; the caller takes wt out of the
-// queue.
+// nextLocked picks the waiting job that gets a free worker next in a
+// dispatch pass, and the worker; nil when no free worker may take any
+// waiting job. A job that no free worker may serve lets the ones behind
+// it pass, and so does the rest of its class for the rest of the pass:
+// they break the same constraints, and a worker given a job in the pass
+// can only have fewer slots free.
+func (p *Pool) nextLocked() (*waiter, *worker) {
+	for {
+		l := p.queue.next()
+		if l == nil {
+			return nil, nil
+		}
+		wt := l.head().wt
+		w, anyFree := p.chooseAmongLocked(wt.t, p.openLocked(wt.t.cfg.MaxInflight))
+		switch {
+		case w != nil:
+			return wt, w
+		case !anyFree:
+			return nil, nil
+		}
+		l.class.blocked = p.queue.pass
+	}
+}
+
+// openLocked is the workers that had a slot free for jobs under a limit
+// of limit jobs per worker when they were first asked for in this pass:
+// no worker frees up during a pass, so its jobs need look at no other.
+// The pass reads the workers once, not once for each job it asks about.
+func (p *Pool) openLocked(limit int) []*worker {
+	if p.openFor != (openFor{p.queue.pass, limit}) {
+		now := p.now().UnixNano()
+		open := p.open[:0]
+		for _, w := range p.workers {
+			if fits(true, limit, w, now) {
+				open = append(open, w)
+			}
+		}
+		p.open, p.openFor = open, openFor{p.queue.pass, limit}
+	}
+	return p.open
+}
+
+// handOutLocked gives wt's job, taken out of the queue, worker w.
 func (p *Pool) handOutLocked(wt *waiter, w *worker) {
 	p.assignLocked(wt.t, w)
-	p.leaveLocked(wt)
 	close(wt.ready)
 	if wt.given != nil {
 		wt.given()
@@ -800,16 +831,19 @@ func (p *Pool) handOutLocked(wt *waiter, w *worker) {
 
 func (p *Pool) enqueueLocked(t *Ticket) *waiter {
 	wt := &waiter{t: t, ready: make(chan struct{}), since: p.now().UnixNano()}
-	if len(p.queue) == 0 {
+	if p.queue.n == 0 {
 		p.queuedCost = 0 // no float drift carried into an empty queue
 		p.long, p.largest = false, t.Cost
 	}
-	i, _ := slices.BinarySearchFunc(p.queue, wt, compareWaiters)
-	p.queue = slices.Insert(p.queue, i, wt)
-	p.queuedCost += t.Cost
-	if t.tenant != nil {
-		p.enqueueTenantLocked(t.tenant, wt)
+	if tn := t.tenant; tn != nil {
+		if tn.idle() {
+			p.activateLocked(tn)
+		}
+		tn.waiting++
 	}
+	p.queue.add(wt)
+	t.waiter = wt
+	p.queuedCost += t.Cost
 	p.arriveLocked(wt)
 	return wt
 }
@@ -829,28 +863,13 @@ func (d *dispatchState) dequeueLocked(wt *waiter) bool {
 	if wt.gone {
 		return false
 	}
-	i, found := slices.BinarySearchFunc(d.queue, wt, compareWaiters)
-	if !found || d.queue[i] != wt {
-		i = slices.Index(d.queue, wt)
+	d.queue.remove(wt)
+	if tn := wt.t.tenant; tn != nil {
+		tn.waiting--
 	}
-	if i < 0 {
-		return false
-	}
-	d.queue = slices.Delete(d.queue, i, i+1)
-	if wt.t.tenant != nil {
-		dequeueTenantLocked(wt.t.tenant, wt)
-	}
-	d.leaveLocked(wt)
-	return true
-}
-
-// leaveLocked notes that wt left the queue, with a worker or without.
-func (d *dispatchState) leaveLocked(wt *waiter) {
-	if wt.gone {
-		return
-	}
-	wt.gone = true
+	wt.gone, wt.t.waiter = true, nil
 	d.queuedCost -= wt.t.Cost
+	return true
 }
 
 // speedOfLocked is w's learned speed, or the pool's median speed while w has

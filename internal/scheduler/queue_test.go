@@ -18,7 +18,7 @@ import (
 func queued(p *Pool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return len(p.queue)
+	return p.queue.n
 }
 
 // waitQueued waits until n jobs wait in p's queue.
@@ -227,6 +227,29 @@ func runJob(p *Pool, cfg *Config, rng *rand.Rand) {
 	}
 	time.Sleep(time.Duration(rng.IntN(50)) * time.Microsecond)
 	p.Release(tk, Outcome(rng.IntN(3)))
+}
+
+// A job pinned to a busy worker waits for that worker, and the jobs
+// behind it take the others as they free up.
+func TestAJobPinnedToABusyWorkerLetsTheOthersPass(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	cfg := config(LeastWork{}, 1)
+	long, _ := choose(t, p, cfg, 100)
+	short, _ := choose(t, p, cfg, 1)
+	pinned := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Pin: long.ServedBy()}
+	ctx, cancel := context.WithCancel(context.Background())
+	left := make(chan error)
+	go func() { left <- p.Acquire(ctx, pinned) }()
+	t.Cleanup(func() { cancel(); <-left })
+	waitQueued(t, p, 1)
+	behind, done := enqueue(t, p, cfg, 1, context.Background())
+	p.Release(short, Succeeded)
+	if err := <-done; err != nil || behind.ServedBy() != short.ServedBy() {
+		t.Fatalf("the job behind the pinned one got %q (%v); want %s, which freed up", behind.ServedBy(), err, short.ServedBy())
+	}
+	if queued(p) != 1 {
+		t.Fatalf("%d jobs wait; want the pinned one", queued(p))
+	}
 }
 
 func TestTenThousandWaitingJobsDrain(t *testing.T) {
@@ -566,5 +589,35 @@ func TestAdaptiveOrderAgesWaitingJobs(t *testing.T) {
 	want := append(slices.Repeat([]float64{1}, 50), 10)
 	if got := r.drain(); !slices.Equal(got, want) {
 		t.Fatalf("given in the order %v; want the large job last", got)
+	}
+}
+
+// TestHundredThousandWaitingJobsDrain is TestTenThousandWaitingJobsDrain
+// at the scale of a rollout step, with tenants and adapters on: 100,000
+// jobs of 64 tenants wait for 16 workers holding 8 adapters, and each
+// gets a worker once, one that holds its adapter, until none waits and
+// every worker is idle. Its jobs are admitted without a goroutine each,
+// as the race detector allows no more than 8,128 at once.
+func TestHundredThousandWaitingJobsDrain(t *testing.T) {
+	c := clusterOf(t, 16, 100_000, false)
+	given, wrong := 0, 0
+	for len(c.running) > 0 {
+		tk := c.running[0]
+		c.running = c.running[1:]
+		given++
+		c.p.mu.Lock()
+		if tk.worker.adapter.holds != tk.policy {
+			wrong++
+		}
+		c.p.mu.Unlock()
+		c.p.Release(tk, Succeeded)
+	}
+	if given != 100_016 || wrong != 0 || queued(c.p) != 0 {
+		t.Fatalf("%d jobs got a worker, %d one without their adapter, %d still wait; want 100,016, none and none", given, wrong, queued(c.p))
+	}
+	for _, w := range c.p.Snapshot() {
+		if w.Inflight != 0 {
+			t.Fatalf("after draining, %s has %d jobs in flight", w.URL, w.Inflight)
+		}
 	}
 }

@@ -99,8 +99,26 @@ func (f *fleetState) admitsLocked(pol VersionPolicy, version string) bool {
 
 // noteHeldLocked counts t's job as held back by its version policy, the
 // first time it is: a worker that could have taken it now was on weights
-// too stale for it.
+// too stale for it. When t waits, so was that worker for every job of its
+// class (see queueindex.go), which a dispatch pass does not ask about
+// once t was refused.
 func (d *dispatchState) noteHeldLocked(t *Ticket) {
+	d.countHeldLocked(t)
+	if t.waiter == nil {
+		return
+	}
+	c := t.waiter.line.class
+	for _, wt := range c.unheld {
+		if !wt.gone {
+			d.countHeldLocked(wt.t)
+		}
+	}
+	clear(c.unheld)
+	c.unheld = c.unheld[:0]
+}
+
+// countHeldLocked counts t's job as held back, the first time it is.
+func (d *dispatchState) countHeldLocked(t *Ticket) {
 	if !t.heldBack {
 		t.heldBack = true
 		d.heldBack[t.Staleness.kind()]++

@@ -159,6 +159,53 @@ func TestAJobWaitsForAFreshWorker(t *testing.T) {
 	}
 }
 
+// Every waiting job a stale worker could have taken counts as held back,
+// once, though a dispatch pass asks about the first of them only: they
+// wait for the same workers.
+func TestEveryJobAStaleWorkerCouldTakeCountsAsHeldBack(t *testing.T) {
+	p, _ := poolOf(t, 2)
+	applyUpdate(p, DiskUpdatePath, "v1", `{"model_path":"/ckpt/1"}`)
+	updateOnly(p, "v2", "http://a:1") // b stays on v1: too stale for latest
+	cfg := config(LeastWork{}, 1)
+	busy := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 100, Staleness: maxStale(t, 0)}
+	if err := p.Acquire(context.Background(), busy); err != nil || busy.ServedBy() != "http://a:1" {
+		t.Fatalf("the first job of latest got %q (%v); want a", busy.ServedBy(), err)
+	}
+	waiting := make([]*Ticket, 3)
+	done := make(chan error, len(waiting))
+	for i := range waiting {
+		waiting[i] = &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Staleness: maxStale(t, 0)}
+		go func() { done <- p.Acquire(context.Background(), waiting[i]) }()
+		waitQueued(t, p, i+1)
+	}
+	if held := p.HeldBack(); held["latest"] != 3 {
+		t.Fatalf("with b free, jobs held back: %v; want the 3 of latest waiting", held)
+	}
+	p.Release(busy, Succeeded)
+	for range waiting {
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		p.mu.Lock()
+		var running *Ticket
+		for _, tk := range waiting {
+			if tk.worker != nil {
+				running = tk
+			}
+		}
+		p.mu.Unlock()
+		p.Release(running, Succeeded)
+	}
+	for _, tk := range waiting {
+		if !tk.HeldByPolicy() || tk.ServedBy() != "http://a:1" {
+			t.Fatalf("a job held back %v, served by %q; want held back, then served by a", tk.HeldByPolicy(), tk.ServedBy())
+		}
+	}
+	if held := p.HeldBack(); held["latest"] != 3 {
+		t.Fatalf("jobs held back once served: %v; want still 3", held)
+	}
+}
+
 // The versions outlive a restart, and a standby follows them; an update
 // in progress as the record was written counts as learned by the router
 // that takes it over; a record written before versions were kept reads

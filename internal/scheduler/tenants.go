@@ -48,15 +48,16 @@ var ErrTenantQueueFull = errors.New("tenant queue full")
 // tenant is one tenant's share of a pool.
 type tenant struct {
 	name    string
-	served  float64   // virtual service: cost given workers / weight
-	cost    float64   // cost given workers, for the metrics
-	queue   []*waiter // its waiting jobs, in compare order
-	running int       // its jobs holding a worker
-	cursor  int       // scratch of a dispatch: its next job to try
-	evicted bool      // no longer tracked: a ticket still naming it joins again
+	served  float64 // virtual service: cost given workers / weight
+	cost    float64 // cost given workers, for the metrics
+	waiting int     // its jobs waiting
+	running int     // its jobs holding a worker
+	evicted bool    // no longer tracked: a ticket still naming it joins again
+	lines   []*line // its waiting jobs, a line for each class (see queueindex.go)
+	first   *line   // the line of its first job in compare order
 }
 
-func (tn *tenant) idle() bool { return len(tn.queue) == 0 && tn.running == 0 }
+func (tn *tenant) idle() bool { return tn.waiting == 0 && tn.running == 0 }
 
 // tenancy is a pool's tenants. It is off until a job names a tenant, and
 // nothing of it is touched while off.
@@ -65,7 +66,6 @@ type tenancy struct {
 	byName map[string]*tenant
 	list   []*tenant // tracked, OtherTenant first
 	other  *tenant
-	order  []*tenant // scratch of a dispatch
 }
 
 // weight is the weight of tenant name under cfg: 1 unless set.
@@ -103,10 +103,8 @@ func (d *dispatchState) startTenancyLocked() {
 	ts.other = &tenant{name: OtherTenant}
 	ts.byName = map[string]*tenant{OtherTenant: ts.other}
 	ts.list = []*tenant{ts.other}
-	for _, wt := range d.queue {
-		wt.t.tenant = ts.other
-		ts.other.queue = append(ts.other.queue, wt)
-	}
+	d.queue.moveTo(ts.other)
+	ts.other.waiting = d.queue.n
 }
 
 // evictIdleTenantLocked stops tracking an idle tenant, to make room for
@@ -146,7 +144,7 @@ func (d *dispatchState) chargeLocked(tn *tenant, t *Ticket) {
 	tn.running++
 	if !t.charged {
 		t.charged = true
-		tn.served += t.Cost / t.cfg.weight(tn.name)
+		d.serveLocked(tn, t.Cost/t.cfg.weight(tn.name))
 		tn.cost += t.Cost
 	}
 }
@@ -155,86 +153,13 @@ func (d *dispatchState) chargeLocked(tn *tenant, t *Ticket) {
 // has as many jobs waiting as it may.
 func tenantQueueFullLocked(t *Ticket) bool {
 	tn := t.tenant
-	return tn != nil && t.cfg.TenantMaxQueue > 0 && len(tn.queue) >= t.cfg.TenantMaxQueue && t.Attempts == 0
+	return tn != nil && t.cfg.TenantMaxQueue > 0 && tn.waiting >= t.cfg.TenantMaxQueue && t.Attempts == 0
 }
 
-// enqueueTenantLocked adds wt to its tenant's queue.
-func (d *dispatchState) enqueueTenantLocked(tn *tenant, wt *waiter) {
-	if tn.idle() {
-		d.activateLocked(tn)
-	}
-	i, _ := slices.BinarySearchFunc(tn.queue, wt, compareWaiters)
-	tn.queue = slices.Insert(tn.queue, i, wt)
-}
-
-// dequeueTenantLocked takes wt out of its tenant's queue.
-func dequeueTenantLocked(tn *tenant, wt *waiter) {
-	i, found := slices.BinarySearchFunc(tn.queue, wt, compareWaiters)
-	if !found || tn.queue[i] != wt {
-		i = slices.Index(tn.queue, wt)
-	}
-	if i >= 0 {
-		tn.queue = slices.Delete(tn.queue, i, i+1)
-	}
-}
-
-func compareWaiters(a, b *waiter) int { return a.t.compare(b.t) }
-
-// dispatchTenantsLocked hands free slots to waiting jobs while tenants
-// are on, one at a time, each to the job nextLocked picks.
-func (p *Pool) dispatchTenantsLocked() {
-	for {
-		wt, w := p.nextLocked()
-		if w == nil {
-			return
-		}
-		p.dequeueLocked(wt)
-		p.handOutLocked(wt, w)
-	}
-}
-
-// nextLocked picks the waiting job that gets a free worker next while
-// tenants are on, and the worker: among the waiting jobs of the highest
-// priority, those of the tenant with the lowest counter first (of equal
-// counters, the one whose first job came first), each tenant's in queue
-// order; a job no free worker may serve lets the ones behind it pass,
-// whatever their tenant, and then the next priority has its turn. nil
-// when no free worker may take any waiting job.
-func (p *Pool) nextLocked() (*waiter, *worker) {
-	order := p.tenancy.order[:0]
-	for _, tn := range p.tenancy.list {
-		if len(tn.queue) > 0 {
-			tn.cursor = 0
-			order = append(order, tn)
-		}
-	}
-	p.tenancy.order = order
-	slices.SortFunc(order, func(a, b *tenant) int {
-		return cmp.Or(cmp.Compare(a.served, b.served), cmp.Compare(a.queue[0].t.seq, b.queue[0].t.seq))
-	})
-	for {
-		level, found := 0, false
-		for _, tn := range order {
-			if tn.cursor < len(tn.queue) && (!found || tn.queue[tn.cursor].t.Priority > level) {
-				level, found = tn.queue[tn.cursor].t.Priority, true
-			}
-		}
-		if !found {
-			return nil, nil
-		}
-		for _, tn := range order {
-			for ; tn.cursor < len(tn.queue) && tn.queue[tn.cursor].t.Priority == level; tn.cursor++ {
-				wt := tn.queue[tn.cursor]
-				w, anyFree := p.chooseLocked(wt.t)
-				if w != nil {
-					return wt, w
-				}
-				if !anyFree {
-					return nil, nil
-				}
-			}
-		}
-	}
+// serveLocked adds x to tn's counter.
+func (d *dispatchState) serveLocked(tn *tenant, x float64) {
+	tn.served += x
+	d.queue.rerank(tn)
 }
 
 // TenantStats is what the pool knows of one tenant.
@@ -253,18 +178,33 @@ type TenantStats struct {
 // Tenants lists the tenants the pool tracks, OtherTenant first; none
 // while no job has named a tenant.
 func (p *Pool) Tenants() []TenantStats {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if !p.tenancy.on {
+	v := p.newBacklogView(true)
+	if v == nil {
 		return nil
 	}
-	backlog := make(map[*tenant]float64, len(p.tenancy.list))
-	p.backlogLocked(backlog)
-	out := make([]TenantStats, 0, len(p.tenancy.list))
-	for _, tn := range p.tenancy.list {
-		out = append(out, TenantStats{Name: tn.name, Waiting: len(tn.queue), Running: tn.running, Cost: tn.cost, Service: tn.served, Backlog: backlog[tn]})
+	p.mu.Lock()
+	out, tenants := p.tenantsLocked(v)
+	p.mu.Unlock()
+	backlog := make(map[*tenant]float64, len(tenants))
+	v.playOut(backlog)
+	for i, tn := range tenants {
+		out[i].Backlog = backlog[tn]
 	}
 	return out
+}
+
+// tenantsLocked is Tenants, while tenants are on, but for the backlogs,
+// and the tenants they are of, in its order; it copies into v what plays
+// the backlogs out, which is done without the lock, a step for each
+// waiting job.
+func (p *Pool) tenantsLocked(v *backlogView) ([]TenantStats, []*tenant) {
+	tenants := slices.Clone(p.tenancy.list)
+	out := make([]TenantStats, 0, len(tenants))
+	for _, tn := range tenants {
+		out = append(out, TenantStats{Name: tn.name, Waiting: tn.waiting, Running: tn.running, Cost: tn.cost, Service: tn.served})
+	}
+	p.copyBacklogLocked(v)
+	return out, tenants
 }
 
 // TenantOf is the tenant t's job counts for: its own, or OtherTenant;
