@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"errors"
+	"iter"
 	"slices"
 	"strconv"
 	"strings"
@@ -105,7 +106,8 @@ type policy struct {
 	switching float64 // seconds spent switching to it in all
 	failures  uint64  // switches to it that failed
 
-	tally policyTally // what placement counts on each pass
+	tally  policyTally // what placement counts on each pass
+	donors []donor     // scratch space of a pass: its holders that may leave it
 }
 
 // version is the weight version a worker on weight version v serves with
@@ -135,7 +137,25 @@ type placement struct {
 	switcher Switcher
 	ticking  bool        // the placement's clock runs
 	needy    []*policy   // scratch space of a pass
+	adrift   []donor     // scratch space of a pass: donors that serve no policy
+	moved    int         // jobs that arrived or ended since the last pass: see placementDueLocked
+	shape    uint64      // the queue's shape at the last pass
 	placing  atomic.Bool // on, read without the lock by every request
+}
+
+// each yields every policy: the base weights, the stray one and the
+// declared adapters.
+func (pl *placement) each() iter.Seq[*policy] {
+	return func(yield func(*policy) bool) {
+		if !yield(&pl.base) || !yield(&pl.stray) {
+			return
+		}
+		for _, pol := range pl.order {
+			if !yield(pol) {
+				return
+			}
+		}
+	}
 }
 
 // workerAdapter is what a worker holds and what placement does with it.

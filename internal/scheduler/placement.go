@@ -67,6 +67,7 @@ type policyTally struct {
 	arrived int            // those of them holding it already
 	speed   float64        // their speeds' sum
 	work    float64        // the work they have before the waiting jobs, in cost units
+	floor   float64        // see floorsLocked
 }
 
 // join counts a worker of the speed and work given among the holders;
@@ -141,6 +142,29 @@ func (p *Pool) placementTickLocked() time.Duration {
 	return placementTick
 }
 
+// passWorkers is how many workers one pass of placement per job that
+// arrives or ends is worth: see placementDueLocked.
+const passWorkers = 32
+
+// placementDueLocked reports whether a job that arrived or ended, freeing
+// freed (nil: none), calls for a pass of placement once the queue has
+// been dispatched. A job moves the balance placement weighs by one job,
+// while a pass reads every worker: on a fleet of more than passWorkers
+// workers, placement looks again after every len(workers)/passWorkers such
+// jobs, so that its cost per job stays that of a small fleet. At 1,024
+// workers that is every 32 jobs, a fraction of a second of a rollout's
+// completions, where a switch takes seconds. What moves the balance by
+// more runs a pass at once: the queue gains or loses a class of jobs or a
+// priority (an adapter's first waiting job, or its last), or freed may
+// start its LoRA call now that its jobs have ended; and so does anything
+// else that dispatches, and the tick.
+func (p *Pool) placementDueLocked(freed *worker, now int64) bool {
+	pl := &p.placement
+	pl.moved++
+	return pl.moved >= len(p.workers)/passWorkers || pl.shape != p.queue.shape ||
+		freed != nil && p.fleet.callDueLocked(freed, now)
+}
+
 // placeLocked runs a pass of placement: it starts the calls workers are
 // ready for and decides the switches the queue asks for.
 func (p *Pool) placeLocked() {
@@ -149,7 +173,9 @@ func (p *Pool) placeLocked() {
 		return
 	}
 	now := p.now().UnixNano()
+	pl.moved, pl.shape = 0, p.queue.shape
 	p.tallyLocked(now)
+	p.gatherDonorsLocked(now)
 	for p.switchOneLocked(now) {
 	}
 	for _, w := range p.workers {
@@ -275,12 +301,60 @@ func (p *Pool) switchCostLocked(w *worker) float64 {
 	return p.placement.cfg.SwitchPrior.Seconds()
 }
 
+// donor is a worker that may leave what it serves for another policy's
+// jobs, as a pass of placement reads it once.
+type donor struct {
+	w     *worker
+	at    int     // its index among the pool's workers: of equal donors, the first
+	speed float64 // cost units a second
+	work  float64 // its jobs' cost left
+	cost  float64 // its switch's predicted seconds
+}
+
+// delay is how long until d could start another policy's jobs, in
+// seconds: its jobs, then its switch.
+func (d *donor) delay() float64 { return d.work/d.speed + d.cost }
+
+// leaves is how long from's waiting jobs would take its holders without
+// d, in seconds, and how many holders that leaves it.
+func (d *donor) leaves(from *policy) (float64, int) {
+	rest := from.tally
+	rest.leave(d.speed, d.work)
+	return rest.wait(), rest.holders
+}
+
+// gatherDonorsLocked files the workers that may leave what they serve for
+// a pass's switches, each under the policy it serves (placement.adrift:
+// none). One may while it serves, its adapter known, with no call under
+// way, not out, within its switch budget and, while jobs wait for what it
+// holds, once it has served as long as its switch took.
+func (p *Pool) gatherDonorsLocked(now int64) {
+	pl := &p.placement
+	pl.adrift = pl.adrift[:0]
+	for pol := range pl.each() {
+		pol.donors = pol.donors[:0]
+	}
+	for i, w := range p.workers {
+		wa := &w.adapter
+		if !w.serving(now) || wa.switching || wa.calling || !wa.known || wa.out(now) != "" || !p.switchBudgetLocked(w, now) {
+			continue
+		}
+		d := donor{w: w, at: i, speed: p.speedOfLocked(w), work: p.workLeftLocked(w, now), cost: p.switchCostLocked(w)}
+		switch from := p.placedOnLocked(w, now); {
+		case from == nil:
+			pl.adrift = append(pl.adrift, d)
+		case from.tally.waiting == 0 || float64(now-wa.since)/float64(time.Second) >= d.cost:
+			from.donors = append(from.donors, d)
+		}
+	}
+}
+
 // switchOneLocked decides one switch, for the neediest policy that some
 // worker should switch to, and reports whether it made one.
 func (p *Pool) switchOneLocked(now int64) bool {
 	pl := &p.placement
 	needy := pl.needy[:0]
-	for _, pol := range append([]*policy{&pl.base}, pl.order...) {
+	for pol := range pl.each() {
 		if pol.tally.waiting > 0 {
 			needy = append(needy, pol)
 		}
@@ -292,14 +366,40 @@ func (p *Pool) switchOneLocked(now int64) bool {
 		}
 		return 1
 	})
+	p.floorsLocked()
 	for _, pol := range needy {
-		if w := p.donorLocked(pol, now); w != nil {
-			p.startSwitchLocked(w, pol, now)
+		if d := p.donorLocked(pol, now); d != nil {
+			p.startSwitchLocked(d.w, pol, now)
 			return true
 		}
 	}
 	return false
 }
+
+// floorsLocked works out each busy policy's floor: the least wait any of
+// its donors would leave its jobs with, plus that donor's switch. A
+// policy whose jobs would wait no longer than that takes none of them
+// (see switchLossLocked), so that a pass over a fleet in balance weighs
+// each donor once, not once for each policy with jobs waiting.
+func (p *Pool) floorsLocked() {
+	for from := range p.placement.each() {
+		if !from.busy() {
+			continue
+		}
+		from.tally.floor = math.Inf(1)
+		for i := range from.donors {
+			if d := &from.donors[i]; !d.w.adapter.switching {
+				left, _ := d.leaves(from)
+				from.tally.floor = min(from.tally.floor, left+d.cost)
+			}
+		}
+	}
+}
+
+// busy reports whether pol has jobs waiting and more than one holder: a
+// holder leaves it only for a policy whose jobs would wait longer than
+// the rest of its holders take over its own, plus the switch.
+func (pol *policy) busy() bool { return pol.tally.waiting > 0 && pol.tally.holders > 1 }
 
 // needierLocked reports whether policy a's waiting jobs come before b's:
 // the higher priority at their heads, then the one with no holder, then
@@ -329,35 +429,47 @@ func (p *Pool) headsBeforeLocked(a, b *Ticket) bool {
 }
 
 // donorLocked picks the worker that switches to pol, or nil when none
-// should: among the workers that may, the one whose leaving costs least.
-func (p *Pool) donorLocked(pol *policy, now int64) *worker {
-	var best *worker
+// should: among the donors, the one whose leaving costs least.
+func (p *Pool) donorLocked(pol *policy, now int64) *donor {
+	var best *donor
 	bestLoss := math.Inf(1)
-	for _, w := range p.workers {
-		loss, ok := p.switchLossLocked(w, pol, now)
-		// Of equal losses, an idle worker: one whose jobs overran their
-		// prediction may not end soon.
-		if ok && (best == nil || loss < bestLoss || loss == bestLoss && w.load.inflight < best.load.inflight) {
-			best, bestLoss = w, loss
+	consider := func(from *policy, donors []donor) {
+		for i := range donors {
+			d := &donors[i]
+			loss, ok := p.switchLossLocked(d, from, pol, now)
+			if ok && (best == nil || loss < bestLoss || loss == bestLoss && d.before(best)) {
+				best, bestLoss = d, loss
+			}
+		}
+	}
+	consider(nil, p.placement.adrift)
+	need := pol.tally.wait()
+	for from := range p.placement.each() {
+		if from != pol && !(from.busy() && from.tally.floor >= need) {
+			consider(from, from.donors)
 		}
 	}
 	return best
 }
 
-// switchLossLocked reports whether w may switch to pol now and, if it
-// may, what it costs: the time until w could start pol's jobs, plus the
-// wait w's leaving leaves its own policy with.
-func (p *Pool) switchLossLocked(w *worker, pol *policy, now int64) (float64, bool) {
-	wa := &w.adapter
-	from := p.placedOnLocked(w, now)
-	if !w.serving(now) || wa.switching || wa.calling || !wa.known || from == pol || wa.out(now) != "" ||
-		!p.switchBudgetLocked(w, now) || !pol.tally.servableBy(w) {
+// before reports whether donor d goes before e at an equal loss: an idle
+// worker first, since one whose jobs overran their prediction may not end
+// soon, then the pool's order of workers.
+func (d *donor) before(e *donor) bool {
+	if d.w.load.inflight != e.w.load.inflight {
+		return d.w.load.inflight < e.w.load.inflight
+	}
+	return d.at < e.at
+}
+
+// switchLossLocked reports whether d, a donor serving from, may switch to
+// pol now and, if it may, what it costs: the time until d could start
+// pol's jobs, plus the wait its leaving leaves from's jobs with.
+func (p *Pool) switchLossLocked(d *donor, from, pol *policy, now int64) (float64, bool) {
+	if d.w.adapter.switching || !pol.tally.servableBy(d.w) {
 		return 0, false
 	}
-	speed := p.speedOfLocked(w)
-	cost := p.switchCostLocked(w)
-	delay := p.workLeftLocked(w, now)/speed + cost
-	need := pol.tally.wait()
+	delay, need := d.delay(), pol.tally.wait()
 	// A policy with holders gets another only once one of them holds it:
 	// the first jobs of a batch to arrive, a few milliseconds before the
 	// others, must not draw the idle workers to the policies they happen
@@ -368,16 +480,11 @@ func (p *Pool) switchLossLocked(w *worker, pol *policy, now int64) (float64, boo
 	if from == nil || from.tally.waiting == 0 {
 		return delay, true // it holds what nobody waits for
 	}
-	if float64(now-wa.since)/float64(time.Second) < cost {
-		return 0, false // it has not yet served as long as its switch took
+	left, holders := d.leaves(from)
+	if holders == 0 {
+		return delay + left, p.takesTurnLocked(d.w, pol, from, now)
 	}
-	rest := from.tally
-	rest.leave(speed, p.workLeftLocked(w, now))
-	left := rest.wait()
-	if rest.holders == 0 {
-		return delay + left, p.takesTurnLocked(w, pol, from, now)
-	}
-	return delay + left, need > left+cost
+	return delay + left, need > left+d.cost
 }
 
 // takesTurnLocked reports whether pol, which has jobs waiting and no

@@ -547,3 +547,65 @@ func TestJobsArrivingOneByOneGiveEachAdapterAWorker(t *testing.T) {
 	}
 	finishJobs(p)
 }
+
+// On a fleet of 128 workers placement looks again after every fourth job
+// that ends, at once when the queue gains a class of jobs, and at once
+// when a worker switching its adapter has ended its jobs.
+func TestOnALargeFleetPlacementLooksAgainAfterEveryFewJobs(t *testing.T) {
+	c := clusterOf(t, 128, 300, true)
+	p := c.p
+	adapters := []Adapter{{Name: "fresh", Path: "/l/fresh"}}
+	p.DeclareAdapters(adapters, placementConfig(30*time.Second))
+	p.mu.Lock()
+	p.clock.(*fakeClock).advance(time.Minute) // every worker has served as long as a switch takes
+	p.mu.Unlock()
+
+	fresh := p.NewTicket(c.cfg)
+	fresh.Job, fresh.Task, fresh.Cost = true, request.ImageTask, 10
+	if err := p.ResolveAdapter(fresh, "fresh"); err != nil {
+		t.Fatal(err)
+	}
+	c.admit(t, fresh)
+	switching := switchingTo(p, "fresh")
+	if switching == nil {
+		t.Fatal("the first job of an adapter no worker holds sent no worker to it")
+	}
+
+	var jobs []*Ticket // jobs running on workers that keep their adapter
+	for _, tk := range c.running {
+		if tk.worker != switching {
+			jobs = append(jobs, tk)
+		}
+	}
+	for i, tk := range jobs[:8] {
+		p.Release(tk, Succeeded)
+		p.mu.Lock()
+		moved := p.placement.moved
+		p.mu.Unlock()
+		if want := (i + 1) % 4; moved != want {
+			t.Fatalf("after %d jobs ended, %d since placement looked; want %d", i+1, moved, want)
+		}
+	}
+	for _, tk := range c.running {
+		if tk.worker == switching {
+			p.Release(tk, Succeeded)
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !switching.adapter.calling {
+		t.Fatal("a worker switching its adapter ended its jobs, and its switch did not start")
+	}
+}
+
+// switchingTo is the worker switching to the adapter named, or nil.
+func switchingTo(p *Pool, name string) *worker {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, w := range p.workers {
+		if w.adapter.switching && w.adapter.target.Name == name {
+			return w
+		}
+	}
+	return nil
+}

@@ -291,7 +291,7 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 		return nil, ErrTenantQueueFull
 	}
 	wt := p.enqueueLocked(t)
-	p.dispatchLocked() // a prefetch slot may be free for the queue's head
+	p.jobMovedLocked(nil) // a prefetch slot may be free for the queue's head
 	return wt, nil
 }
 
@@ -636,8 +636,13 @@ func (p *Pool) startLocked(w *worker, t *Ticket, now int64) {
 }
 
 func (p *Pool) releaseLocked(t *Ticket, o Outcome) (ejected time.Duration) {
+	w := t.worker
 	ejected = p.freeLocked(t, o)
-	p.dispatchLocked()
+	if o.failed() || o == Asleep {
+		p.dispatchLocked() // news of the worker
+	} else {
+		p.jobMovedLocked(w)
+	}
 	return ejected
 }
 
@@ -757,11 +762,26 @@ func (p *Pool) endGhost(t *Ticket) {
 // dispatchLocked hands free slots to waiting jobs, in queue order; a job
 // that no free worker may serve lets the ones behind it pass.
 func (p *Pool) dispatchLocked() {
-	p.dispatchPassedOverLocked()
-	p.dispatchQueueLocked()
+	p.dispatchJobsLocked()
 	if p.placement.on {
 		p.placeLocked()
 	}
+}
+
+// jobMovedLocked is dispatchLocked after a job arrived or ended, freeing
+// freed (nil: none): placement looks again only when the job calls for it
+// (see placementDueLocked).
+func (p *Pool) jobMovedLocked(freed *worker) {
+	p.dispatchJobsLocked()
+	if p.placement.on && p.placementDueLocked(freed, p.now().UnixNano()) {
+		p.placeLocked()
+	}
+}
+
+// dispatchJobsLocked is dispatchLocked without placement.
+func (p *Pool) dispatchJobsLocked() {
+	p.dispatchPassedOverLocked()
+	p.dispatchQueueLocked()
 }
 
 // dispatchQueueLocked hands free slots to waiting jobs, one at a time,
@@ -806,12 +826,15 @@ func (p *Pool) nextLocked() (*waiter, *worker) {
 // of limit jobs per worker when they were first asked for in this pass:
 // no worker frees up during a pass, so its jobs need look at no other.
 // The pass reads the workers once, not once for each job it asks about.
+// A worker switching its adapter, or whose adapter is not known, takes no
+// job: placement can keep hundreds of them so for seconds.
 func (p *Pool) openLocked(limit int) []*worker {
 	if p.openFor != (openFor{p.queue.pass, limit}) {
 		now := p.now().UnixNano()
 		open := p.open[:0]
+		placing := p.placement.on
 		for _, w := range p.workers {
-			if fits(true, limit, w, now) {
+			if fits(true, limit, w, now) && (!placing || w.adapter.ready()) {
 				open = append(open, w)
 			}
 		}

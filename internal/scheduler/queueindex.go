@@ -27,6 +27,7 @@ type waitingJobs struct {
 	recent  *class   // the class of the job that came last: the jobs of a batch come alike
 	levels  []level  // the priorities of the jobs waiting, highest first
 	n       int      // jobs waiting
+	shape   uint64   // classes and priorities that came or went so far: placement looks again when it changes
 	pass    uint64   // dispatch passes so far: see class.blocked
 }
 
@@ -139,6 +140,7 @@ func (q *waitingJobs) lineOf(t *Ticket) *line {
 		c = &class{key: key, at: len(q.all)}
 		q.classes[key] = c
 		q.all = append(q.all, c)
+		q.shape++
 	}
 	q.recent = c
 	for _, l := range c.lines { // one, or one for each tenant
@@ -230,6 +232,7 @@ func (q *waitingJobs) close(l *line) {
 		q.all[len(q.all)-1] = nil
 		q.all = q.all[:len(q.all)-1]
 		delete(q.classes, c.key)
+		q.shape++
 		if q.recent == c {
 			q.recent = nil
 		}
@@ -249,9 +252,11 @@ func (q *waitingJobs) count(priority, by int) {
 	i, found := slices.BinarySearchFunc(q.levels, priority, func(l level, p int) int { return cmp.Compare(p, l.priority) })
 	if !found {
 		q.levels = slices.Insert(q.levels, i, level{priority: priority})
+		q.shape++
 	}
 	if q.levels[i].waiting += by; q.levels[i].waiting == 0 {
 		q.levels = slices.Delete(q.levels, i, i+1)
+		q.shape++
 	}
 }
 
