@@ -318,7 +318,8 @@ func (d *donor) delay() float64 { return d.work/d.speed + d.cost }
 // leaves is how long from's waiting jobs would take its holders without
 // d, in seconds, and how many holders that leaves it.
 func (d *donor) leaves(from *policy) (float64, int) {
-	rest := from.tally
+	t := &from.tally
+	rest := policyTally{queued: t.queued, holders: t.holders, speed: t.speed, work: t.work}
 	rest.leave(d.speed, d.work)
 	return rest.wait(), rest.holders
 }
