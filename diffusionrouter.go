@@ -25,6 +25,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
@@ -273,20 +274,20 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	switch {
 	case dotted:
-		err = control.WriteError(rec, http.StatusBadRequest, "the path must not have . or .. segments")
+		err = answer.WriteError(rec, http.StatusBadRequest, "the path must not have . or .. segments")
 	case !h.pool.election.Leading() && !standbyServes(r, answered):
 		err = h.refuseAsStandby(rec)
 	case !answered && hasEscapedSeparator(r.URL):
-		err = control.WriteError(rec, http.StatusBadRequest, "the path must not hold %2F, %5C or \\: a worker decodes them and would read another path")
+		err = answer.WriteError(rec, http.StatusBadRequest, "the path must not hold %2F, %5C or \\: a worker decodes them and would read another path")
 	case !answered && !h.forwards.has(r.URL.Path):
-		err = control.WriteError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
+		err = answer.WriteError(rec, http.StatusNotFound, fmt.Sprintf("path %s is not sent to workers (forward_paths)", r.URL.Path))
 	case !answered:
 		r.URL.RawPath = "" // the worker gets the path as the router read it
 		h.pool.fleet.StartCatchUps(&h.weights)
 		err = h.forward(rec, r, route, next)
 	case r.ContentLength > control.MaxBody:
 		rec.Header().Set("Connection", "close") // the body stays unread
-		err = control.WriteError(rec, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body is larger than the %d bytes a control call may send", control.MaxBody))
+		err = answer.WriteError(rec, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body is larger than the %d bytes a control call may send", control.MaxBody))
 	default:
 		h.control.ServeHTTP(rec, r) // sets the path values Handler does not
 	}

@@ -18,8 +18,8 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
-	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/jobkinds"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
@@ -51,13 +51,13 @@ func (h *Handler) forward(rec *attempt.Recorder, r *http.Request, route request.
 	arrived := time.Now()
 	id, err := requestID(r)
 	if err != nil {
-		return control.WriteError(rec, http.StatusBadRequest, err.Error())
+		return answer.WriteError(rec, http.StatusBadRequest, err.Error())
 	}
 	rec.Header().Set(request.IDHeader, id)
 	rec.Tracer = tracerOf(r)
 	t, r, status, msg := h.admit(rec, r, route)
 	if status != 0 {
-		return control.WriteError(rec, status, msg)
+		return answer.WriteError(rec, status, msg)
 	}
 	if t == nil {
 		return nil // the client left while waiting
@@ -81,7 +81,7 @@ func (h *Handler) forward(rec *attempt.Recorder, r *http.Request, route request.
 		err = h.proxyError(rec, t, err)
 	}
 	if cause := scheduler.CancelledBy(r.Context()); cause != nil && rec.Status() == 0 {
-		err = control.WriteError(rec, cancelStatus(cause), cause.Error())
+		err = answer.WriteError(rec, cancelStatus(cause), cause.Error())
 	}
 	if t.Job {
 		h.logJob(id, r, t, rec.Status(), dispatched.Sub(arrived), time.Since(dispatched))
@@ -415,7 +415,7 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err err
 	case errors.Is(err, scheduler.ErrAsleep):
 		w.Header().Set("Retry-After", strconv.Itoa(retryAfter(t)))
 		status, msg := queueError(h.pool, t, err)
-		return control.WriteError(w, status, msg)
+		return answer.WriteError(w, status, msg)
 	case errors.Is(err, attempt.ErrUpstreamTimeout):
 		status, msg = http.StatusGatewayTimeout, fmt.Sprintf("%v (%s)", attempt.ErrUpstreamTimeout, h.attempts.UpstreamTimeout)
 	case request.OverMaxBody(err):
@@ -431,7 +431,7 @@ func (h *Handler) proxyError(w http.ResponseWriter, t *scheduler.Ticket, err err
 		msg = "Worker request failed: " + cause(err).Error()
 	}
 	h.logger.Warn("proxying to worker failed", zap.Int("status", status), zap.Error(err))
-	return control.WriteError(w, status, msg)
+	return answer.WriteError(w, status, msg)
 }
 
 // cause is what went wrong in err, without the trace of the handler that

@@ -25,7 +25,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
-	"github.com/miles-rollout/miles-diffusion-router/internal/control"
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/ha"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
@@ -499,12 +499,12 @@ func (h *Handler) refuseAsStandby(w http.ResponseWriter) error {
 	w.Header().Set("Retry-After", "1")
 	leader := h.pool.election.Leader()
 	if leader == "" {
-		return control.WriteJSON(w, http.StatusServiceUnavailable, map[string]any{
+		return answer.WriteJSON(w, http.StatusServiceUnavailable, map[string]any{
 			"error":  fmt.Sprintf("this router is a standby of pool %s and no router leads it right now; retry in a second", h.Pool),
 			"leader": nil,
 		})
 	}
-	return control.WriteJSON(w, http.StatusServiceUnavailable, map[string]any{
+	return answer.WriteJSON(w, http.StatusServiceUnavailable, map[string]any{
 		"error":  fmt.Sprintf("this router is a standby of pool %s; send requests to the active router, %s", h.Pool, leader),
 		"leader": leader,
 	})

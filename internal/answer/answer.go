@@ -5,7 +5,8 @@
 // broken one may then run again elsewhere. An answer too large to hold
 // streams, checked as it passes, its last byte withheld until the check
 // passes, so that a client never holds a complete-looking body that is
-// not. It does not import Caddy.
+// not. The router's own answers it writes as JSON, its errors in the
+// Python router's shape, {"error": "..."}. It does not import Caddy.
 package answer
 
 import (

@@ -12,7 +12,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
-	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -286,7 +285,7 @@ func (rec *Recorder) passHeld() error {
 		case !answer.CutShort(a.broken):
 			what = "is not the " + a.format.String() + " its endpoint answers"
 		}
-		return control.WriteError(rec, status, fmt.Sprintf("Worker request failed: its %d answer %s (%v)", a.status, what, a.broken))
+		return answer.WriteError(rec, status, fmt.Sprintf("Worker request failed: its %d answer %s (%v)", a.status, what, a.broken))
 	case a.status == 0 || a.state == lost || a.state == kept:
 		rec.dropHeld()
 		return nil

@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -20,12 +21,12 @@ import (
 func (a *API) serveAbort(w http.ResponseWriter, r *http.Request) {
 	body, err := decodeJSONBody(r)
 	if err != nil {
-		_ = WriteError(w, http.StatusBadRequest, err.Error())
+		_ = answer.WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	ab, err := parseAbort(body)
 	if err != nil {
-		_ = WriteError(w, http.StatusBadRequest, err.Error())
+		_ = answer.WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	ab.Memory = a.AbortMemory
@@ -33,7 +34,7 @@ func (a *API) serveAbort(w http.ResponseWriter, r *http.Request) {
 	client, _ := a.ClientIP(r)
 	a.Logger.Info("jobs aborted", zap.String("by", ab.By), zap.String("client", client),
 		zap.Int("waiting", c.Waiting), zap.Int("running", c.Running))
-	_ = WriteJSON(w, http.StatusOK, map[string]any{
+	_ = answer.WriteJSON(w, http.StatusOK, map[string]any{
 		"success": true,
 		"aborted": map[string]int{"waiting": c.Waiting, "running": c.Running},
 	})

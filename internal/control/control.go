@@ -17,6 +17,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
@@ -83,11 +84,11 @@ func (a *API) mux() *http.ServeMux {
 // holds tensor handles that are valid on one engine's node only, so no
 // router can send one payload to several engines.
 func serveTensorUpdate(w http.ResponseWriter, _ *http.Request) {
-	_ = WriteError(w, http.StatusBadRequest, "update_weights_from_tensor carries tensor handles valid on one engine's node only: send it to each engine directly, not through the router")
+	_ = answer.WriteError(w, http.StatusBadRequest, "update_weights_from_tensor carries tensor handles valid on one engine's node only: send it to each engine directly, not through the router")
 }
 
 func serveMethodNotAllowed(w http.ResponseWriter, r *http.Request) {
-	_ = WriteError(w, http.StatusMethodNotAllowed, fmt.Sprintf("method %s is not allowed on %s", r.Method, r.URL.Path))
+	_ = answer.WriteError(w, http.StatusMethodNotAllowed, fmt.Sprintf("method %s is not allowed on %s", r.Method, r.URL.Path))
 }
 
 // admin wraps an endpoint that changes the fleet: only clients in
@@ -97,7 +98,7 @@ func (a *API) admin(next http.HandlerFunc) http.HandlerFunc {
 		if !a.trusted(r) {
 			client, err := a.ClientIP(r)
 			a.Logger.Warn("refused control call", zap.String("path", r.URL.Path), zap.String("client", client), zap.NamedError("client_address", err))
-			_ = WriteError(w, http.StatusForbidden, "control endpoints need a client address in admin_allow or a valid admin token")
+			_ = answer.WriteError(w, http.StatusForbidden, "control endpoints need a client address in admin_allow or a valid admin token")
 			return
 		}
 		next(w, r)
@@ -258,7 +259,7 @@ func (a *API) serveHealth(w http.ResponseWriter, _ *http.Request) {
 		status, code = "unhealthy", http.StatusServiceUnavailable
 	}
 	stats := a.Pool.Stats()
-	_ = WriteJSON(w, code, a.withHA(map[string]any{
+	_ = answer.WriteJSON(w, code, a.withHA(map[string]any{
 		"status":                 status,
 		"healthy_workers":        healthy,
 		"total_workers":          len(workers),
@@ -292,16 +293,16 @@ func (a *API) serveReady(w http.ResponseWriter, _ *http.Request) {
 	if serving+paused < a.MinReady || standby {
 		code = http.StatusServiceUnavailable
 	}
-	answer := a.withHA(map[string]any{"ready": code == http.StatusOK, "serving_workers": serving, "paused_workers": paused, "min_ready": a.MinReady})
+	reply := a.withHA(map[string]any{"ready": code == http.StatusOK, "serving_workers": serving, "paused_workers": paused, "min_ready": a.MinReady})
 	if standby {
-		answer["standby"] = true
+		reply["standby"] = true
 	}
-	_ = WriteJSON(w, code, answer)
+	_ = answer.WriteJSON(w, code, reply)
 }
 
 // serveAlive is /healthz: the router process is alive.
 func serveAlive(w http.ResponseWriter, _ *http.Request) {
-	_ = WriteJSON(w, http.StatusOK, map[string]string{"status": "alive"})
+	_ = answer.WriteJSON(w, http.StatusOK, map[string]string{"status": "alive"})
 }
 
 func (a *API) serveWorkers(w http.ResponseWriter, _ *http.Request) {
@@ -317,7 +318,7 @@ func (a *API) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 	if adapters := a.Pool.Adapters(); len(adapters) > 0 {
 		resp["adapters"] = adapters
 	}
-	_ = WriteJSON(w, http.StatusOK, resp)
+	_ = answer.WriteJSON(w, http.StatusOK, resp)
 }
 
 func (a *API) serveListWorkers(w http.ResponseWriter, _ *http.Request) {
@@ -326,7 +327,7 @@ func (a *API) serveListWorkers(w http.ResponseWriter, _ *http.Request) {
 	for i, wk := range workers {
 		urls[i] = wk.URL
 	}
-	_ = WriteJSON(w, http.StatusOK, map[string]any{"urls": urls})
+	_ = answer.WriteJSON(w, http.StatusOK, map[string]any{"urls": urls})
 }
 
 // serveAddWorker registers a worker named by ?url=, ?worker_url= or a JSON
@@ -334,12 +335,12 @@ func (a *API) serveListWorkers(w http.ResponseWriter, _ *http.Request) {
 func (a *API) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 	u, err := a.workerURLFrom(r)
 	if err != nil {
-		_ = WriteError(w, http.StatusBadRequest, err.Error())
+		_ = answer.WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	info, created, err := a.Pool.Register(u, a.MaxWorkers)
 	if err != nil {
-		_ = WriteError(w, http.StatusTooManyRequests, fmt.Sprintf("%v (%d)", err, a.MaxWorkers))
+		_ = answer.WriteError(w, http.StatusTooManyRequests, fmt.Sprintf("%v (%d)", err, a.MaxWorkers))
 		return
 	}
 	if created {
@@ -348,7 +349,7 @@ func (a *API) serveAddWorker(w http.ResponseWriter, r *http.Request) {
 		a.Fleet.StartCatchUps(a.Weights)
 		info, _ = a.Pool.Worker(info.URL)
 	}
-	_ = WriteJSON(w, http.StatusOK, a.durable(r.Context(), map[string]any{"status": "success", "worker": newWorkerJSON(info)}))
+	_ = answer.WriteJSON(w, http.StatusOK, a.durable(r.Context(), map[string]any{"status": "success", "worker": newWorkerJSON(info)}))
 }
 
 // storageWait bounds how long a control call waits for its change to be
@@ -447,19 +448,19 @@ func decodeJSONBody(r *http.Request) (map[string]json.RawMessage, error) {
 func (a *API) workerFromPath(w http.ResponseWriter, r *http.Request) (scheduler.WorkerInfo, bool) {
 	u, err := workerurl.Parse(r.PathValue("id"))
 	if err != nil {
-		_ = WriteError(w, http.StatusBadRequest, err.Error())
+		_ = answer.WriteError(w, http.StatusBadRequest, err.Error())
 		return scheduler.WorkerInfo{}, false
 	}
 	info, ok := a.Pool.Worker(u)
 	if !ok {
-		_ = WriteError(w, http.StatusNotFound, "Worker not found")
+		_ = answer.WriteError(w, http.StatusNotFound, "Worker not found")
 	}
 	return info, ok
 }
 
 func (a *API) serveWorker(w http.ResponseWriter, r *http.Request) {
 	if info, ok := a.workerFromPath(w, r); ok {
-		_ = WriteJSON(w, http.StatusOK, map[string]any{"worker": newWorkerJSON(info)})
+		_ = answer.WriteJSON(w, http.StatusOK, map[string]any{"worker": newWorkerJSON(info)})
 	}
 }
 
@@ -473,27 +474,27 @@ func (a *API) serveUpdateWorker(w http.ResponseWriter, r *http.Request) {
 	}
 	update, err := decodeJSONBody(r)
 	if err != nil {
-		_ = WriteError(w, http.StatusBadRequest, err.Error())
+		_ = answer.WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	isDead, refresh, err := parseWorkerUpdate(update)
 	if err != nil {
-		_ = WriteError(w, http.StatusBadRequest, err.Error())
+		_ = answer.WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	if refresh {
 		_ = a.Fleet.Probe(r.Context(), info.URL)
 		info, _ = a.Pool.Worker(info.URL)
 	}
-	answer := map[string]any{"status": "success"}
+	reply := map[string]any{"status": "success"}
 	if isDead != nil {
 		paused := !info.PausedSince.IsZero()
 		info, _ = a.Pool.SetDead(info.URL, *isDead) // and ends a pause
 		a.Logger.Info("worker marked by operator", zap.String("worker", info.URL), zap.Bool("dead", *isDead), zap.Bool("pause_ended", paused))
-		answer = a.durable(r.Context(), answer)
+		reply = a.durable(r.Context(), reply)
 	}
-	answer["worker"] = newWorkerJSON(info)
-	_ = WriteJSON(w, http.StatusOK, answer)
+	reply["worker"] = newWorkerJSON(info)
+	_ = answer.WriteJSON(w, http.StatusOK, reply)
 }
 
 // parseWorkerUpdate checks a PUT /workers/{id} body field by field, as the
@@ -529,7 +530,7 @@ func (a *API) serveDeleteWorker(w http.ResponseWriter, r *http.Request) {
 func (a *API) serveRemoveWorker(w http.ResponseWriter, r *http.Request) {
 	u, err := a.workerURLFrom(r)
 	if err != nil {
-		_ = WriteError(w, http.StatusBadRequest, err.Error())
+		_ = answer.WriteError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	a.removeWorker(w, r, u)
@@ -537,9 +538,9 @@ func (a *API) serveRemoveWorker(w http.ResponseWriter, r *http.Request) {
 
 func (a *API) removeWorker(w http.ResponseWriter, r *http.Request, workerURL string) {
 	if !a.Pool.Remove(workerURL) {
-		_ = WriteError(w, http.StatusNotFound, "Worker not found")
+		_ = answer.WriteError(w, http.StatusNotFound, "Worker not found")
 		return
 	}
 	a.Logger.Info("worker removed", zap.String("worker", workerURL))
-	_ = WriteJSON(w, http.StatusOK, a.durable(r.Context(), map[string]any{"status": "success", "worker_id": url.QueryEscape(workerURL)}))
+	_ = answer.WriteJSON(w, http.StatusOK, a.durable(r.Context(), map[string]any{"status": "success", "worker_id": url.QueryEscape(workerURL)}))
 }

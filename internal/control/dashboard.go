@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
@@ -45,7 +46,7 @@ func (a *API) serveDashboardData(w http.ResponseWriter, _ *http.Request) {
 		}
 	}
 	stats := a.Pool.Stats()
-	_ = WriteJSON(w, http.StatusOK, a.withHA(map[string]any{
+	_ = answer.WriteJSON(w, http.StatusOK, a.withHA(map[string]any{
 		"tenants":            a.Pool.Tenants(),
 		"adapters":           a.Pool.Adapters(),
 		"pool":               a.Pool.Name(),

@@ -12,6 +12,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 )
 
@@ -37,7 +38,7 @@ func (a *API) serveDeclare(w http.ResponseWriter, r *http.Request) {
 		status, msg = http.StatusBadRequest, "new_version is required"
 	}
 	if status != 0 {
-		_ = WriteError(w, status, msg)
+		_ = answer.WriteError(w, status, msg)
 		return
 	}
 	a.runDeclaration(w, r, "update_weight_version", d, a.Fleet.Declare)
@@ -122,5 +123,5 @@ func checkChecksums(raw json.RawMessage) string {
 // serveWeightVersion is GET /get_weight_version: the fleet's weight
 // version, which /health shows to anyone as well.
 func (a *API) serveWeightVersion(w http.ResponseWriter, _ *http.Request) {
-	_ = WriteJSON(w, http.StatusOK, map[string]string{"weight_version": a.Pool.Version()})
+	_ = answer.WriteJSON(w, http.StatusOK, map[string]string{"weight_version": a.Pool.Version()})
 }

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
@@ -33,7 +34,7 @@ func (a *API) serveLora(w http.ResponseWriter, r *http.Request) {
 	}
 	req, status, msg := a.readLoraRequest(r)
 	if status != 0 {
-		_ = WriteError(w, status, msg)
+		_ = answer.WriteError(w, status, msg)
 		return
 	}
 	a.runUpdate(w, r, req, strings.TrimPrefix(r.URL.Path, "/v1/"))
@@ -84,12 +85,12 @@ func (a *API) readLoraRequest(r *http.Request) (scheduler.Update, int, string) {
 func (a *API) serveChecksum(w http.ResponseWriter, r *http.Request) {
 	body, _, status, msg := readControlObject(r)
 	if status != 0 {
-		_ = WriteError(w, status, msg)
+		_ = answer.WriteError(w, status, msg)
 		return
 	}
 	results, err := a.Fleet.Checksums(r.Context(), body, a.Weights)
 	if err != nil {
-		_ = WriteError(w, http.StatusServiceUnavailable, err.Error())
+		_ = answer.WriteError(w, http.StatusServiceUnavailable, err.Error())
 		return
 	}
 	code, agree := http.StatusOK, true
@@ -100,7 +101,7 @@ func (a *API) serveChecksum(w http.ResponseWriter, r *http.Request) {
 			agree = false
 		}
 	}
-	_ = WriteJSON(w, code, map[string]any{"success": code == http.StatusOK, "consistent": agree, "results": results})
+	_ = answer.WriteJSON(w, code, map[string]any{"success": code == http.StatusOK, "consistent": agree, "results": results})
 }
 
 // stringOrList reads a field given as a string or a list of non-empty
@@ -133,12 +134,12 @@ func stringOrList(v any) ([]string, bool) {
 // are placement's, so those calls are refused.
 func (a *API) servePublish(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Path != "/v1/set_lora" {
-		_ = WriteError(w, http.StatusBadRequest, "adapters are declared in this pool: the router merges and unmerges them as it places them; publish a new path with /v1/set_lora")
+		_ = answer.WriteError(w, http.StatusBadRequest, "adapters are declared in this pool: the router merges and unmerges them as it places them; publish a new path with /v1/set_lora")
 		return
 	}
 	name, path, strength, status, msg := a.readPublish(r)
 	if status != 0 {
-		_ = WriteError(w, status, msg)
+		_ = answer.WriteError(w, status, msg)
 		return
 	}
 	var version string
@@ -158,15 +159,15 @@ func (a *API) servePublish(w http.ResponseWriter, r *http.Request) {
 	}
 	switch {
 	case errors.Is(rep.Err, scheduler.ErrSamePath):
-		_ = WriteError(w, http.StatusBadRequest, rep.Err.Error())
+		_ = answer.WriteError(w, http.StatusBadRequest, rep.Err.Error())
 	case rep.Err != nil:
-		_ = WriteError(w, http.StatusServiceUnavailable, rep.Err.Error())
+		_ = answer.WriteError(w, http.StatusServiceUnavailable, rep.Err.Error())
 	default:
 		code := http.StatusOK
 		if slices.ContainsFunc(rep.Results, failed) {
 			code = http.StatusBadGateway
 		}
-		_ = WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": version, "results": rep.Results}))
+		_ = answer.WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": version, "results": rep.Results}))
 	}
 }
 

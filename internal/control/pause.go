@@ -12,6 +12,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
@@ -33,7 +34,7 @@ var pauseModes = []string{"abort", "retract", "in_place"}
 func (a *API) servePause(w http.ResponseWriter, r *http.Request) {
 	_, urls, status, msg := a.readGenerationCall(r, "pause_generation", map[string]func(json.RawMessage) string{"mode": checkPauseMode})
 	if status != 0 {
-		_ = WriteError(w, status, msg)
+		_ = answer.WriteError(w, status, msg)
 		return
 	}
 	rep, ok := a.runOperation(w, r, "pause_generation", "", func(ctx context.Context) ([]fleet.Result, error) {
@@ -46,7 +47,7 @@ func (a *API) servePause(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if errors.Is(rep.Err, fleet.ErrDrainTimeout) {
-		_ = WriteError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs on the workers paused did not finish within drain_timeout (%s); the pause is undone and they serve again", a.Weights.DrainTimeout))
+		_ = answer.WriteError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs on the workers paused did not finish within drain_timeout (%s); the pause is undone and they serve again", a.Weights.DrainTimeout))
 		return
 	}
 	a.answerGeneration(w, r, rep, "Generation paused.")
@@ -61,7 +62,7 @@ func (a *API) serveContinue(w http.ResponseWriter, r *http.Request) {
 		"torch_empty_cache": checkBoolean("torch_empty_cache"),
 	})
 	if status != 0 {
-		_ = WriteError(w, status, msg)
+		_ = answer.WriteError(w, status, msg)
 		return
 	}
 	if declared {
@@ -79,7 +80,7 @@ func (a *API) serveContinue(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if errors.Is(rep.Err, scheduler.ErrNothingToDo) { // calling twice is harmless
-		_ = WriteJSON(w, http.StatusOK, map[string]any{"success": true, "status": "ok", "message": "No worker is paused.", "results": []fleet.Result{}})
+		_ = answer.WriteJSON(w, http.StatusOK, map[string]any{"success": true, "status": "ok", "message": "No worker is paused.", "results": []fleet.Result{}})
 		return
 	}
 	a.answerGeneration(w, r, rep, "Generation continued.")
@@ -104,13 +105,13 @@ func (a *API) logGeneration(msg string, results []fleet.Result, err error) {
 func (a *API) answerGeneration(w http.ResponseWriter, r *http.Request, rep fleet.Report, message string) {
 	switch err := rep.Err; {
 	case errors.Is(err, scheduler.ErrNoWorker):
-		_ = WriteError(w, http.StatusServiceUnavailable, "No workers registered in the pool that an operator has not held back")
+		_ = answer.WriteError(w, http.StatusServiceUnavailable, "No workers registered in the pool that an operator has not held back")
 	case errors.Is(err, scheduler.ErrUnknownWorker): // it left since the call was read
-		_ = WriteError(w, http.StatusNotFound, err.Error())
+		_ = answer.WriteError(w, http.StatusNotFound, err.Error())
 	case err != nil:
-		_ = WriteError(w, http.StatusServiceUnavailable, "the "+rep.Operation+" did not run to its end: "+err.Error())
+		_ = answer.WriteError(w, http.StatusServiceUnavailable, "the "+rep.Operation+" did not run to its end: "+err.Error())
 	default:
-		_ = WriteJSON(w, http.StatusOK, a.durable(r.Context(), map[string]any{"success": true, "status": "ok", "message": message, "results": rep.Results}))
+		_ = answer.WriteJSON(w, http.StatusOK, a.durable(r.Context(), map[string]any{"success": true, "status": "ok", "message": message, "results": rep.Results}))
 	}
 }
 

@@ -31,7 +31,7 @@ func TestReadyzAgainstAFakePool(t *testing.T) {
 		serving, minReady, status int
 	}{{0, 1, http.StatusServiceUnavailable}, {1, 2, http.StatusServiceUnavailable}, {2, 2, http.StatusOK}} {
 		a := &API{Pool: fakeRoster{serving: c.serving}, Logger: zap.NewNop(), MinReady: c.minReady}
-		code, body := answer(t, a, "/readyz")
+		code, body := getJSON(t, a, "/readyz")
 		if code != c.status || body["serving_workers"] != float64(c.serving) || body["ready"] != (c.status == http.StatusOK) {
 			t.Errorf("%d serving, min_ready %d: /readyz %d %v; want %d", c.serving, c.minReady, code, body, c.status)
 		}

@@ -20,7 +20,7 @@ type standing struct {
 func (s standing) Leading() bool  { return s.leading }
 func (s standing) Leader() string { return s.leader }
 
-func answer(t *testing.T, a *API, path string) (int, map[string]any) {
+func getJSON(t *testing.T, a *API, path string) (int, map[string]any) {
 	t.Helper()
 	rec := httptest.NewRecorder()
 	a.Mux().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
@@ -40,13 +40,13 @@ func standingAPI(t *testing.T, ha Standing) *API {
 
 func TestStandbyIsNotReadyAndNamesTheLeader(t *testing.T) {
 	a := standingAPI(t, standing{leading: false, leader: "http://router-a:8080"})
-	code, body := answer(t, a, "/readyz")
+	code, body := getJSON(t, a, "/readyz")
 	ha, _ := body["ha"].(map[string]any)
 	if code != http.StatusServiceUnavailable || body["standby"] != true || ha["leader"] != "http://router-a:8080" || ha["leading"] != false {
 		t.Fatalf("standby's /readyz: %d %v; want 503, standby, leader router-a", code, body)
 	}
 	for _, path := range []string{"/health", "/workers", "/dashboard/data"} {
-		_, body := answer(t, a, path)
+		_, body := getJSON(t, a, path)
 		if ha, _ := body["ha"].(map[string]any); ha["leader"] != "http://router-a:8080" || ha["leading"] != false {
 			t.Errorf("standby's %s shows ha %v; want leader router-a, not leading", path, body["ha"])
 		}
@@ -55,7 +55,7 @@ func TestStandbyIsNotReadyAndNamesTheLeader(t *testing.T) {
 
 func TestLeaderIsReadyAndSaysItLeads(t *testing.T) {
 	a := standingAPI(t, standing{leading: true, leader: "http://router-b:8080"})
-	code, body := answer(t, a, "/readyz")
+	code, body := getJSON(t, a, "/readyz")
 	if ha, _ := body["ha"].(map[string]any); code != http.StatusOK || body["standby"] != nil || ha["leading"] != true {
 		t.Fatalf("leader's /readyz: %d %v; want 200, leading", code, body)
 	}
@@ -64,7 +64,7 @@ func TestLeaderIsReadyAndSaysItLeads(t *testing.T) {
 func TestNoGroupNoStanding(t *testing.T) {
 	a := standingAPI(t, nil)
 	for _, path := range []string{"/readyz", "/health", "/workers"} {
-		if _, body := answer(t, a, path); body["ha"] != nil || body["standby"] != nil {
+		if _, body := getJSON(t, a, path); body["ha"] != nil || body["standby"] != nil {
 			t.Errorf("%s of a router without ha shows %v", path, body)
 		}
 	}

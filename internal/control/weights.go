@@ -12,6 +12,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/fleet"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 	"github.com/miles-rollout/miles-diffusion-router/internal/strictjson"
@@ -29,7 +30,7 @@ import (
 func (a *API) serveUpdateWeights(w http.ResponseWriter, r *http.Request) {
 	req, status, msg := a.readWeightsRequest(r)
 	if status != 0 {
-		_ = WriteError(w, status, msg)
+		_ = answer.WriteError(w, status, msg)
 		return
 	}
 	req.Path = scheduler.DiskUpdatePath
@@ -65,22 +66,22 @@ func (a *API) runUpdate(w http.ResponseWriter, r *http.Request, req scheduler.Up
 func (a *API) answerWeights(w http.ResponseWriter, r *http.Request, version string, rep fleet.Report) {
 	switch results, err := rep.Results, rep.Err; {
 	case errors.Is(err, scheduler.ErrNoWorker):
-		_ = WriteError(w, http.StatusServiceUnavailable, scheduler.ErrNoWorker.Error())
+		_ = answer.WriteError(w, http.StatusServiceUnavailable, scheduler.ErrNoWorker.Error())
 	case errors.Is(err, scheduler.ErrUnknownWorker): // it left since the call was read
-		_ = WriteError(w, http.StatusNotFound, err.Error())
+		_ = answer.WriteError(w, http.StatusNotFound, err.Error())
 	case errors.Is(err, fleet.ErrDrainTimeout):
-		_ = WriteJSON(w, http.StatusGatewayTimeout, map[string]any{
+		_ = answer.WriteJSON(w, http.StatusGatewayTimeout, map[string]any{
 			"success": false, "weight_version": version, "results": results,
 			"error": fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); workers not yet updated serve on as before", a.Weights.DrainTimeout),
 		})
 	case err != nil:
-		_ = WriteError(w, http.StatusServiceUnavailable, "the "+rep.Operation+" did not run to its end: "+err.Error())
+		_ = answer.WriteError(w, http.StatusServiceUnavailable, "the "+rep.Operation+" did not run to its end: "+err.Error())
 	default:
 		code := http.StatusOK
 		if slices.ContainsFunc(results, failed) {
 			code = http.StatusBadGateway
 		}
-		_ = WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": version, "results": results}))
+		_ = answer.WriteJSON(w, code, a.durable(r.Context(), map[string]any{"success": code == http.StatusOK, "weight_version": version, "results": results}))
 	}
 }
 
@@ -91,7 +92,7 @@ func (a *API) answerWeights(w http.ResponseWriter, r *http.Request, version stri
 func (a *API) runOperation(w http.ResponseWriter, r *http.Request, op, version string, run func(context.Context) ([]fleet.Result, error)) (fleet.Report, bool) {
 	done, err := a.Fleet.Start(r.Context(), r.URL.Query().Get("wait") != "false", op, version, run)
 	if errors.Is(err, fleet.ErrFleetBusy) {
-		_ = WriteError(w, http.StatusConflict, err.Error())
+		_ = answer.WriteError(w, http.StatusConflict, err.Error())
 	}
 	if err != nil {
 		return fleet.Report{}, false
@@ -221,10 +222,10 @@ func stringField(v any, def string) (string, bool) {
 func (a *API) serveOperation(w http.ResponseWriter, _ *http.Request) {
 	rep, ok := a.Fleet.Last()
 	if !ok {
-		_ = WriteError(w, http.StatusNotFound, "no fleet operation has run since the router started")
+		_ = answer.WriteError(w, http.StatusNotFound, "no fleet operation has run since the router started")
 		return
 	}
-	_ = WriteJSON(w, http.StatusOK, rep)
+	_ = answer.WriteJSON(w, http.StatusOK, rep)
 }
 
 // serveSleep is POST /release_memory_occupation: drain, then put every
@@ -244,14 +245,14 @@ func (a *API) serveWake(w http.ResponseWriter, r *http.Request) {
 func (a *API) sleepOrWake(w http.ResponseWriter, r *http.Request, op string) {
 	body, err := io.ReadAll(io.LimitReader(r.Body, MaxBody))
 	if err != nil {
-		_ = WriteError(w, http.StatusBadRequest, "Invalid JSON body")
+		_ = answer.WriteError(w, http.StatusBadRequest, "Invalid JSON body")
 		return
 	}
 	// The workers read this body, the router does not; like every control
 	// body it is refused all the same if it names a key twice, in any case.
 	if len(bytes.TrimSpace(body)) > 0 {
 		if _, err := strictjson.Scan(body); err != nil {
-			_ = WriteError(w, http.StatusBadRequest, err.Error())
+			_ = answer.WriteError(w, http.StatusBadRequest, err.Error())
 			return
 		}
 	}
@@ -268,19 +269,19 @@ func (a *API) sleepOrWake(w http.ResponseWriter, r *http.Request, op string) {
 	}
 	switch results, err := rep.Results, rep.Err; {
 	case errors.Is(err, scheduler.ErrNoWorker):
-		_ = WriteError(w, http.StatusServiceUnavailable, "No workers registered in the pool")
+		_ = answer.WriteError(w, http.StatusServiceUnavailable, "No workers registered in the pool")
 	case errors.Is(err, scheduler.ErrNothingToDo): // calling twice is harmless
-		_ = WriteJSON(w, http.StatusOK, map[string]any{"success": true, "results": []fleet.Result{}, "message": "No eligible workers available in the pool"})
+		_ = answer.WriteJSON(w, http.StatusOK, map[string]any{"success": true, "results": []fleet.Result{}, "message": "No eligible workers available in the pool"})
 	case errors.Is(err, fleet.ErrDrainTimeout):
-		_ = WriteError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", a.Weights.DrainTimeout))
+		_ = answer.WriteError(w, http.StatusGatewayTimeout, fmt.Sprintf("jobs in flight did not finish within drain_timeout (%s); nobody was put to sleep", a.Weights.DrainTimeout))
 	case err != nil:
-		_ = WriteError(w, http.StatusServiceUnavailable, "the "+op+" did not run to its end: "+err.Error())
+		_ = answer.WriteError(w, http.StatusServiceUnavailable, "the "+op+" did not run to its end: "+err.Error())
 	default:
 		code := http.StatusOK
 		if slices.ContainsFunc(results, failed) {
 			code = http.StatusBadGateway
 		}
-		_ = WriteJSON(w, code, map[string]any{"success": code == http.StatusOK, "results": results})
+		_ = answer.WriteJSON(w, code, map[string]any{"success": code == http.StatusOK, "results": results})
 	}
 }
 

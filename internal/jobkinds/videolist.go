@@ -7,8 +7,8 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/answer"
 	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
-	"github.com/miles-rollout/miles-diffusion-router/internal/control"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -109,7 +109,7 @@ func (l *TenantList) Finish(err error) error {
 	list, listErr := l.filtered(err)
 	l.Header().Del("Content-Length")
 	if listErr != nil {
-		return control.WriteError(l.ResponseWriter, http.StatusBadGateway, "Worker request failed: "+listErr.Error())
+		return answer.WriteError(l.ResponseWriter, http.StatusBadGateway, "Worker request failed: "+listErr.Error())
 	}
 	l.Header().Set("Content-Length", strconv.Itoa(len(list)))
 	l.ResponseWriter.WriteHeader(l.status)
