@@ -93,3 +93,65 @@ func (s *SpeedEstimate) RelErr() float64 { return s.relErr }
 
 // Samples is how many jobs the estimate rests on, up to SpeedWindow.
 func (s *SpeedEstimate) Samples() int { return s.n }
+
+// speedOfLocked is w's learned speed, or the pool's median speed while w has
+// completed nothing.
+func (d *dispatchState) speedOfLocked(w *worker) float64 {
+	if w.load.speed.Value() > 0 {
+		return w.load.speed.Value()
+	}
+	return d.defaultSpeed
+}
+
+// DefaultInitialSpeed is the speed, in cost units per second, assumed for
+// every worker until one has completed a job: a 20-step 1024x1024 image in
+// 20 s, slower than an H100 runs FLUX (6.7 s an image), so that the first
+// jobs are not declared late on a guess.
+const DefaultInitialSpeed = 1
+
+// SetInitialSpeed sets the speed, in cost units per second, assumed for
+// every worker while none of the pool's workers has completed a job; the
+// config loaded last sets it.
+func (p *Pool) SetInitialSpeed(speed float64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.initialSpeed = speed
+	p.refreshDefaultSpeedLocked()
+}
+
+// refreshDefaultSpeedLocked sets the speed assumed for new workers to the
+// median of the learned ones, or the initial speed while there are none.
+func (p *Pool) refreshDefaultSpeedLocked() {
+	speeds := p.speeds[:0]
+	for _, w := range p.workers {
+		if w.load.speed.Value() > 0 {
+			speeds = append(speeds, w.load.speed.Value())
+		}
+	}
+	p.speeds = speeds
+	if len(speeds) == 0 {
+		p.defaultSpeed = p.initialSpeed
+		return
+	}
+	slices.Sort(speeds)
+	p.defaultSpeed = speeds[len(speeds)/2]
+}
+
+// maxPrediction bounds a predicted time, so that no prediction overflows
+// a time.Duration or an end time.
+const maxPrediction = 30 * 24 * time.Hour
+
+// timeForLocked is how long w is predicted to take over work of cost.
+func (d *dispatchState) timeForLocked(w *worker, cost float64) time.Duration {
+	return time.Duration(min(cost/d.speedOfLocked(w), maxPrediction.Seconds()) * float64(time.Second))
+}
+
+// workLeftLocked is the predicted cost w still has to process at now (Unix
+// nanoseconds): its jobs' costs, less what the running one has done.
+func (d *dispatchState) workLeftLocked(w *worker, now int64) float64 {
+	if w.load.inflight == 0 {
+		return 0
+	}
+	done := float64(now-w.load.headSince) / float64(time.Second) * d.speedOfLocked(w)
+	return w.load.work - min(w.load.headCost, max(0, done))
+}

@@ -1,0 +1,95 @@
+package scheduler
+
+import (
+	"context"
+	"slices"
+)
+
+// Retry moves t off a worker that failed it, with what the attempt said
+// of that worker, onto another one, waiting for it in its old place in
+// the queue: the worker it leaves goes to the queue only once t is back
+// in it. It reports an error when t got no worker.
+func (p *Pool) Retry(ctx context.Context, t *Ticket, o Outcome) error {
+	p.mu.Lock()
+	p.offWorkerLocked(t, o)
+	if !p.untriedServingLocked(t) {
+		p.forgetTriedLocked(t)
+	}
+	return p.retryLocked(ctx, t)
+}
+
+// forgetTriedLocked lets t go back to the workers it tried: better a
+// worker that failed once than waiting for ones that are out, which may
+// stay out for minutes. The one that failed it last stays off while
+// another serving worker may serve t: a worker that breaks its answers at
+// once is the least loaded, and would take t straight back.
+func (p *Pool) forgetTriedLocked(t *Ticket) {
+	var last *worker
+	if n := len(t.tried); n > 0 {
+		last = t.tried[n-1]
+	}
+	t.tried = append(t.tried[:0], t.shunned...)
+	if last == nil || slices.Contains(t.tried, last) {
+		return
+	}
+	t.tried = append(t.tried, last)
+	if !p.untriedServingLocked(t) {
+		t.tried = t.tried[:len(t.tried)-1]
+	}
+}
+
+// RetryElsewhere is Retry for a job whose worker stalled on it: that
+// worker never gets it again, and when no other serving worker may serve
+// it, t leaves its worker and gets ErrNoOtherWorker rather than wait.
+func (p *Pool) RetryElsewhere(ctx context.Context, t *Ticket, o Outcome) error {
+	p.mu.Lock()
+	if w := t.worker; w != nil {
+		t.shunned = append(t.shunned, w)
+	}
+	p.offWorkerLocked(t, o)
+	if !p.untriedServingLocked(t) {
+		p.dispatchLocked()
+		p.mu.Unlock()
+		return ErrNoOtherWorker
+	}
+	return p.retryLocked(ctx, t)
+}
+
+// retryLocked puts t back in the queue in its old place and waits for
+// its next worker; it unlocks p.mu.
+func (p *Pool) retryLocked(ctx context.Context, t *Ticket) error {
+	wt, err := p.admitLocked(t)
+	p.dispatchLocked()
+	p.mu.Unlock()
+	if wt == nil {
+		return err
+	}
+	return p.wait(ctx, t, wt)
+}
+
+// Leave moves t off a worker that failed it, with what the attempt said
+// of that worker, as Retry does, without giving it another yet: copies of
+// its job still run. Retry may follow.
+func (p *Pool) Leave(t *Ticket, o Outcome) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.offWorkerLocked(t, o)
+	p.dispatchLocked()
+}
+
+// offWorkerLocked frees the worker holding t, if one does, and keeps t off it.
+func (p *Pool) offWorkerLocked(t *Ticket, o Outcome) {
+	if w := t.worker; w != nil {
+		t.tried = append(t.tried, w)
+		p.freeLocked(t, o)
+	}
+}
+
+// untriedServingLocked reports whether a serving worker that t has not
+// been sent to may serve it.
+func (p *Pool) untriedServingLocked(t *Ticket) bool {
+	now := p.now().UnixNano()
+	return slices.ContainsFunc(p.workers, func(w *worker) bool {
+		return p.mayTakeLocked(t, w, now, question{asks: wouldServe})
+	})
+}
