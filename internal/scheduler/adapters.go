@@ -15,8 +15,8 @@ import (
 // and switching costs seconds to tens of seconds. So when a pool declares
 // adapters, each worker holds one (or the base weights), a job runs only
 // on a worker holding its own, and the pool decides which workers hold
-// which (placement.go). What a worker holds is what the router set and
-// then read back from /v1/list_loras; until then it serves nothing.
+// which (adapterplacement.go). What a worker holds is what the router set
+// and then read back from /v1/list_loras; until then it serves nothing.
 
 // Adapter is a LoRA policy a pool serves: what /v1/set_lora loads.
 type Adapter struct {
