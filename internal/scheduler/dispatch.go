@@ -10,16 +10,6 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/workerurl"
 )
 
-// Why a request gets no worker.
-var (
-	ErrNoWorker      = errors.New("No healthy workers available in the pool")
-	ErrQueueFull     = errors.New("queue full")
-	ErrQueueTimeout  = errors.New("queue timeout")
-	ErrNoVersion     = errors.New("no worker is or will be on the weight version asked for")
-	ErrAsleep        = errors.New("every worker that could serve it is asleep")
-	ErrNoOtherWorker = errors.New("no worker it was not sent to may serve it")
-)
-
 // waiter is a job waiting in the pool's queue.
 type waiter struct {
 	t     *Ticket
@@ -183,6 +173,16 @@ func (p *Pool) Release(t *Ticket, o Outcome) time.Duration {
 	}
 	return p.releaseLocked(t, o)
 }
+
+// Why a request gets no worker.
+var (
+	ErrNoWorker      = errors.New("No healthy workers available in the pool")
+	ErrQueueFull     = errors.New("queue full")
+	ErrQueueTimeout  = errors.New("queue timeout")
+	ErrNoVersion     = errors.New("no worker is or will be on the weight version asked for")
+	ErrAsleep        = errors.New("every worker that could serve it is asleep")
+	ErrNoOtherWorker = errors.New("no worker it was not sent to may serve it")
+)
 
 // waitErrorLocked says why t may not wait in the queue for a worker, or
 // nil when it may: it is a job and some worker that may serve it could
