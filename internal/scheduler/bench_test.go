@@ -351,7 +351,9 @@ func benchClusterQueue(b *testing.B, switching bool) {
 		p.mu.Lock()
 		w := p.workers[0]
 		w.adapter.holds = &p.placement.stray // wanted by no job
-		p.freeLocked(w.load.jobs[0], Succeeded)
+		if len(w.load.jobs) > 0 { // freed already when -count runs this again
+			p.freeLocked(w.load.jobs[0], Succeeded)
+		}
 		p.mu.Unlock()
 		for b.Loop() {
 			p.mu.Lock()
