@@ -221,6 +221,7 @@ func TestABodyWithoutALengthWaitsForRoomOnlyUpToRoomWait(t *testing.T) {
 	b, clock := testBudget(total, total)
 	other := startRead(context.Background(), b, B/2)
 	other.send.Write([]byte("{"))
+	expectHeld(t, b, B/2, "the first started") // else the stream's second chunk may queue first, and the first waits behind it
 	stream := startRead(context.Background(), b, -1)
 	stream.send.Write(make([]byte, F+1)) // its second chunk finds no room
 	expectHeld(t, b, F+B/2, "the two started")
