@@ -200,10 +200,11 @@ func (p *Pool) waitErrorLocked(t *Ticket) error {
 		s := w.life.state == Sleeping || w.stateAt(now) == Sleeping
 		sleeper = sleeper || s
 		awake = awake || !s && p.mayTakeLocked(t, w, now, question{asks: untried})
+		if awake && t.Job {
+			return nil // the rest of the fleet can only tell why a job may not wait
+		}
 	}
 	switch {
-	case awake && t.Job:
-		return nil
 	case sleeper && !awake:
 		return ErrAsleep
 	case t.WantVersion != "":
