@@ -155,9 +155,11 @@ const passWorkers = 32
 // workers that is every 32 jobs, a fraction of a second of a rollout's
 // completions, where a switch takes seconds. What moves the balance by
 // more runs a pass at once: the queue gains or loses a class of jobs or a
-// priority (an adapter's first waiting job, or its last), or freed may
-// start its LoRA call now that its jobs have ended; and so does anything
-// else that dispatches, and the tick.
+// priority (an adapter's first waiting job, or its last), a class's first
+// job is of a higher priority than before, or freed may start its LoRA
+// call now that its jobs have ended; and so does anything else that
+// dispatches, and the tick. What moves it by less (a job that ends lets
+// a worker serve again, a tenant's first job in a class) waits for those.
 func (p *Pool) placementDueLocked(freed *worker, now int64) bool {
 	pl := &p.placement
 	pl.moved++

@@ -549,8 +549,9 @@ func TestJobsArrivingOneByOneGiveEachAdapterAWorker(t *testing.T) {
 }
 
 // On a fleet of 128 workers placement looks again after every fourth job
-// that ends, at once when the queue gains a class of jobs, and at once
-// when a worker switching its adapter has ended its jobs.
+// that ends, and at once when the queue gains a class of jobs, when a job
+// waits of a higher priority than its adapter's others, and when a worker
+// switching its adapter has ended its jobs.
 func TestOnALargeFleetPlacementLooksAgainAfterEveryFewJobs(t *testing.T) {
 	c := clusterOf(t, 128, 300, true)
 	p := c.p
@@ -586,6 +587,18 @@ func TestOnALargeFleetPlacementLooksAgainAfterEveryFewJobs(t *testing.T) {
 			t.Fatalf("after %d jobs ended, %d since placement looked; want %d", i+1, moved, want)
 		}
 	}
+	p.Release(jobs[8], Succeeded)
+	for _, adapter := range []int{0, 1} { // the second finds jobs of priority 1 waiting already
+		urgent := c.job(t, adapter)
+		urgent.Priority = 1
+		c.admit(t, urgent)
+		p.mu.Lock()
+		moved, waiting := p.placement.moved, urgent.waiter != nil
+		p.mu.Unlock()
+		if !waiting || moved != 0 {
+			t.Fatalf("a waiting job of lora-%d of a higher priority than the others: waits %v, %d jobs since placement looked; want 0", adapter, waiting, moved)
+		}
+	}
 	for _, tk := range c.running {
 		if tk.worker == switching {
 			p.Release(tk, Succeeded)
@@ -608,4 +621,47 @@ func switchingTo(p *Pool, name string) *worker {
 		}
 	}
 	return nil
+}
+
+// A worker switching its adapter takes no job, but a dispatch pass that
+// finds it with a slot free goes on past a head job no worker can take:
+// a job of a route of max_inflight 2 gets the second slot of the worker
+// holding its adapter, while the head, of a route of max_inflight 1,
+// waits.
+func TestAJobPassesAHeadOfAnotherLimitWhileAWorkerSwitches(t *testing.T) {
+	p := benchPool(nil, 2)
+	defer p.Close()
+	p.DeclareAdapters([]Adapter{{Name: "x", Path: "/l/x"}, {Name: "y", Path: "/l/y"}, {Name: "z", Path: "/l/z"}}, placementConfig(5*time.Second))
+	one := &Config{Strategy: LeastWork{}, MaxInflight: 1, MaxQueue: 100, Order: FIFO{}}
+	two := &Config{Strategy: LeastWork{}, MaxInflight: 2, MaxQueue: 100, Order: FIFO{}}
+	job := func(cfg *Config, name string) *Ticket {
+		tk := p.NewTicket(cfg)
+		tk.Job, tk.Task, tk.Cost = true, request.ImageTask, 1
+		if err := p.ResolveAdapter(tk, name); err != nil {
+			t.Fatal(err)
+		}
+		return tk
+	}
+	p.mu.Lock()
+	now := p.now().UnixNano()
+	pl := &p.placement
+	y, z := pl.policies["y"], pl.policies["z"]
+	switching, holder := p.workers[0], p.workers[1]
+	switching.adapter = workerAdapter{known: true, holds: &pl.base, since: now, switching: true, target: z}
+	holder.adapter = workerAdapter{known: true, holds: y, publish: y.publish, since: now}
+	p.mu.Unlock()
+	running := job(two, "y")
+	if err := p.Admit(running, func() {}); err != nil || running.worker != holder {
+		t.Fatalf("the first job of y: %v, on %v; want the worker holding y", err, running.worker)
+	}
+	if err := p.Admit(job(one, "x"), func() {}); err != nil {
+		t.Fatal(err)
+	}
+	got := false
+	if err := p.Admit(job(two, "y"), func() { got = true }); err != nil {
+		t.Fatal(err)
+	}
+	if !got {
+		t.Fatal("a job of y of max_inflight 2 waits while the worker holding y has a slot of 2 free")
+	}
 }

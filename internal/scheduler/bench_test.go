@@ -351,7 +351,8 @@ func benchClusterQueue(b *testing.B, switching bool) {
 		p.mu.Lock()
 		w := p.workers[0]
 		w.adapter.holds = &p.placement.stray // wanted by no job
-		if len(w.load.jobs) > 0 { // freed already when -count runs this again
+		// Freed already when -count runs this again.
+		if len(w.load.jobs) > 0 {
 			p.freeLocked(w.load.jobs[0], Succeeded)
 		}
 		p.mu.Unlock()

@@ -114,19 +114,25 @@ func (d *dispatchState) updateEndsLocked(w *worker) {
 // of limit jobs per worker when they were first asked for in this pass:
 // no worker frees up during a pass, so its jobs need look at no other.
 // The pass reads the workers once, not once for each job it asks about.
-// A worker switching its adapter, or whose adapter is not known, takes no
-// job: placement can keep hundreds of them so for seconds.
-func (p *Pool) openLocked(limit int) []*worker {
+// A worker whose adapter is not ready (switching, unknown, or a call to it
+// under way) takes no job, and placement can keep hundreds of them so for
+// seconds: they are left out, and held reports whether one of them is
+// serving with a slot free, which counts as a free worker (see nextLocked).
+func (p *Pool) openLocked(limit int) (open []*worker, held bool) {
 	if p.openFor != (openFor{p.queue.pass, limit}) {
 		now := p.now().UnixNano()
-		open := p.open[:0]
+		open, held = p.open[:0], false
 		placing := p.placement.on
 		for _, w := range p.workers {
-			if fits(true, limit, w, now) && (!placing || w.adapter.ready()) {
+			switch {
+			case !fits(true, limit, w, now):
+			case !placing || w.adapter.ready():
 				open = append(open, w)
+			default:
+				held = held || w.serving(now)
 			}
 		}
-		p.open, p.openFor = open, openFor{p.queue.pass, limit}
+		p.open, p.openHeld, p.openFor = open, held, openFor{p.queue.pass, limit}
 	}
-	return p.open
+	return p.open, p.openHeld
 }

@@ -375,11 +375,12 @@ func (p *Pool) nextLocked() (*waiter, *worker) {
 			return nil, nil
 		}
 		wt := l.head().wt
-		w, anyFree := p.chooseAmongLocked(wt.t, p.openLocked(wt.t.cfg.MaxInflight))
+		open, held := p.openLocked(wt.t.cfg.MaxInflight)
+		w, anyFree := p.chooseAmongLocked(wt.t, open)
 		switch {
 		case w != nil:
 			return wt, w
-		case !anyFree:
+		case !anyFree && !held:
 			return nil, nil
 		}
 		l.class.blocked = p.queue.pass

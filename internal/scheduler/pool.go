@@ -91,6 +91,7 @@ type dispatchState struct {
 	hedging      int         // copies of jobs running
 	cands        []*worker   // scratch space of routing decisions
 	open         []*worker   // scratch of a dispatch pass: see openLocked
+	openHeld     bool
 	openFor      openFor
 	views        []Candidate     // the candidates as the strategy sees them
 	speeds       []float64       // scratch space of the median speed

@@ -27,7 +27,7 @@ type waitingJobs struct {
 	recent  *class   // the class of the job that came last: the jobs of a batch come alike
 	levels  []level  // the priorities of the jobs waiting, highest first
 	n       int      // jobs waiting
-	shape   uint64   // classes and priorities that came or went so far: placement looks again when it changes
+	shape   uint64   // classes and priorities that came or went, and classes whose first job's priority rose: placement looks again when it changes
 	pass    uint64   // dispatch passes so far: see class.blocked
 }
 
@@ -108,6 +108,9 @@ func chargeOf(t *Ticket) float64 {
 func (q *waitingJobs) add(wt *waiter) {
 	t := wt.t
 	l := q.lineOf(t)
+	if c := l.class; len(c.lines) > 0 && t.Priority > c.lines[0].head().priority {
+		q.shape++ // placement ranks adapters by their first jobs' priorities
+	}
 	wt.line = l
 	switch at := l.push(placeOf(wt)); {
 	case len(l.places) == 1:
