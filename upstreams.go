@@ -7,6 +7,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
@@ -39,12 +40,8 @@ func (s *DiffusionUpstreams) GetUpstreams(r *http.Request) ([]*reverseproxy.Upst
 	if t == nil {
 		return upstreamsOf(s.pool.ServingDials()), nil
 	}
-	t.Lookups++
-	if t.Lookups > 1 {
-		t.Attempts++
-		if err := s.pool.Retry(r.Context(), t, scheduler.Failed); err != nil {
-			return nil, nil // reverse_proxy answers with the failed attempt's error
-		}
+	if !attempt.Lookup(r.Context(), s.pool, t) {
+		return nil, nil // reverse_proxy answers with the failed attempt's error
 	}
 	return upstreamsOf([]string{t.Dial()}), nil
 }

@@ -50,7 +50,7 @@ type schedSim struct {
 type simPool interface {
 	NewTicket(cfg *scheduler.Config) *scheduler.Ticket
 	Admit(t *scheduler.Ticket, given func()) error
-	Release(t *scheduler.Ticket, o scheduler.Outcome) time.Duration
+	Release(t *scheduler.Ticket, e scheduler.End) time.Duration
 	Close() error
 }
 
@@ -140,7 +140,7 @@ func (s *schedSim) finish(w int) {
 	if len(s.queues[w]) > 0 {
 		s.begin(w)
 	}
-	s.pool.Release(task.t, scheduler.Succeeded)
+	s.pool.Release(task.t, scheduler.End{Worker: scheduler.Succeeded})
 	s.settle()
 }
 

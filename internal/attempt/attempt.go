@@ -45,10 +45,8 @@ type Next interface {
 // workers by URL (a redirect to one becomes a path on the router). Each
 // method is the scheduler pool's of that name.
 type Pool interface {
-	Retry(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
-	RetryElsewhere(ctx context.Context, t *scheduler.Ticket, o scheduler.Outcome) error
-	Release(t *scheduler.Ticket, o scheduler.Outcome) time.Duration
-	Leave(t *scheduler.Ticket, o scheduler.Outcome)
+	Retry(ctx context.Context, t *scheduler.Ticket, e scheduler.End) error
+	Release(t *scheduler.Ticket, e scheduler.End) time.Duration
 	NoteCutShort(t *scheduler.Ticket) (ejected time.Duration)
 	Forgive(url string)
 	HedgeCopy(t *scheduler.Ticket) *scheduler.Ticket
@@ -83,8 +81,10 @@ type Watch struct {
 	Holds bool
 }
 
-// Ending is how an attempt ended, as a kind of job reads it.
+// Ending is how an attempt ended, as a kind of job reads it: its End
+// (see Runner.ended), and the error and answer it ended with.
 type Ending struct {
+	scheduler.End
 	Err    error
 	Status int    // of the answer the client gets or will get; 0: none
 	Sent   int    // the status the client got; 0: none yet
@@ -167,8 +167,8 @@ func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next
 			rec.hold(j, rerun)
 			err = run.send(rec, r, r.Context(), t, next, nil)
 		}
-		cause := run.rerunCause(r, rec, t, err)
-		if cause == noRerun {
+		e := run.ended(r, rec, t, err)
+		if e.Rerun == scheduler.NoRerun {
 			rec.slot.releaseKept() // the client left, or a copy answered, after the attempt kept its worker
 			if jobsFault(t, heldStatus(rec)) {
 				run.Pool.Forgive(t.Blamed) // its 5xx was the job's fault too
@@ -179,21 +179,17 @@ func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next
 			return err
 		}
 		from := t.ServedBy()
-		if cause == badGateway && mayBeTheJobs(rec.held.status) {
+		if e.Rerun == scheduler.RerunStatus && mayBeTheJobs(rec.held.status) {
 			t.Blamed = from
 		}
-		retry := run.Pool.Retry
-		if cause == stalled {
-			retry = run.Pool.RetryElsewhere
+		if retryErr := run.Pool.Retry(r.Context(), t, e); retryErr != nil {
+			return lastAnswer(rec, t, e.Rerun, err, retryErr)
 		}
-		if retryErr := retry(r.Context(), t, run.rerunOutcome(cause, rec, err)); retryErr != nil {
-			return lastAnswer(rec, t, cause, err, retryErr)
-		}
-		run.Metrics.Reruns.WithLabelValues(cause.String()).Inc()
-		spans.Event(r.Context(), rec.Tracer, "diffusion_router.rerun", attribute.String("diffusion.cause", cause.String()),
+		run.Metrics.Reruns.WithLabelValues(e.Rerun.String()).Inc()
+		spans.Event(r.Context(), rec.Tracer, "diffusion_router.rerun", attribute.String("diffusion.cause", e.Rerun.String()),
 			attribute.String("diffusion.from", from), attribute.String("diffusion.to", t.ServedBy()))
 		run.Logger.Info("job runs again on another worker", zap.String("request_id", r.Header.Get(request.IDHeader)),
-			zap.String("from", from), zap.String("to", t.ServedBy()), zap.Stringer("cause", cause), zap.Int("attempt", t.Attempts+1))
+			zap.String("from", from), zap.String("to", t.ServedBy()), zap.Stringer("cause", e.Rerun), zap.Int("attempt", t.Attempts+1))
 		rec.dropHeld()
 		r = r.WithContext(run.Proxy.WithVars(r.Context(), maps.Clone(run.Proxy.Vars(r.Context()))))
 		r.Body = io.NopCloser(bytes.NewReader(t.Body))
@@ -203,12 +199,12 @@ func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next
 // lastAnswer answers a job that found no worker to run again on: with its
 // last answer, or error; when every worker is asleep, with the error that
 // says so. A job cancelled while it waited to run again gets nothing.
-func lastAnswer(rec *Recorder, t *scheduler.Ticket, cause rerunCause, err, retryErr error) error {
+func lastAnswer(rec *Recorder, t *scheduler.Ticket, cause scheduler.Rerun, err, retryErr error) error {
 	switch {
 	case t.Cancelled() != nil:
 		rec.dropHeld()
 		return nil
-	case cause == fellAsleep && errors.Is(retryErr, scheduler.ErrAsleep):
+	case cause == scheduler.RerunAsleep && errors.Is(retryErr, scheduler.ErrAsleep):
 		rec.dropHeld()
 		return retryErr
 	case rec.held.status != 0:

@@ -125,7 +125,7 @@ func (rc *race) finish(rec *Recorder, t *scheduler.Ticket) int {
 	defer rc.mu.Unlock()
 	rc.endAttempt(t)
 	if rc.copies > 0 && rc.winner != t && rec.slot.kept {
-		rc.run.Pool.Leave(t, rec.slot.keptAs)
+		rc.run.Pool.Release(t, rec.slot.end)
 		rec.slot.kept = false // free now; a re-run that follows gets a worker of its own
 	}
 	for rc.running > 0 {
@@ -201,15 +201,16 @@ func (rc *race) endAttempt(t *scheduler.Ticket) {
 	})
 }
 
-// outcome is what t's attempt says of its worker: a copy that lost the
-// race says nothing (its worker may still be computing it); an attempt a
-// copy overtook overran its prediction many times over.
-func (rc *race) outcome(t *scheduler.Ticket, o scheduler.Outcome) scheduler.Outcome {
+// evidence is what t's attempt, which ended telling ev of its worker,
+// tells of it in the race: a copy that lost the race tells nothing (its
+// worker may still be computing it); an attempt a copy overtook overran
+// its prediction many times over.
+func (rc *race) evidence(t *scheduler.Ticket, ev scheduler.Evidence) scheduler.Evidence {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
 	switch {
 	case rc.winner == nil || rc.winner == t:
-		return o
+		return ev
 	case t == rc.primary:
 		return scheduler.Overtaken
 	}

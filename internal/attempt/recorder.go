@@ -150,7 +150,7 @@ func (rec *Recorder) WriteHeader(status int) {
 				rec.run.relocate(rec.Header())
 			}
 		}
-		rec.answered(status)
+		rec.answered()
 	}
 	rec.ResponseWriter.WriteHeader(status)
 }
@@ -176,11 +176,11 @@ func (run *Runner) relocate(h http.Header) {
 
 // answered releases the attempt's worker, once, as its answer begins,
 // when the attempt frees it early.
-func (rec *Recorder) answered(status int) {
+func (rec *Recorder) answered() {
 	if rec.freeEarly {
 		rec.freeEarly = false
 		s := &rec.slot
-		s.release(s.run.outcomeOf(s.r, s.t, nil, status))
+		s.release(s.run.ended(s.r, rec, s.t, nil))
 	}
 }
 
@@ -202,7 +202,7 @@ func (rec *Recorder) keep(a *heldAnswer) bool {
 		return false
 	}
 	a.whole, a.state = whole, kept
-	rec.answered(a.status)
+	rec.answered()
 	return true
 }
 

@@ -47,12 +47,11 @@ func (run *Runner) send(rec *Recorder, r *http.Request, base context.Context, t 
 		// the worker that broke it. Then the client's connection is reset,
 		// so that no client takes what came for a whole answer.
 		if v := recover(); v != nil {
-			if r.Context().Err() != nil {
-				s.release(scheduler.Abandoned)
-			} else {
+			if r.Context().Err() == nil {
 				run.Metrics.Broken.WithLabelValues("streamed").Inc()
 				s.brokeOff()
 			}
+			s.release(run.ended(r, rec, t, errBrokenAnswer))
 			if v == http.ErrAbortHandler {
 				rec.reset()
 			}
@@ -74,15 +73,13 @@ func (run *Runner) send(rec *Recorder, r *http.Request, base context.Context, t 
 	}
 	err = run.settle(rec, r, s, err, ctx.Err() != nil && err != errStalled)
 	end(err, attribute.Int("http.response.status_code", heldStatus(rec)))
-	if rec.held != nil {
-		if cause := run.rerunCause(r, rec, t, err); cause != noRerun {
-			s.kept, s.keptAs = true, run.rerunOutcome(cause, rec, err)
-			return err // the re-run frees the worker: see slot.kept
-		}
+	e := run.ended(r, rec, t, err)
+	if e.Rerun != scheduler.NoRerun {
+		s.kept, s.end = true, e
+		return err // the re-run frees the worker: see slot.kept
 	}
-	e := Ending{Err: err, Status: heldStatus(rec), Sent: rec.status, Peek: rec.peek}
-	if !run.Kinds.Ended(r, t, e) {
-		s.release(run.outcomeOf(r, t, err, e.Status))
+	if !run.Kinds.Ended(r, t, Ending{End: e, Err: err, Status: heldStatus(rec), Sent: rec.status, Peek: rec.peek}) {
+		s.release(e)
 	}
 	return err
 }

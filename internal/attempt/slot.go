@@ -18,44 +18,40 @@ type slot struct {
 	released bool
 	// kept says the attempt ended in a way its job may run again after,
 	// keeping its worker for the re-run, which frees it (pool.Retry);
-	// keptAs is what the attempt said of that worker. The client may
+	// end is how the attempt ended. The client may
 	// leave, or a copy answer, before the re-run: then releaseKept frees
 	// the worker. The decision is the attempt's, made once: asked again
 	// later, a context that ended since would say no re-run, and nothing
 	// would free the worker.
-	kept   bool
-	keptAs scheduler.Outcome
+	kept bool
+	end  scheduler.End
 }
 
 // releaseKept frees the worker s's attempt kept for a re-run that is not
 // to come.
 func (s *slot) releaseKept() {
 	if s.kept {
-		s.release(s.keptAs)
+		s.release(s.end)
 	}
 }
 
-// release ends the claim with outcome o, which a race turns into what the
-// attempt says of its worker (see race.outcome).
-func (s *slot) release(o scheduler.Outcome) {
+// release ends the claim, once, as e, the attempt's end, says.
+func (s *slot) release(e scheduler.End) {
 	if s.released {
 		return
 	}
 	s.released = true
-	if s.race != nil {
-		o = s.race.outcome(s.t, o)
-	}
-	if d := s.run.Pool.Release(s.t, o); d > 0 {
+	if d := s.run.Pool.Release(s.t, e); d > 0 {
 		s.run.logEjection(s.t, d)
 	}
 }
 
 // brokeOff counts a failure against the worker whose answer began and
-// then broke: if its slot already went free as a success, it was a failure
-// after all.
+// then broke, if its slot already went free as a success: it was a
+// failure after all. A slot not yet free goes free as the attempt's end
+// says, a failure (see Runner.evidenceOf).
 func (s *slot) brokeOff() {
 	if !s.released {
-		s.release(scheduler.Failed)
 		return
 	}
 	if d := s.run.Pool.NoteCutShort(s.t); d > 0 {

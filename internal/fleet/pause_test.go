@@ -79,7 +79,7 @@ func TestPauseAnswersOnceTheJobsHaveEnded(t *testing.T) {
 		t.Fatalf("the pause answered %+v while a job of a paused worker ran", results)
 	default:
 	}
-	p.Release(job, scheduler.Succeeded)
+	p.Release(job, scheduler.End{Worker: scheduler.Succeeded})
 	select {
 	case results := <-done:
 		if msgs := messages(t, results); len(msgs) != 2 || !strings.HasPrefix(msgs["http://a:1"], "paused") || !strings.HasPrefix(msgs["http://b:1"], "paused") {
@@ -108,7 +108,7 @@ func TestPauseDoesNotWaitForAHungJob(t *testing.T) {
 	if got := p.PausedWorkers(); !slices.Equal(got, []string{"http://a:1"}) {
 		t.Fatalf("paused %v; want a, its hung job notwithstanding", got)
 	}
-	p.Release(job, scheduler.Abandoned)
+	p.Release(job, scheduler.End{Worker: scheduler.Abandoned})
 }
 
 // A pause whose jobs outlast drain_timeout fails with ErrDrainTimeout,
@@ -117,7 +117,7 @@ func TestPauseThatRunsOutOfTimeIsUndone(t *testing.T) {
 	p, f, cfg := pausePool(t, "http://a:1", "http://b:1")
 	p.PauseWorkers([]string{"http://b:1"})
 	job := runningJob(t, p, cfg, 1) // on a, the one not paused
-	defer p.Release(job, scheduler.Succeeded)
+	defer p.Release(job, scheduler.End{Worker: scheduler.Succeeded})
 	_, err := f.PauseGeneration(context.Background(), nil, &Config{DrainTimeout: time.Millisecond})
 	if !errors.Is(err, ErrDrainTimeout) {
 		t.Fatalf("a pause beside a job that outlasts drain_timeout: %v; want ErrDrainTimeout", err)
@@ -133,7 +133,7 @@ func TestPauseUndoneThoughAWorkerLeftDuringIt(t *testing.T) {
 	p, f, cfg := pausePool(t, "http://a:1", "http://b:1")
 	for range 2 { // one on each
 		job := runningJob(t, p, cfg, 1)
-		defer p.Release(job, scheduler.Succeeded)
+		defer p.Release(job, scheduler.End{Worker: scheduler.Succeeded})
 	}
 	failed := make(chan error, 1)
 	go func() {

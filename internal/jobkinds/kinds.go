@@ -19,7 +19,7 @@ type Pool interface {
 	Videos() *scheduler.JobOwners
 	Images() *scheduler.JobOwners
 	HoldVideo(t *scheduler.Ticket, id string) bool
-	EndVideo(id string, o scheduler.Outcome)
+	EndVideo(id string, ev scheduler.Evidence)
 }
 
 // Kinds is the attempt.Kinds of a pool: what its attempts read of the

@@ -94,7 +94,7 @@ func TestWatchReadsVideoJobsWholeAndImageAnswersStart(t *testing.T) {
 		if got := p.k.Watch(r, tk); got != c.want {
 			t.Errorf("%s %s: watch %+v; want %+v", c.method, c.target, got, c.want)
 		}
-		p.pool.Release(tk, scheduler.Succeeded)
+		p.pool.Release(tk, scheduler.End{Worker: scheduler.Succeeded})
 	}
 }
 
@@ -115,13 +115,13 @@ func TestAVideoJobKeepsItsWorkerUntilAPollSaysItEnded(t *testing.T) {
 
 	r, poll := p.attempt("GET", "/v1/videos/video-1", "team-a")
 	p.k.Ended(r, poll, attempt.Ending{Status: 200, Sent: 200, Peek: []byte(`{"id":"video-1","status":"in_progress"}`)})
-	p.pool.Release(poll, scheduler.Succeeded)
+	p.pool.Release(poll, scheduler.End{Worker: scheduler.Succeeded})
 	if n := p.inflight(videoWorker); n != 1 {
 		t.Fatalf("the video worker counts %d jobs while its video runs; want 1", n)
 	}
 	r, poll = p.attempt("GET", "/v1/videos/video-1", "team-a")
 	p.k.Ended(r, poll, attempt.Ending{Status: 200, Sent: 200, Peek: []byte(`{"id":"video-1","status":"completed"}`)})
-	p.pool.Release(poll, scheduler.Succeeded)
+	p.pool.Release(poll, scheduler.End{Worker: scheduler.Succeeded})
 	if n := p.inflight(videoWorker); n != 0 {
 		t.Fatalf("the video worker counts %d jobs once its video completed; want 0", n)
 	}
@@ -137,14 +137,14 @@ func TestAVideoJobItsWorkerDeniesIsForgotten(t *testing.T) {
 
 	r, content := p.attempt("GET", "/v1/videos/video-2/content", "")
 	p.k.Ended(r, content, attempt.Ending{Status: 404, Sent: 404})
-	p.pool.Release(content, scheduler.Succeeded)
+	p.pool.Release(content, scheduler.End{Worker: scheduler.Succeeded})
 	if _, ok := p.pool.Videos().Worker("video-2", ""); !ok {
 		t.Fatal("a content poll's 404 forgot the job")
 	}
 
 	r, poll := p.attempt("GET", "/v1/videos/video-2", "")
 	p.k.Ended(r, poll, attempt.Ending{Status: 404, Sent: 404, Peek: []byte(`{"detail":"Video not found"}`)})
-	p.pool.Release(poll, scheduler.Succeeded)
+	p.pool.Release(poll, scheduler.End{Worker: scheduler.Succeeded})
 	if _, ok := p.pool.Videos().Worker("video-2", ""); ok {
 		t.Fatal("a job its worker denies is still remembered")
 	}
@@ -165,7 +165,7 @@ func TestAnImageJobIsLearnedFromItsAnswersStart(t *testing.T) {
 	if !p.k.Learn(r, made, []byte(`{"id":"img-1","created":1,"data":[{"b64_json":"AAAA`)) {
 		t.Fatal("the answer's id was not read")
 	}
-	p.pool.Release(made, scheduler.Succeeded)
+	p.pool.Release(made, scheduler.End{Worker: scheduler.Succeeded})
 	if w, ok := p.pool.Images().Worker("img-1", "team-a"); !ok || w != imageWorker {
 		t.Fatalf("img-1 is %q's (%v); want the image worker's", w, ok)
 	}
@@ -174,7 +174,7 @@ func TestAnImageJobIsLearnedFromItsAnswersStart(t *testing.T) {
 	if !p.k.Learn(r, streamed, []byte("event: accepted\ndata: {\"type\":\"accepted\",\"id\":\"img-2\"}\n\n")) {
 		t.Fatal("the stream's first event was not read")
 	}
-	p.pool.Release(streamed, scheduler.Succeeded)
+	p.pool.Release(streamed, scheduler.End{Worker: scheduler.Succeeded})
 	if _, ok := p.pool.Images().Worker("img-2", "team-a"); !ok {
 		t.Fatal("the streamed image job is not remembered")
 	}
@@ -183,7 +183,7 @@ func TestAnImageJobIsLearnedFromItsAnswersStart(t *testing.T) {
 	if !p.k.Learn(r, del, []byte(`{"id":"img-1","status":"deleted"}`)) {
 		t.Fatal("the deletion's answer was not read")
 	}
-	p.pool.Release(del, scheduler.Succeeded)
+	p.pool.Release(del, scheduler.End{Worker: scheduler.Succeeded})
 	if _, ok := p.pool.Images().Worker("img-1", "team-a"); ok {
 		t.Fatal("a deleted image job is still remembered")
 	}

@@ -65,7 +65,7 @@ func TestAbortPrefixEndsAStep(t *testing.T) {
 	if ae := abortedBy(CancelledBy(runCtx)); ae == nil || ae.RID != "step-7-a" {
 		t.Fatalf("the running job's context ended with %v", context.Cause(runCtx))
 	}
-	p.Release(running, Abandoned)
+	p.Release(running, End{Worker: Abandoned})
 	p.endGhost(running) // its predicted end
 	if err := <-otherDone; err != nil || other.worker == nil {
 		t.Fatalf("the other step's job got %v; want the worker", err)
@@ -200,7 +200,7 @@ func TestAbortedJobPassedOverGetsNoWorker(t *testing.T) {
 	if abortedBy(<-lowDone) == nil {
 		t.Fatal("the passed-over job was not aborted")
 	}
-	p.Release(running, Succeeded)
+	p.Release(running, End{Worker: Succeeded})
 	select {
 	case err := <-urgentDone:
 		if err != nil || urgent.worker == nil || low.worker != nil {

@@ -119,7 +119,7 @@ func TestJobsGoToTheWorkersWhoseAdapterCanBeRead(t *testing.T) {
 		if tk.servedBy != "http://b:1" {
 			t.Fatalf("a base job went to %s", tk.servedBy)
 		}
-		p.Release(tk, Succeeded)
+		p.Release(tk, End{Worker: Succeeded})
 	}
 	if n := p.ServingCount(); n != 1 {
 		t.Fatalf("%d workers serving; want b alone", n)
@@ -151,7 +151,7 @@ func TestAWorkerWhoseSwitchesFailIsOutButServesTheBase(t *testing.T) {
 	if got := servedWith(t, sw, base, done); got != "" {
 		t.Fatalf("a base job ran on %q", got)
 	}
-	p.Release(base, Succeeded)
+	p.Release(base, End{Worker: Succeeded})
 	if _, done := adapterJob(t, p, cfg, "a"); ended(t, done) == nil {
 		t.Fatal("a job of a arriving while the worker is out got it")
 	}

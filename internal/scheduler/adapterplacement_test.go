@@ -184,7 +184,7 @@ func TestEachJobRunsOnAWorkerHoldingItsAdapter(t *testing.T) {
 		if name != "" && !strings.HasSuffix(tk.ServedVersion(), "+lora:"+name+"@0") {
 			t.Fatalf("weight version %q; want it to name adapter %s at publish 0", tk.ServedVersion(), name)
 		}
-		p.Release(tk, Succeeded)
+		p.Release(tk, End{Worker: Succeeded})
 	}
 	if sw.count() < 2 {
 		t.Fatalf("%d switches; want at least one to each adapter", sw.count())
@@ -242,7 +242,7 @@ func holdEach(t *testing.T, p *Pool, sw *fakeSwitcher, cfg *Config, names ...str
 		jobs = append(jobs, tk)
 	}
 	for _, tk := range jobs {
-		p.Release(tk, Succeeded)
+		p.Release(tk, End{Worker: Succeeded})
 	}
 }
 
@@ -320,7 +320,7 @@ func finishJobs(p *Pool) {
 	}
 	p.mu.Unlock()
 	for _, tk := range jobs {
-		p.Release(tk, Succeeded)
+		p.Release(tk, End{Worker: Succeeded})
 	}
 }
 
@@ -339,7 +339,7 @@ func TestAPublishReloadsTheHoldersAndNoJobRunsOnTheOldPath(t *testing.T) {
 	waitFor(t, "the next job to wait", func() bool { return queued(p) == 1 })
 	results := make(chan map[string]SwitchResult, 1)
 	go func() { results <- p.WaitSwitched(nil, holdersOfA, "a", 10*time.Second) }()
-	p.Release(running, Succeeded) // the old path's last job ends; its worker reloads
+	p.Release(running, End{Worker: Succeeded}) // the old path's last job ends; its worker reloads
 	res := <-results
 	if r := res[holdersOfA[0]]; !r.OK || r.Publish != 1 {
 		t.Fatalf("switch result %+v", r)
@@ -579,7 +579,7 @@ func TestOnALargeFleetPlacementLooksAgainAfterEveryFewJobs(t *testing.T) {
 		}
 	}
 	for i, tk := range jobs[:8] {
-		p.Release(tk, Succeeded)
+		p.Release(tk, End{Worker: Succeeded})
 		p.mu.Lock()
 		moved := p.placement.moved
 		p.mu.Unlock()
@@ -587,7 +587,7 @@ func TestOnALargeFleetPlacementLooksAgainAfterEveryFewJobs(t *testing.T) {
 			t.Fatalf("after %d jobs ended, %d since placement looked; want %d", i+1, moved, want)
 		}
 	}
-	p.Release(jobs[8], Succeeded)
+	p.Release(jobs[8], End{Worker: Succeeded})
 	for _, adapter := range []int{0, 1} { // the second finds jobs of priority 1 waiting already
 		urgent := c.job(t, adapter)
 		urgent.Priority = 1
@@ -601,7 +601,7 @@ func TestOnALargeFleetPlacementLooksAgainAfterEveryFewJobs(t *testing.T) {
 	}
 	for _, tk := range c.running {
 		if tk.worker == switching {
-			p.Release(tk, Succeeded)
+			p.Release(tk, End{Worker: Succeeded})
 		}
 	}
 	p.mu.Lock()

@@ -112,7 +112,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 				if err := p.Acquire(ctx, &t); err != nil {
 					b.Fatal(err)
 				}
-				p.Release(&t, Succeeded)
+				p.Release(&t, End{Worker: Succeeded})
 			}
 		})
 	}
@@ -237,7 +237,7 @@ func (c *cluster) drain() {
 		c.p.mu.Lock()
 		c.p.clock.(*fakeClock).advance(completionGap)
 		c.p.mu.Unlock()
-		c.p.Release(t, Succeeded)
+		c.p.Release(t, End{Worker: Succeeded})
 	}
 }
 
@@ -353,7 +353,7 @@ func benchClusterQueue(b *testing.B, switching bool) {
 		w.adapter.holds = &p.placement.stray // wanted by no job
 		// Freed already when -count runs this again.
 		if len(w.load.jobs) > 0 {
-			p.freeLocked(w.load.jobs[0], Succeeded)
+			p.freeLocked(w.load.jobs[0], End{Worker: Succeeded})
 		}
 		p.mu.Unlock()
 		for b.Loop() {

@@ -35,7 +35,7 @@ func TestWorkerRegisteredAgainWhileItsJobRunsIsUnknown(t *testing.T) {
 		t.Fatal(err)
 	}
 	isOn(t, p, "registered again while its job ran", "http://r:1", Stale, "step-2", SourceUnknown)
-	p.Release(tk, Succeeded)
+	p.Release(tk, End{Worker: Succeeded})
 }
 
 // The router's own check of an unvouched worker leaves a worker the

@@ -156,22 +156,24 @@ func (p *Pool) wait(ctx context.Context, t *Ticket, wt *waiter) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if !p.dequeueLocked(wt) {
-		p.releaseLocked(t, Abandoned) // a worker came as we gave up: hand it on
+		p.releaseLocked(t, End{Worker: Abandoned}) // a worker came as we gave up: hand it on
 	}
 	return err
 }
 
-// Release ends t's claim on its worker. It reports how long the worker is
-// ejected for if this failure ejected it. A worker that failed t is one t
+// Release ends t's claim on its worker, which its attempt ended as e
+// says. It reports how long the worker is ejected for if this failure
+// ejected it. A worker that failed t, or that t leaves to run again
+// (e.Rerun; copies of it may still run, and Retry may follow), is one t
 // tried, as for Retry: an answer that broke while its worker's slot was
 // held (on probation) may run again, and not there.
-func (p *Pool) Release(t *Ticket, o Outcome) time.Duration {
+func (p *Pool) Release(t *Ticket, e End) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if w := t.worker; w != nil && o.failed() {
+	if w := t.worker; w != nil && e.leaves() {
 		t.tried = append(t.tried, w)
 	}
-	return p.releaseLocked(t, o)
+	return p.releaseLocked(t, e)
 }
 
 // Why a request gets no worker.
@@ -240,10 +242,10 @@ func (p *Pool) startLocked(w *worker, t *Ticket, now int64) {
 	w.load.headCost, w.load.headSince = t.Cost, now
 }
 
-func (p *Pool) releaseLocked(t *Ticket, o Outcome) (ejected time.Duration) {
+func (p *Pool) releaseLocked(t *Ticket, e End) (ejected time.Duration) {
 	w := t.worker
-	ejected = p.freeLocked(t, o)
-	if o.failed() || o == Asleep {
+	ejected = p.freeLocked(t, e)
+	if e.leaves() || e.Worker == Asleep {
 		p.dispatchLocked() // news of the worker
 	} else {
 		p.jobMovedLocked(w)
@@ -253,29 +255,29 @@ func (p *Pool) releaseLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 
 // freeLocked is releaseLocked but for handing the slot it frees to a
 // waiting job.
-func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
+func (p *Pool) freeLocked(t *Ticket, e End) (ejected time.Duration) {
 	w := t.worker
 	if w == nil {
 		return 0
 	}
-	if o == Abandoned && t.Job && t.Sent && !t.held && !t.ghost {
+	if e.Worker == Abandoned && t.Job && t.Sent && !t.held && !t.ghost {
 		p.keepGhostLocked(t)
 		return 0
 	}
 	t.worker = nil
 	p.wakeWaitersLocked()
 	switch {
-	case o == Succeeded:
+	case e.Worker == Succeeded:
 		w.stats.served++
 		w.evidence.consecFails = 0
-	case o == Refused:
+	case e.Worker == Refused:
 		w.stats.served++
-	case o.failed():
+	case e.Worker.failed():
 		w.stats.failures++
 		w.evidence.consecFails++
 		p.forgetAdapterLocked(w) // it may have restarted: read its adapter back before its next job
 	}
-	ejected = p.noteOutcomeLocked(w, t, o)
+	ejected = p.noteEvidenceLocked(w, t, e.Worker)
 	if !t.Job {
 		return ejected
 	}
@@ -284,7 +286,7 @@ func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 	}
 	now := p.now().UnixNano()
 	w.load.lastFinish = now
-	if o == Succeeded {
+	if e.Worker == Succeeded {
 		// An answer released before the head's (two arriving together)
 		// never started on this clock: it has no run time to learn from.
 		if t.started != 0 {
@@ -310,7 +312,7 @@ func (p *Pool) freeLocked(t *Ticket, o Outcome) (ejected time.Duration) {
 		p.startLocked(w, w.load.jobs[0], now)
 	}
 	switch {
-	case o == Overtaken:
+	case e.Worker == Overtaken:
 		w.health.suspect = true // until a probe finds nothing overrunning
 	case wasHead:
 		w.health.suspect = false // the stalled job, if it was one, has ended

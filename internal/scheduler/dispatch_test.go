@@ -51,7 +51,7 @@ func TestJobsWaitForTheFirstWorkerToFreeUp(t *testing.T) {
 	a, _ := choose(t, p, cfg, 100)
 	choose(t, p, cfg, 1)
 	late, done := enqueue(t, p, cfg, 5, context.Background())
-	p.Release(a, Succeeded)
+	p.Release(a, End{Worker: Succeeded})
 	if err := <-done; err != nil || late.worker != p.byDial[a.servedBy[7:]] {
 		t.Fatalf("waiting job got %v (%v); want the worker that freed up, %s", late.worker, err, a.servedBy)
 	}
@@ -67,7 +67,7 @@ func TestJobRunningAgainKeepsItsPlace(t *testing.T) {
 	newer, newerDone := enqueue(t, p, cfg, 1, context.Background())
 	failedOn := first.worker
 	rerun := make(chan error, 1)
-	go func() { rerun <- p.Retry(context.Background(), first, Failed) }()
+	go func() { rerun <- p.Retry(context.Background(), first, End{Worker: Failed, Rerun: RerunStatus}) }()
 	// The worker that failed it goes to the newer job; first waits, ahead
 	// of jobs that came after it.
 	if err := <-newerDone; err != nil || newer.worker != failedOn {
@@ -76,14 +76,14 @@ func TestJobRunningAgainKeepsItsPlace(t *testing.T) {
 	waitQueued(t, p, 1)
 	newest, newestDone := enqueue(t, p, cfg, 1, context.Background())
 	freed := second.worker
-	p.Release(second, Succeeded)
+	p.Release(second, End{Worker: Succeeded})
 	if err := <-rerun; err != nil || first.worker != freed {
 		t.Fatalf("the job running again got %v (%v); want the next worker to free up, %s", first.worker, err, freed.url)
 	}
 	if newest.worker != nil {
 		t.Fatal("a newer job took the worker ahead of the job running again")
 	}
-	p.Release(first, Succeeded)
+	p.Release(first, End{Worker: Succeeded})
 	if err := <-newestDone; err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +108,7 @@ func TestQueueOrder(t *testing.T) {
 		}
 		var got []float64
 		for range waiting {
-			p.Release(running, Succeeded)
+			p.Release(running, End{Worker: Succeeded})
 			for i, tk := range waiting {
 				if tk.worker != nil && tk != running {
 					<-dones[i]
@@ -165,7 +165,7 @@ func TestCancelledJobLeavesTheQueueAtOnce(t *testing.T) {
 		t.Fatalf("cancelled job: %v", err)
 	}
 	waitQueued(t, p, 1)
-	p.Release(running, Succeeded)
+	p.Release(running, End{Worker: Succeeded})
 	if err := <-nextDone; err != nil || next.worker == nil {
 		t.Fatalf("the job behind the cancelled one: %v", err)
 	}
@@ -222,11 +222,11 @@ func runJob(p *Pool, cfg *Config, rng *rand.Rand) {
 	if p.Acquire(ctx, tk) != nil {
 		return
 	}
-	if rng.IntN(8) == 0 && p.Retry(ctx, tk, Failed) != nil {
+	if rng.IntN(8) == 0 && p.Retry(ctx, tk, End{Worker: Failed, Rerun: RerunStatus}) != nil {
 		return
 	}
 	time.Sleep(time.Duration(rng.IntN(50)) * time.Microsecond)
-	p.Release(tk, Outcome(rng.IntN(3)))
+	p.Release(tk, End{Worker: Evidence(rng.IntN(3))})
 }
 
 // A job pinned to a busy worker waits for that worker, and the jobs
@@ -243,7 +243,7 @@ func TestAJobPinnedToABusyWorkerLetsTheOthersPass(t *testing.T) {
 	t.Cleanup(func() { cancel(); <-left })
 	waitQueued(t, p, 1)
 	behind, done := enqueue(t, p, cfg, 1, context.Background())
-	p.Release(short, Succeeded)
+	p.Release(short, End{Worker: Succeeded})
 	if err := <-done; err != nil || behind.ServedBy() != short.ServedBy() {
 		t.Fatalf("the job behind the pinned one got %q (%v); want %s, which freed up", behind.ServedBy(), err, short.ServedBy())
 	}
@@ -288,9 +288,9 @@ func drainQueue(tb testing.TB, n int) {
 		}
 		runtime.Gosched()
 	}
-	p.Release(first, Succeeded)
+	p.Release(first, End{Worker: Succeeded})
 	for range n {
-		p.Release(<-got, Succeeded)
+		p.Release(<-got, End{Worker: Succeeded})
 	}
 	wg.Wait()
 	if queued(p) != 0 || p.workers[0].load.inflight != 0 {
@@ -303,7 +303,7 @@ func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
 	cfg := config(LeastWork{}, 1)
 	left, _ := choose(t, p, cfg, 100)
 	left.Sent = true
-	p.Release(left, Abandoned) // the client left; the worker computes on
+	p.Release(left, End{Worker: Abandoned}) // the client left; the worker computes on
 	w := p.byDial[left.servedBy[len("http://"):]]
 	if info, _ := p.Worker(left.servedBy); info.Inflight != 1 || info.WorkLeft <= 0 {
 		t.Fatalf("after its client left, the job's worker has %d in flight and %v work left; want the job still counted", info.Inflight, info.WorkLeft)
@@ -312,7 +312,7 @@ func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
 	if next.worker == w {
 		t.Fatal("the next job went to the worker still computing the abandoned one")
 	}
-	p.Release(next, Succeeded)
+	p.Release(next, End{Worker: Succeeded})
 	p.endGhost(left)
 	if info, _ := p.Worker(left.servedBy); info.Inflight != 0 {
 		t.Fatalf("at its predicted end the abandoned job still holds its worker: %d in flight", info.Inflight)
@@ -320,7 +320,7 @@ func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
 	p.endGhost(left) // a second end changes nothing
 	// A job that never reached its worker leaves at once.
 	unsent, _ := choose(t, p, cfg, 100)
-	p.Release(unsent, Abandoned)
+	p.Release(unsent, End{Worker: Abandoned})
 	if info, _ := p.Worker(unsent.servedBy); info.Inflight != 0 {
 		t.Fatal("a job its client left before it was sent still holds its worker")
 	}
@@ -336,11 +336,11 @@ func TestAnswerOvertakingTheHeadTeachesNoSpeed(t *testing.T) {
 	head, _ := choose(t, p, cfg, 1)
 	behind, _ := choose(t, p, cfg, 1)
 	clock.advance(time.Second)
-	p.Release(behind, Succeeded)
+	p.Release(behind, End{Worker: Succeeded})
 	if s := p.workers[0].load.speed; s.Samples() != 0 {
 		t.Fatalf("the overtaking answer taught a speed of %g units/s", s.Value())
 	}
-	p.Release(head, Succeeded)
+	p.Release(head, End{Worker: Succeeded})
 	if s := p.workers[0].load.speed; s.Samples() != 1 || s.Value() != 1 {
 		t.Fatalf("speed %g units/s from %d samples; want 1 from the head's 1 unit in 1 s", s.Value(), s.Samples())
 	}
@@ -392,7 +392,7 @@ func TestCancelledWaitingJobLeavesTheQueue(t *testing.T) {
 	if queued(p) != 1 || tk.worker != nil {
 		t.Fatalf("after the cancel: %d queued, worker %v; want only the other job waiting", queued(p), tk.worker)
 	}
-	p.Release(running, Succeeded)
+	p.Release(running, End{Worker: Succeeded})
 	if err := <-nextDone; err != nil || next.worker == nil {
 		t.Fatalf("the job behind got %v", err)
 	}
@@ -414,7 +414,7 @@ func TestCancelledRunningJobKeepsItsSlotUntilItWouldEnd(t *testing.T) {
 	if ctx.Err() == nil || CancelledBy(ctx) == nil {
 		t.Fatal("the running job's context was not ended with its cause")
 	}
-	p.Release(tk, Abandoned)
+	p.Release(tk, End{Worker: Abandoned})
 	if info, _ := p.Worker(tk.servedBy); info.Inflight != 1 {
 		t.Fatalf("after the cancel the worker has %d in flight; want the job still counted", info.Inflight)
 	}
@@ -479,10 +479,10 @@ func TestAbandonedJobEndsAtTheSpeedLearnedSince(t *testing.T) {
 	cfg := config(LeastWork{}, 1)
 	left, _ := choose(t, p, cfg, 50)
 	left.Sent = true
-	p.Release(left, Abandoned)
+	p.Release(left, End{Worker: Abandoned})
 	quick, _ := choose(t, p, cfg, 1)
 	clock.advance(10 * time.Millisecond)
-	p.Release(quick, Succeeded) // 100 units a second: the job left ends 0.5 s after it started
+	p.Release(quick, End{Worker: Succeeded}) // 100 units a second: the job left ends 0.5 s after it started
 	waitFor(t, "the job whose client left to end at its predicted end", func() bool {
 		return infoOf(t, p, left.ServedBy()).Inflight == 0
 	})
@@ -503,7 +503,7 @@ func TestAdmitCallsGivenOnceTheJobHasAWorker(t *testing.T) {
 	if !slices.Equal(given, []*Ticket{first}) {
 		t.Fatalf("given %d jobs before any ended; want the first only", len(given))
 	}
-	p.Release(first, Succeeded)
+	p.Release(first, End{Worker: Succeeded})
 	if !slices.Equal(given, []*Ticket{first, second}) || second.ServedBy() != "http://a:1" {
 		t.Fatalf("after the first ended: %d given, the second on %q; want both, the second on http://a:1", len(given), second.ServedBy())
 	}
@@ -542,7 +542,7 @@ func (r *adaptiveRun) drain() []float64 {
 		tk := r.running[0]
 		r.running = r.running[1:]
 		r.clock.advance(time.Duration(tk.Cost * float64(time.Second)))
-		r.p.Release(tk, Succeeded)
+		r.p.Release(tk, End{Worker: Succeeded})
 	}
 	given := r.given
 	r.given = nil
@@ -610,7 +610,7 @@ func TestHundredThousandWaitingJobsDrain(t *testing.T) {
 			wrong++
 		}
 		c.p.mu.Unlock()
-		c.p.Release(tk, Succeeded)
+		c.p.Release(tk, End{Worker: Succeeded})
 	}
 	if given != 100_016 || wrong != 0 || queued(c.p) != 0 {
 		t.Fatalf("%d jobs got a worker, %d one without their adapter, %d still wait; want 100,016, none and none", given, wrong, queued(c.p))

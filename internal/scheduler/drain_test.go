@@ -34,7 +34,7 @@ func TestDrainDoesNotWaitForAHungJob(t *testing.T) {
 	if st := infoOf(t, p, hungJob.ServedBy()).Lifecycle; st != Stale {
 		t.Fatalf("a worker left out is %v while its hung job runs; want stale", st)
 	}
-	p.Release(hungJob, Abandoned)
+	p.Release(hungJob, End{Worker: Abandoned})
 	clock.advance(time.Hour) // past the abandoned job's predicted end
 	p.RecordProbe(hungJob.ServedBy(), nil, testHealth)
 	if st := infoOf(t, p, hungJob.ServedBy()).Lifecycle; st != Serving {
@@ -55,11 +55,11 @@ func TestDrainWaitsForAJobWhoseClientLeft(t *testing.T) {
 	cfg := config(LeastWork{}, 1)
 	left, _ := choose(t, p, cfg, 50) // 50 s at the initial speed
 	left.Sent = true
-	p.Release(left, Abandoned)
+	p.Release(left, End{Worker: Abandoned})
 	quick, _ := choose(t, p, cfg, 1)
 	clock.advance(100 * time.Millisecond)
-	p.Release(quick, Succeeded) // 10 units a second: the job left is 5 s of work
-	clock.advance(time.Minute)  // past the stall limit at either speed
+	p.Release(quick, End{Worker: Succeeded}) // 10 units a second: the job left is 5 s of work
+	clock.advance(time.Minute)               // past the stall limit at either speed
 	if marked := p.CheckStalls(testHealth); len(marked) > 0 {
 		t.Fatalf("the worker of a job whose client left was taken for stalled: %v", marked)
 	}

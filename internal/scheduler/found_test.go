@@ -90,8 +90,8 @@ func TestAWorkerWhoseEndpointIsGoneFinishesItsJobs(t *testing.T) {
 	if err := p.Acquire(context.Background(), next); err != nil || next.worker.dial[:1] != gone {
 		t.Fatalf("the next job went to %v (%v); want %s", next.worker, err, gone)
 	}
-	p.Release(tk, Succeeded) // the job on the worker that left ends
-	p.Release(next, Succeeded)
+	p.Release(tk, End{Worker: Succeeded}) // the job on the worker that left ends
+	p.Release(next, End{Worker: Succeeded})
 }
 
 // A worker a config lists and a lookup found is kept when the lookup no
@@ -138,7 +138,7 @@ func TestAPodReplacedWhileItsOldJobRunsIsANewWorker(t *testing.T) {
 	if info.State == Serving || info.TaskTypes != nil || info.Version != "" {
 		t.Errorf("the new pod's worker: %s on %q, tasks %v; want out, its model and weights unknown", info.State, info.Version, info.TaskTypes)
 	}
-	p.Release(tk, Succeeded)
+	p.Release(tk, End{Worker: Succeeded})
 }
 
 // A pool whose workers are all terminating still serves, the last
@@ -148,7 +148,7 @@ func TestTerminatingLastResortCountsAsServing(t *testing.T) {
 	p := kubePool(t, "a")
 	p.SetFound("k8s", endpoints([]string{"a"}, EndpointTerminating), 10)
 	tk, host := choose(t, p, config(LeastWork{}, 0), 1)
-	defer p.Release(tk, Succeeded)
+	defer p.Release(tk, End{Worker: Succeeded})
 	if host != "a" {
 		t.Fatalf("job went to %s", host)
 	}

@@ -39,6 +39,6 @@ func (p *Pool) endGhost(t *Ticket) {
 	defer p.mu.Unlock()
 	if _, ok := p.ghosts[t]; ok {
 		delete(p.ghosts, t)
-		p.releaseLocked(t, Abandoned)
+		p.releaseLocked(t, End{Worker: Abandoned})
 	}
 }

@@ -205,21 +205,21 @@ func (p *Pool) CheckStalls(cfg *HealthConfig) []string {
 // show it works.
 const cleanRunForgives = 10
 
-// noteOutcomeLocked counts the passive evidence of one proxied request:
+// noteEvidenceLocked counts the passive evidence of one proxied request:
 // max_fails failures within fail_window eject the worker for eject_time,
 // doubling on each repeat up to max_eject_time, until cleanRunForgives
 // successes in a row; when none of them was an answer (Unreachable all),
 // health_passes passed probes end the ejection sooner. It reports how
 // long the worker is now ejected for, if it is.
-func (p *Pool) noteOutcomeLocked(w *worker, t *Ticket, o Outcome) time.Duration {
+func (p *Pool) noteEvidenceLocked(w *worker, t *Ticket, ev Evidence) time.Duration {
 	now, cfg := p.now().UnixNano(), t.cfg.Health
-	switch o {
+	switch ev {
 	case Unreachable:
 		p.fleet.changedLocked(w) // down, it may come back on other weights
 	case Asleep:
 		p.fleet.sleptLocked(w)
 	}
-	switch o {
+	switch ev {
 	case Succeeded:
 		p.noteSuccessLocked(w, t.probation)
 		return 0
@@ -235,7 +235,7 @@ func (p *Pool) noteOutcomeLocked(w *worker, t *Ticket, o Outcome) time.Duration 
 	}
 	since := now - int64(cfg.FailWindow)
 	w.evidence.recentFails = append(slices.DeleteFunc(w.evidence.recentFails, func(f failure) bool { return f.at <= since }),
-		failure{at: now, answered: o != Unreachable})
+		failure{at: now, answered: ev != Unreachable})
 	w.evidence.lastFail = now
 	if len(w.evidence.recentFails) < cfg.MaxFails && !w.health.probation || !p.mayEjectLocked(now, cfg) {
 		return 0
@@ -350,7 +350,7 @@ func (p *Pool) NoteCutShort(t *Ticket) (ejected time.Duration) {
 	t.tried = append(t.tried, w)
 	w.stats.failures++
 	w.evidence.consecFails++
-	return p.noteOutcomeLocked(w, t, Failed)
+	return p.noteEvidenceLocked(w, t, Failed)
 }
 
 // redispatchAtLocked makes sure free slots are handed to waiting jobs at

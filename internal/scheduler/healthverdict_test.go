@@ -59,7 +59,7 @@ func TestBusyWorkerIsNotDead(t *testing.T) {
 	if !p.workers[0].health.down {
 		t.Fatal("timed-out probes past twice the predicted time do count")
 	}
-	p.Release(tk, Succeeded)
+	p.Release(tk, End{Worker: Succeeded})
 }
 
 func TestStalledJobMakesWorkerSuspect(t *testing.T) {
@@ -86,7 +86,7 @@ func TestStalledJobMakesWorkerSuspect(t *testing.T) {
 			t.Fatalf("a job went to the stalled worker %s", w)
 		}
 	}
-	p.Release(stalled, Succeeded)
+	p.Release(stalled, End{Worker: Succeeded})
 	if !p.workers[0].serving(p.now().UnixNano()) {
 		t.Fatal("worker still suspect after its stalled job ended")
 	}
@@ -121,11 +121,11 @@ func ejectingConfig(s Strategy, maxEjectionPercent int) *Config {
 }
 
 // serveAll runs n jobs on p's one worker, each ending with o.
-func serveAll(t *testing.T, p *Pool, cfg *Config, o Outcome, n int) {
+func serveAll(t *testing.T, p *Pool, cfg *Config, o Evidence, n int) {
 	t.Helper()
 	for range n {
 		tk, _ := choose(t, p, cfg, 1)
-		p.Release(tk, o)
+		p.Release(tk, End{Worker: o})
 	}
 }
 
@@ -211,7 +211,7 @@ func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
 	if placeable(p, cfg) {
 		t.Fatal("a worker on probation would take a second job beside its first")
 	}
-	p.Release(first, Failed)
+	p.Release(first, End{Worker: Failed})
 	if w := p.Snapshot()[0]; w.State != Ejected {
 		t.Fatalf("a worker on probation that failed its job is %v; want ejected again", w.State)
 	}
@@ -228,7 +228,7 @@ func TestEjectionOutlastsPassedProbesIntoProbation(t *testing.T) {
 // ejectFirst ejects p's first worker, beside a second that serves, by
 // failures ending with each of outcomes in turn, and fails t unless it is
 // then ejected for want.
-func ejectFirst(t *testing.T, p *Pool, cfg *Config, want time.Duration, outcomes ...Outcome) {
+func ejectFirst(t *testing.T, p *Pool, cfg *Config, want time.Duration, outcomes ...Evidence) {
 	t.Helper()
 	other := p.workers[1]
 	other.health.down = true // the failures all go to the first
@@ -318,7 +318,7 @@ func TestPassedProbeEndsTheEjectionOfTheLastWorker(t *testing.T) {
 	if placeable(p, cfg) {
 		t.Fatal("a worker on probation would take a second job beside its first")
 	}
-	p.Release(first, Failed)
+	p.Release(first, End{Worker: Failed})
 	if w := p.Snapshot()[0]; w.State != Ejected || ejectedFor(p) != 20*time.Second {
 		t.Fatalf("failing its job on probation, the worker is %v for %v; want ejected for 20s", w.State, ejectedFor(p))
 	}
@@ -352,7 +352,7 @@ func TestJobOnProbationIsToldSo(t *testing.T) {
 	if tk, _ := choose(t, p, cfg, 1); tk.OnProbation() {
 		t.Fatal("a job on a worker never ejected is on probation")
 	} else {
-		p.Release(tk, Failed)
+		p.Release(tk, End{Worker: Failed})
 	}
 	serveAll(t, p, cfg, Failed, 2)
 	clock.advance(ejectedFor(p))
@@ -360,7 +360,7 @@ func TestJobOnProbationIsToldSo(t *testing.T) {
 	if !trial.OnProbation() {
 		t.Fatal("the first job back from an ejection is not told its worker is on probation")
 	}
-	p.Release(trial, Succeeded)
+	p.Release(trial, End{Worker: Succeeded})
 	if tk, _ := choose(t, p, cfg, 1); tk.OnProbation() {
 		t.Fatal("a job after a success is still told its worker is on probation")
 	}
@@ -375,12 +375,12 @@ func TestEarlierJobEndsNoProbation(t *testing.T) {
 	earlier, _ := choose(t, p, cfg, 1)
 	serveAll(t, p, cfg, Failed, 3)
 	clock.advance(ejectedFor(p))
-	p.Release(earlier, Succeeded)
+	p.Release(earlier, End{Worker: Succeeded})
 	if w := p.Snapshot()[0]; !w.Probation {
 		t.Fatal("a job from before the ejection ended the probation")
 	}
 	trial, _ := choose(t, p, cfg, 1)
-	p.Release(trial, Failed)
+	p.Release(trial, End{Worker: Failed})
 	if w := p.Snapshot()[0]; w.State != Ejected || ejectedFor(p) != 20*time.Second {
 		t.Fatalf("a worker on probation that failed its first job is %v for %v; want ejected for 20s", w.State, ejectedFor(p))
 	}
@@ -394,7 +394,7 @@ func TestEjectionsAreBoundedByMaxEjectionPercent(t *testing.T) {
 	cfg := ejectingConfig(&RoundRobin{}, 50)
 	for range 4 * 3 { // three failures on each worker
 		tk, _ := choose(t, p, cfg, 1)
-		p.Release(tk, Failed)
+		p.Release(tk, End{Worker: Failed})
 	}
 	ejected := 0
 	for _, w := range p.Snapshot() {
@@ -412,12 +412,12 @@ func TestOnlyWorkerFaultsCountAgainstIt(t *testing.T) {
 	cfg := ejectingConfig(LeastRequest{}, 100)
 	good, _ := choose(t, p, cfg, 10)
 	clock.advance(time.Second)
-	p.Release(good, Succeeded)
+	p.Release(good, End{Worker: Succeeded})
 	learned := p.Snapshot()[0].Speed
 	for range 10 { // the worker refuses bad requests at once
 		tk, _ := choose(t, p, cfg, 1e6)
 		clock.advance(time.Millisecond)
-		p.Release(tk, Refused)
+		p.Release(tk, End{Worker: Refused})
 	}
 	w := p.Snapshot()[0]
 	if w.State != Serving || w.Failures != 0 || w.Speed != learned {
@@ -425,37 +425,9 @@ func TestOnlyWorkerFaultsCountAgainstIt(t *testing.T) {
 	}
 	for range 3 {
 		tk, _ := choose(t, p, cfg, 1)
-		p.Release(tk, Failed)
+		p.Release(tk, End{Worker: Failed})
 	}
 	if w := p.Snapshot()[0]; w.State != Ejected || w.Failures != 3 || w.Speed != learned {
 		t.Fatalf("after 3 failures: %v, %d failures, speed %v; want ejected, 3, and the speed unlearned from them", w.State, w.Failures, w.Speed)
 	}
-}
-
-func TestOutcomeOfAnAnswer(t *testing.T) {
-	live, gone := context.Background(), canceledContext()
-	for _, tc := range []struct {
-		ctx    context.Context
-		err    error
-		status int
-		want   Outcome
-	}{
-		{live, nil, 200, Succeeded},
-		{live, nil, 400, Refused},
-		{live, nil, 422, Refused},
-		{live, nil, 500, Failed},
-		{live, nil, 502, Failed},
-		{live, errors.New("reset"), 0, Failed},
-		{gone, nil, 500, Abandoned},
-	} {
-		if got := OutcomeOf(tc.ctx, tc.err, tc.status); got != tc.want {
-			t.Errorf("OutcomeOf(%d, %v) = %v; want %v", tc.status, tc.err, got, tc.want)
-		}
-	}
-}
-
-func canceledContext() context.Context {
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	return ctx
 }

@@ -24,7 +24,7 @@ func TestDuePredictedAnewOnceSpeedsAreLearned(t *testing.T) {
 	}
 	clock.advance(time.Second)
 	for _, w := range []string{"a", "b", "c"} {
-		p.Release(byWorker[w], Succeeded) // 20 units/s
+		p.Release(byWorker[w], End{Worker: Succeeded}) // 20 units/s
 	}
 	if got := hung.Due(); got != time.Second {
 		t.Fatalf("due once the others answered in 1 s: %v; want 1 s", got)
@@ -37,7 +37,7 @@ func TestDuePredictedAnewOnceSpeedsAreLearned(t *testing.T) {
 	if stalled := p.CheckStalls(testHealth); len(stalled) != 1 || stalled[0] != "http://d:1" {
 		t.Fatalf("stalls at 6 s, beyond 5x the 1 s predicted now: %v; want d", stalled)
 	}
-	p.Release(hung, Overtaken)
+	p.Release(hung, End{Worker: Overtaken})
 	if got := hung.Due(); got != 0 {
 		t.Fatalf("due once released: %v; want 0", got)
 	}

@@ -41,7 +41,7 @@ func TestAPausedWorkerGetsNoJob(t *testing.T) {
 	if info := infoOf(t, p, "http://a:1"); info.State != Serving || !info.PausedSince.IsZero() {
 		t.Fatalf("a continued is %v, paused since %v; want serving, not paused", info.State, info.PausedSince)
 	}
-	p.Release(first, Succeeded)
+	p.Release(first, End{Worker: Succeeded})
 }
 
 // While every worker is paused a job waits, as during an update, rather

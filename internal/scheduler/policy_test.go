@@ -64,7 +64,7 @@ func TestLeastRequestPicksLeastLoaded(t *testing.T) {
 	freed := 0
 	for _, tk := range held {
 		if tk.servedBy == "http://b:1" && freed < 2 {
-			p.Release(tk, Succeeded)
+			p.Release(tk, End{Worker: Succeeded})
 			freed++
 		}
 	}
@@ -82,7 +82,7 @@ func TestIdleWorkersShareTies(t *testing.T) {
 		for range 200 {
 			tk, w := choose(t, p, config(s, 0), 1)
 			seen[w] = true
-			p.Release(tk, Abandoned)
+			p.Release(tk, End{Worker: Abandoned})
 		}
 		if len(seen) != 4 {
 			t.Fatalf("%T on idle workers chose only %v", s, seen)
@@ -97,7 +97,7 @@ func TestRoundRobinCycles(t *testing.T) {
 	for range 6 {
 		tk, w := choose(t, p, cfg, 1)
 		got += w
-		p.Release(tk, Succeeded)
+		p.Release(tk, End{Worker: Succeeded})
 	}
 	if got[:3] != got[3:] || got[0] == got[1] || got[1] == got[2] || got[0] == got[2] {
 		t.Fatalf("round robin order %s does not cycle through 3 workers", got)
@@ -133,7 +133,7 @@ func TestLeastWorkCountsWorkNotRequests(t *testing.T) {
 	}
 	// Once the big job is done, its worker is the one with the least work.
 	clock.advance(100 * time.Second)
-	p.Release(big, Succeeded)
+	p.Release(big, End{Worker: Succeeded})
 	if _, w := choose(t, p, cfg, 1); w != w1 {
 		t.Fatalf("job went to %s (5 jobs queued) instead of idle %s", other, w1)
 	}
@@ -150,7 +150,7 @@ func teach(t *testing.T, p *Pool, clock *fakeClock, cfg *Config, speeds map[stri
 				t.Fatal(err)
 			}
 			clock.advance(time.Duration(10 / speed * float64(time.Second)))
-			p.Release(tk, Succeeded)
+			p.Release(tk, End{Worker: Succeeded})
 		}
 	}
 }
@@ -167,7 +167,7 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 			if err := p.Acquire(context.Background(), tk); err != nil || tk.worker.dial[:1] != want {
 				t.Fatalf("task %d went to %v (%v); want %s", task, tk.worker, err, want)
 			}
-			p.Release(tk, Succeeded)
+			p.Release(tk, End{Worker: Succeeded})
 		}
 	}
 	poll := &Ticket{pool: p, cfg: cfg, Pin: "http://b:1"}
@@ -177,14 +177,14 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 	if p.byDial["b:1"].load.inflight != 0 {
 		t.Fatal("a video poll was counted as a job")
 	}
-	p.Release(poll, Succeeded)
+	p.Release(poll, End{Worker: Succeeded})
 	// A poll of a job a held-back worker runs still reaches it; a job pinned
 	// there does not.
 	deadPoll := &Ticket{pool: p, cfg: cfg, Pin: "http://a:1"}
 	if err := p.Acquire(context.Background(), deadPoll); err != nil || deadPoll.worker.dial != "a:1" {
 		t.Fatalf("poll pinned to a held-back worker went to %v (%v); want that worker", deadPoll.worker, err)
 	}
-	p.Release(deadPoll, Succeeded)
+	p.Release(deadPoll, End{Worker: Succeeded})
 	deadJob := &Ticket{pool: p, cfg: cfg, Pin: "http://a:1", Job: true}
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
@@ -196,15 +196,15 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 func TestRetryAvoidsFailedWorker(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	tk, first := choose(t, p, config(LeastRequest{}, 0), 1)
-	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker.dial[:1] == first {
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStatus}); err != nil || tk.worker.dial[:1] == first {
 		t.Fatalf("retry went to %v (%v) after %s failed", tk.worker, err, first)
 	}
 	// Both have failed it once and both still serve: rather than wait for
 	// workers that are out, the job goes back to one of them.
-	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil {
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStatus}); err != nil || tk.worker == nil {
 		t.Fatalf("second retry: %v; a worker that failed once is better than none", err)
 	}
-	p.Release(tk, Succeeded)
+	p.Release(tk, End{Worker: Succeeded})
 	for _, w := range p.workers {
 		if w.load.inflight != 0 || w.stats.failures != 1 {
 			t.Fatalf("%s: inflight=%d failures=%d; want 0, 1", w.dial, w.load.inflight, w.stats.failures)
@@ -218,12 +218,12 @@ func TestRetryAvoidsFailedWorker(t *testing.T) {
 func TestRetryAfterAnAnswerCutShortAvoidsItsWorker(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	tk, first := choose(t, p, config(&lastURL{}, 0), 1)
-	p.Release(tk, Succeeded)
+	p.Release(tk, End{Worker: Succeeded})
 	p.NoteCutShort(tk)
-	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStatus}); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {
 		t.Fatalf("retry went to %v (%v) after %s cut its answer short", tk.worker, err, first)
 	}
-	p.Release(tk, Succeeded)
+	p.Release(tk, End{Worker: Succeeded})
 	if w := p.findLocked("http://" + first + ":1"); w.stats.failures != 1 {
 		t.Fatalf("%s shows %d failures after cutting an answer short; want 1", first, w.stats.failures)
 	}
@@ -236,8 +236,8 @@ func TestRetryAfterAnAnswerCutShortAvoidsItsWorker(t *testing.T) {
 func TestRetryAfterAFailureReleasedAvoidsItsWorker(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	tk, first := choose(t, p, config(&lastURL{}, 0), 1)
-	p.Release(tk, Failed)
-	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {
+	p.Release(tk, End{Worker: Failed})
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStatus}); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {
 		t.Fatalf("retry went to %q (%v) after %s broke its answer", tk.servedBy, err, first)
 	}
 }
@@ -249,21 +249,21 @@ func TestRetryAfterAFailureReleasedAvoidsItsWorker(t *testing.T) {
 func TestRetryElsewhereNeverReturnsToAWorkerThatStalled(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	tk, first := choose(t, p, config(&lastURL{}, 0), 1) // the strategy would pick it again
-	if err := p.RetryElsewhere(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStalled}); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {
 		t.Fatalf("a job whose worker %s stalled went to %v (%v); want the other", first, tk.worker, err)
 	}
 	second := tk.worker.dial[:1]
 	// Both had it; Retry goes back to one that failed it, never to the one
 	// that stalled.
-	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] != second {
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStatus}); err != nil || tk.worker == nil || tk.worker.dial[:1] != second {
 		t.Fatalf("after %s stalled and %s failed, the job went to %v (%v); want %s again", first, second, tk.worker, err, second)
 	}
-	p.Release(tk, Succeeded)
+	p.Release(tk, End{Worker: Succeeded})
 	tk, first = choose(t, p, config(LeastRequest{}, 0), 1)
 	for _, w := range p.workers {
 		w.health.down = w.dial[:1] != first
 	}
-	if err := p.RetryElsewhere(context.Background(), tk, Failed); err != ErrNoOtherWorker {
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStalled}); err != ErrNoOtherWorker {
 		t.Fatalf("alone, a job whose worker stalled: %v; want ErrNoOtherWorker", err)
 	}
 	for _, w := range p.workers {
@@ -281,7 +281,7 @@ func TestRetryDoesNotGoBackToTheWorkerThatFailedItLast(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	cfg := config(LeastRequest{}, 0)
 	tk, first := choose(t, p, cfg, 1)
-	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker.dial[:1] == first {
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStatus}); err != nil || tk.worker.dial[:1] == first {
 		t.Fatalf("retry went to %v (%v) after %s failed", tk.worker, err, first)
 	}
 	second := tk.worker.dial[:1]
@@ -289,7 +289,7 @@ func TestRetryDoesNotGoBackToTheWorkerThatFailedItLast(t *testing.T) {
 	if busy.worker.dial[:1] != first {
 		t.Fatalf("a second job went to %s; want %s, the idle one", busy.worker.dial[:1], first)
 	}
-	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] != first {
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStatus}); err != nil || tk.worker == nil || tk.worker.dial[:1] != first {
 		t.Fatalf("after %s and then %s failed it, the job went to %q (%v); want %s, though busier", first, second, tk.servedBy, err, first)
 	}
 }
@@ -302,7 +302,7 @@ func TestRetryDoesNotWaitForWorkersThatAreOut(t *testing.T) {
 			w.health.down = true // marked dead by its probes
 		}
 	}
-	if err := p.Retry(context.Background(), tk, Failed); err != nil || tk.worker == nil || tk.worker.dial[:1] != first {
+	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStatus}); err != nil || tk.worker == nil || tk.worker.dial[:1] != first {
 		t.Fatalf("retry: worker %v, %v; want the one serving worker again at once", tk.worker, err)
 	}
 }

@@ -68,7 +68,7 @@ func TestRemoveKeepsInflightAccounting(t *testing.T) {
 	if !p.Remove("http://a:1") {
 		t.Fatal("remove failed")
 	}
-	p.Release(tk, Succeeded)
+	p.Release(tk, End{Worker: Succeeded})
 	if w.load.inflight != 0 || w.stats.served != 1 {
 		t.Fatalf("removed worker inflight=%d served=%d; want 0 and 1", w.load.inflight, w.stats.served)
 	}
@@ -132,12 +132,12 @@ func TestInitialSpeedHoldsUntilASpeedIsLearned(t *testing.T) {
 		t.Fatalf("due at an initial speed of 4 units/s: %v; want 5 s", got)
 	}
 	clock.advance(2 * time.Second)
-	p.Release(first, Succeeded) // 10 units/s
-	p.SetInitialSpeed(4)        // a reload: what was learned stays
+	p.Release(first, End{Worker: Succeeded}) // 10 units/s
+	p.SetInitialSpeed(4)                     // a reload: what was learned stays
 	if got := second.Due(); got != 2*time.Second {
 		t.Fatalf("due once a worker learned 10 units/s: %v; want 2 s", got)
 	}
-	p.Release(second, Succeeded)
+	p.Release(second, End{Worker: Succeeded})
 }
 
 // Spellings of one address are one worker: one GPU must not draw the

@@ -22,7 +22,7 @@ func enqueueAt(t *testing.T, p *Pool, cfg *Config, prio int) (*Ticket, chan erro
 // worker.
 func served(t *testing.T, p *Pool, running *Ticket, waiting map[string]chan error) string {
 	t.Helper()
-	p.Release(running, Succeeded)
+	p.Release(running, End{Worker: Succeeded})
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
 		for name, done := range waiting {
 			select {

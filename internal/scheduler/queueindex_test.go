@@ -112,7 +112,7 @@ func (r *randomQueue) freeOne() {
 	tk := r.running[i]
 	r.running = slices.Delete(r.running, i, i+1)
 	r.p.mu.Lock()
-	r.p.freeLocked(tk, Succeeded)
+	r.p.freeLocked(tk, End{Worker: Succeeded})
 	r.p.mu.Unlock()
 }
 

@@ -26,7 +26,7 @@ func TestRemovedWorkerKeepsItsJobsWhenItReturns(t *testing.T) {
 	if err := p.Acquire(ctx, waiting); err == nil {
 		t.Fatal("a second job went to a worker still running its first (max_inflight 1)")
 	}
-	p.Release(running, Succeeded)
+	p.Release(running, End{Worker: Succeeded})
 	if info, _ := p.Worker(u); info.Inflight != 0 {
 		t.Fatalf("after its job ended the worker has %d in flight", info.Inflight)
 	}

@@ -5,14 +5,27 @@ import (
 	"slices"
 )
 
-// Retry moves t off a worker that failed it, with what the attempt said
-// of that worker, onto another one, waiting for it in its old place in
-// the queue: the worker it leaves goes to the queue only once t is back
-// in it. It reports an error when t got no worker.
-func (p *Pool) Retry(ctx context.Context, t *Ticket, o Outcome) error {
+// Retry moves t off a worker that failed it, which its attempt ended as
+// e says, onto another one, waiting for it in its old place in the queue:
+// the worker it leaves goes to the queue only once t is back in it. A job
+// whose worker stalled on it (RerunStalled) never goes back to that
+// worker, and when no other serving worker may serve it, it leaves its
+// worker and gets ErrNoOtherWorker rather than wait. Retry reports an
+// error when t got no worker.
+func (p *Pool) Retry(ctx context.Context, t *Ticket, e End) error {
 	p.mu.Lock()
-	p.offWorkerLocked(t, o)
-	if !p.untriedServingLocked(t) {
+	stalled := e.Rerun == RerunStalled
+	if w := t.worker; w != nil && stalled {
+		t.shunned = append(t.shunned, w)
+	}
+	p.offWorkerLocked(t, e)
+	switch {
+	case p.untriedServingLocked(t):
+	case stalled:
+		p.dispatchLocked()
+		p.mu.Unlock()
+		return ErrNoOtherWorker
+	default:
 		p.forgetTriedLocked(t)
 	}
 	return p.retryLocked(ctx, t)
@@ -38,23 +51,6 @@ func (p *Pool) forgetTriedLocked(t *Ticket) {
 	}
 }
 
-// RetryElsewhere is Retry for a job whose worker stalled on it: that
-// worker never gets it again, and when no other serving worker may serve
-// it, t leaves its worker and gets ErrNoOtherWorker rather than wait.
-func (p *Pool) RetryElsewhere(ctx context.Context, t *Ticket, o Outcome) error {
-	p.mu.Lock()
-	if w := t.worker; w != nil {
-		t.shunned = append(t.shunned, w)
-	}
-	p.offWorkerLocked(t, o)
-	if !p.untriedServingLocked(t) {
-		p.dispatchLocked()
-		p.mu.Unlock()
-		return ErrNoOtherWorker
-	}
-	return p.retryLocked(ctx, t)
-}
-
 // retryLocked puts t back in the queue in its old place and waits for
 // its next worker; it unlocks p.mu.
 func (p *Pool) retryLocked(ctx context.Context, t *Ticket) error {
@@ -67,21 +63,11 @@ func (p *Pool) retryLocked(ctx context.Context, t *Ticket) error {
 	return p.wait(ctx, t, wt)
 }
 
-// Leave moves t off a worker that failed it, with what the attempt said
-// of that worker, as Retry does, without giving it another yet: copies of
-// its job still run. Retry may follow.
-func (p *Pool) Leave(t *Ticket, o Outcome) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.offWorkerLocked(t, o)
-	p.dispatchLocked()
-}
-
 // offWorkerLocked frees the worker holding t, if one does, and keeps t off it.
-func (p *Pool) offWorkerLocked(t *Ticket, o Outcome) {
+func (p *Pool) offWorkerLocked(t *Ticket, e End) {
 	if w := t.worker; w != nil {
 		t.tried = append(t.tried, w)
-		p.freeLocked(t, o)
+		p.freeLocked(t, e)
 	}
 }
 

@@ -34,7 +34,7 @@ func servedUnder(t *testing.T, p *Pool, pol VersionPolicy) []string {
 		held = append(held, tk)
 	}
 	for _, tk := range held {
-		p.Release(tk, Succeeded)
+		p.Release(tk, End{Worker: Succeeded})
 	}
 	return slices.Sorted(maps.Keys(hosts))
 }
@@ -152,7 +152,7 @@ func TestAJobWaitsForAFreshWorker(t *testing.T) {
 	if !latest.HeldByPolicy() {
 		t.Fatal("the job does not know its policy held it back")
 	}
-	p.Release(latest, Succeeded)
+	p.Release(latest, End{Worker: Succeeded})
 	p.EndUpdate(update, true)
 	if held := p.HeldBack(); held["latest"] != 1 {
 		t.Fatalf("jobs held back after the update: %v; want still 1", held)
@@ -181,7 +181,7 @@ func TestEveryJobAStaleWorkerCouldTakeCountsAsHeldBack(t *testing.T) {
 	if held := p.HeldBack(); held["latest"] != 3 {
 		t.Fatalf("with b free, jobs held back: %v; want the 3 of latest waiting", held)
 	}
-	p.Release(busy, Succeeded)
+	p.Release(busy, End{Worker: Succeeded})
 	for range waiting {
 		if err := <-done; err != nil {
 			t.Fatal(err)
@@ -194,7 +194,7 @@ func TestEveryJobAStaleWorkerCouldTakeCountsAsHeldBack(t *testing.T) {
 			}
 		}
 		p.mu.Unlock()
-		p.Release(running, Succeeded)
+		p.Release(running, End{Worker: Succeeded})
 	}
 	for _, tk := range waiting {
 		if !tk.HeldByPolicy() || tk.ServedBy() != "http://a:1" {

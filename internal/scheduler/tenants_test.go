@@ -95,7 +95,7 @@ func (s *sim) step() *Ticket {
 	tk := s.running[first]
 	s.running = append(s.running[:first], s.running[first+1:]...)
 	s.clock.t = end
-	s.p.Release(tk, Succeeded)
+	s.p.Release(tk, End{Worker: Succeeded})
 	s.collect()
 	return tk
 }
@@ -268,7 +268,7 @@ func TestARerunKeepsItsPlaceAndIsChargedOnce(t *testing.T) {
 	a, _ := s.submit(tenantJob{tenant: "a", cost: 5})
 	b, _ := s.submit(tenantJob{tenant: "b", cost: 5})
 	a.Attempts = 1
-	if err := s.p.Retry(context.Background(), a, Failed); err != nil {
+	if err := s.p.Retry(context.Background(), a, End{Worker: Failed, Rerun: RerunStatus}); err != nil {
 		t.Fatal(err)
 	}
 	if a.worker == nil || b.worker != nil {
@@ -336,7 +336,7 @@ func TestAJobNoFreeWorkerMayServeLetsOtherTenantsPass(t *testing.T) {
 	admit("busy", request.VideoTask, 10)
 	video := admit("videos", request.VideoTask, 1) // lifted to busy's 20, as is images: even, its earlier job is tried first
 	img := admit("images", request.ImageTask, 1)
-	p.Release(image, Succeeded)
+	p.Release(image, End{Worker: Succeeded})
 	if video.worker != nil || img.worker == nil || img.worker.dial != "a:1" {
 		t.Fatal("the image worker that freed did not go to the images tenant's job; want it to pass the video job no free worker may serve")
 	}
@@ -369,7 +369,7 @@ func TestAnAbortedJobLeavesItsTenantsQueue(t *testing.T) {
 			t.Fatalf("tenant a shows %d waiting after the abort; want 0", ts.Waiting)
 		}
 	}
-	p.Release(running, Succeeded)
+	p.Release(running, End{Worker: Succeeded})
 	if err := <-nextDone; err != nil || next.worker == nil {
 		t.Fatalf("b's job: %v; want the worker that freed up", err)
 	}

@@ -29,21 +29,22 @@ func (p *Pool) HoldVideo(t *Ticket, id string) bool {
 	return true
 }
 
-// EndVideo releases the worker of a held video job that has ended.
-func (p *Pool) EndVideo(id string, o Outcome) {
+// EndVideo releases the worker of a held video job that has ended, with
+// what its end tells of that worker.
+func (p *Pool) EndVideo(id string, ev Evidence) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.endVideoLocked(id, o)
+	p.endVideoLocked(id, ev)
 }
 
-func (p *Pool) endVideoLocked(id string, o Outcome) {
+func (p *Pool) endVideoLocked(id string, ev Evidence) {
 	hv, ok := p.held[id]
 	if !ok {
 		return
 	}
 	delete(p.held, id)
 	hv.timer.Stop()
-	p.releaseLocked(hv.t, o)
+	p.releaseLocked(hv.t, End{Worker: ev})
 }
 
 // endVideosOfLocked releases the video jobs w holds, which it lost: they

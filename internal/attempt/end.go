@@ -14,22 +14,6 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
-// rerunCause is why a job runs again.
-type rerunCause uint8
-
-const (
-	noRerun     rerunCause = iota
-	unreachable            // the worker could not be reached, or dropped the connection before answering
-	badGateway             // it answered a 5xx or a status in retry_on
-	fellAsleep             // it answered that it is asleep: put to sleep behind the router's back
-	cutShort               // its 2xx answer broke off, or its JSON or msgpack is not whole
-	stalled                // its 2xx answer stopped coming (answer_stall_timeout): never sent back to it
-)
-
-var rerunCauseNames = [...]string{"", "connection", "status", "asleep", "cut_short", "stalled"}
-
-func (c rerunCause) String() string { return rerunCauseNames[c] }
-
 // asleepMessage is how sglang-diffusion's scheduler refuses a generation
 // while its memory is released (release_memory_occupation).
 var asleepMessage = []byte("Server is sleeping. Call resume_memory_occupation first.")
@@ -68,54 +52,111 @@ func answerMayRunAgain(t *scheduler.Ticket) bool {
 	return !t.Job || t.Route.Rerun == request.RerunUntilSent
 }
 
-// rerunCause says whether t's attempt that ended with err and rec's held
+// ended is how t's attempt r ended, with err and with rec's answer as
+// its held answer's verdict left it: what the attempt tells of its worker
+// and, when the job runs again, why. It is the one place that decides
+// both: the attempt hands its End to the pool once (Release, or Retry
+// when the job runs again), the re-run is counted and logged by its
+// cause, and the kind of job reads it (Kinds.Ended). A copy that lost its
+// hedge's race, or the attempt a copy overtook, tells what the race says
+// (see race.evidence).
+func (run *Runner) ended(r *http.Request, rec *Recorder, t *scheduler.Ticket, err error) scheduler.End {
+	e := scheduler.End{Rerun: run.rerunOf(r, rec, t, err)}
+	if e.Rerun != scheduler.NoRerun {
+		e.Worker = run.rerunEvidence(e.Rerun, rec, err)
+	} else {
+		e.Worker = run.evidenceOf(r, rec, t, err)
+	}
+	if race := rec.slot.race; race != nil {
+		e.Worker = race.evidence(t, e.Worker)
+	}
+	return e
+}
+
+// Lookup gives reverse_proxy the worker of t's attempt, the one t holds,
+// when it asks for one. Asked again within one attempt (its block's
+// lb_retries or lb_try_duration), it could not reach that worker: t
+// leaves it and runs again on another, as any re-run does, counted as an
+// attempt. reverse_proxy tells no more of its failure than that it asks
+// again, so this is the one End not decided by ended. Lookup reports
+// false when t got no other worker.
+func Lookup(ctx context.Context, pool Pool, t *scheduler.Ticket) bool {
+	t.Lookups++
+	if t.Lookups == 1 {
+		return true
+	}
+	t.Attempts++
+	return pool.Retry(ctx, t, scheduler.End{Worker: scheduler.Failed, Rerun: scheduler.RerunReach}) == nil
+}
+
+// rerunOf says whether t's attempt that ended with err and rec's held
 // answer is one to run again after, and why.
-func (run *Runner) rerunCause(r *http.Request, rec *Recorder, t *scheduler.Ticket, err error) rerunCause {
+func (run *Runner) rerunOf(r *http.Request, rec *Recorder, t *scheduler.Ticket, err error) scheduler.Rerun {
 	a := rec.held
 	switch {
 	case a == nil || !a.rerun || r.Context().Err() != nil || t.Attempts >= t.Config().MaxAttempts:
-		return noRerun
+		return scheduler.NoRerun
 	case a.state == read && bytes.Contains(a.body, asleepMessage):
-		return fellAsleep
+		return scheduler.RerunAsleep
 	case a.state == drop || a.state == read:
 		if jobsFault(t, a.status) {
-			return noRerun
+			return scheduler.NoRerun
 		}
-		return badGateway
+		return scheduler.RerunStatus
 	case a.state == broken && a.broken == errStalled && answerMayRunAgain(t):
-		return stalled
+		return scheduler.RerunStalled
 	case a.state == broken && answerMayRunAgain(t):
-		return cutShort
+		return scheduler.RerunCutShort
 	case a.state == undecided && err != nil && run.workerDropped(err) && (t.Route.Rerun != request.RerunUnsent || run.Proxy.NeverSent(err)):
-		return unreachable
+		return scheduler.RerunReach
 	}
-	return noRerun
+	return scheduler.NoRerun
 }
 
-// rerunOutcome is what an attempt that ended with err, to be run again
-// for cause c, says of its worker.
-func (run *Runner) rerunOutcome(c rerunCause, rec *Recorder, err error) scheduler.Outcome {
+// rerunEvidence is what an attempt that ended with err, to be run again
+// for cause c, tells of its worker.
+func (run *Runner) rerunEvidence(c scheduler.Rerun, rec *Recorder, err error) scheduler.Evidence {
 	switch {
-	case c == fellAsleep:
+	case c == scheduler.RerunAsleep:
 		return scheduler.Asleep
-	case c == badGateway:
-		return scheduler.OutcomeOf(context.Background(), nil, rec.held.status)
-	case c == unreachable && run.wasDown(err):
+	case c == scheduler.RerunStatus:
+		return evidenceOfStatus(context.Background(), nil, rec.held.status)
+	case c == scheduler.RerunReach && run.wasDown(err):
 		return scheduler.Unreachable
 	}
 	return scheduler.Failed
 }
 
-// outcomeOf is what t's attempt on r, ended with err and status, says of
-// its worker; a 5xx that was the job's own fault says nothing.
-func (run *Runner) outcomeOf(r *http.Request, t *scheduler.Ticket, err error, status int) scheduler.Outcome {
+// evidenceOf is what t's attempt on r, ended with err and rec's answer,
+// not to be run again, tells of its worker: a held answer that broke is
+// its failure; a 5xx that was the job's own fault tells nothing.
+func (run *Runner) evidenceOf(r *http.Request, rec *Recorder, t *scheduler.Ticket, err error) scheduler.Evidence {
+	status := heldStatus(rec)
 	switch {
+	case rec.held != nil && rec.held.state == broken:
+		return scheduler.Failed
 	case err == nil && jobsFault(t, status):
 		return scheduler.Refused
 	case status == 0 && r.Context().Err() == nil && run.wasDown(err):
 		return scheduler.Unreachable
 	}
-	return scheduler.OutcomeOf(r.Context(), err, status)
+	return evidenceOfStatus(r.Context(), err, status)
+}
+
+// evidenceOfStatus tells how the exchange with the worker ended, as
+// evidence of the worker's health: a 5xx is the worker's failure, as
+// Envoy counts them; a 4xx is the request's fault and says nothing of
+// the worker.
+func evidenceOfStatus(clientCtx context.Context, err error, status int) scheduler.Evidence {
+	switch {
+	case clientCtx.Err() != nil:
+		return scheduler.Abandoned
+	case err != nil, status >= 500:
+		return scheduler.Failed
+	case status >= 400:
+		return scheduler.Refused
+	}
+	return scheduler.Succeeded
 }
 
 // wasDown reports whether err, which ended an attempt before any byte of
