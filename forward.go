@@ -84,7 +84,7 @@ func (h *Handler) forward(rec *attempt.Recorder, r *http.Request, route request.
 		err = answer.WriteError(rec, cancelStatus(cause), cause.Error())
 	}
 	if t.Job {
-		h.logJob(id, r, t, rec.Status(), dispatched.Sub(arrived), time.Since(dispatched))
+		h.logJob(id, r, t, rec, dispatched.Sub(arrived), time.Since(dispatched))
 	}
 	return err
 }
@@ -150,14 +150,14 @@ func (h *Handler) acquire(rec *attempt.Recorder, r *http.Request, t *scheduler.T
 	return err
 }
 
-// logJob records a finished generation job's metrics, logs it at DEBUG,
-// and adds what the router did with it to Caddy's access log entry. As
+// logJob records a finished generation job's metrics, logs it at DEBUG
+// with what its client got (rec), and adds what the router did with it to Caddy's access log entry. As
 // Caddy's own handlers log nothing per request at INFO, neither does the
 // router: a line per job would cost more than routing it. No prompt or
 // image data is logged.
-func (h *Handler) logJob(id string, r *http.Request, t *scheduler.Ticket, status int, waited, took time.Duration) {
-	h.metrics.observeJob(t, waited, took)
-	accessLogFields(r, t, waited)
+func (h *Handler) logJob(id string, r *http.Request, t *scheduler.Ticket, rec *attempt.Recorder, waited, took time.Duration) {
+	h.metrics.observeJob(t, rec.Attempts(), waited, took)
+	accessLogFields(r, t, rec.Attempts(), waited)
 	ce := h.logger.Check(zap.DebugLevel, "job finished")
 	if ce == nil {
 		return
@@ -169,16 +169,16 @@ func (h *Handler) logJob(id string, r *http.Request, t *scheduler.Ticket, status
 		zap.Float64("cost", t.Cost),
 		zap.Duration("queue_wait", waited),
 		zap.Duration("latency", took),
-		zap.Int("status", status),
+		zap.Int("status", rec.Status()),
 		zap.String("weight_version", t.ServedVersion()),
-		zap.Int("attempts", t.Attempts),
+		zap.Int("attempts", rec.Attempts()),
 	)
 }
 
 // accessLogFields adds t's worker, cost, attempts and queue wait to the
 // access log entry of r, when the server writes access logs: each field
 // added costs an allocation or two that a server without them need not pay.
-func accessLogFields(r *http.Request, t *scheduler.Ticket, waited time.Duration) {
+func accessLogFields(r *http.Request, t *scheduler.Ticket, attempts int, waited time.Duration) {
 	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); !ok || srv.Logs == nil {
 		return
 	}
@@ -188,7 +188,7 @@ func accessLogFields(r *http.Request, t *scheduler.Ticket, waited time.Duration)
 	}
 	extra.Add(zap.String("worker", t.ServedBy()))
 	extra.Add(zap.Float64("cost", t.Cost))
-	extra.Add(zap.Int("attempts", t.Attempts))
+	extra.Add(zap.Int("attempts", attempts))
 	extra.Add(zap.Duration("queue_wait", waited))
 }
 

@@ -283,11 +283,12 @@ func newPoolMetrics(pool, strategy string) poolMetrics {
 	}
 }
 
-// observeJob records the metrics of a finished generation job.
-func (m poolMetrics) observeJob(t *scheduler.Ticket, waited, took time.Duration) {
+// observeJob records the metrics of a finished generation job, which
+// was sent to workers attempts times.
+func (m poolMetrics) observeJob(t *scheduler.Ticket, attempts int, waited, took time.Duration) {
 	m.queueWait.Observe(waited.Seconds())
 	m.jobDuration.Observe(took.Seconds())
-	m.attempts.Observe(float64(t.Attempts))
+	m.attempts.Observe(float64(attempts))
 	if t.Predicted() > 0 && took > 0 {
 		m.predictionError.Observe(absDuration(t.Predicted()-took).Seconds() / took.Seconds())
 	}

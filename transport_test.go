@@ -36,7 +36,7 @@ func TestDiffusionTransportSendsTheHeldBody(t *testing.T) {
 	if err := tr.Provision(ctx); err != nil {
 		t.Fatal(err)
 	}
-	job := &scheduler.Ticket{Body: []byte(`{"prompt":"x","size":"1x1"}`)}
+	job := &scheduler.Ticket{Request: scheduler.Request{Body: []byte(`{"prompt":"x","size":"1x1"}`)}}
 	wrapped := new(unreadBody)
 	req, _ := http.NewRequestWithContext(scheduler.WithTicket(context.Background(), job), http.MethodPost, srv.URL, wrapped)
 	req.ContentLength = int64(len(job.Body))

@@ -156,12 +156,12 @@ var ErrUpstreamTimeout = errors.New("worker did not answer within upstream_timeo
 func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next Next) error {
 	for {
 		var j judge // the zero judge: every answer is the client's
-		rerun := mayRunAgain(r, t)
+		rerun := rec.tries.mayRunAgain(r, t)
 		if rerun {
 			j = judge{run: run, t: t}
 		}
 		var err error
-		if run.hedges(t) {
+		if run.hedges(rec, t) {
 			err = run.sendHedged(rec, r, t, next, j, rerun)
 		} else {
 			rec.hold(j, rerun)
@@ -170,8 +170,8 @@ func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next
 		e := run.ended(r, rec, t, err)
 		if e.Rerun == scheduler.NoRerun {
 			rec.slot.releaseKept() // the client left, or a copy answered, after the attempt kept its worker
-			if jobsFault(t, heldStatus(rec)) {
-				run.Pool.Forgive(t.Blamed) // its 5xx was the job's fault too
+			if rec.tries.jobsFault(t, heldStatus(rec)) {
+				run.Pool.Forgive(rec.tries.blamed) // its 5xx was the job's fault too
 			}
 			if werr := rec.passHeld(); werr != nil {
 				return werr
@@ -180,7 +180,7 @@ func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next
 		}
 		from := t.ServedBy()
 		if e.Rerun == scheduler.RerunStatus && mayBeTheJobs(rec.held.status) {
-			t.Blamed = from
+			rec.tries.blamed = from
 		}
 		if retryErr := run.Pool.Retry(r.Context(), t, e); retryErr != nil {
 			return lastAnswer(rec, t, e.Rerun, err, retryErr)
@@ -189,7 +189,7 @@ func (run *Runner) Run(rec *Recorder, r *http.Request, t *scheduler.Ticket, next
 		spans.Event(r.Context(), rec.Tracer, "diffusion_router.rerun", attribute.String("diffusion.cause", e.Rerun.String()),
 			attribute.String("diffusion.from", from), attribute.String("diffusion.to", t.ServedBy()))
 		run.Logger.Info("job runs again on another worker", zap.String("request_id", r.Header.Get(request.IDHeader)),
-			zap.String("from", from), zap.String("to", t.ServedBy()), zap.Stringer("cause", e.Rerun), zap.Int("attempt", t.Attempts+1))
+			zap.String("from", from), zap.String("to", t.ServedBy()), zap.Stringer("cause", e.Rerun), zap.Int("attempt", rec.tries.attempts+1))
 		rec.dropHeld()
 		r = r.WithContext(run.Proxy.WithVars(r.Context(), maps.Clone(run.Proxy.Vars(r.Context()))))
 		r.Body = io.NopCloser(bytes.NewReader(t.Body))
@@ -212,16 +212,6 @@ func lastAnswer(rec *Recorder, t *scheduler.Ticket, cause scheduler.Rerun, err, 
 	}
 	rec.dropHeld()
 	return err
-}
-
-// mayRunAgain reports whether r may be sent to another worker after this
-// attempt: a job whose body the router holds, or a request without a body
-// that any worker may answer, with attempts left.
-func mayRunAgain(r *http.Request, t *scheduler.Ticket) bool {
-	if t.Attempts+1 >= t.Config().MaxAttempts {
-		return false
-	}
-	return t.Job || t.Pin == "" && (r.Method == http.MethodGet || r.Method == http.MethodHead)
 }
 
 // clock is the clock the Runner's timers run on.

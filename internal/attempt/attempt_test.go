@@ -29,8 +29,8 @@ func TestABadGatewayRunsTheJobAgainElsewhere(t *testing.T) {
 		t.Fatal(err)
 	}
 	expectAnswer(t, j, http.StatusOK, imageAnswer)
-	if j.t.ServedBy() == first || j.t.Attempts != 2 {
-		t.Fatalf("served by %s in %d attempts; want the other worker, in 2", j.t.ServedBy(), j.t.Attempts)
+	if j.t.ServedBy() == first || j.rec.Attempts() != 2 {
+		t.Fatalf("served by %s in %d attempts; want the other worker, in 2", j.t.ServedBy(), j.rec.Attempts())
 	}
 	expectCount(t, f.run.Metrics.Reruns, "status", 1)
 	f.expectIdle()
@@ -132,8 +132,8 @@ func TestAStalledAnswerWithNoOtherWorkerIsA504(t *testing.T) {
 	if err := f.runJob(j); err != nil {
 		t.Fatal(err)
 	}
-	if j.client.Code != http.StatusGatewayTimeout || !strings.Contains(j.client.Body.String(), "stalled") || j.t.Attempts != 1 {
-		t.Fatalf("client got %d %s after %d attempts; want a 504 that says the answer stalled, after 1", j.client.Code, j.client.Body, j.t.Attempts)
+	if j.client.Code != http.StatusGatewayTimeout || !strings.Contains(j.client.Body.String(), "stalled") || j.rec.Attempts() != 1 {
+		t.Fatalf("client got %d %s after %d attempts; want a 504 that says the answer stalled, after 1", j.client.Code, j.client.Body, j.rec.Attempts())
 	}
 	f.expectIdle()
 }
@@ -166,8 +166,8 @@ func TestUnreachableWorkersUseUpMaxAttempts(t *testing.T) {
 	if err := f.runJob(j); !errors.Is(err, errDial) || j.rec.Status() != 0 {
 		t.Fatalf("Run: %v with %d written; want the dial error and nothing", err, j.rec.Status())
 	}
-	if j.t.Attempts != f.cfg.MaxAttempts {
-		t.Fatalf("%d attempts; want max_attempts, %d", j.t.Attempts, f.cfg.MaxAttempts)
+	if j.rec.Attempts() != f.cfg.MaxAttempts {
+		t.Fatalf("%d attempts; want max_attempts, %d", j.rec.Attempts(), f.cfg.MaxAttempts)
 	}
 	f.expectIdle()
 }
@@ -182,8 +182,8 @@ func TestUpstreamTimeoutEndsTheJob(t *testing.T) {
 		f.serve(u, hangs(nil))
 	}
 
-	if err := f.runJob(j); !errors.Is(err, ErrUpstreamTimeout) || j.t.Attempts != 1 {
-		t.Fatalf("Run: %v after %d attempts; want ErrUpstreamTimeout after 1", err, j.t.Attempts)
+	if err := f.runJob(j); !errors.Is(err, ErrUpstreamTimeout) || j.rec.Attempts() != 1 {
+		t.Fatalf("Run: %v after %d attempts; want ErrUpstreamTimeout after 1", err, j.rec.Attempts())
 	}
 	f.expectIdle()
 }

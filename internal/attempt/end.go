@@ -73,19 +73,21 @@ func (run *Runner) ended(r *http.Request, rec *Recorder, t *scheduler.Ticket, er
 	return e
 }
 
-// Lookup gives reverse_proxy the worker of t's attempt, the one t holds,
-// when it asks for one. Asked again within one attempt (its block's
-// lb_retries or lb_try_duration), it could not reach that worker: t
-// leaves it and runs again on another, as any re-run does, counted as an
-// attempt. reverse_proxy tells no more of its failure than that it asks
-// again, so this is the one End not decided by ended. Lookup reports
-// false when t got no other worker.
+// Lookup readies t for reverse_proxy's ask for the worker of t's
+// attempt, and reports whether t holds one to give it. The first ask gets
+// the worker t holds. Asked again within one attempt (its block's
+// lb_retries or lb_try_duration), reverse_proxy could not reach that
+// worker: t leaves it and runs again on another, as any re-run does
+// (Pool.Retry), counted as an attempt. reverse_proxy tells no more of its
+// failure than that it asks again, so this is the one End not decided by
+// ended.
 func Lookup(ctx context.Context, pool Pool, t *scheduler.Ticket) bool {
-	t.Lookups++
-	if t.Lookups == 1 {
+	c := t.Attempt().(*tries) // the attempt under way's, set as it began (see begin)
+	c.lookups++
+	if c.lookups == 1 {
 		return true
 	}
-	t.Attempts++
+	c.attempts++
 	return pool.Retry(ctx, t, scheduler.End{Worker: scheduler.Failed, Rerun: scheduler.RerunReach}) == nil
 }
 
@@ -94,12 +96,12 @@ func Lookup(ctx context.Context, pool Pool, t *scheduler.Ticket) bool {
 func (run *Runner) rerunOf(r *http.Request, rec *Recorder, t *scheduler.Ticket, err error) scheduler.Rerun {
 	a := rec.held
 	switch {
-	case a == nil || !a.rerun || r.Context().Err() != nil || t.Attempts >= t.Config().MaxAttempts:
+	case a == nil || !a.rerun || r.Context().Err() != nil || rec.tries.attempts >= t.Config().MaxAttempts:
 		return scheduler.NoRerun
 	case a.state == read && bytes.Contains(a.body, asleepMessage):
 		return scheduler.RerunAsleep
 	case a.state == drop || a.state == read:
-		if jobsFault(t, a.status) {
+		if rec.tries.jobsFault(t, a.status) {
 			return scheduler.NoRerun
 		}
 		return scheduler.RerunStatus
@@ -135,7 +137,7 @@ func (run *Runner) evidenceOf(r *http.Request, rec *Recorder, t *scheduler.Ticke
 	switch {
 	case rec.held != nil && rec.held.state == broken:
 		return scheduler.Failed
-	case err == nil && jobsFault(t, status):
+	case err == nil && rec.tries.jobsFault(t, status):
 		return scheduler.Refused
 	case status == 0 && r.Context().Err() == nil && run.wasDown(err):
 		return scheduler.Unreachable
@@ -176,14 +178,6 @@ func (run *Runner) wasDown(err error) bool {
 		return false
 	}
 	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EPIPE)
-}
-
-// jobsFault reports whether a 5xx answer to t is taken as the job's own
-// fault rather than its worker's: another worker answered t with a 5xx
-// already. A job that fails the same way on two workers would fail on
-// all of them.
-func jobsFault(t *scheduler.Ticket, status int) bool {
-	return mayBeTheJobs(status) && t.Blamed != "" && t.Blamed != t.ServedBy()
 }
 
 // mayBeTheJobs reports whether a worker's answer of status may be the

@@ -65,8 +65,8 @@ type race struct {
 // video job answered at once), with room left in its budget of
 // max_attempts GPU jobs for both the attempt and a copy. One client
 // request never costs the fleet more, however its jobs overrun and fail.
-func (run *Runner) hedges(t *scheduler.Ticket) bool {
-	return t.Config().HedgeAfter > 0 && t.Job && t.Route.Hedged && t.Attempts+2 <= t.Config().MaxAttempts
+func (run *Runner) hedges(rec *Recorder, t *scheduler.Ticket) bool {
+	return t.Config().HedgeAfter > 0 && t.Job && t.Route.Hedged && rec.tries.attempts+2 <= t.Config().MaxAttempts
 }
 
 // sendHedged is send with copies of the job launched on idle workers
@@ -74,7 +74,7 @@ func (run *Runner) hedges(t *scheduler.Ticket) bool {
 // own rule for answers, rerun whether the job may run again after it.
 func (run *Runner) sendHedged(rec *Recorder, r *http.Request, t *scheduler.Ticket, next Next, j judge, rerun bool) error {
 	rc := &race{run: run, rec: rec, r: r, next: next, vars: maps.Clone(run.Proxy.Vars(r.Context())), primary: t, last: t,
-		lastSince: run.clock().Now(), budget: t.Config().MaxAttempts - t.Attempts - 1}
+		lastSince: run.clock().Now(), budget: t.Config().MaxAttempts - rec.tries.attempts - 1}
 	// Every job that may be hedged sets a race up: none of it is
 	// allocated apart from the race until a copy is launched.
 	rc.live = append(rc.liveBuf[:0], liveAttempt{t: t})
@@ -90,7 +90,7 @@ func (run *Runner) sendHedged(rec *Recorder, r *http.Request, t *scheduler.Ticke
 	if copies == 0 {
 		return err
 	}
-	t.Attempts += copies // they ran on GPUs too
+	rec.tries.attempts += copies // they ran on GPUs too
 	if rc.copyPanic != nil {
 		panic(rc.copyPanic)
 	}

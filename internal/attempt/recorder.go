@@ -48,6 +48,8 @@ type Recorder struct {
 	learns bool
 	// stall ends the attempt under way if its held answer stops coming.
 	stall *stallWatch
+	// tries counts the job's attempts.
+	tries tries
 }
 
 // NewRecorder is the client's end of a request answered through w.

@@ -59,7 +59,7 @@ func (run *Runner) send(rec *Recorder, r *http.Request, base context.Context, t 
 		}
 	}()
 	run.begin(rec, r, t)
-	ctx, end := traceAttempt(ctx, rec.Tracer, t, race != nil && t != race.primary)
+	ctx, end := traceAttempt(ctx, rec, t, race != nil && t != race.primary)
 	attempt := r
 	if ctx != r.Context() {
 		attempt = r.WithContext(ctx)
@@ -93,9 +93,10 @@ func (run *Runner) begin(rec *Recorder, r *http.Request, t *scheduler.Ticket) {
 	// The worker of a stream generates while it sends events: its slot
 	// is taken until the stream ends.
 	rec.freeEarly = !w.Holds && !t.Route.Stream && !t.OnProbation()
-	t.Sent = true
-	t.Attempts++
-	t.Lookups = 0
+	t.NoteSent()
+	t.SetAttempt(&rec.tries)
+	rec.tries.attempts++
+	rec.tries.lookups = 0
 }
 
 // settle settles a 2xx answer held whole, once its attempt ended with err
@@ -111,7 +112,7 @@ func (run *Runner) settle(rec *Recorder, r *http.Request, s *slot, err error, en
 		return err
 	}
 	run.Logger.Warn("worker's answer was cut short", zap.String("request_id", r.Header.Get(request.IDHeader)),
-		zap.String("worker", s.t.ServedBy()), zap.Int("attempt", s.t.Attempts), zap.Error(a.broken))
+		zap.String("worker", s.t.ServedBy()), zap.Int("attempt", rec.tries.attempts), zap.Error(a.broken))
 	run.Metrics.Broken.WithLabelValues("held").Inc()
 	s.brokeOff()
 	return nil // the job runs again, or the client gets the 502 of a broken answer

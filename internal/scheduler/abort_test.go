@@ -12,7 +12,7 @@ import (
 // the router does before the job asks for a worker.
 func tracked(t *testing.T, p *Pool, cfg *Config, rid string, cost float64) (*Ticket, context.Context) {
 	t.Helper()
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: cost, RID: rid}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: cost, RID: rid}}
 	ctx := tk.WithCancel(context.Background())
 	if err := p.Track(tk); err != nil {
 		t.Fatalf("track %s: %v", rid, err)
@@ -48,7 +48,7 @@ func TestAbortPrefixEndsAStep(t *testing.T) {
 	if err := p.Acquire(runCtx, running); err != nil {
 		t.Fatal(err)
 	}
-	running.Sent = true
+	running.NoteSent()
 	_, b := waiting(t, p, cfg, "step-7-b")
 	other, otherDone := waiting(t, p, cfg, "step-8-a")
 	_, c := waiting(t, p, cfg, "step-7-c")
@@ -71,7 +71,7 @@ func TestAbortPrefixEndsAStep(t *testing.T) {
 		t.Fatalf("the other step's job got %v; want the worker", err)
 	}
 
-	late := &Ticket{pool: p, cfg: cfg, Job: true, RID: "step-7-z"}
+	late := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, RID: "step-7-z"}}
 	ae := abortedBy(p.Track(late))
 	if ae == nil || !ae.Until.Equal(clock.t.Add(time.Minute)) {
 		t.Fatalf("a later job of the step was not refused until the memory ends: %v", ae)
@@ -93,11 +93,11 @@ func TestAbortRememberedIDRefusesItsResend(t *testing.T) {
 	if got := p.Abort(Abort{RID: "r1", By: "test", Memory: time.Minute}); got != (AbortCounts{}) {
 		t.Fatalf("abort of an id no job has counted %+v", got)
 	}
-	resend := &Ticket{pool: p, cfg: cfg, Job: true, RID: "r1"}
+	resend := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, RID: "r1"}}
 	if abortedBy(p.Track(resend)) == nil {
 		t.Fatal("the resend was not refused")
 	}
-	if err := p.Track(&Ticket{pool: p, cfg: cfg, Job: true, RID: "r10"}); err != nil {
+	if err := p.Track(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, RID: "r10"}}); err != nil {
 		t.Fatalf("an id that only starts like the aborted one was refused: %v", err)
 	}
 }
@@ -114,7 +114,7 @@ func TestAbortBeforeAcquire(t *testing.T) {
 	if abortedBy(p.Acquire(ctx, tk)) == nil || tk.worker != nil {
 		t.Fatalf("the aborted job got worker %v", tk.worker)
 	}
-	if err := p.Track(&Ticket{pool: p, cfg: cfg, Job: true, RID: "r1"}); err != nil {
+	if err := p.Track(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, RID: "r1"}}); err != nil {
 		t.Fatalf("an abort with no memory refused a later job: %v", err)
 	}
 }
@@ -143,7 +143,7 @@ func TestAbortAll(t *testing.T) {
 		t.Fatalf("%d ids still registered", len(p.aborts.live))
 	}
 	for rid, refused := range map[string]bool{"same": true, "other": true, "new": false} {
-		if err := p.Track(&Ticket{pool: p, cfg: cfg, Job: true, RID: rid}); (err != nil) != refused {
+		if err := p.Track(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, RID: rid}}); (err != nil) != refused {
 			t.Errorf("job %s after abort_all: %v; want refused=%v", rid, err, refused)
 		}
 	}
@@ -177,10 +177,10 @@ func TestAbortMemoryBounded(t *testing.T) {
 	for i := range MaxAbortedPrefixes + 1 {
 		p.Abort(Abort{Prefix: fmt.Sprintf("step-%d-", i), By: "test", Memory: time.Hour})
 	}
-	if err := p.Track(&Ticket{pool: p, cfg: cfg, Job: true, RID: "step-0-a"}); err != nil {
+	if err := p.Track(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, RID: "step-0-a"}}); err != nil {
 		t.Fatalf("the oldest prefix is still remembered: %v", err)
 	}
-	if p.Track(&Ticket{pool: p, cfg: cfg, Job: true, RID: "step-1-a"}) == nil {
+	if p.Track(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, RID: "step-1-a"}}) == nil {
 		t.Fatal("the second oldest prefix was forgotten")
 	}
 }

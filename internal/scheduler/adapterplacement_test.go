@@ -143,7 +143,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // adapterJob starts acquiring a worker for a job of adapter name.
 func adapterJob(t *testing.T, p *Pool, cfg *Config, name string) (*Ticket, chan error) {
 	t.Helper()
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}}
 	if err := p.ResolveAdapter(tk, name); err != nil {
 		t.Fatal(err)
 	}
@@ -361,7 +361,7 @@ func TestAWorkerWhoseAdapterCannotBeReadServesNothing(t *testing.T) {
 	p.UseSwitcher(sw)
 	cfg := config(LeastWork{}, 1)
 	cfg.Timeout = 50 * time.Millisecond
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}}
 	if err := p.ResolveAdapter(tk, ""); err != nil {
 		t.Fatal(err)
 	}
@@ -395,7 +395,7 @@ func TestAFailedSwitchIsTriedAgainAndServesNothingMeanwhile(t *testing.T) {
 func TestASwitchIsChargedToTheTenantWhoseJobAskedForIt(t *testing.T) {
 	p, sw := placedPool(t, 1)
 	cfg := config(LeastWork{}, 1)
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Tenant: "trainer"}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1, Tenant: "trainer"}}
 	if err := p.ResolveAdapter(tk, "a"); err != nil {
 		t.Fatal(err)
 	}
@@ -455,7 +455,7 @@ func TestWaitingJobsOfAnAdapterNoLongerDeclaredEnd(t *testing.T) {
 	p, sw := placedPool(t, 1)
 	cfg := config(LeastWork{}, 1)
 	runningJob(t, p, sw, cfg, "b")
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}}
 	if err := p.ResolveAdapter(tk, "a"); err != nil {
 		t.Fatal(err)
 	}
@@ -478,13 +478,13 @@ func TestEveryNeedyAdapterIsConsideredNotOnlyTheNeediest(t *testing.T) {
 	// a's holder, the one worker that makes videos, runs a long job, and a
 	// video of a waits: no worker may switch to a, the neediest, while b,
 	// with ten jobs waiting, may take the idle one.
-	long := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 60}
+	long := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 60}}
 	_ = p.ResolveAdapter(long, "a")
 	if err := p.Acquire(context.Background(), long); err != nil {
 		t.Fatal(err)
 	}
 	p.SetCapabilities(long.servedBy, []string{"T2V", "T2I"}, "m")
-	video := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Task: request.VideoTask}
+	video := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1, Task: request.VideoTask}}
 	_ = p.ResolveAdapter(video, "a")
 	go func() { _ = p.Acquire(context.Background(), video) }()
 	waitFor(t, "the video to wait", func() bool { return queued(p) == 1 })
@@ -500,7 +500,7 @@ func TestAJobBehindALongOneGetsAnotherWorker(t *testing.T) {
 	p, sw := placedPool(t, 2)
 	cfg := config(LeastWork{}, 1)
 	holdEach(t, p, sw, cfg, "a")
-	long := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 600}
+	long := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 600}}
 	_ = p.ResolveAdapter(long, "a")
 	if err := p.Acquire(context.Background(), long); err != nil {
 		t.Fatal(err)

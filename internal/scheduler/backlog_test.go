@@ -55,7 +55,7 @@ func TestBacklogCountsPinnedJobsOnTheirWorker(t *testing.T) {
 	choose(t, p, cfg, 1) // a
 	choose(t, p, cfg, 1) // b
 	for range 3 {
-		tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 2, Pin: "http://b:1"}
+		tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 2, Pin: "http://b:1"}}
 		n := queued(p)
 		go func() { _ = p.Acquire(ctx, tk) }()
 		waitQueued(t, p, n+1)

@@ -45,9 +45,9 @@ func BenchmarkDecision(b *testing.B) {
 				p := benchPool(b, n)
 				cfg := &Config{Strategy: LeastWork{}, MaxInflight: 1, MaxQueue: 10, Order: FIFO{}}
 				for _, w := range p.workers[bc.free:] {
-					p.assignLocked(&Ticket{pool: p, cfg: cfg, Job: true, Cost: 10}, w)
+					p.assignLocked(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 10}}, w)
 				}
-				t := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 20}
+				t := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 20}}
 				b.ReportAllocs()
 				b.ResetTimer()
 				for b.Loop() {
@@ -72,10 +72,10 @@ func BenchmarkDecisionTenants(b *testing.B) {
 			p := benchPool(b, n)
 			cfg := &Config{Strategy: LeastWork{}, MaxInflight: 1, MaxQueue: 10_000, Order: FIFO{}}
 			for _, w := range p.workers[16:] {
-				p.assignLocked(&Ticket{pool: p, cfg: cfg, Job: true, Cost: 10}, w)
+				p.assignLocked(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 10}}, w)
 			}
 			for i := range 800 {
-				t := &Ticket{pool: p, cfg: cfg, Job: true, Cost: float64(10 + i%7), Tenant: fmt.Sprint("tenant-", i%8)}
+				t := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: float64(10 + i%7), Tenant: fmt.Sprint("tenant-", i%8)}}
 				p.seq++
 				t.seq = p.seq
 				p.joinTenantLocked(t)
@@ -108,7 +108,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 			ctx := context.Background()
 			b.ReportAllocs()
 			for b.Loop() {
-				t := Ticket{pool: p, cfg: cfg, Job: true, Cost: 20}
+				t := Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 20}}
 				if err := p.Acquire(ctx, &t); err != nil {
 					b.Fatal(err)
 				}
@@ -132,10 +132,10 @@ func BenchmarkTenantBacklog(b *testing.B) {
 	p := benchPool(b, 1024)
 	cfg := &Config{Strategy: LeastWork{}, MaxInflight: 1, MaxQueue: 10_000, Order: FIFO{}}
 	for i, w := range p.workers {
-		p.assignLocked(&Ticket{pool: p, cfg: cfg, Job: true, Cost: 10, Tenant: fmt.Sprint("tenant-", i%64)}, w)
+		p.assignLocked(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 10, Tenant: fmt.Sprint("tenant-", i%64)}}, w)
 	}
 	for i := range 10_000 {
-		t := &Ticket{pool: p, cfg: cfg, Job: true, Cost: float64(10 + i%7), Tenant: fmt.Sprint("tenant-", i%64)}
+		t := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: float64(10 + i%7), Tenant: fmt.Sprint("tenant-", i%64)}}
 		p.seq++
 		t.seq = p.seq
 		p.joinTenantLocked(t)

@@ -85,7 +85,7 @@ func (p *Pool) admitLocked(t *Ticket) (*waiter, error) {
 	if err := p.waitErrorLocked(t); err != nil {
 		return nil, err
 	}
-	if p.queue.n >= t.cfg.MaxQueue && t.Attempts == 0 { // a job running again was admitted already
+	if p.queue.n >= t.cfg.MaxQueue && !t.again { // a job running again was admitted already
 		return nil, ErrQueueFull
 	}
 	if tenantQueueFullLocked(t) {
@@ -260,7 +260,7 @@ func (p *Pool) freeLocked(t *Ticket, e End) (ejected time.Duration) {
 	if w == nil {
 		return 0
 	}
-	if e.Worker == Abandoned && t.Job && t.Sent && !t.held && !t.ghost {
+	if e.Worker == Abandoned && t.Job && t.sent && !t.held && !t.ghost {
 		p.keepGhostLocked(t)
 		return 0
 	}

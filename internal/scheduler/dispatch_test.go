@@ -37,7 +37,7 @@ func waitQueued(t *testing.T, p *Pool, n int) {
 // background and waits until it is queued; the result arrives on the channel.
 func enqueue(t *testing.T, p *Pool, cfg *Config, cost float64, ctx context.Context) (*Ticket, chan error) {
 	t.Helper()
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: cost}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: cost}}
 	done := make(chan error, 1)
 	n := queued(p)
 	go func() { done <- p.Acquire(ctx, tk) }()
@@ -130,7 +130,7 @@ func TestQueueTimeout(t *testing.T) {
 	cfg := config(LeastWork{}, 1)
 	cfg.Timeout = 20 * time.Millisecond
 	choose(t, p, cfg, 1)
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}}
 	if err := p.Acquire(context.Background(), tk); !errors.Is(err, ErrQueueTimeout) {
 		t.Fatalf("acquire: %v; want the queue timeout", err)
 	}
@@ -148,7 +148,7 @@ func TestMaxQueue(t *testing.T) {
 	defer cancel()
 	enqueue(t, p, cfg, 1, ctx)
 	enqueue(t, p, cfg, 1, ctx)
-	if err := p.Acquire(ctx, &Ticket{pool: p, cfg: cfg, Job: true}); !errors.Is(err, ErrQueueFull) {
+	if err := p.Acquire(ctx, &Ticket{pool: p, cfg: cfg, Request: Request{Job: true}}); !errors.Is(err, ErrQueueFull) {
 		t.Fatalf("third waiting job: %v; want queue full", err)
 	}
 }
@@ -175,11 +175,11 @@ func TestNoWorkerThatCouldServeFailsAtOnce(t *testing.T) {
 	p, _ := poolOf(t, 1)
 	p.SetCapabilities("http://a:1", []string{"T2I"}, "")
 	cfg := config(LeastWork{}, 1)
-	if err := p.Acquire(context.Background(), &Ticket{pool: p, cfg: cfg, Job: true, Task: request.VideoTask}); err != ErrNoWorker {
+	if err := p.Acquire(context.Background(), &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Task: request.VideoTask}}); err != ErrNoWorker {
 		t.Fatalf("video job on an image pool: %v", err)
 	}
 	empty := newPool("empty")
-	if err := empty.Acquire(context.Background(), &Ticket{pool: empty, cfg: cfg, Job: true}); err != ErrNoWorker {
+	if err := empty.Acquire(context.Background(), &Ticket{pool: empty, cfg: cfg, Request: Request{Job: true}}); err != ErrNoWorker {
 		t.Fatalf("job on an empty pool: %v", err)
 	}
 }
@@ -218,7 +218,7 @@ func runJob(p *Pool, cfg *Config, rng *rand.Rand) {
 	if rng.IntN(10) == 0 {
 		time.AfterFunc(time.Duration(rng.IntN(200))*time.Microsecond, cancel)
 	}
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: float64(1 + rng.IntN(100))}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: float64(1 + rng.IntN(100))}}
 	if p.Acquire(ctx, tk) != nil {
 		return
 	}
@@ -236,7 +236,7 @@ func TestAJobPinnedToABusyWorkerLetsTheOthersPass(t *testing.T) {
 	cfg := config(LeastWork{}, 1)
 	long, _ := choose(t, p, cfg, 100)
 	short, _ := choose(t, p, cfg, 1)
-	pinned := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Pin: long.ServedBy()}
+	pinned := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1, Pin: long.ServedBy()}}
 	ctx, cancel := context.WithCancel(context.Background())
 	left := make(chan error)
 	go func() { left <- p.Acquire(ctx, pinned) }()
@@ -266,14 +266,14 @@ func drainQueue(tb testing.TB, n int) {
 	got := make(chan *Ticket, n)
 	// The first job is predicted to run for days, so that no waiting job is
 	// handed to the worker ahead of its end, however slow the queue fills.
-	first := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1e6}
+	first := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1e6}}
 	if err := p.Acquire(context.Background(), first); err != nil {
 		tb.Fatal(err)
 	}
 	var wg sync.WaitGroup
 	for range n {
 		wg.Go(func() {
-			tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+			tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}}
 			if err := p.Acquire(context.Background(), tk); err != nil {
 				tb.Error(err)
 				return
@@ -302,7 +302,7 @@ func TestAbandonedJobKeepsItsWorkerUntilItWouldEnd(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	cfg := config(LeastWork{}, 1)
 	left, _ := choose(t, p, cfg, 100)
-	left.Sent = true
+	left.NoteSent()
 	p.Release(left, End{Worker: Abandoned}) // the client left; the worker computes on
 	w := p.byDial[left.servedBy[len("http://"):]]
 	if info, _ := p.Worker(left.servedBy); info.Inflight != 1 || info.WorkLeft <= 0 {
@@ -378,7 +378,7 @@ func TestCancelledWaitingJobLeavesTheQueue(t *testing.T) {
 	p, _ := poolOf(t, 1)
 	cfg := config(LeastWork{}, 1)
 	running, _ := choose(t, p, cfg, 1)
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 5}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 5}}
 	ctx := tk.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- p.Acquire(ctx, tk) }()
@@ -404,12 +404,12 @@ func TestCancelledWaitingJobLeavesTheQueue(t *testing.T) {
 func TestCancelledRunningJobKeepsItsSlotUntilItWouldEnd(t *testing.T) {
 	p, _ := poolOf(t, 1)
 	cfg := config(LeastWork{}, 1)
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 100}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 100}}
 	ctx := tk.WithCancel(context.Background())
 	if err := p.Acquire(ctx, tk); err != nil {
 		t.Fatal(err)
 	}
-	tk.Sent = true
+	tk.NoteSent()
 	tk.Cancel(errors.New("abort_all"))
 	if ctx.Err() == nil || CancelledBy(ctx) == nil {
 		t.Fatal("the running job's context was not ended with its cause")
@@ -430,7 +430,7 @@ func TestCancelledRunningJobKeepsItsSlotUntilItWouldEnd(t *testing.T) {
 // abort.
 func TestACopyEndsWithItsJobNotWithTheAttemptItOvertook(t *testing.T) {
 	newTicket := func(parent context.Context) *Ticket {
-		tk := &Ticket{Job: true}
+		tk := &Ticket{Request: Request{Job: true}}
 		tk.WithCancel(parent)
 		return tk
 	}
@@ -478,7 +478,7 @@ func TestAbandonedJobEndsAtTheSpeedLearnedSince(t *testing.T) {
 	t.Cleanup(func() { _ = p.Close() })
 	cfg := config(LeastWork{}, 1)
 	left, _ := choose(t, p, cfg, 50)
-	left.Sent = true
+	left.NoteSent()
 	p.Release(left, End{Worker: Abandoned})
 	quick, _ := choose(t, p, cfg, 1)
 	clock.advance(10 * time.Millisecond)
@@ -493,7 +493,7 @@ func TestAbandonedJobEndsAtTheSpeedLearnedSince(t *testing.T) {
 func TestAdmitCallsGivenOnceTheJobHasAWorker(t *testing.T) {
 	p, _ := poolOf(t, 1)
 	cfg := config(LeastWork{}, 1)
-	first, second := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}, &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	first, second := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}}, &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}}
 	var given []*Ticket
 	for _, tk := range []*Ticket{first, second} {
 		if err := p.Admit(tk, func() { given = append(given, tk) }); err != nil {
@@ -529,7 +529,7 @@ func newAdaptiveRun(t *testing.T) *adaptiveRun {
 
 func (r *adaptiveRun) admit(costs ...float64) {
 	for _, cost := range costs {
-		tk := &Ticket{pool: r.p, cfg: r.cfg, Job: true, Cost: cost}
+		tk := &Ticket{pool: r.p, cfg: r.cfg, Request: Request{Job: true, Cost: cost}}
 		if err := r.p.Admit(tk, func() { r.given = append(r.given, cost); r.running = append(r.running, tk) }); err != nil {
 			r.t.Fatal(err)
 		}

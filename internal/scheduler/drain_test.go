@@ -54,7 +54,7 @@ func TestDrainWaitsForAJobWhoseClientLeft(t *testing.T) {
 	t.Cleanup(func() { _ = p.Close() })
 	cfg := config(LeastWork{}, 1)
 	left, _ := choose(t, p, cfg, 50) // 50 s at the initial speed
-	left.Sent = true
+	left.NoteSent()
 	p.Release(left, End{Worker: Abandoned})
 	quick, _ := choose(t, p, cfg, 1)
 	clock.advance(100 * time.Millisecond)

@@ -21,7 +21,7 @@ func TestEligibilityChain(t *testing.T) {
 	// breaks makes worker w break one constraint for tk's job, and only it.
 	breaks := map[constraint]func(p *Pool, w *worker, tk *Ticket){
 		hasSlot: func(p *Pool, w *worker, _ *Ticket) {
-			p.assignLocked(&Ticket{pool: p, cfg: cfg, Job: true, Cost: 10}, w) // max_inflight 1
+			p.assignLocked(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 10}}, w) // max_inflight 1
 		},
 		isServing: func(_ *Pool, w *worker, _ *Ticket) { w.health.down = true },
 		makesTask: func(p *Pool, w *worker, _ *Ticket) { p.SetCapabilities(w.url, []string{"T2V"}, "m") },
@@ -78,7 +78,7 @@ func TestEligibilityChain(t *testing.T) {
 	setup := func(t *testing.T, c constraint) (*Pool, *worker, *Ticket) {
 		p, _ := poolOf(t, 1)
 		w := p.workers[0]
-		tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 10, Task: request.ImageTask}
+		tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 10, Task: request.ImageTask}}
 		if c == 0 {
 			return p, w, tk
 		}

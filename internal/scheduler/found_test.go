@@ -86,7 +86,7 @@ func TestAWorkerWhoseEndpointIsGoneFinishesItsJobs(t *testing.T) {
 	if got := workerURLs(p); !slices.Equal(got, []string{"http://" + gone + ":1"}) {
 		t.Fatalf("workers after %s's endpoint went: %v", host, got)
 	}
-	next := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	next := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}}
 	if err := p.Acquire(context.Background(), next); err != nil || next.worker.dial[:1] != gone {
 		t.Fatalf("the next job went to %v (%v); want %s", next.worker, err, gone)
 	}

@@ -68,7 +68,7 @@ func TestStalledJobMakesWorkerSuspect(t *testing.T) {
 	for _, w := range p.workers {
 		w.load.speed.Observe(10, 10*time.Second, 0)
 	}
-	stalled := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 2, Pin: "http://a:1"}
+	stalled := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 2, Pin: "http://a:1"}}
 	if err := p.Acquire(context.Background(), stalled); err != nil {
 		t.Fatal(err)
 	}
@@ -100,7 +100,7 @@ func TestStalledJobMakesWorkerSuspect(t *testing.T) {
 func placeable(p *Pool, cfg *Config) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	w, _ := p.chooseLocked(&Ticket{pool: p, cfg: cfg, Job: true, Cost: 1})
+	w, _ := p.chooseLocked(&Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}})
 	return w != nil
 }
 

@@ -24,7 +24,7 @@ func (p *Pool) HedgeCopy(t *Ticket) *Ticket {
 	if idle == nil {
 		return nil
 	}
-	c := &Ticket{pool: p, cfg: t.cfg, Route: t.Route, Task: t.Task, Job: true, Cost: t.Cost, WantVersion: t.WantVersion, Staleness: t.Staleness, seq: t.seq, key: t.key, arrived: t.arrived, Body: t.Body, Tenant: t.Tenant, tenant: t.tenant, policy: t.policy}
+	c := &Ticket{Request: t.Request, pool: p, cfg: t.cfg, claim: claim{seq: t.seq, key: t.key, arrived: t.arrived, tenant: t.tenant, policy: t.policy}}
 	p.assignLocked(c, idle)
 	p.hedging++
 	return c

@@ -47,7 +47,7 @@ func TestDuePredictedAnewOnceSpeedsAreLearned(t *testing.T) {
 // remembers: the copy is its tenant's job as much as the original.
 func TestAHedgedCopyIsItsTenantsJob(t *testing.T) {
 	p, _ := poolOf(t, 2)
-	tk := &Ticket{pool: p, cfg: config(LeastWork{}, 1), Job: true, Cost: 20, Tenant: "team-a"}
+	tk := &Ticket{pool: p, cfg: config(LeastWork{}, 1), Request: Request{Job: true, Cost: 20, Tenant: "team-a"}}
 	if err := p.Acquire(context.Background(), tk); err != nil {
 		t.Fatal(err)
 	}
@@ -64,7 +64,7 @@ func TestAHedgedCopyIsItsTenantsJob(t *testing.T) {
 // the drain up, on a worker about to change its weights.
 func TestNoCopyWhileADrainIsOn(t *testing.T) {
 	p, _ := poolOf(t, 2)
-	tk := &Ticket{pool: p, cfg: config(LeastWork{}, 1), Job: true, Cost: 20}
+	tk := &Ticket{pool: p, cfg: config(LeastWork{}, 1), Request: Request{Job: true, Cost: 20}}
 	if err := p.Acquire(context.Background(), tk); err != nil {
 		t.Fatal(err)
 	}

@@ -41,7 +41,7 @@ func config(s Strategy, maxInflight int) *Config {
 // worker's host letter.
 func choose(t *testing.T, p *Pool, cfg *Config, cost float64) (*Ticket, string) {
 	t.Helper()
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: cost}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: cost}}
 	if err := p.Acquire(context.Background(), tk); err != nil {
 		t.Fatalf("acquire: %v", err)
 	}
@@ -145,7 +145,7 @@ func teach(t *testing.T, p *Pool, clock *fakeClock, cfg *Config, speeds map[stri
 	t.Helper()
 	for host, speed := range speeds {
 		for range 5 {
-			tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 10, Pin: "http://" + host + ":1"}
+			tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 10, Pin: "http://" + host + ":1"}}
 			if err := p.Acquire(context.Background(), tk); err != nil {
 				t.Fatal(err)
 			}
@@ -163,14 +163,14 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 	cfg := config(LeastRequest{}, 0)
 	for task, want := range map[request.Task]string{request.VideoTask: "c", request.ImageTask: "b"} {
 		for range 5 {
-			tk := &Ticket{pool: p, cfg: cfg, Task: task, Job: true}
+			tk := &Ticket{pool: p, cfg: cfg, Request: Request{Task: task, Job: true}}
 			if err := p.Acquire(context.Background(), tk); err != nil || tk.worker.dial[:1] != want {
 				t.Fatalf("task %d went to %v (%v); want %s", task, tk.worker, err, want)
 			}
 			p.Release(tk, End{Worker: Succeeded})
 		}
 	}
-	poll := &Ticket{pool: p, cfg: cfg, Pin: "http://b:1"}
+	poll := &Ticket{pool: p, cfg: cfg, Request: Request{Pin: "http://b:1"}}
 	if err := p.Acquire(context.Background(), poll); err != nil || poll.worker.dial != "b:1" {
 		t.Fatalf("pinned request went to %v (%v)", poll.worker, err)
 	}
@@ -180,12 +180,12 @@ func TestAdmitsOnlyWorkersThatMayServe(t *testing.T) {
 	p.Release(poll, End{Worker: Succeeded})
 	// A poll of a job a held-back worker runs still reaches it; a job pinned
 	// there does not.
-	deadPoll := &Ticket{pool: p, cfg: cfg, Pin: "http://a:1"}
+	deadPoll := &Ticket{pool: p, cfg: cfg, Request: Request{Pin: "http://a:1"}}
 	if err := p.Acquire(context.Background(), deadPoll); err != nil || deadPoll.worker.dial != "a:1" {
 		t.Fatalf("poll pinned to a held-back worker went to %v (%v); want that worker", deadPoll.worker, err)
 	}
 	p.Release(deadPoll, End{Worker: Succeeded})
-	deadJob := &Ticket{pool: p, cfg: cfg, Pin: "http://a:1", Job: true}
+	deadJob := &Ticket{pool: p, cfg: cfg, Request: Request{Pin: "http://a:1", Job: true}}
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	if err := p.Acquire(ctx, deadJob); err == nil {
@@ -242,11 +242,11 @@ func TestRetryAfterAFailureReleasedAvoidsItsWorker(t *testing.T) {
 	}
 }
 
-// TestRetryElsewhereNeverReturnsToAWorkerThatStalled: where Retry sends a
+// TestARerunNeverReturnsToAWorkerThatStalled: where Retry sends a
 // job back to a worker that failed it rather than wait, a worker that
 // stalled on it never gets it again: with no other, the job gets
 // ErrNoOtherWorker at once, and leaves its worker free.
-func TestRetryElsewhereNeverReturnsToAWorkerThatStalled(t *testing.T) {
+func TestARerunNeverReturnsToAWorkerThatStalled(t *testing.T) {
 	p, _ := poolOf(t, 2)
 	tk, first := choose(t, p, config(&lastURL{}, 0), 1) // the strategy would pick it again
 	if err := p.Retry(context.Background(), tk, End{Worker: Failed, Rerun: RerunStalled}); err != nil || tk.worker == nil || tk.worker.dial[:1] == first {

@@ -10,7 +10,7 @@ import (
 // result arrives on the channel.
 func enqueueAt(t *testing.T, p *Pool, cfg *Config, prio int) (*Ticket, chan error) {
 	t.Helper()
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Priority: prio}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1, Priority: prio}}
 	done := make(chan error, 1)
 	n := queued(p)
 	go func() { done <- p.Acquire(context.Background(), tk) }()

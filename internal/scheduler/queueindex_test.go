@@ -73,8 +73,8 @@ func (r *randomQueue) arrive(n int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for range n {
-		tk := &Ticket{pool: p, cfg: r.cfg, Job: true, Cost: float64(1 + rng.IntN(9)), Priority: rng.IntN(3),
-			Task: []request.Task{request.ImageTask, request.VideoTask}[rng.IntN(2)]}
+		tk := &Ticket{pool: p, cfg: r.cfg, Request: Request{Job: true, Cost: float64(1 + rng.IntN(9)), Priority: rng.IntN(3),
+			Task: []request.Task{request.ImageTask, request.VideoTask}[rng.IntN(2)]}}
 		switch rng.IntN(8) {
 		case 0:
 			tk.Pin = p.workers[rng.IntN(len(p.workers))].url

@@ -20,7 +20,7 @@ func TestRemovedWorkerKeepsItsJobsWhenItReturns(t *testing.T) {
 	if info, _ := p.Worker(u); info.Inflight != 1 {
 		t.Fatalf("back in the pool, the worker has %d jobs in flight; want the 1 still running", info.Inflight)
 	}
-	waiting := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1}
+	waiting := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1}}
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	if err := p.Acquire(ctx, waiting); err == nil {

@@ -54,6 +54,7 @@ func (p *Pool) forgetTriedLocked(t *Ticket) {
 // retryLocked puts t back in the queue in its old place and waits for
 // its next worker; it unlocks p.mu.
 func (p *Pool) retryLocked(ctx context.Context, t *Ticket) error {
+	t.again = true
 	wt, err := p.admitLocked(t)
 	p.dispatchLocked()
 	p.mu.Unlock()

@@ -26,7 +26,7 @@ func servedUnder(t *testing.T, p *Pool, pol VersionPolicy) []string {
 	hosts := map[string]bool{}
 	var held []*Ticket
 	for range 4 {
-		tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Staleness: pol}
+		tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1, Staleness: pol}}
 		if err := p.Acquire(context.Background(), tk); err != nil {
 			t.Fatalf("acquire: %v", err)
 		}
@@ -132,7 +132,7 @@ func TestAJobWaitsForAFreshWorker(t *testing.T) {
 	p.SetStates([]string{"http://a:1"}, Updating) // b serves v1 meanwhile
 
 	cfg := config(LeastWork{}, 0)
-	latest := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Staleness: maxStale(t, 0)}
+	latest := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1, Staleness: maxStale(t, 0)}}
 	done := make(chan error, 1)
 	go func() { done <- p.Acquire(context.Background(), latest) }()
 	waitQueued(t, p, 1)
@@ -167,14 +167,14 @@ func TestEveryJobAStaleWorkerCouldTakeCountsAsHeldBack(t *testing.T) {
 	applyUpdate(p, DiskUpdatePath, "v1", `{"model_path":"/ckpt/1"}`)
 	updateOnly(p, "v2", "http://a:1") // b stays on v1: too stale for latest
 	cfg := config(LeastWork{}, 1)
-	busy := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 100, Staleness: maxStale(t, 0)}
+	busy := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 100, Staleness: maxStale(t, 0)}}
 	if err := p.Acquire(context.Background(), busy); err != nil || busy.ServedBy() != "http://a:1" {
 		t.Fatalf("the first job of latest got %q (%v); want a", busy.ServedBy(), err)
 	}
 	waiting := make([]*Ticket, 3)
 	done := make(chan error, len(waiting))
 	for i := range waiting {
-		waiting[i] = &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Staleness: maxStale(t, 0)}
+		waiting[i] = &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1, Staleness: maxStale(t, 0)}}
 		go func() { done <- p.Acquire(context.Background(), waiting[i]) }()
 		waitQueued(t, p, i+1)
 	}

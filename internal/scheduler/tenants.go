@@ -153,7 +153,7 @@ func (d *dispatchState) chargeLocked(tn *tenant, t *Ticket) {
 // has as many jobs waiting as it may.
 func tenantQueueFullLocked(t *Ticket) bool {
 	tn := t.tenant
-	return tn != nil && t.cfg.TenantMaxQueue > 0 && tn.waiting >= t.cfg.TenantMaxQueue && t.Attempts == 0
+	return tn != nil && t.cfg.TenantMaxQueue > 0 && tn.waiting >= t.cfg.TenantMaxQueue && !t.again
 }
 
 // serveLocked adds x to tn's counter.

@@ -38,7 +38,7 @@ func newSim(t *testing.T, workers int, cfg *Config) *sim {
 
 // submit admits a job; it reports the error a client would get.
 func (s *sim) submit(j tenantJob) (*Ticket, error) {
-	tk := &Ticket{pool: s.p, cfg: s.cfg, Job: true, Cost: j.cost, Priority: j.prio, Tenant: j.tenant}
+	tk := &Ticket{pool: s.p, cfg: s.cfg, Request: Request{Job: true, Cost: j.cost, Priority: j.prio, Tenant: j.tenant}}
 	s.p.mu.Lock()
 	_, err := s.p.admitLocked(tk)
 	s.p.mu.Unlock()
@@ -267,7 +267,6 @@ func TestARerunKeepsItsPlaceAndIsChargedOnce(t *testing.T) {
 	s := newSim(t, 1, config(LeastWork{}, 1))
 	a, _ := s.submit(tenantJob{tenant: "a", cost: 5})
 	b, _ := s.submit(tenantJob{tenant: "b", cost: 5})
-	a.Attempts = 1
 	if err := s.p.Retry(context.Background(), a, End{Worker: Failed, Rerun: RerunStatus}); err != nil {
 		t.Fatal(err)
 	}
@@ -324,7 +323,7 @@ func TestAJobNoFreeWorkerMayServeLetsOtherTenantsPass(t *testing.T) {
 	p.SetCapabilities("http://b:1", []string{"T2V"}, "")
 	cfg := config(LeastWork{}, 1)
 	admit := func(tenant string, task request.Task, cost float64) *Ticket {
-		tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: cost, Task: task, Tenant: tenant}
+		tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: cost, Task: task, Tenant: tenant}}
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		if _, err := p.admitLocked(tk); err != nil {
@@ -379,7 +378,7 @@ func TestAnAbortedJobLeavesItsTenantsQueue(t *testing.T) {
 // Acquire's error arrives on the channel.
 func enqueueTenant(t *testing.T, p *Pool, cfg *Config, tenant string) (*Ticket, chan error) {
 	t.Helper()
-	tk := &Ticket{pool: p, cfg: cfg, Job: true, Cost: 1, Tenant: tenant}
+	tk := &Ticket{pool: p, cfg: cfg, Request: Request{Job: true, Cost: 1, Tenant: tenant}}
 	done := make(chan error, 1)
 	n := queued(p)
 	go func() { done <- p.Acquire(context.Background(), tk) }()

@@ -10,18 +10,43 @@ import (
 // Ticket is one request's claim on the pool, carried in the request
 // context from the handler, which acquires a worker for it, through
 // reverse_proxy, which proxies to that worker, and back to the handler,
-// which releases it.
+// which releases it. It has three parts: what the request asks (Request,
+// the root's, set before it asks for a worker and unchanged after), the
+// pool's claim on a worker for it (claim, private to the pool), and its
+// cancellation and place in the registry of jobs by id (ticketctx.go,
+// abort.go). What its attempts count of it (how many, which worker was
+// blamed) is package attempt's, which the ticket carries for it
+// (SetAttempt) and the pool never reads.
 //
 // Who may touch a ticket: the request's own goroutine sets it up and reads
-// it; everything the pool decides (worker, servedBy, servedVersion,
-// started, predicted, tried) is written only under the pool's lock, while
-// the request either holds that lock or waits for the pool to close its
-// waiter's ready channel. After release, t.worker is nil and nothing but
-// the request reads the ticket again; a held video job's ticket passes to
-// the pool, which releases it when the job ends.
+// it; everything the pool decides (the claim) is written only under the
+// pool's lock, while the request either holds that lock or waits for the
+// pool to close its waiter's ready channel. After release, t.worker is
+// nil and nothing but the request reads the ticket again; a held video
+// job's ticket passes to the pool, which releases it when the job ends.
 type Ticket struct {
-	pool  *Pool
-	cfg   *Config
+	Request
+	pool *Pool
+	cfg  *Config
+	claim
+
+	cancel context.CancelCauseFunc // ends the job's context: see Cancel
+	ctx    context.Context         // the job's context, which cancel ends
+	job    jobContext              // what ctx points to: a context of its own costs no allocation
+	parent context.Context         // the client's context, which ctx is a child of
+
+	tracked bool    // in the pool's registry of jobs by id; guarded by the registry's lock
+	sameRID *Ticket // the next job in the registry with the same id; guarded by the registry's lock
+	aborted error   // why an abort ended the job: it gets no worker from then on
+
+	attempt any // what the job's attempts keep of it: see SetAttempt
+}
+
+// Request is what a request asks of the pool, as the root builds it
+// before it asks for a worker (Acquire, Admit): whether it is a job, and
+// which workers may serve it. Nothing changes it after; a copy of the job
+// (HedgeCopy) asks the same.
+type Request struct {
 	Route request.Route // the request's endpoint
 	Pin   string        // URL of the only worker that may serve (the creator of a video or image job)
 	Task  request.Task  // what the worker must be able to generate
@@ -34,43 +59,51 @@ type Ticket struct {
 	// tenants.go); "": no tenant.
 	Tenant string
 
-	WantVersion   string        // only a worker on this weight version may serve
-	Staleness     VersionPolicy // only a worker on base weights this admits may serve a job
-	servedVersion string        // the weight version of the worker chosen
-	heldBack      bool          // its version policy held it back once: see noteHeldLocked
+	WantVersion string        // only a worker on this weight version may serve
+	Staleness   VersionPolicy // only a worker on base weights this admits may serve a job
 
-	worker    *worker // the worker holding the request now
-	servedBy  string  // URL of the last worker chosen, kept after release
-	started   int64   // when the job reached the head of its worker, Unix nanoseconds
-	predicted time.Duration
-	tried     []*worker               // workers a retry must avoid
-	shunned   []*worker               // workers that stalled on it: never tried again (see RetryElsewhere)
-	held      bool                    // a video job answered at once and running on its worker
-	Sent      bool                    // the request went to the worker
-	ghost     bool                    // its client left; the worker still computes it
-	charged   bool                    // its tenant was charged its cost (beside the other flags: no room of its own)
-	probation bool                    // a job its worker got on probation (see OnProbation)
-	Lookups   int                     // upstream lookups by reverse_proxy; more than one is a retry
-	Attempts  int                     // times the request was sent to a worker
-	Blamed    string                  // the worker whose 5xx made the job run again, if one did
-	seq       uint64                  // arrival order among jobs: a job that runs again keeps its place
-	key       float64                 // its place by the queue order (see compare)
-	arrived   int64                   // when it first arrived, Unix nanoseconds
-	Body      []byte                  // a job's body, sent again when it runs again
-	dueWork   float64                 // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
-	tenant    *tenant                 // the tenant t's job counts against, while tenants are on
-	waiter    *waiter                 // its place in the queue while it waits
-	policy    *policy                 // the adapter t's job runs with, while adapters are declared
-	cancel    context.CancelCauseFunc // ends the job's context: see Cancel
-	ctx       context.Context         // the job's context, which cancel ends
-	job       jobContext              // what ctx points to: a context of its own costs no allocation
-	parent    context.Context         // the client's context, which ctx is a child of
-
-	RID     string  // the request's id (X-Request-Id), by which it can be aborted
-	tracked bool    // in the pool's registry of jobs by id; guarded by the registry's lock
-	sameRID *Ticket // the next job in the registry with the same id; guarded by the registry's lock
-	aborted error   // why an abort ended the job: it gets no worker from then on
+	Body []byte // a job's body, sent again when it runs again
+	RID  string // the request's id (X-Request-Id), by which it can be aborted
 }
+
+// claim is the pool's claim on a worker for a ticket, and the ticket's
+// place among waiting jobs: the pool's alone, written under its lock, but
+// for sent, which the request's attempt notes (NoteSent) while it holds
+// the worker.
+type claim struct {
+	worker        *worker // the worker holding the request now
+	servedBy      string  // URL of the last worker chosen, kept after release
+	servedVersion string  // the weight version of the worker chosen
+	heldBack      bool    // its version policy held it back once: see noteHeldLocked
+	started       int64   // when the job reached the head of its worker, Unix nanoseconds
+	predicted     time.Duration
+	tried         []*worker // workers a retry must avoid
+	shunned       []*worker // workers that stalled on it: never tried again (see Retry)
+	held          bool      // a video job answered at once and running on its worker
+	sent          bool      // the request went to a worker: see NoteSent
+	again         bool      // it runs again (see Retry): admitted before, it is never refused for a full queue
+	ghost         bool      // its client left; the worker still computes it
+	charged       bool      // its tenant was charged its cost (beside the other flags: no room of its own)
+	probation     bool      // a job its worker got on probation (see OnProbation)
+	seq           uint64    // arrival order among jobs: a job that runs again keeps its place
+	key           float64   // its place by the queue order (see compare)
+	arrived       int64     // when it first arrived, Unix nanoseconds
+	dueWork       float64   // cost its worker had to process, when it got t, until t is done: the jobs before t, then t
+	tenant        *tenant   // the tenant t's job counts against, while tenants are on
+	waiter        *waiter   // its place in the queue while it waits
+	policy        *policy   // the adapter t's job runs with, while adapters are declared
+}
+
+// NoteSent notes that t's request goes to the worker holding it: from then
+// on, a job whose client leaves is still computed there (see ghosts.go).
+func (t *Ticket) NoteSent() { t.sent = true }
+
+// SetAttempt keeps a with t for t's attempts (package attempt), which
+// find t, not a, in a request's context; the pool never reads it.
+func (t *Ticket) SetAttempt(a any) { t.attempt = a }
+
+// Attempt is what SetAttempt kept with t; nil before it.
+func (t *Ticket) Attempt() any { return t.attempt }
 
 // versionOn is the weight version t's job is served with by a worker on
 // weight version v: with its adapter, while adapters are placed; "" while
