@@ -2,6 +2,7 @@ package diffusionrouter_test
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -283,5 +284,31 @@ func TestVideoCreationSentIsNotRunAgain(t *testing.T) {
 	listed := testrouter.Do(t, "GET", ws[1].URL()+"/v1/videos", nil).JSON(t)["data"].([]any)
 	if len(listed) != 1 {
 		t.Fatalf("the other worker was given %d video jobs; only the one sent to it", len(listed))
+	}
+}
+
+// A reverse_proxy block's lb_retries moves a job whose worker cannot be
+// reached to another worker, as the router's own re-runs do, even with
+// max_attempts 1 (no re-run of the router's): every job is answered, the
+// worker's failures are counted, and the retry counts as an attempt.
+func TestLbRetriesMoveAJobOffAWorkerThatCannotBeReached(t *testing.T) {
+	ws := testrouter.StartWorkers(t, fakeworker.Config{Name: "live"})
+	dead := fmt.Sprintf("http://127.0.0.1:%d", testrouter.Port(t))
+	r := testrouter.Start(t, testrouter.MetricsSite("diffusion_router {\n workers "+dead+" "+ws[0].URL()+
+		"\n policy round_robin\n max_attempts 1\n max_fails 100\n health_interval 1h\n reverse_proxy {\n lb_retries 1\n }\n}"))
+	before := testrouter.Value(t, r, "caddy_diffusion_job_attempts_sum", nil)
+	for i := range 4 {
+		rp := r.Post("/v1/images/generations", testrouter.SmallImage)
+		testrouter.ExpectStatus(t, fmt.Sprint("job ", i), rp, 200)
+		if got := rp.Header.Get("X-Fake-Worker"); got != "live" {
+			t.Fatalf("job %d answered by %q; want the live worker", i, got)
+		}
+	}
+	failures := r.Workers()[dead]["failures"].(float64)
+	if failures == 0 {
+		t.Fatal("no job was sent to the worker that cannot be reached; the test proves nothing")
+	}
+	if got := testrouter.Value(t, r, "caddy_diffusion_job_attempts_sum", nil) - before; got != 4+failures {
+		t.Fatalf("job_attempts rose by %g; want 4 jobs plus %g retries", got, failures)
 	}
 }
