@@ -9,6 +9,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -76,6 +77,45 @@ func TestAStalledAnswerRunsAgainElsewhere(t *testing.T) {
 	}
 	expectAnswer(t, j, http.StatusOK, imageAnswer)
 	expectCount(t, f.run.Metrics.Reruns, "stalled", 1)
+	f.expectIdle()
+}
+
+// A job whose answer stalled on a worker never goes back to it, though
+// the answer's start had freed that worker's slot: when the only other
+// worker then answers 500, the job's third attempt runs there again.
+func TestAJobNeverReturnsToAWorkerThatStalledOnIt(t *testing.T) {
+	f := newFleet(t, 2)
+	j := f.job("stalled-then-500")
+	stalled := j.t.ServedBy()
+	other := f.other(stalled)
+	wrote := make(chan struct{})
+	var toStalled, toOther atomic.Int32
+	f.serve(stalled, func(w http.ResponseWriter, r *http.Request) error {
+		if toStalled.Add(1) == 1 {
+			return stalls(wrote)(w, r)
+		}
+		return answers(http.StatusOK, imageAnswer)(w, r)
+	})
+	f.serve(other, func(w http.ResponseWriter, r *http.Request) error {
+		if toOther.Add(1) == 1 {
+			return answers(http.StatusInternalServerError, `{"error":"CUDA error"}`)(w, r)
+		}
+		return answers(http.StatusOK, imageAnswer)(w, r)
+	})
+	go func() {
+		<-wrote
+		f.clock.Advance(f.run.StallTimeout)
+	}()
+
+	if err := f.runJob(j); err != nil {
+		t.Fatal(err)
+	}
+	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	if got := j.t.ServedBy(); got != other {
+		t.Errorf("the job's last attempt ran on %s; want %s, not the worker that stalled on it", got, other)
+	}
+	expectCount(t, f.run.Metrics.Reruns, "stalled", 1)
+	expectCount(t, f.run.Metrics.Reruns, "status", 1)
 	f.expectIdle()
 }
 

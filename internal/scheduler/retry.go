@@ -15,8 +15,8 @@ import (
 func (p *Pool) Retry(ctx context.Context, t *Ticket, e End) error {
 	p.mu.Lock()
 	stalled := e.Rerun == RerunStalled
-	if w := t.worker; w != nil && stalled {
-		t.shunned = append(t.shunned, w)
+	if stalled {
+		p.shunLocked(t)
 	}
 	p.offWorkerLocked(t, e)
 	switch {
@@ -29,6 +29,22 @@ func (p *Pool) Retry(ctx context.Context, t *Ticket, e End) error {
 		p.forgetTriedLocked(t)
 	}
 	return p.retryLocked(ctx, t)
+}
+
+// shunLocked keeps t off the worker that stalled on it for good: the one
+// holding it or, once the answer's start freed that worker's slot, the
+// one that served it last.
+func (p *Pool) shunLocked(t *Ticket) {
+	w := t.worker
+	if w == nil {
+		if w = p.findLocked(t.servedBy); w == nil {
+			return // it left the pool
+		}
+		if !slices.Contains(t.tried, w) {
+			t.tried = append(t.tried, w)
+		}
+	}
+	t.shunned = append(t.shunned, w)
 }
 
 // forgetTriedLocked lets t go back to the workers it tried: better a
