@@ -86,19 +86,17 @@ func runSchedule(o options, s strategy, speeds []float64) schedOutcome {
 	for _, seed := range schedSeeds {
 		jobs := makeJobs(mixes[o.mix], n, seed)
 		batch := schedTasks(jobs, nil)
-		newSchedSim(speeds, newStrategy(), order, unit, n).run(batch)
-		costs := make([]float64, n)
-		for i, t := range batch {
-			costs[i] = t.cost
-		}
-		span := makespan(batch).Seconds()
+		newSchedSim(speeds, simConfig{newStrategy(), order, unit, defaultHedgeAfter, ""}, n).run(batch)
+		last, _ := makespan(batch)
+		span := last.Seconds()
+		costs := taskCosts(batch)
 		ofEF = append(ofEF, span/earliestFinish(costs, speeds, unit).Seconds())
 		ofBound = append(ofBound, span/(batchBound(jobs, speeds)*unit.Seconds()))
 
 		stream := makeJobs(mixes[o.mix], max(n, minOpenJobs), seed)
 		arrivals := poissonArrivals(len(stream), arrivalRate(mixes[o.mix], speeds, o.unitMs, o.util), seed)
 		open := schedTasks(stream, arrivals)
-		newSchedSim(speeds, newStrategy(), order, unit, len(open)).run(open)
+		newSchedSim(speeds, simConfig{newStrategy(), order, unit, defaultHedgeAfter, ""}, len(open)).run(open)
 		w := summarize(waits(open))
 		means, p99s = append(means, w.mean), append(p99s, w.p99)
 	}
@@ -127,6 +125,19 @@ func schedStrategy(s strategy) (func() scheduler.Strategy, scheduler.QueueOrder,
 		return nil, nil, fmt.Errorf("no queue_order %q", s.order)
 	}
 	return newStrategy, order, nil
+}
+
+// defaultHedgeAfter is the router's hedge_after: its stall_factor's
+// default (reference.md).
+const defaultHedgeAfter = 5
+
+// taskCosts is the costs of tasks.
+func taskCosts(tasks []*schedTask) []float64 {
+	costs := make([]float64, len(tasks))
+	for i, t := range tasks {
+		costs[i] = t.cost
+	}
+	return costs
 }
 
 // median is the middle value of xs (the lower of the two middle ones).
