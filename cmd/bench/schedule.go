@@ -12,6 +12,7 @@ import (
 
 	"github.com/miles-rollout/miles-diffusion-router/internal/attempt"
 	"github.com/miles-rollout/miles-diffusion-router/internal/clock"
+	"github.com/miles-rollout/miles-diffusion-router/internal/jobkinds"
 	"github.com/miles-rollout/miles-diffusion-router/internal/request"
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
@@ -55,7 +56,7 @@ type schedTask struct {
 // of its jobs, and the workers they run on.
 type schedSim struct {
 	conductor
-	pool    *scheduler.Pool
+	pool    simPool
 	runner  attempt.Runner
 	cfg     *scheduler.Config
 	unit    time.Duration // a cost unit's time at speed 1
@@ -64,6 +65,18 @@ type schedSim struct {
 	byURL   map[string]int
 	route   request.Route
 	tasks   map[*scheduler.Ticket]*simGoroutine // the goroutine of each attempt's ticket: the job's, or a copy's
+}
+
+// simPool is the view of the pool a simulation drives: what its jobs'
+// arrivals and attempts use, and its figures.
+type simPool interface {
+	attempt.Pool
+	jobkinds.Pool
+	NewTicket(cfg *scheduler.Config) *scheduler.Ticket
+	Admit(t *scheduler.Ticket, given func()) error
+	Declare(urls []string)
+	Stats() scheduler.Stats
+	Close() error
 }
 
 // simConfig is how a simulated run's router is set up.

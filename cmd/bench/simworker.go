@@ -170,14 +170,14 @@ func (s *schedSim) end(w int) {
 // jobPool is the pool as one job's attempts use it: the pool itself, but
 // that the conductor hears of its copies.
 type jobPool struct {
-	*scheduler.Pool
+	simPool
 	s    *schedSim
 	task *schedTask
 }
 
 // HedgeCopy is the pool's; a copy it gives starts a goroutine of attempt's.
 func (p jobPool) HedgeCopy(t *scheduler.Ticket) *scheduler.Ticket {
-	c := p.Pool.HedgeCopy(t)
+	c := p.simPool.HedgeCopy(t)
 	if c != nil {
 		p.s.tasks[c] = p.s.start(p.task)
 		p.task.live++
@@ -189,7 +189,7 @@ func (p jobPool) HedgeCopy(t *scheduler.Ticket) *scheduler.Ticket {
 
 // EndHedge is the pool's, and the last a copy's goroutine does.
 func (p jobPool) EndHedge() {
-	p.Pool.EndHedge()
+	p.simPool.EndHedge()
 	p.s.copyEnded(p.task)
 }
 
