@@ -96,13 +96,12 @@
 //	          held answers, hedged copies, stall watches, re-runs) on a
 //	          virtual clock, with no HTTP and no sleeping, for each fleet
 //	          size of --fleets (workers of --speeds repeated; default 1,2):
-//	          a batch of
-//	          --per-worker jobs per worker sent at once, its makespan ÷ the
-//	          earliest-finish schedule's (longest job first, each on the
-//	          worker that ends it first, true times known) and ÷ the lower
-//	          bound; then as many jobs (at least 16,384) in an open loop at
-//	          --util, the mean and p99 wait (arrival to its worker beginning
-//	          it) ÷ least_work/fifo's. The median over seeds 1-5, for each
+//	          a batch of --per-worker jobs per worker sent at once, its
+//	          makespan ÷ the earliest-finish schedule's (longest job first,
+//	          each on the worker that ends it first, true times known) and
+//	          ÷ the lower bound; then as many jobs (at least --open-jobs,
+//	          default 16,384) in an open loop at --util, the mean and p99
+//	          wait (arrival to its worker beginning it) ÷ least_work/fifo's. The median over seeds 1-5, for each
 //	          diffusion_router strategy of --strategies (default
 //	          least_work/fifo, least_work/largest_first and least_work, the
 //	          router's default order); not part of all. With --hang
@@ -273,6 +272,7 @@ type options struct {
 	fleets      []int         // schedule: fleet sizes
 	perWorker   int           // schedule: jobs per worker
 	hang        string        // schedule: how hung workers answer; "": none hangs
+	openJobs    int           // schedule: the fewest jobs of an open loop
 }
 
 func main() {
@@ -327,6 +327,7 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.runs, "runs", 1, "refit and cluster modes: runs of each policy or strategy, alternating")
 	fleets := fs.String("fleets", "", "schedule and cluster modes: fleet sizes, each of --speeds repeated (default 4,32,128,1024; cluster 4,32,128)")
 	fs.IntVar(&o.perWorker, "per-worker", 64, "schedule and cluster modes: jobs per worker in a batch (and in the schedule mode's open loop)")
+	fs.IntVar(&o.openJobs, "open-jobs", 16384, "schedule mode: the fewest jobs of an open loop (on a small fleet, 64 per worker leave its p99 wait to three jobs)")
 	fs.StringVar(&o.hang, "hang", "", "schedule mode: worker 0 of every 64 hangs after its first job, its /health answering: silent (answers no more) or stall (each answer stops halfway); the batch alone then runs, with hedge_after off and at its default")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -403,8 +404,8 @@ func (o options) check() error {
 		return fmt.Errorf("--router: the %s mode starts its own workers and routers", o.mode)
 	case o.mode == "refit" && o.router != "":
 		return errors.New("--router: the refit mode starts its own workers, whose weights it transfers")
-	case o.perWorker < 1:
-		return errors.New("--per-worker must be positive")
+	case o.perWorker < 1, o.openJobs < 1:
+		return errors.New("--per-worker and --open-jobs must be positive")
 	case o.hang != "" && hangDescriptions[o.hang] == "":
 		return fmt.Errorf("--hang %q: want silent or stall", o.hang)
 	case o.refitGroup < 1, o.refitAfter < 0, o.transfer < 0, o.runs < 1:

@@ -144,7 +144,7 @@ func sortedByStart(tasks []*schedTask) []*schedTask {
 // A schedule run reports every fleet and strategy asked for, and says why
 // a strategy it cannot run did not run.
 func TestScheduleMode(t *testing.T) {
-	o, err := parseFlags([]string{"--mode", "schedule", "--fleets", "2,4", "--per-worker", "8", "--strategies", "least_work/fifo,least_work,caddy/least_conn"})
+	o, err := parseFlags([]string{"--mode", "schedule", "--fleets", "2,4", "--per-worker", "8", "--open-jobs", "64", "--strategies", "least_work/fifo,least_work,caddy/least_conn"})
 	if err != nil {
 		t.Fatal(err)
 	}
