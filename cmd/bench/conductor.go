@@ -20,7 +20,7 @@ import (
 //   - in its worker's Next (simworker.go), until its worker answers or
 //     its attempt's context ends: the worker's answer is a timer of the
 //     clock; a context that ends (a copy answered first, a stall watch
-//     fired) is found by a look, after each turn and step, at the
+//     fired) is found by a look, whenever no goroutine is ready, at the
 //     attempts of the jobs whose contexts may end (watched);
 //   - in the pool's queue, for its first worker (Admit, whose callback
 //     readies it) or a re-run's (poolWait);
