@@ -61,8 +61,13 @@ func TestScheduleRunsThePool(t *testing.T) {
 // hungRun runs 32 jobs on 4 workers, of which worker 0 hangs as hang
 // says after its first job, with hedge_after after.
 func hungRun(hang string, after float64) ([]*schedTask, *schedSim) {
-	tasks := schedTasks(makeJobs(mixes["heavy"], 32, 1), nil)
-	s := newSchedSim([]float64{1, 2, 1, 2}, simConfig{scheduler.LeastWork{}, scheduler.Adaptive{}, 10 * time.Millisecond, after, hang}, len(tasks))
+	return hungRunOf(32, 10*time.Millisecond, hang, after)
+}
+
+// hungRunOf is hungRun with n jobs and a cost unit of unit.
+func hungRunOf(n int, unit time.Duration, hang string, after float64) ([]*schedTask, *schedSim) {
+	tasks := schedTasks(makeJobs(mixes["heavy"], n, 1), nil)
+	s := newSchedSim([]float64{1, 2, 1, 2}, simConfig{scheduler.LeastWork{}, scheduler.Adaptive{}, unit, after, hang}, len(tasks))
 	s.run(tasks)
 	return tasks, s
 }
@@ -120,6 +125,25 @@ func TestAStalledAnswerRunsAgainElsewhere(t *testing.T) {
 		t.Fatalf("the last answer came at %s, before a stall could be noticed (%s)", last, simStallTimeout)
 	}
 	again, _ := hungRun(hangStall, 0)
+	if !slices.Equal(outcomes(tasks), outcomes(again)) {
+		t.Fatalf("the same run gave\n%q\nthen\n%q", outcomes(tasks), outcomes(again))
+	}
+}
+
+// With answers that stall and hedges on, and jobs long beside the stall
+// timeout, jobs run again after a stall wait in the pool's queue for
+// their next worker, and attempts that stalled wait for copies of their
+// job still running (attempt.Runner.AwaitCopies): waits the conductor
+// sees only through the pool's clock and that hook. Every job is answered,
+// the same way every time.
+func TestEveryWaitOfTheAttemptsEnds(t *testing.T) {
+	tasks, sim := hungRunOf(64, 500*time.Millisecond, hangStall, defaultHedgeAfter)
+	stalls, copies := count(sim.runner.Metrics.Reruns, "stalled"), count(sim.runner.Metrics.Hedges, "launched")
+	if countAnswered(tasks) != len(tasks) || stalls < 1 || copies < 1 {
+		t.Fatalf("%d of %d jobs answered, %g run again after a stall, %g copies; want all, and some of each: %q",
+			countAnswered(tasks), len(tasks), stalls, copies, outcomes(tasks))
+	}
+	again, _ := hungRunOf(64, 500*time.Millisecond, hangStall, defaultHedgeAfter)
 	if !slices.Equal(outcomes(tasks), outcomes(again)) {
 		t.Fatalf("the same run gave\n%q\nthen\n%q", outcomes(tasks), outcomes(again))
 	}
