@@ -92,18 +92,25 @@
 //	          /workers every 10 ms) and the answers by X-Weight-Version,
 //	          median and range over the runs (see refit.go); not part of all.
 //	schedule  the router's scheduler alone (its pool: queue, dispatch,
-//	          speeds learned from nothing, timers) on a virtual clock, with
-//	          no HTTP and no sleeping, for each fleet size of --fleets
-//	          (workers of --speeds repeated; default 1,2): a batch of
-//	          --per-worker jobs per worker sent at once, its makespan ÷ the
-//	          earliest-finish schedule's (longest job first, each on the
-//	          worker that ends it first, true times known) and ÷ the lower
-//	          bound; then as many jobs (at least 16,384) in an open loop at
-//	          --util, the mean and p99 wait (arrival to its worker beginning
-//	          it) ÷ least_work/fifo's. The median over seeds 1-5, for each
+//	          speeds learned from nothing, timers; and each job's attempts:
+//	          held answers, hedged copies, stall watches, re-runs) on a
+//	          virtual clock, with no HTTP and no sleeping, for each fleet
+//	          size of --fleets (workers of --speeds repeated; default 1,2):
+//	          a batch of --per-worker jobs per worker sent at once, its
+//	          makespan ÷ the earliest-finish schedule's (longest job first,
+//	          each on the worker that ends it first, true times known) and
+//	          ÷ the lower bound; then as many jobs (at least --open-jobs,
+//	          default 16,384) in an open loop at --util, the mean and p99
+//	          wait (arrival to its worker beginning it) ÷ least_work/fifo's. The median over seeds 1-5, for each
 //	          diffusion_router strategy of --strategies (default
 //	          least_work/fifo, least_work/largest_first and least_work, the
-//	          router's default order); not part of all.
+//	          router's default order); not part of all. With --hang
+//	          silent|stall, worker 0 of every 64 hangs after its first job
+//	          (its /health answering): it answers no more, or each answer
+//	          stops halfway; then only the batch runs, with hedge_after off
+//	          and at its default, and the report says how many jobs were
+//	          never answered, how many copies ran and won, and how many
+//	          jobs ran again after a stall.
 //	cluster   the schedule mode's batch through the whole router: Caddy
 //	          (./cmd/caddy, or --caddy) and --speeds-repeated fake workers
 //	          (./cmd/fakeworker) as processes of their own on 127.0.0.1,
@@ -193,6 +200,7 @@
 //	go run ./cmd/bench --mode adapters --adapter-jobs 15 --lora-switch 5s --job-time 1s
 //	go run ./cmd/bench --mode failover --kills 10 --clients 6 --speeds 1,1,1
 //	go run ./cmd/bench --mode schedule --fleets 4,32,128,1024
+//	go run ./cmd/bench --mode schedule --fleets 4,32,128 --strategies least_work --hang silent
 //	go run ./cmd/bench --mode cluster --fleets 4,32,128 --runs 3
 //	go run ./cmd/bench --mode refit --mix uniform --n 320 --unit-ms 3 --transfer 300ms --refit-after 300ms --runs 3
 //
@@ -263,6 +271,8 @@ type options struct {
 	runs        int           // refit: runs of each policy
 	fleets      []int         // schedule: fleet sizes
 	perWorker   int           // schedule: jobs per worker
+	hang        string        // schedule: how hung workers answer; "": none hangs
+	openJobs    int           // schedule: the fewest jobs of an open loop
 }
 
 func main() {
@@ -317,6 +327,8 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.runs, "runs", 1, "refit and cluster modes: runs of each policy or strategy, alternating")
 	fleets := fs.String("fleets", "", "schedule and cluster modes: fleet sizes, each of --speeds repeated (default 4,32,128,1024; cluster 4,32,128)")
 	fs.IntVar(&o.perWorker, "per-worker", 64, "schedule and cluster modes: jobs per worker in a batch (and in the schedule mode's open loop)")
+	fs.IntVar(&o.openJobs, "open-jobs", 16384, "schedule mode: the fewest jobs of an open loop (on a small fleet, 64 per worker leave its p99 wait to three jobs)")
+	fs.StringVar(&o.hang, "hang", "", "schedule mode: worker 0 of every 64 hangs after its first job, its /health answering: silent (answers no more) or stall (each answer stops halfway); the batch alone then runs, with hedge_after off and at its default")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -392,8 +404,10 @@ func (o options) check() error {
 		return fmt.Errorf("--router: the %s mode starts its own workers and routers", o.mode)
 	case o.mode == "refit" && o.router != "":
 		return errors.New("--router: the refit mode starts its own workers, whose weights it transfers")
-	case o.perWorker < 1:
-		return errors.New("--per-worker must be positive")
+	case o.perWorker < 1, o.openJobs < 1:
+		return errors.New("--per-worker and --open-jobs must be positive")
+	case o.hang != "" && hangDescriptions[o.hang] == "":
+		return fmt.Errorf("--hang %q: want silent or stall", o.hang)
 	case o.refitGroup < 1, o.refitAfter < 0, o.transfer < 0, o.runs < 1:
 		return errors.New("--refit-group and --runs must be positive, --refit-after and --transfer not negative")
 	case o.kills < 1, o.leaseTTL < time.Second, o.leaseTTL%time.Second != 0:
@@ -451,7 +465,11 @@ func run(ctx context.Context, o options, out io.Writer) error {
 	printHeader(out, o)
 	switch o.mode {
 	case "schedule":
-		benchSchedule(o, out)
+		if o.hang != "" {
+			benchScheduleHang(o, out)
+		} else {
+			benchSchedule(o, out)
+		}
 		return nil
 	case "cluster":
 		return benchCluster(ctx, o, out)

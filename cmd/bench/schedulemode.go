@@ -10,10 +10,6 @@ import (
 	"github.com/miles-rollout/miles-diffusion-router/internal/scheduler"
 )
 
-// minOpenJobs is the fewest jobs of an open loop: on a small fleet, 64
-// per worker leave the 99th percentile of the waits to three jobs.
-const minOpenJobs = 16384
-
 // schedSeeds are the seeds of the schedule mode's runs; it reports the
 // median over them.
 var schedSeeds = []uint64{1, 2, 3, 4, 5}
@@ -38,7 +34,7 @@ func benchSchedule(o options, out io.Writer) {
 	fmt.Fprintf(out, "jobs: %s; %d per worker; worker speeds %s repeated; speeds learned from nothing; unit %gms\n",
 		describeMix(mixes[o.mix]), o.perWorker, fmtSpeeds(o.speeds), o.unitMs)
 	fmt.Fprintf(out, "batch: every job at once; ÷EF = makespan ÷ the earliest-finish schedule's (longest first, each on the worker that ends it first, true times known); ÷bound = ÷ max(longest job on the fastest worker, total cost ÷ total speed)\n")
-	fmt.Fprintf(out, "open: as many jobs (at least %d), Poisson arrivals at util %.2f; wait = arrival → its worker begins it; ÷fifo against least_work/fifo's\n\n", minOpenJobs, o.util)
+	fmt.Fprintf(out, "open: as many jobs (at least %d), Poisson arrivals at util %.2f; wait = arrival → its worker begins it; ÷fifo against least_work/fifo's\n\n", o.openJobs, o.util)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "workers\tjobs\tstrategy\tbatch ÷EF\t(range)\t÷bound\topen mean wait\tp99 wait\tmean÷fifo\tp99÷fifo\tCPU\t")
 	notes := make(map[string]string)
@@ -86,19 +82,17 @@ func runSchedule(o options, s strategy, speeds []float64) schedOutcome {
 	for _, seed := range schedSeeds {
 		jobs := makeJobs(mixes[o.mix], n, seed)
 		batch := schedTasks(jobs, nil)
-		newSchedSim(speeds, newStrategy(), order, unit, n).run(batch)
-		costs := make([]float64, n)
-		for i, t := range batch {
-			costs[i] = t.cost
-		}
-		span := makespan(batch).Seconds()
+		newSchedSim(speeds, simConfig{newStrategy(), order, unit, defaultHedgeAfter, ""}, n).run(batch)
+		last, _ := makespan(batch)
+		span := last.Seconds()
+		costs := taskCosts(batch)
 		ofEF = append(ofEF, span/earliestFinish(costs, speeds, unit).Seconds())
 		ofBound = append(ofBound, span/(batchBound(jobs, speeds)*unit.Seconds()))
 
-		stream := makeJobs(mixes[o.mix], max(n, minOpenJobs), seed)
+		stream := makeJobs(mixes[o.mix], max(n, o.openJobs), seed)
 		arrivals := poissonArrivals(len(stream), arrivalRate(mixes[o.mix], speeds, o.unitMs, o.util), seed)
 		open := schedTasks(stream, arrivals)
-		newSchedSim(speeds, newStrategy(), order, unit, len(open)).run(open)
+		newSchedSim(speeds, simConfig{newStrategy(), order, unit, defaultHedgeAfter, ""}, len(open)).run(open)
 		w := summarize(waits(open))
 		means, p99s = append(means, w.mean), append(p99s, w.p99)
 	}
@@ -127,6 +121,19 @@ func schedStrategy(s strategy) (func() scheduler.Strategy, scheduler.QueueOrder,
 		return nil, nil, fmt.Errorf("no queue_order %q", s.order)
 	}
 	return newStrategy, order, nil
+}
+
+// defaultHedgeAfter is the router's hedge_after: its stall_factor's
+// default (reference.md).
+const defaultHedgeAfter = 5
+
+// taskCosts is the costs of tasks.
+func taskCosts(tasks []*schedTask) []float64 {
+	costs := make([]float64, len(tasks))
+	for i, t := range tasks {
+		costs[i] = t.cost
+	}
+	return costs
 }
 
 // median is the middle value of xs (the lower of the two middle ones).

@@ -137,6 +137,14 @@ type Runner struct {
 	// Clock runs the timers of hedges and stall watches; nil: the wall
 	// clock.
 	Clock clock.Clock
+	// AwaitCopies, when set, is told as a job's goroutine, its attempt
+	// over, begins to wait for copies of t's job that still run, and the
+	// function it returns is called once they all ended, before the
+	// goroutine goes on. The scheduler's simulation (cmd/bench --mode
+	// schedule) moves its virtual clock only while every goroutine of its
+	// jobs waits on something it controls, and this wait, on the copies'
+	// goroutines, is the one it cannot otherwise see.
+	AwaitCopies func(t *scheduler.Ticket) (over func())
 }
 
 // ErrUpstreamTimeout ends an attempt that outlived the Runner's

@@ -128,6 +128,9 @@ func (rc *race) finish(rec *Recorder, t *scheduler.Ticket) int {
 		rc.run.Pool.Release(t, rec.slot.end)
 		rec.slot.kept = false // free now; a re-run that follows gets a worker of its own
 	}
+	if rc.running > 0 && rc.run.AwaitCopies != nil {
+		defer rc.run.AwaitCopies(t)()
+	}
 	for rc.running > 0 {
 		rc.copyOver.Wait()
 	}
