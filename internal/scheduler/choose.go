@@ -87,19 +87,23 @@ const (
 // under a limit of jobs per worker (0: none); only jobs take slots. A
 // worker whose jobs are overdue by more than the window may be stalled: it
 // is given one job beyond the limit at most.
+//
+// A full worker's load is read first: a scan of a busy fleet then reads
+// of most workers that alone.
 func fits(job bool, limit int, w *worker, now int64) bool {
-	if w.health.probation && job {
-		return w.load.inflight == 0
-	}
-	if !job || limit == 0 || w.load.inflight < limit {
+	if !job {
 		return true
+	}
+	n := w.load.inflight
+	if limit == 0 || n < limit {
+		return n == 0 || !w.health.probation
 	}
 	left := w.load.endsAt - now
 	switch {
 	case left < -int64(prefetchWindow):
-		return w.load.inflight == limit
+		return n == limit && !w.health.probation
 	case left < int64(prefetchWindow):
-		return w.load.inflight < limit+maxPrefetch
+		return n < limit+maxPrefetch && !w.health.probation
 	}
 	return false
 }
