@@ -38,7 +38,30 @@ type SpeedEstimate struct {
 	errSeen bool
 	n       int // samples taken, up to SpeedWindow
 	next    int
-	samples *[SpeedWindow]float64 // apart, to keep a worker's hot fields small
+	samples *speedSamples // apart, to keep a worker's hot fields small
+}
+
+// speedSamples are a worker's last SpeedWindow samples, in the order they
+// came and in order of size, so that a job's end finds their median
+// without sorting them.
+type speedSamples struct {
+	byArrival [SpeedWindow]float64
+	bySize    [SpeedWindow]float64 // the first n of them, ascending
+}
+
+// replace puts sample in the place of old among the first n by size
+// (n+1 of them after, when old is not among them: the window was not
+// full).
+func (ss *speedSamples) replace(old, sample float64, n int, full bool) {
+	sized := ss.bySize[:n]
+	if full {
+		i, _ := slices.BinarySearch(sized, old)
+		sized = slices.Delete(sized, i, i+1)
+	}
+	i, _ := slices.BinarySearch(sized, sample)
+	sized = append(sized, 0) // within bySize
+	copy(sized[i+1:], sized[i:])
+	sized[i] = sample
 }
 
 // Observe learns from a job of cost that ran for elapsed, having been
@@ -56,15 +79,15 @@ func (s *SpeedEstimate) Observe(cost float64, elapsed, predicted time.Duration) 
 		sample = max(sample, cost/predicted.Seconds()/SpeedStep)
 	}
 	if s.samples == nil {
-		s.samples = new([SpeedWindow]float64)
+		s.samples = new(speedSamples)
 	}
-	s.samples[s.next] = min(max(sample, minSpeed), maxSpeed)
+	sample = min(max(sample, minSpeed), maxSpeed)
+	full := s.n == SpeedWindow
+	s.samples.replace(s.samples.byArrival[s.next], sample, s.n, full)
+	s.samples.byArrival[s.next] = sample
 	s.next = (s.next + 1) % SpeedWindow
 	s.n = min(s.n+1, SpeedWindow)
-	var sorted [SpeedWindow]float64
-	copy(sorted[:], s.samples[:s.n])
-	slices.Sort(sorted[:s.n])
-	median := sorted[s.n/2]
+	median := s.samples.bySize[s.n/2]
 	if s.value > 0 {
 		median = min(max(median, s.value/SpeedStep), s.value*SpeedStep)
 	}

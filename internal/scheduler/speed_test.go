@@ -2,6 +2,8 @@ package scheduler
 
 import (
 	"math"
+	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 )
@@ -93,5 +95,32 @@ func TestSpeedStillLearnsRealChanges(t *testing.T) {
 		if i == SpeedWindow-1 && s.Value() != 10 {
 			t.Fatalf("after %d jobs at 10 units/s the speed is %v", SpeedWindow, s.Value())
 		}
+	}
+}
+
+// The speed is the median of the last SpeedWindow samples, moved at most
+// SpeedStep a job, however the samples come and go.
+func TestSpeedIsTheMedianOfTheLastSamples(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	var s SpeedEstimate
+	var last []float64
+	var before float64
+	for i := range 500 {
+		speed := []float64{1, 2, 3, 2, 2}[rng.IntN(5)] * (1 + rng.Float64()/10)
+		took := time.Duration(10 / speed * float64(time.Second))
+		s.Observe(10, took, 0)
+		last = append(last, 10/took.Seconds())
+		if len(last) > SpeedWindow {
+			last = last[1:]
+		}
+		sorted := slices.Sorted(slices.Values(last))
+		want := sorted[len(sorted)/2]
+		if i > 0 {
+			want = min(max(want, before/SpeedStep), before*SpeedStep)
+		}
+		if math.Abs(s.value-want) > 1e-9*want {
+			t.Fatalf("after %d samples the speed is %v; want %v", i+1, s.value, want)
+		}
+		before = s.value
 	}
 }
