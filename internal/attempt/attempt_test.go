@@ -9,7 +9,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -67,15 +66,8 @@ func TestAStalledAnswerRunsAgainElsewhere(t *testing.T) {
 	wrote := make(chan struct{})
 	f.serve(first, stalls(wrote))
 	f.serve(f.other(first), answers(http.StatusOK, imageAnswer))
-	go func() {
-		<-wrote
-		f.clock.Advance(f.run.StallTimeout)
-	}()
 
-	if err := f.runJob(j); err != nil {
-		t.Fatal(err)
-	}
-	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	f.runPastStall(j, wrote)
 	expectCount(t, f.run.Metrics.Reruns, "stalled", 1)
 	f.expectIdle()
 }
@@ -89,28 +81,10 @@ func TestAJobNeverReturnsToAWorkerThatStalledOnIt(t *testing.T) {
 	stalled := j.t.ServedBy()
 	other := f.other(stalled)
 	wrote := make(chan struct{})
-	var toStalled, toOther atomic.Int32
-	f.serve(stalled, func(w http.ResponseWriter, r *http.Request) error {
-		if toStalled.Add(1) == 1 {
-			return stalls(wrote)(w, r)
-		}
-		return answers(http.StatusOK, imageAnswer)(w, r)
-	})
-	f.serve(other, func(w http.ResponseWriter, r *http.Request) error {
-		if toOther.Add(1) == 1 {
-			return answers(http.StatusInternalServerError, `{"error":"CUDA error"}`)(w, r)
-		}
-		return answers(http.StatusOK, imageAnswer)(w, r)
-	})
-	go func() {
-		<-wrote
-		f.clock.Advance(f.run.StallTimeout)
-	}()
+	f.serve(stalled, firstThen(stalls(wrote), answers(http.StatusOK, imageAnswer)))
+	f.serve(other, firstThen(answers(http.StatusInternalServerError, `{"error":"CUDA error"}`), answers(http.StatusOK, imageAnswer)))
 
-	if err := f.runJob(j); err != nil {
-		t.Fatal(err)
-	}
-	expectAnswer(t, j, http.StatusOK, imageAnswer)
+	f.runPastStall(j, wrote)
 	if got := j.t.ServedBy(); got != other {
 		t.Errorf("the job's last attempt ran on %s; want %s, not the worker that stalled on it", got, other)
 	}

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -245,6 +246,32 @@ func stalls(wrote chan struct{}) worker {
 		<-r.Context().Done()
 		return r.Context().Err()
 	}
+}
+
+// firstThen is a worker that answers its first attempt as first does and
+// every later one as then does.
+func firstThen(first, then worker) worker {
+	var n atomic.Int32
+	return func(w http.ResponseWriter, r *http.Request) error {
+		if n.Add(1) == 1 {
+			return first(w, r)
+		}
+		return then(w, r)
+	}
+}
+
+// runPastStall runs j, moving the clock past the stall bound once wrote
+// is closed, and expects its client to get imageAnswer.
+func (f *testFleet) runPastStall(j *job, wrote chan struct{}) {
+	f.t.Helper()
+	go func() {
+		<-wrote
+		f.clock.Advance(f.run.StallTimeout)
+	}()
+	if err := f.runJob(j); err != nil {
+		f.t.Fatal(err)
+	}
+	expectAnswer(f.t, j, http.StatusOK, imageAnswer)
 }
 
 const imageAnswer = `{"created":1,"data":[{"b64_json":"aW1hZ2U="}]}`
