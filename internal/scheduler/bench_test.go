@@ -421,3 +421,33 @@ func BenchmarkWaitingJobMemory(b *testing.B) {
 		b.StartTimer()
 	}
 }
+
+// BenchmarkClusterPassedOver is a dispatch pass of clusterQueue's queue
+// when every waiting job has been passed over for priority_max_wait by
+// one of a higher priority, and the one free worker can run none of them
+// (it holds an adapter no job wants): the pass asks about each class of
+// them once, not about each job.
+func BenchmarkClusterPassedOver(b *testing.B) {
+	c := clusterQueue(b, clusterWaiting, false)
+	p := c.p
+	p.mu.Lock()
+	w := p.workers[0]
+	w.adapter.holds = &p.placement.stray
+	p.freeLocked(w.load.jobs[0], End{Worker: Succeeded})
+	c.cfg.MaxPassedOver = time.Minute
+	p.clock.(*fakeClock).advance(2 * time.Minute)
+	p.dispatchLocked() // each worker, overdue now, takes its one job beyond the limit
+	p.mu.Unlock()
+	urgent := c.job(b, 0)
+	urgent.Priority = 1
+	c.admit(b, urgent)
+	waiting := queued(p)
+	for b.Loop() {
+		p.mu.Lock()
+		p.dispatchLocked()
+		p.mu.Unlock()
+	}
+	if urgent.worker != nil || queued(p) != waiting {
+		b.Fatalf("%d waiting, the urgent job on %v; want every job still waiting (%d)", queued(p), urgent.worker, waiting)
+	}
+}

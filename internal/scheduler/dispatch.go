@@ -344,8 +344,10 @@ func (p *Pool) jobMovedLocked(freed *worker) {
 	}
 }
 
-// dispatchJobsLocked is dispatchLocked without placement.
+// dispatchJobsLocked is dispatchLocked without placement: one pass, of
+// the jobs passed over for too long, then of the queue.
 func (p *Pool) dispatchJobsLocked() {
+	p.queue.pass++
 	p.dispatchPassedOverLocked()
 	p.dispatchQueueLocked()
 }
@@ -353,7 +355,6 @@ func (p *Pool) dispatchJobsLocked() {
 // dispatchQueueLocked hands free slots to waiting jobs, one at a time,
 // each to the job nextLocked picks.
 func (p *Pool) dispatchQueueLocked() {
-	p.queue.pass++
 	for {
 		wt, w := p.nextLocked()
 		if w == nil {

@@ -29,14 +29,18 @@ func (p *Pool) dispatchPassedOverLocked() {
 		if p.queue.n == 0 || !waitedTooLong(wt, now) {
 			return // the ones after it came later
 		}
-		if wt.gone || wt.t.Priority >= p.queue.top() {
+		if wt.gone || wt.t.Priority >= p.queue.top() || wt.line.class.blocked == p.queue.pass {
 			continue
 		}
 		w, anyFree := p.chooseLocked(wt.t)
-		if !anyFree {
+		switch {
+		case !anyFree:
 			return
-		}
-		if w != nil {
+		case w == nil:
+			// The rest of its class breaks the same constraints: the pass
+			// asks about none of them again, here or in the queue's turn.
+			wt.line.class.blocked = p.queue.pass
+		default:
 			p.dequeueLocked(wt)
 			p.handOutLocked(wt, w)
 		}
