@@ -25,6 +25,7 @@ func (p *Pool) dispatchPassedOverLocked() {
 		return // every waiting job is of the head's priority: none is passed over
 	}
 	now := p.now().UnixNano()
+	blocked := 0 // classes found blocked in this pass
 	for _, wt := range p.arrivals {
 		if p.queue.n == 0 || !waitedTooLong(wt, now) {
 			return // the ones after it came later
@@ -40,6 +41,9 @@ func (p *Pool) dispatchPassedOverLocked() {
 			// The rest of its class breaks the same constraints: the pass
 			// asks about none of them again, here or in the queue's turn.
 			wt.line.class.blocked = p.queue.pass
+			if blocked++; blocked == len(p.queue.all) {
+				return // no waiting job may have a free worker
+			}
 		default:
 			p.dequeueLocked(wt)
 			p.handOutLocked(wt, w)
