@@ -177,7 +177,6 @@ func (p *Pool) placeLocked() {
 	now := p.now().UnixNano()
 	pl.moved, pl.shape = 0, p.queue.shape
 	p.tallyLocked(now)
-	p.gatherDonorsLocked(now)
 	for p.switchOneLocked(now) {
 	}
 	for _, w := range p.workers {
@@ -232,12 +231,13 @@ func (p *Pool) unservableLocked(t *Ticket, now int64) error {
 }
 
 // tallyLocked counts, for each policy, the jobs waiting for it and its
-// holders.
+// holders, and files the workers that may leave what they serve (see
+// fileDonorLocked): one read of each worker for both.
 func (p *Pool) tallyLocked(now int64) {
 	pl := &p.placement
-	pl.base.tally, pl.stray.tally = policyTally{}, policyTally{}
-	for _, pol := range pl.order {
-		pol.tally = policyTally{}
+	pl.adrift = pl.adrift[:0]
+	for pol := range pl.each() {
+		pol.tally, pol.donors = policyTally{}, pol.donors[:0]
 	}
 	for _, c := range p.queue.all {
 		pol := c.key.policy
@@ -256,11 +256,12 @@ func (p *Pool) tallyLocked(now int64) {
 			tl.tasks = append(tl.tasks, c.key.task)
 		}
 	}
-	for _, w := range p.workers {
-		if pol := p.placedOnLocked(w, now); pol != nil {
-			speed := p.speedOfLocked(w)
-			pol.tally.join(speed, p.workLeftLocked(w, now)+p.switchLeftLocked(w, now)*speed, !w.adapter.switching)
+	for i, w := range p.workers {
+		pol, speed, work := p.placedOnLocked(w, now), p.speedOfLocked(w), p.workLeftLocked(w, now)
+		if pol != nil {
+			pol.tally.join(speed, work+p.switchLeftLocked(w, now)*speed, !w.adapter.switching)
 		}
+		p.fileDonorLocked(donor{w: w, at: i, speed: speed, work: work, cost: p.switchCostLocked(w)}, pol, now)
 	}
 }
 
@@ -326,29 +327,22 @@ func (d *donor) leaves(from *policy) (float64, int) {
 	return rest.wait(), rest.holders
 }
 
-// gatherDonorsLocked files the workers that may leave what they serve for
-// a pass's switches, each under the policy it serves (placement.adrift:
-// none). One may while it serves, its adapter known, with no call under
-// way, not out, within its switch budget and, while jobs wait for what it
-// holds, once it has served as long as its switch took.
-func (p *Pool) gatherDonorsLocked(now int64) {
-	pl := &p.placement
-	pl.adrift = pl.adrift[:0]
-	for pol := range pl.each() {
-		pol.donors = pol.donors[:0]
+// fileDonorLocked files d's worker, which serves from (nil: none), for
+// a pass's switches if it may leave what it serves: under from
+// (placement.adrift: none). It may while it serves, its adapter known,
+// with no call under way, not out, within its switch budget and, while
+// jobs wait for what it holds, once it has served as long as its switch
+// took. from's tally must count its waiting jobs already.
+func (p *Pool) fileDonorLocked(d donor, from *policy, now int64) {
+	w, wa := d.w, &d.w.adapter
+	if !w.serving(now) || wa.switching || wa.calling || !wa.known || wa.out(now) != "" || !p.switchBudgetLocked(w, now) {
+		return
 	}
-	for i, w := range p.workers {
-		wa := &w.adapter
-		if !w.serving(now) || wa.switching || wa.calling || !wa.known || wa.out(now) != "" || !p.switchBudgetLocked(w, now) {
-			continue
-		}
-		d := donor{w: w, at: i, speed: p.speedOfLocked(w), work: p.workLeftLocked(w, now), cost: p.switchCostLocked(w)}
-		switch from := p.placedOnLocked(w, now); {
-		case from == nil:
-			pl.adrift = append(pl.adrift, d)
-		case from.tally.waiting == 0 || float64(now-wa.since)/float64(time.Second) >= d.cost:
-			from.donors = append(from.donors, d)
-		}
+	switch {
+	case from == nil:
+		p.placement.adrift = append(p.placement.adrift, d)
+	case from.tally.waiting == 0 || float64(now-wa.since)/float64(time.Second) >= d.cost:
+		from.donors = append(from.donors, d)
 	}
 }
 
